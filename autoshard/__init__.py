@@ -1,0 +1,27 @@
+"""autoshard: Paddle-style auto-parallel for JAX.
+
+    import autoshard as dist
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+    w = dist.shard_tensor(w, mesh, [dist.Replicate(), dist.Shard(1)])
+"""
+from .cost_model import CostModel, default_cost_model, set_default_cost_model
+from .creation import dtensor_from_fn, dtensor_from_local, shard_tensor, unshard_dtensor
+from .display import placement_table
+from .dtensor import DistTensor
+from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshError,
+                     PlacementError, PlacementTypeError, ReshardError, ShardingError)
+from .layout import Layout
+from .mesh import ProcessMesh
+from .placement import Partial, Placement, ReduceType, Replicate, Shard, parse_placement
+from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
+    "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",
+    "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
+    "set_default_cost_model", "Layout", "placement_table",
+    "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
+    "ShardingError", "ReshardError", "LocalDataError",
+]

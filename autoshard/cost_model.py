@@ -1,0 +1,81 @@
+"""One alpha–beta cost model, shared by the reshard planner and (later) the compiler.
+
+A collective over mesh axes costs `latency + wire_bytes / bandwidth`, with the slowest of the
+axes involved; local work (slices, masks, padding) costs `bytes / local_bandwidth`, so that of
+two plans with equal traffic the one with less local copying wins; a cross-mesh transfer costs
+`latency + bytes / transfer_bandwidth`. Defaults are of the order of one accelerator node
+(NVLink-class links, HBM-class memory); override per mesh axis for slower (inter-node) axes:
+
+    dist.CostModel(bandwidth={"dp": 12.5e9}, latency={"dp": 2e-5})
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+DEFAULT_LATENCY_S = 5e-6          # alpha: fixed cost of launching one collective
+DEFAULT_BANDWIDTH = 50e9          # beta = 1 / this: bytes per second each device sends
+DEFAULT_LOCAL_BANDWIDTH = 500e9   # bytes per second of local memory traffic
+DEFAULT_TRANSFER_BANDWIDTH = 25e9  # bytes per second of a device-to-device copy across meshes
+
+
+def _frozen(mapping: Mapping[str, float] | Iterable[tuple[str, float]] | None) -> tuple:
+    if mapping is None:
+        return ()
+    items = mapping.items() if isinstance(mapping, Mapping) else mapping
+    return tuple(sorted((str(k), float(v)) for k, v in items))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Alpha–beta costs per mesh axis (seconds); hashable so plans can be cached on it."""
+
+    default_latency: float = DEFAULT_LATENCY_S
+    default_bandwidth: float = DEFAULT_BANDWIDTH
+    local_bandwidth: float = DEFAULT_LOCAL_BANDWIDTH
+    transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH
+    latency: tuple = field(default=())
+    bandwidth: tuple = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency", _frozen(self.latency))
+        object.__setattr__(self, "bandwidth", _frozen(self.bandwidth))
+
+    def axis_latency(self, axis: str) -> float:
+        return dict(self.latency).get(axis, self.default_latency)
+
+    def axis_bandwidth(self, axis: str) -> float:
+        return dict(self.bandwidth).get(axis, self.default_bandwidth)
+
+    def collective(self, axes: Iterable[str], wire_bytes: float) -> float:
+        """Seconds for one collective over `axes` in which each device sends `wire_bytes`."""
+        axes = tuple(axes)
+        latency = max(self.axis_latency(a) for a in axes)
+        bandwidth = min(self.axis_bandwidth(a) for a in axes)
+        return latency + wire_bytes / bandwidth
+
+    def local(self, touched_bytes: float) -> float:
+        return touched_bytes / self.local_bandwidth
+
+    def transfer(self, wire_bytes: float) -> float:
+        return (self.default_latency if wire_bytes else 0.0) + wire_bytes / self.transfer_bandwidth
+
+
+_default = CostModel()
+
+
+def default_cost_model() -> CostModel:
+    return _default
+
+
+def set_default_cost_model(model: CostModel) -> None:
+    """Replace the process-wide cost model (plans are cached per model, so no stale plans)."""
+    global _default
+    if not isinstance(model, CostModel):
+        from .errors import PlacementTypeError
+
+        raise PlacementTypeError(f"expected a dist.CostModel, got {type(model).__name__}")
+    _default = model
+
+
+__all__ = ["CostModel", "default_cost_model", "set_default_cost_model"]

@@ -1,0 +1,154 @@
+"""Making DistTensors: shard_tensor, dtensor_from_fn, dtensor_from_local, and back (unshard)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from .dtensor import DistTensor, make_dtensor
+from .errors import LocalDataError, PlacementTypeError, ReshardError
+from .layout import Layout, layout_from_placements
+from .mesh import ProcessMesh, as_process_mesh
+from .physical import physical_shape, physical_sharding
+from .placement import Placement, Replicate, Shard, normalize_placements
+
+
+def _describe(shape, dtype) -> str:
+    return f"the tensor {np.dtype(dtype).name}{list(shape)}"
+
+
+def _to_array(data: Any, dtype=None):
+    if isinstance(data, jax.Array):
+        return data if dtype is None else data.astype(dtype)
+    arr = np.asarray(data, dtype=dtype)
+    if arr.dtype == object:
+        raise PlacementTypeError(f"cannot make a tensor from {type(data).__name__} {data!r:.80}: "
+                                 f"pass a numpy array, a jax.Array, a number or a nested list")
+    # Python floats and ints become float32 / int32 unless jax_enable_x64 is on, as in jnp.
+    return arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
+
+
+def _add_partial(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> DistTensor:
+    """Turn the physical array of layout.without_partial() into that of `layout` (local steps)."""
+    base = make_dtensor(value, mesh, layout.without_partial(), shape)
+    if not layout.partial:
+        return base
+    from .reshard.api import plan_layouts
+    from .reshard.execute import execute
+    from .cost_model import default_cost_model
+
+    plan = plan_layouts(tuple(shape), np.dtype(value.dtype).name, mesh, base.layout, mesh, layout,
+                        default_cost_model())
+    return make_dtensor(execute(plan, value), mesh, layout, shape)
+
+
+def _reject_tracer(data: Any, verb: str) -> None:
+    if isinstance(data, jax.core.Tracer):
+        raise ReshardError(
+            f"dist.{verb} got a traced value: inside jax.jit it needs dist.jit to partition the "
+            f"function; outside a transformation pass a concrete array")
+
+
+def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | str], dtype=None,
+                 *, stop_gradient: bool | None = None, place: Any = None) -> DistTensor:
+    """Place `data` (numpy, jax.Array, scalar or list) on `mesh` as `placements` describe.
+
+    The logical value is `data` for every placement: a Partial placement stores it so that the
+    reduction over the mesh dim gives `data` back (sum: one device holds it, the rest zeros).
+    `stop_gradient` and `place` are accepted for Paddle compatibility and ignored.
+    """
+    mesh = as_process_mesh(mesh)
+    if isinstance(data, DistTensor):
+        from .reshard.api import reshard
+
+        out = reshard(data, mesh, placements)
+        return out if dtype is None else shard_tensor(np.asarray(out), mesh, placements, dtype)
+    _reject_tracer(data, "shard_tensor")
+    arr = _to_array(data, dtype)
+    shape = tuple(arr.shape)
+    layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, arr.dtype))
+    value = jax.device_put(arr, physical_sharding(layout.without_partial(), mesh))
+    return _add_partial(value, mesh, layout, shape)
+
+
+def dtensor_from_fn(fn: Callable[..., Any], mesh: ProcessMesh,
+                    placements: Sequence[Placement | str], *args, **kwargs) -> DistTensor:
+    """Call `fn(*args, **kwargs)` (e.g. jnp.ones, a random init) and place its result.
+
+    The call is compiled with the target sharding, so each device computes only its block and
+    the full tensor is never built on one device.
+    """
+    mesh = as_process_mesh(mesh)
+    thunk = lambda: fn(*args, **kwargs)  # noqa: E731
+    aval = jax.eval_shape(thunk)
+    if not hasattr(aval, "shape"):
+        raise PlacementTypeError(f"dtensor_from_fn: {getattr(fn, '__name__', fn)} returned "
+                                 f"{type(aval).__name__}, not one array")
+    shape = tuple(aval.shape)
+    layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, aval.dtype))
+    value = jax.jit(thunk, out_shardings=physical_sharding(layout.without_partial(), mesh))()
+    return _add_partial(value, mesh, layout, shape)
+
+
+def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
+                       placements: Sequence[Placement | str]) -> DistTensor:
+    """Assemble a DistTensor from each device's own block.
+
+    `local_tensor` is a list with one array per device in mesh order (row-major over mesh
+    coordinates), a function of a device's mesh coordinates returning its block, or one array
+    that every device holds. For Partial mesh dims the blocks are the partial values; for
+    Replicate dims they should agree (each device keeps its own).
+    """
+    mesh = as_process_mesh(mesh)
+    coords = list(itertools.product(*(range(s) for s in mesh.shape)))
+    if callable(local_tensor):
+        blocks = [local_tensor(c) for c in coords]
+    elif isinstance(local_tensor, (list, tuple)) and local_tensor and all(
+            isinstance(b, (np.ndarray, jax.Array)) for b in local_tensor):
+        if len(local_tensor) != mesh.size:
+            raise LocalDataError(
+                f"dtensor_from_local got {len(local_tensor)} blocks for a mesh of {mesh.size} "
+                f"devices {mesh.process_ids}: give one block per device in mesh order, or a "
+                f"function of the mesh coordinates")
+        blocks = list(local_tensor)
+    else:
+        blocks = [local_tensor] * len(coords)
+    for b in blocks:
+        _reject_tracer(b, "dtensor_from_local")
+    blocks = [_to_array(b) for b in blocks]
+    first = blocks[0]
+    for c, b in zip(coords, blocks):
+        if b.shape != first.shape or b.dtype != first.dtype:
+            raise LocalDataError(
+                f"dtensor_from_local: the block for the device at mesh coords {c} "
+                f"(id {int(mesh.id_array[c])}) is {np.dtype(b.dtype).name}{list(b.shape)}, but the "
+                f"first is {np.dtype(first.dtype).name}{list(first.shape)}: every device's block "
+                f"must have the same shape and dtype")
+    placements = normalize_placements(placements, mesh.ndim, mesh.dim_names)
+    factor = [1] * first.ndim
+    for name, p in zip(mesh.dim_names, placements):
+        if isinstance(p, Shard) and -first.ndim <= p.dim < first.ndim:
+            factor[p.dim % first.ndim] *= mesh.get_dim_size(name)
+    shape = tuple(s * f for s, f in zip(first.shape, factor))
+    layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, first.dtype))
+    sharding = physical_sharding(layout, mesh)
+    devices = mesh.devices()
+    placed = [jax.device_put(b[None] if layout.partial else b, devices[c])
+              for c, b in zip(coords, blocks)]
+    value = jax.make_array_from_single_device_arrays(physical_shape(layout, mesh, shape),
+                                                     sharding, placed)
+    return make_dtensor(value, mesh, layout, shape)
+
+
+def unshard_dtensor(x: DistTensor) -> jax.Array:
+    """The logical value of `x` as a jax.Array replicated over its mesh."""
+    if not isinstance(x, DistTensor):
+        raise PlacementTypeError(f"unshard_dtensor needs a DistTensor, got {type(x).__name__}")
+    from .reshard.api import reshard
+
+    return reshard(x, x.mesh, [Replicate()] * x.mesh.ndim).physical
+
+
+__all__ = ["shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor"]

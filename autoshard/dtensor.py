@@ -1,0 +1,140 @@
+"""DistTensor: a logical (global) tensor stored across a ProcessMesh as one honest jax.Array.
+
+A registered pytree node, so DistTensors pass through jax transformations as their physical
+array; the mesh, layout and global shape travel as static metadata.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from .errors import DeviceNotFoundError
+from .layout import Layout, block_bounds
+from .mesh import ProcessMesh
+from .physical import physical_shape, physical_sharding
+from .placement import Placement
+
+
+@jax.tree_util.register_pytree_node_class
+class DistTensor:
+    """A tensor of global `shape` laid out on `mesh` with `placements`."""
+
+    __slots__ = ("_value", "_mesh", "_layout", "_shape")
+
+    def __init__(self, value: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...]):
+        # Trusted constructor: callers have checked that `value` is the physical array of
+        # `layout` (see physical.py). Users build DistTensors with shard_tensor & co.
+        self._value = value
+        self._mesh = mesh
+        self._layout = layout
+        self._shape = tuple(shape)
+
+    # -- pytree ------------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self._value,), (self._mesh, self._layout, self._shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    # -- description -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def dtype(self):
+        return self._value.dtype
+
+    @property
+    def mesh(self) -> ProcessMesh:
+        return self._mesh
+
+    @property
+    def process_mesh(self) -> ProcessMesh:  # Paddle's name
+        return self._mesh
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def placements(self) -> list[Placement]:
+        return self._layout.placements(self._mesh)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self._layout.local_shape(self._shape, self._mesh.axis_sizes)
+
+    @property
+    def physical(self) -> jax.Array:
+        """The jax.Array that stores this tensor (with a leading slot axis if partial)."""
+        return self._value
+
+    @property
+    def sharding(self):
+        return physical_sharding(self._layout, self._mesh)
+
+    # -- values ------------------------------------------------------------------------------
+    def local(self, device_id: int) -> jax.Array:
+        """The block held by device `device_id` (its partial value, for a Partial tensor)."""
+        if device_id not in self._mesh:
+            raise DeviceNotFoundError(
+                f"device {device_id} is not in this tensor's mesh {self._mesh!r}: ask for one of "
+                f"{self._mesh.process_ids}")
+        for shard in self._value.addressable_shards:
+            if shard.device.id == device_id:
+                return shard.data[0] if self._layout.partial else shard.data
+        raise DeviceNotFoundError(f"device {device_id} belongs to another process; read its "
+                                  f"block there")
+
+    def block_bounds(self, device_id: int) -> tuple[tuple[int, int], ...]:
+        """[start, stop) per dim of the global region that device `device_id` holds."""
+        return block_bounds(self._layout, self._mesh, self._shape, self._mesh.coords_of(device_id))
+
+    def numpy(self) -> np.ndarray:
+        """The logical global value, as numpy (Partial values reduced)."""
+        from .creation import unshard_dtensor
+
+        return np.asarray(unshard_dtensor(self))
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d DistTensor")
+        return self._shape[0]
+
+    # -- display -----------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        placements = "[" + ", ".join(repr(p) for p in self.placements) + "]"
+        return (f"DistTensor(shape={self._shape}, dtype={self.dtype}, mesh={self._mesh!r}, "
+                f"placements={placements}, local_shape={self.local_shape})")
+
+    def _repr_html_(self) -> str:
+        from .display import dtensor_html
+
+        return dtensor_html(self)
+
+
+def make_dtensor(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> DistTensor:
+    """Wrap a physical array, checking that its shape and sharding are what `layout` implies."""
+    expected = physical_shape(layout, mesh, shape)
+    assert tuple(value.shape) == expected, (value.shape, expected)
+    return DistTensor(value, mesh, layout, tuple(shape))
+
+
+__all__ = ["DistTensor", "make_dtensor"]

@@ -1,0 +1,81 @@
+"""The error hierarchy: every mistake a user can make raises a subclass of AutoshardError.
+
+Messages say what was wrong, where in the user's code it happened, and what to write instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# In an editable install the rules live beside the package, not inside it.
+_RULES_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "rules")
+
+
+def _is_internal(filename: str) -> bool:
+    # Frames of autoshard itself, its rules, jax and the stdlib are never the user's line.
+    if filename.startswith("<") and filename not in ("<stdin>",) and not filename.startswith("<ipython"):
+        return True  # generated code (dataclass __init__, exec) is never the user's line
+    path = os.path.abspath(filename)
+    if path.startswith(_PACKAGE_DIR) or path.startswith(_RULES_DIR):
+        return True
+    return any(part in path for part in (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep,
+                                         os.sep + "contextlib.py", "<frozen "))
+
+
+def user_source_line() -> str | None:
+    """`file:line` of the innermost stack frame that belongs to the user's code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not _is_internal(frame.f_code.co_filename):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+class AutoshardError(Exception):
+    """Base of every error autoshard raises on bad input.
+
+    `where` is the user's source line (file:line) that led to the error, found on the stack when
+    the error is created; it is appended to the message.
+    """
+
+    def __init__(self, message: str, *, where: str | None = None):
+        self.where = where if where is not None else user_source_line()
+        self.message = message
+        full = message if self.where is None else f"{message}\n  (at {self.where})"
+        super().__init__(full)
+
+
+class MeshError(AutoshardError, ValueError):
+    """A ProcessMesh that cannot exist: ragged, duplicate ids, bad dim names."""
+
+
+class DeviceNotFoundError(AutoshardError, ValueError):
+    """A mesh names device ids that this process does not see."""
+
+
+class PlacementError(AutoshardError, ValueError):
+    """A placements list that does not fit the mesh or the tensor."""
+
+
+class PlacementTypeError(AutoshardError, TypeError):
+    """Something that is not a placement where a placement was expected."""
+
+
+class ShardingError(AutoshardError, ValueError):
+    """A tensor dim that cannot be split as asked (for instance not divisible)."""
+
+
+class ReshardError(AutoshardError, ValueError):
+    """A reshard that cannot be carried out."""
+
+
+class LocalDataError(AutoshardError, ValueError):
+    """Per-device data handed to dtensor_from_local that does not fit the mesh and placements."""
+
+
+__all__ = [
+    "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
+    "ShardingError", "ReshardError", "LocalDataError", "user_source_line",
+]

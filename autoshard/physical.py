@@ -1,0 +1,47 @@
+"""How a Layout is stored as one honest jax.Array with a NamedSharding.
+
+Sharded dims are ordinary NamedSharding shards. Partial mesh axes get one extra leading axis of
+size prod(partial axis sizes), sharded over those axes: the differing per-device values are then
+*varying* data, as JAX requires — a "replicated" spec whose replicas secretly differ would let
+JAX read any replica, and under check_vma a psum of it would compute n * x without talking.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .layout import Layout, partial_axes_in_mesh_order
+from .mesh import ProcessMesh
+
+
+def _entry(axes: Sequence[str]):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def has_partial_axis(layout: Layout) -> bool:
+    return bool(layout.partial)
+
+
+def physical_shape(layout: Layout, mesh: ProcessMesh, shape: Sequence[int]) -> tuple[int, ...]:
+    if not layout.partial:
+        return tuple(shape)
+    sizes = mesh.axis_sizes
+    return (math.prod(sizes[a] for a, _ in layout.partial),) + tuple(shape)
+
+
+def physical_spec(layout: Layout, mesh: ProcessMesh) -> PartitionSpec:
+    dims = [_entry(axes) for axes in layout.dims]
+    if layout.partial:
+        dims.insert(0, _entry(partial_axes_in_mesh_order(layout, mesh)))
+    return PartitionSpec(*dims)
+
+
+def physical_sharding(layout: Layout, mesh: ProcessMesh) -> NamedSharding:
+    return NamedSharding(mesh.to_jax(), physical_spec(layout, mesh))
+
+
+__all__ = ["physical_shape", "physical_spec", "physical_sharding", "has_partial_axis"]

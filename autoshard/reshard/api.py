@@ -1,0 +1,70 @@
+"""The public reshard entry points: plan_reshard (pure, cached) and reshard (plan + execute)."""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from ..cost_model import CostModel, default_cost_model
+from ..dtensor import DistTensor, make_dtensor
+from ..errors import PlacementTypeError, ReshardError
+from ..layout import Layout, layout_from_placements
+from ..mesh import ProcessMesh, as_process_mesh
+from ..placement import Placement
+from .execute import execute
+from .planner import ReshardPlan, plan_on_mesh
+from .transfer import plan_across_meshes
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_layouts(shape: tuple[int, ...], dtype: str, src_mesh: ProcessMesh, src: Layout,
+                 dst_mesh: ProcessMesh, dst: Layout, cost_model: CostModel) -> ReshardPlan:
+    """The plan between two layouts; same-mesh plans are one program, others add a transfer."""
+    if src_mesh == dst_mesh:
+        steps = plan_on_mesh(src_mesh, src, dst, shape, dtype, cost_model)
+    else:
+        steps = plan_across_meshes(src_mesh, src, dst_mesh, dst, shape, dtype, cost_model)
+    return ReshardPlan(shape, dtype, src_mesh, src, dst_mesh, dst, steps)
+
+
+def _check_tensor(x, verb: str) -> DistTensor:
+    if not isinstance(x, DistTensor):
+        raise PlacementTypeError(
+            f"dist.{verb} needs a DistTensor, got {type(x).__name__}: place a plain array first "
+            f"with dist.shard_tensor(x, mesh, placements)")
+    from jax.core import Tracer
+
+    if isinstance(x.physical, Tracer):
+        raise ReshardError(
+            f"dist.{verb} was called on a traced value inside a jax transformation; eager "
+            f"reshards run outside jit — inside a function, use dist.jit (or reshard before jit)")
+    return x
+
+
+def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | str], *,
+                 cost_model: CostModel | None = None) -> ReshardPlan:
+    """The steps that would reshard `x` onto (mesh, placements), with bytes per device."""
+    x = _check_tensor(x, "plan_reshard")
+    mesh = as_process_mesh(mesh)
+    dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
+    return plan_layouts(x.shape, np.dtype(x.dtype).name, x.mesh, x.layout, mesh, dst,
+                        cost_model or default_cost_model())
+
+
+def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | str], *,
+            cost_model: CostModel | None = None) -> DistTensor:
+    """Move `x` to (mesh, placements): collectives on one mesh, device copies across meshes."""
+    mesh = as_process_mesh(mesh)
+    mesh.devices()  # a destination with devices this process lacks fails here, with the ids
+    plan = plan_reshard(x, mesh, placements, cost_model=cost_model)
+    if not plan.steps and plan.src_mesh == plan.dst_mesh:
+        return x
+    return make_dtensor(execute(plan, x.physical), mesh, plan.dst, x.shape)
+
+
+def _describe(x: DistTensor) -> str:
+    return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+
+
+__all__ = ["plan_reshard", "reshard", "plan_layouts"]

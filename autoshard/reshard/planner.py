@@ -1,0 +1,183 @@
+"""The reshard planner: Layout A → Layout B as the cheapest sequence of atoms, by the cost model.
+
+A short Dijkstra search over layouts on one mesh (greedy first-match misses multi-axis routes
+such as co-shard reorderings); results are cached on (mesh, src, dst, shape, dtype, cost model).
+Between meshes the plan is: steps on the source mesh, one device-to-device transfer, steps on
+the destination mesh (see transfer.py).
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from ..cost_model import CostModel
+from ..layout import Layout
+from ..mesh import ProcessMesh
+from ..placement import ReduceType
+from .steps import (AllGather, AllReduce, AllToAll, LocalSlice, MakePartial, ReduceScatter,
+                    ShardToPartial, Step)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One step of a plan, with where it runs, what it changes, and what it costs."""
+
+    step: Step
+    mesh: ProcessMesh
+    before: Layout
+    after: Layout
+    bytes_per_device: int
+    seconds: float
+
+    @property
+    def kind(self) -> str:
+        return self.step.kind
+
+    @property
+    def before_mesh(self) -> ProcessMesh:
+        """The mesh `before` lives on (the source mesh, for a cross-mesh transfer)."""
+        return getattr(self.step, "src_mesh", self.mesh)
+
+    def __str__(self) -> str:
+        return (f"{str(self.step):<34} {self.before.describe(self.before_mesh)} → "
+                f"{self.after.describe(self.mesh)}  {_fmt_bytes(self.bytes_per_device)}/device")
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """The steps that turn (src_mesh, src) into (dst_mesh, dst) for one shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    src_mesh: ProcessMesh
+    src: Layout
+    dst_mesh: ProcessMesh
+    dst: Layout
+    steps: tuple[PlannedStep, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes each device sends, summed over the steps (the largest sender of each step)."""
+        return sum(s.bytes_per_device for s in self.steps)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def collectives(self) -> list[str]:
+        """HLO op names of the planned collectives, in order."""
+        return [s.step.hlo for s in self.steps if s.step.hlo]
+
+    @property
+    def cross_mesh(self) -> bool:
+        return self.src_mesh != self.dst_mesh
+
+    def __str__(self) -> str:
+        head = (f"reshard {self.dtype}{list(self.shape)}: {self.src.describe(self.src_mesh)} → "
+                f"{self.dst.describe(self.dst_mesh)}"
+                + (f" (mesh {self.src_mesh.process_ids} → {self.dst_mesh.process_ids})"
+                   if self.cross_mesh else ""))
+        if not self.steps:
+            return head + "\n  (nothing to do)"
+        lines = [head] + [f"  {i}. {s}" for i, s in enumerate(self.steps, 1)]
+        lines.append(f"  total {_fmt_bytes(self.total_bytes)}/device, est. {self.seconds * 1e6:.1f} µs")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle):  # IPython
+        printer.text(str(self))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _local_bytes(layout: Layout, shape, sizes, itemsize: int) -> int:
+    return math.prod(layout.local_shape(shape, sizes)) * itemsize
+
+
+def _candidate_steps(layout: Layout, target: Layout, ndim: int, axis_names) -> Iterator[Step]:
+    partial = layout.partial_map
+    wanted_partial = target.partial_map
+    for d, axes in enumerate(layout.dims):
+        for k in range(1, len(axes) + 1):
+            yield AllGather(axes[len(axes) - k:], d)
+    by_type: dict[ReduceType, list[str]] = {}
+    for a in axis_names:
+        if a in partial:
+            by_type.setdefault(partial[a], []).append(a)
+    for reduce_type, axes in by_type.items():
+        for r in range(1, len(axes) + 1):
+            for subset in itertools.combinations(axes, r):
+                yield AllReduce(subset, reduce_type)
+            if reduce_type in (ReduceType.SUM, ReduceType.AVG):
+                for ordered in itertools.permutations(axes, r):
+                    for d in range(ndim):
+                        yield ReduceScatter(ordered, d, reduce_type)
+    for d, axes in enumerate(layout.dims):
+        if axes:
+            for e in range(ndim):
+                yield AllToAll(axes[-1], d, e)
+            if axes[-1] in wanted_partial:
+                yield ShardToPartial(axes[-1], d, wanted_partial[axes[-1]])
+    used = layout.used_axes
+    for a in axis_names:
+        if a not in used:
+            for d in range(ndim):
+                yield LocalSlice(a, d)
+            if a in wanted_partial:
+                yield MakePartial(a, wanted_partial[a])
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, ...],
+                 dtype: str, cost_model: CostModel) -> tuple[PlannedStep, ...]:
+    """Cheapest steps from `src` to `dst` on one mesh (Dijkstra over layouts)."""
+    if src == dst:
+        return ()
+    sizes = mesh.axis_sizes
+    itemsize = np.dtype(dtype).itemsize
+    axis_names = mesh.dim_names
+    counter = itertools.count()
+    best: dict[Layout, float] = {src: 0.0}
+    back: dict[Layout, tuple[Layout, PlannedStep]] = {}
+    heap = [(0.0, next(counter), src)]
+    while heap:
+        cost, _, layout = heapq.heappop(heap)
+        if layout == dst:
+            break
+        if cost > best.get(layout, math.inf):
+            continue
+        in_bytes = _local_bytes(layout, shape, sizes, itemsize)
+        for step in _candidate_steps(layout, dst, len(shape), axis_names):
+            nxt = step.after(layout, shape, sizes)
+            if nxt is None:
+                continue
+            out_bytes = _local_bytes(nxt, shape, sizes, itemsize)
+            wire = step.wire_bytes(in_bytes, out_bytes, sizes)
+            seconds = (cost_model.collective(step.axes, wire) if step.is_collective
+                       else cost_model.local(out_bytes))
+            total = cost + seconds
+            if total < best.get(nxt, math.inf) - 1e-18:
+                best[nxt] = total
+                back[nxt] = (layout, PlannedStep(step, mesh, layout, nxt, int(round(wire)), seconds))
+                heapq.heappush(heap, (total, next(counter), nxt))
+    steps = []
+    node = dst
+    while node != src:
+        node, planned = back[node]
+        steps.append(planned)
+    return tuple(reversed(steps))
+
+
+__all__ = ["PlannedStep", "ReshardPlan", "plan_on_mesh"]

@@ -1,0 +1,319 @@
+"""The reshard atoms: one collective (or one local op) each, with precondition and local code.
+
+Every atom answers four questions: may it run on this Layout (`after` returns None if not — it
+never raises), what Layout results, how many bytes each device sends (ring algorithms), and how
+to compute it on one device's block inside `shard_map` (`run`). The planner searches over them;
+the executor only calls `run` in order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..layout import Layout
+from ..placement import ReduceType
+
+
+def _axis_arg(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _group_size(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def _linear_axis_index(axes: tuple[str, ...], sizes: Mapping[str, int]):
+    index = 0
+    for a in axes:
+        index = index * sizes[a] + lax.axis_index(a)
+    return index
+
+
+def _identity(reduce_type: ReduceType, dtype) -> object:
+    """The element that leaves a reduction unchanged (fills the slots a device does not own)."""
+    dtype = np.dtype(dtype)
+    if reduce_type in (ReduceType.SUM, ReduceType.AVG):
+        return 0
+    if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+        return -np.inf if reduce_type is ReduceType.MAX else np.inf
+    if dtype == np.bool_:
+        return reduce_type is ReduceType.MIN
+    info = np.iinfo(dtype)
+    return info.min if reduce_type is ReduceType.MAX else info.max
+
+
+def _ensure_varying(x, axes: tuple[str, ...]):
+    missing = tuple(a for a in axes if a not in jax.typeof(x).vma)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+@dataclass(frozen=True)
+class Step:
+    """Base of the atoms. `hlo` is the HLO op the step compiles to (None for local steps)."""
+
+    kind: ClassVar[str] = ""
+    hlo: ClassVar[str | None] = None
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def after(self, layout: Layout, shape: tuple[int, ...], sizes: Mapping[str, int]) -> Layout | None:
+        raise NotImplementedError
+
+    def wire_bytes(self, in_bytes: int, out_bytes: int, sizes: Mapping[str, int]) -> float:
+        return 0.0
+
+    def run(self, x, sizes: Mapping[str, int]):
+        raise NotImplementedError
+
+    @property
+    def is_collective(self) -> bool:
+        return self.hlo is not None
+
+
+@dataclass(frozen=True)
+class AllGather(Step):
+    """S→R: gather the minor-most `gathered` axes of tensor dim `dim`."""
+
+    gathered: tuple[str, ...]
+    dim: int
+    kind: ClassVar[str] = "all_gather"
+    hlo: ClassVar[str] = "all-gather"
+
+    @property
+    def axes(self):
+        return self.gathered
+
+    def after(self, layout, shape, sizes):
+        axes = layout.dims[self.dim]
+        k = len(self.gathered)
+        if k == 0 or axes[len(axes) - k:] != self.gathered:
+            return None
+        return layout.with_dim(self.dim, axes[:len(axes) - k])
+
+    def wire_bytes(self, in_bytes, out_bytes, sizes):
+        n = _group_size(self.gathered, sizes)
+        return out_bytes * (n - 1) / n
+
+    def run(self, x, sizes):
+        return lax.all_gather(x, _axis_arg(self.gathered), axis=self.dim, tiled=True, to="invarying")
+
+    def __str__(self):
+        return f"all_gather({','.join(self.gathered)}) dim {self.dim}"
+
+
+@dataclass(frozen=True)
+class AllReduce(Step):
+    """P→R: reduce the partial values over `reduced` axes (psum / pmean / pmax / pmin)."""
+
+    reduced: tuple[str, ...]
+    reduce_type: ReduceType
+    kind: ClassVar[str] = "all_reduce"
+    hlo: ClassVar[str] = "all-reduce"
+
+    @property
+    def axes(self):
+        return self.reduced
+
+    def after(self, layout, shape, sizes):
+        partial = layout.partial_map
+        if not self.reduced or any(partial.get(a) is not self.reduce_type for a in self.reduced):
+            return None
+        return layout.with_partial({a: t for a, t in partial.items() if a not in self.reduced})
+
+    def wire_bytes(self, in_bytes, out_bytes, sizes):
+        n = _group_size(self.reduced, sizes)
+        return 2 * in_bytes * (n - 1) / n
+
+    def run(self, x, sizes):
+        axes = _axis_arg(self.reduced)
+        if self.reduce_type is ReduceType.SUM:
+            return lax.psum(x, axes)
+        if self.reduce_type is ReduceType.MAX:
+            return lax.pmax(x, axes)
+        if self.reduce_type is ReduceType.MIN:
+            return lax.pmin(x, axes)
+        return (lax.psum(x, axes) / _group_size(self.reduced, sizes)).astype(x.dtype)
+
+    def __str__(self):
+        op = {"sum": "psum", "avg": "pmean", "max": "pmax", "min": "pmin"}[self.reduce_type.value]
+        return f"{op}({','.join(self.reduced)})"
+
+
+@dataclass(frozen=True)
+class ReduceScatter(Step):
+    """P→S: reduce partial sums over `reduced` axes and keep only this device's slice of `dim`."""
+
+    reduced: tuple[str, ...]
+    dim: int
+    reduce_type: ReduceType
+    kind: ClassVar[str] = "reduce_scatter"
+    hlo: ClassVar[str] = "reduce-scatter"
+
+    @property
+    def axes(self):
+        return self.reduced
+
+    def after(self, layout, shape, sizes):
+        partial = layout.partial_map
+        if self.reduce_type not in (ReduceType.SUM, ReduceType.AVG):
+            return None
+        if not self.reduced or any(partial.get(a) is not self.reduce_type for a in self.reduced):
+            return None
+        if layout.local_shape(shape, sizes)[self.dim] % _group_size(self.reduced, sizes):
+            return None
+        rest = {a: t for a, t in partial.items() if a not in self.reduced}
+        dims = list(layout.dims)
+        dims[self.dim] = dims[self.dim] + self.reduced
+        return Layout(tuple(dims), tuple(rest.items()))
+
+    def wire_bytes(self, in_bytes, out_bytes, sizes):
+        n = _group_size(self.reduced, sizes)
+        return in_bytes * (n - 1) / n
+
+    def run(self, x, sizes):
+        y = lax.psum_scatter(x, _axis_arg(self.reduced), scatter_dimension=self.dim, tiled=True)
+        if self.reduce_type is ReduceType.AVG:
+            y = (y / _group_size(self.reduced, sizes)).astype(x.dtype)
+        return y
+
+    def __str__(self):
+        op = "psum_scatter" if self.reduce_type is ReduceType.SUM else "pmean_scatter"
+        return f"{op}({','.join(self.reduced)}) dim {self.dim}"
+
+
+@dataclass(frozen=True)
+class AllToAll(Step):
+    """S(a)→S(b): move mesh axis `axis` from tensor dim `src_dim` (minor-most) to `dst_dim`."""
+
+    axis: str
+    src_dim: int
+    dst_dim: int
+    kind: ClassVar[str] = "all_to_all"
+    hlo: ClassVar[str] = "all-to-all"
+
+    @property
+    def axes(self):
+        return (self.axis,)
+
+    def after(self, layout, shape, sizes):
+        src = layout.dims[self.src_dim]
+        if self.src_dim == self.dst_dim or not src or src[-1] != self.axis:
+            return None
+        if layout.local_shape(shape, sizes)[self.dst_dim] % sizes[self.axis]:
+            return None
+        moved = layout.with_dim(self.src_dim, src[:-1])
+        return moved.with_dim(self.dst_dim, moved.dims[self.dst_dim] + (self.axis,))
+
+    def wire_bytes(self, in_bytes, out_bytes, sizes):
+        n = sizes[self.axis]
+        return in_bytes * (n - 1) / n
+
+    def run(self, x, sizes):
+        return lax.all_to_all(x, self.axis, split_axis=self.dst_dim, concat_axis=self.src_dim,
+                              tiled=True)
+
+    def __str__(self):
+        return f"all_to_all({self.axis}) dim {self.src_dim}→{self.dst_dim}"
+
+
+@dataclass(frozen=True)
+class LocalSlice(Step):
+    """R→S: keep this device's slice of `dim` along an unused mesh axis (no communication)."""
+
+    axis: str
+    dim: int
+    kind: ClassVar[str] = "slice"
+
+    @property
+    def axes(self):
+        return (self.axis,)
+
+    def after(self, layout, shape, sizes):
+        # A partial axis is never used to slice: that would drop other devices' contributions.
+        if self.axis in layout.used_axes:
+            return None
+        if layout.local_shape(shape, sizes)[self.dim] % sizes[self.axis]:
+            return None
+        return layout.with_dim(self.dim, layout.dims[self.dim] + (self.axis,))
+
+    def run(self, x, sizes):
+        size = x.shape[self.dim] // sizes[self.axis]
+        return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axis) * size, size, axis=self.dim)
+
+    def __str__(self):
+        return f"slice({self.axis}) dim {self.dim}"
+
+
+@dataclass(frozen=True)
+class MakePartial(Step):
+    """R→P: a replicated value becomes partial without communication.
+
+    For sum, the device at index 0 keeps the value and the others hold zeros; for avg, max and
+    min every device keeps the value (their reduction is the value itself).
+    """
+
+    axis: str
+    reduce_type: ReduceType
+    kind: ClassVar[str] = "to_partial"
+
+    @property
+    def axes(self):
+        return (self.axis,)
+
+    def after(self, layout, shape, sizes):
+        if self.axis in layout.used_axes:
+            return None
+        return layout.with_partial({**layout.partial_map, self.axis: self.reduce_type})
+
+    def run(self, x, sizes):
+        if self.reduce_type is ReduceType.SUM:
+            return jnp.where(lax.axis_index(self.axis) == 0, x, jnp.zeros_like(x))
+        return _ensure_varying(x, (self.axis,))
+
+    def __str__(self):
+        return f"to_partial({self.axis}, {self.reduce_type.value})"
+
+
+@dataclass(frozen=True)
+class ShardToPartial(Step):
+    """S→P: each device places its block in an identity-filled full dim (no communication)."""
+
+    axis: str
+    dim: int
+    reduce_type: ReduceType
+    kind: ClassVar[str] = "shard_to_partial"
+
+    @property
+    def axes(self):
+        return (self.axis,)
+
+    def after(self, layout, shape, sizes):
+        axes = layout.dims[self.dim]
+        if not axes or axes[-1] != self.axis:
+            return None
+        moved = layout.with_dim(self.dim, axes[:-1])
+        return moved.with_partial({**moved.partial_map, self.axis: self.reduce_type})
+
+    def run(self, x, sizes):
+        n = sizes[self.axis]
+        size = x.shape[self.dim]
+        full_shape = x.shape[:self.dim] + (size * n,) + x.shape[self.dim + 1:]
+        fill = jnp.full(full_shape, _identity(self.reduce_type, x.dtype), x.dtype)
+        if self.reduce_type is ReduceType.AVG:
+            x = x * jnp.asarray(n, x.dtype)  # the mean over n devices divides it back
+        return lax.dynamic_update_slice_in_dim(fill, x, lax.axis_index(self.axis) * size, self.dim)
+
+    def __str__(self):
+        return f"shard_to_partial({self.axis}, {self.reduce_type.value}) dim {self.dim}"
+
+
+__all__ = ["Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
+           "MakePartial", "ShardToPartial"]
