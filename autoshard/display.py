@@ -44,7 +44,7 @@ def dtensor_html(x) -> str:
     colour = {}
     for _, block in rows.values():
         colour.setdefault(block, _COLOURS[len(colour) % len(_COLOURS)])
-    ids = mesh.id_array.reshape((1,) * max(0, 2 - mesh.ndim) + mesh.shape)
+    ids = mesh.id_array.reshape((1,) * max(0, 2 - mesh.ndim) + tuple(mesh.shape))
     lead = ids.shape[:-2]
     partial = " ".join(f"P({t.value}) over {a}" for a, t in x.layout.partial)
     parts = [f"<div><b>{html.escape(repr(x.placements))}</b> shape {list(x.shape)}, "

@@ -34,6 +34,13 @@ class Layout:
                 # Invariant: an axis is never both partial and sharding a dim of the same value.
                 raise PlacementError(f"mesh axis {a!r} is both partial and sharding in {self}")
             seen.add(a)
+        kinds = {t for _, t in self.partial}
+        if len(kinds) > 1 and not kinds <= {ReduceType.SUM, ReduceType.AVG}:
+            # max-of-sums differs from sum-of-maxes: such a value has no single meaning.
+            raise PlacementError(
+                "a tensor can be partial with only one kind of reduction at a time (sum and avg "
+                f"may mix, being linear); got {', '.join(f'P({t.value}) on {a!r}' for a, t in self.partial)} "
+                "— reshard to reduce one of them first")
 
     # -- queries ---------------------------------------------------------------------------
     @staticmethod

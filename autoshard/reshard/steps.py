@@ -48,8 +48,20 @@ def _identity(reduce_type: ReduceType, dtype) -> object:
     return info.min if reduce_type is ReduceType.MAX else info.max
 
 
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10 keeps it on the aval's manual-axis type
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _can_add_partial(layout: Layout, reduce_type: ReduceType) -> bool:
+    """Partial kinds may only mix when all are linear (sum, avg); see Layout."""
+    kinds = {t for _, t in layout.partial} | {reduce_type}
+    return len(kinds) == 1 or kinds <= {ReduceType.SUM, ReduceType.AVG}
+
+
 def _ensure_varying(x, axes: tuple[str, ...]):
-    missing = tuple(a for a in axes if a not in jax.typeof(x).vma)
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -269,7 +281,7 @@ class MakePartial(Step):
         return (self.axis,)
 
     def after(self, layout, shape, sizes):
-        if self.axis in layout.used_axes:
+        if self.axis in layout.used_axes or not _can_add_partial(layout, self.reduce_type):
             return None
         return layout.with_partial({**layout.partial_map, self.axis: self.reduce_type})
 
@@ -297,7 +309,7 @@ class ShardToPartial(Step):
 
     def after(self, layout, shape, sizes):
         axes = layout.dims[self.dim]
-        if not axes or axes[-1] != self.axis:
+        if not axes or axes[-1] != self.axis or not _can_add_partial(layout, self.reduce_type):
             return None
         moved = layout.with_dim(self.dim, axes[:-1])
         return moved.with_partial({**moved.partial_map, self.axis: self.reduce_type})

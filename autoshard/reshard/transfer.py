@@ -111,7 +111,9 @@ def _staging_layouts(src: Layout, shape, sizes) -> list[Layout]:
         local = src.local_shape(shape, sizes)
         for d in range(len(shape)):
             if local[d] % n == 0:
-                options.append(Layout(src.with_dim(d, src.dims[d] + sum_axes).dims))
+                dims = list(src.dims)
+                dims[d] = dims[d] + sum_axes
+                options.append(Layout(tuple(dims)))
     return options
 
 

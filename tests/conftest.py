@@ -1,0 +1,10 @@
+"""8 simulated CPU devices for every test; must run before jax is first imported."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, "tests need 8 simulated devices: import jax only after conftest"

@@ -1,0 +1,86 @@
+"""Host-side reference for DistTensors: rebuild the logical value from the device shards with
+numpy alone, and build Partial tensors whose per-device values differ asymmetrically, so a wrong
+reshard cannot pass by coincidence."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+import autoshard as dist
+from autoshard.layout import block_bounds, layout_from_placements
+
+
+def logical_value(x: dist.DistTensor) -> np.ndarray:
+    """The logical value of `x`, reduced on the host from every device's shard.
+
+    Also checks honesty: the physical block shapes, and that replicas agree.
+    """
+    mesh, layout = x.mesh, x.layout
+    partial = layout.partial_map
+    shards = {s.device.id: np.asarray(s.data) for s in x.physical.addressable_shards}
+    groups: dict[tuple, list[np.ndarray]] = {}
+    where: dict[tuple, tuple] = {}
+    for coords in itertools.product(*(range(s) for s in mesh.shape)):
+        data = shards[int(mesh.id_array[coords])]
+        if partial:
+            assert data.shape[0] == 1, "a partial tensor keeps one slot per device"
+            data = data[0]
+        assert data.shape == x.local_shape
+        key = tuple(c for c, n in zip(coords, mesh.dim_names) if n not in partial)
+        groups.setdefault(key, []).append(data)
+        where[key] = block_bounds(layout, mesh, x.shape, coords)
+    out = np.empty(x.shape, dtype=np.asarray(next(iter(shards.values()))).dtype)
+    kinds = set(partial.values())
+    avg_div = int(np.prod([mesh.get_dim_size(a) for a, t in partial.items() if t.value == "avg"]))
+    for key, datas in groups.items():
+        stack = np.stack(datas)
+        if not kinds:
+            for d in datas[1:]:
+                np.testing.assert_array_equal(d, datas[0], err_msg="replicas disagree")
+            value = datas[0]
+        elif kinds <= {dist.ReduceType.SUM, dist.ReduceType.AVG}:
+            value = stack.sum(0) / avg_div
+        elif kinds == {dist.ReduceType.MAX}:
+            value = stack.max(0)
+        else:
+            value = stack.min(0)
+        out[tuple(slice(lo, hi) for lo, hi in where[key])] = value
+    return out
+
+
+def make_tensor(value: np.ndarray, mesh: dist.ProcessMesh, placements, seed: int = 0):
+    """A DistTensor of logical `value`, whose partial values are split unevenly and at random."""
+    layout = layout_from_placements(placements, mesh, value.shape)
+    partial = layout.partial_map
+    if not partial:
+        return dist.shard_tensor(value, mesh, placements)
+    rng = np.random.default_rng(seed)
+    axes = [a for a in mesh.dim_names if a in partial]
+    kinds = set(partial.values())
+    k = int(np.prod([mesh.get_dim_size(a) for a in axes]))
+    avg_div = int(np.prod([mesh.get_dim_size(a) for a in axes if partial[a].value == "avg"]))
+    parts_by_block: dict[tuple, list[np.ndarray]] = {}
+
+    def parts_for(bounds):
+        if bounds not in parts_by_block:
+            block = value[tuple(slice(lo, hi) for lo, hi in bounds)]
+            noise = rng.integers(-5, 6, size=(k,) + block.shape).astype(value.dtype)
+            if kinds <= {dist.ReduceType.SUM, dist.ReduceType.AVG}:
+                noise[-1] = block * avg_div - noise[:-1].sum(0)
+            else:
+                sign = -1 if kinds == {dist.ReduceType.MAX} else 1
+                noise = block + sign * np.abs(noise) + sign  # strictly worse than the value
+                owner = rng.integers(0, k, size=block.shape)
+                np.put_along_axis(noise, owner[None], block[None], axis=0)
+            parts_by_block[bounds] = list(noise)
+        return parts_by_block[bounds]
+
+    def block_of(coords):
+        bounds = block_bounds(layout, mesh, value.shape, coords)
+        slot = 0
+        for a in axes:
+            slot = slot * mesh.get_dim_size(a) + coords[mesh.dim_names.index(a)]
+        return parts_for(bounds)[slot]
+
+    return dist.dtensor_from_local(block_of, mesh, placements)

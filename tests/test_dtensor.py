@@ -1,0 +1,126 @@
+"""DistTensor: creation from every source, per-device blocks, honest physical layout, display."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import autoshard as dist
+
+from oracle import logical_value
+
+SEED_MESH = dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"])
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+SEED_VALUE = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
+
+
+def test_seed_002_each_device_holds_a_2x1_block():
+    t = dist.shard_tensor(SEED_VALUE, SEED_MESH, [dist.Shard(0), dist.Shard(1)])
+    assert t.shape == (4, 3) and t.local_shape == (2, 1) and t.ndim == 2
+    assert t.dtype == np.int32 and t.mesh == SEED_MESH
+    assert t.placements == [dist.Shard(0), dist.Shard(1)]
+    # device 2 sits at (x=0, y=0), device 3 at (x=1, y=2)
+    np.testing.assert_array_equal(t.local(2), [[1], [4]])
+    np.testing.assert_array_equal(t.local(3), [[9], [12]])
+    assert t.block_bounds(1) == ((2, 4), (1, 2))
+    np.testing.assert_array_equal(np.asarray(t), SEED_VALUE)
+    np.testing.assert_array_equal(t.numpy(), SEED_VALUE)
+
+
+@pytest.mark.parametrize("data,expected", [
+    (np.arange(8, dtype=np.float32), np.arange(8, dtype=np.float32)),
+    (jnp.arange(8), np.arange(8, dtype=np.int32)),
+    ([1.0, 2.0, 3.0, 4.0], np.array([1, 2, 3, 4], np.float32)),
+    (3.5, np.float32(3.5)),
+])
+def test_shard_tensor_sources(data, expected):
+    placements = [dist.Replicate(), dist.Shard(0) if np.ndim(expected) else dist.Replicate()]
+    t = dist.shard_tensor(data, MESH, placements)
+    assert t.dtype == expected.dtype
+    np.testing.assert_array_equal(t.numpy(), expected)
+    t2 = dist.shard_tensor(data, MESH, ["P(sum)", "R"], dtype=np.float32)
+    np.testing.assert_array_equal(logical_value(t2), np.asarray(expected, np.float32))
+
+
+def test_partial_is_stored_as_varying_data_not_fake_replicas():
+    t = dist.shard_tensor(np.ones((4, 8), np.float32), MESH, [dist.Partial(), dist.Shard(1)])
+    phys = t.physical
+    assert phys.shape == (2, 4, 8)
+    assert phys.sharding.spec == P("dp", None, "mp")
+    np.testing.assert_array_equal(t.local(0), np.ones((4, 2)))   # dp index 0 holds the value
+    np.testing.assert_array_equal(t.local(4), np.zeros((4, 2)))  # the other dp row holds zeros
+    np.testing.assert_array_equal(t.numpy(), np.ones((4, 8)))
+    m = dist.shard_tensor(np.full((4, 8), 3.0, np.float32), MESH, ["P(max)", "P(max)"])
+    expected = NamedSharding(MESH.to_jax(), P(("dp", "mp"), None, None))
+    assert m.physical.sharding.is_equivalent_to(expected, 3)
+    assert m.physical.shape == (8, 4, 8)
+    np.testing.assert_array_equal(m.numpy(), np.full((4, 8), 3.0))
+
+
+def test_dtensor_from_fn_never_builds_the_global_tensor_on_one_device():
+    t = dist.dtensor_from_fn(jnp.ones, MESH, [dist.Shard(0), dist.Shard(1)], (8, 16))
+    assert {tuple(s.data.shape) for s in t.physical.addressable_shards} == {(4, 4)}
+    np.testing.assert_array_equal(t.numpy(), np.ones((8, 16)))
+    key = jax.random.key(0)
+    r = dist.dtensor_from_fn(jax.random.normal, MESH, ["S(0)", "R"], key, (8, 4))
+    np.testing.assert_allclose(r.numpy(), np.asarray(jax.random.normal(key, (8, 4))), rtol=1e-6)
+    p = dist.dtensor_from_fn(jnp.arange, MESH, ["R", "P(sum)"], 8.0)
+    np.testing.assert_array_equal(logical_value(p), np.arange(8.0))
+
+
+def test_dtensor_from_local_list_function_and_partial():
+    blocks = [np.full((2, 3), i, np.float32) for i in range(8)]
+    t = dist.dtensor_from_local(blocks, MESH, [dist.Shard(0), dist.Shard(0)])
+    assert t.shape == (16, 3)
+    np.testing.assert_array_equal(t.numpy(), np.repeat(np.arange(8.0), 2)[:, None] * np.ones((1, 3)))
+    # partial: per-device values differ, the logical value is their sum over 'mp'
+    p = dist.dtensor_from_local(lambda c: np.full((4,), c[1] + 1.0, np.float32), MESH,
+                                [dist.Shard(0), dist.Partial()])
+    assert p.shape == (8,) and p.placements == [dist.Shard(0), dist.Partial()]
+    np.testing.assert_array_equal(p.numpy(), np.full((8,), 1.0 + 2 + 3 + 4))
+    np.testing.assert_array_equal(p.local(6), np.full((4,), 3.0))
+    same = dist.dtensor_from_local(np.arange(4.0), MESH, ["R", "R"])
+    np.testing.assert_array_equal(same.numpy(), np.arange(4.0))
+
+
+def test_dtensor_from_local_errors():
+    with pytest.raises(dist.LocalDataError, match="got 3 blocks for a mesh of 8 devices"):
+        dist.dtensor_from_local([np.zeros(2)] * 3, MESH, ["S(0)", "R"])
+    with pytest.raises(dist.LocalDataError, match=r"mesh coords \(0, 1\) \(id 1\) is float32\[3\]"):
+        dist.dtensor_from_local(lambda c: np.zeros(3 if c == (0, 1) else 2, np.float32), MESH, ["S(0)", "R"])
+
+
+def test_unshard_and_local_errors():
+    t = dist.shard_tensor(np.arange(16.0).reshape(4, 4), MESH, ["S(0)", "P(sum)"])
+    full = dist.unshard_dtensor(t)
+    assert isinstance(full, jax.Array)
+    assert full.sharding.is_equivalent_to(NamedSharding(MESH.to_jax(), P()), 2)
+    assert set(full.sharding.device_set) == set(MESH.to_jax().devices.flat)
+    np.testing.assert_array_equal(full, np.arange(16.0).reshape(4, 4))
+    with pytest.raises(dist.DeviceNotFoundError, match="device 9 is not in this tensor's mesh"):
+        t.local(9)
+
+
+def test_pytree_and_jit_passthrough():
+    t = dist.shard_tensor(np.arange(8.0), MESH, ["S(0)", "R"])
+    leaves, tree = jax.tree.flatten({"w": t})
+    assert len(leaves) == 1 and leaves[0] is t.physical
+    back = jax.tree.unflatten(tree, leaves)["w"]
+    assert isinstance(back, dist.DistTensor) and back.placements == t.placements
+    doubled = jax.jit(lambda d: jax.tree.map(lambda v: v * 2, d))(t)
+    assert isinstance(doubled, dist.DistTensor)
+    np.testing.assert_array_equal(doubled.numpy(), np.arange(8.0) * 2)
+
+
+def test_repr_and_html_show_mesh_placements_and_blocks():
+    t = dist.shard_tensor(SEED_VALUE, SEED_MESH, [dist.Shard(0), dist.Shard(1)])
+    text = repr(t)
+    assert "placements=[S(0), S(1)]" in text and "local_shape=(2, 1)" in text
+    assert "[[2, 4, 5], [0, 1, 3]]" in text
+    html = t._repr_html_()
+    assert html.count("<td") == 6 and "dev 2<br>[0:2, 0:1]" in html and "dev 3<br>[2:4, 2:3]" in html
+    table = dist.placement_table(t)
+    assert "device   3 (x=1, y=2): block [2:4, 2:3]" in table
+    cube = dist.shard_tensor(np.zeros((4, 4)), dist.ProcessMesh(np.arange(8).reshape(2, 2, 2)),
+                             ["S(0)", "R", "P(sum)"])
+    assert cube._repr_html_().count("<table") == 2

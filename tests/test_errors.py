@@ -1,0 +1,61 @@
+"""Bad input gives a typed error that names the tensor, placement, mesh dim and the user's line."""
+import numpy as np
+import pytest
+
+import autoshard as dist
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+
+
+def _raises(error, match, fn):
+    with pytest.raises(error, match=match) as info:
+        fn()
+    assert isinstance(info.value, dist.AutoshardError)
+    assert "test_errors.py:" in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_wrong_number_of_placements():
+    msg = _raises(dist.PlacementError, r"got 1 placements \[S\(0\)\] for a 2-d mesh",
+                  lambda: dist.shard_tensor(np.zeros((4, 4)), MESH, [dist.Shard(0)]))
+    assert "'dp', 'mp'" in msg and "one placement per mesh dim" in msg
+
+
+def test_shard_dim_out_of_range_and_negative_dims():
+    msg = _raises(dist.PlacementError, r"S\(2\) on mesh dim 'mp'.*valid dims are -2..1",
+                  lambda: dist.shard_tensor(np.zeros((4, 4)), MESH, [dist.Replicate(), dist.Shard(2)]))
+    assert "float32[4, 4]" in msg
+    x = dist.shard_tensor(np.zeros((4, 8)), MESH, [dist.Replicate(), dist.Shard(-1)])
+    assert x.placements == [dist.Replicate(), dist.Shard(1)] and x.local_shape == (4, 2)
+
+
+def test_not_divisible_names_dim_size_and_axis():
+    msg = _raises(dist.ShardingError, r"dim 0 has size 6, which mesh dim 'mp' \(size 4\)",
+                  lambda: dist.shard_tensor(np.zeros((6, 4)), MESH, [dist.Replicate(), dist.Shard(0)]))
+    assert "pad dim 0 to a multiple of 4" in msg and "float32[6, 4]" in msg
+    _raises(dist.ShardingError, r"'dp' \(size 2\) × 'mp' \(size 4\) = 8 devices",
+            lambda: dist.shard_tensor(np.zeros((4, 4)), MESH, [dist.Shard(0), dist.Shard(0)]))
+
+
+def test_non_placement_objects():
+    msg = _raises(dist.PlacementTypeError, r"placements\[1\] \(for mesh dim 'mp'\) is 0 of type int",
+                  lambda: dist.shard_tensor(np.zeros((4, 4)), MESH, [dist.Replicate(), 0]))
+    assert "dist.Shard(0)" in msg
+    _raises(dist.PlacementTypeError, "one placement per mesh dim",
+            lambda: dist.shard_tensor(np.zeros((4, 4)), MESH, dist.Shard(0)))
+
+
+def test_reshard_errors():
+    x = dist.shard_tensor(np.zeros((4, 4)), MESH, ["S(0)", "R"])
+    _raises(dist.ShardingError, "dim 1 has size 4",
+            lambda: dist.reshard(x, MESH, [dist.Shard(1), dist.Shard(1)]))
+    _raises(dist.PlacementTypeError, "needs a DistTensor",
+            lambda: dist.reshard(np.zeros(4), MESH, ["R", "R"]))
+    _raises(dist.DeviceNotFoundError, r"uses device ids \[8, 9, 10, 11\]",
+            lambda: dist.reshard(x, dist.ProcessMesh([8, 9, 10, 11]), ["S(0)"]))
+
+
+def test_errors_are_value_or_type_errors_too():
+    assert issubclass(dist.PlacementError, ValueError)
+    assert issubclass(dist.PlacementTypeError, TypeError)
+    assert issubclass(dist.MeshError, ValueError)

@@ -1,0 +1,38 @@
+"""Placements: equality, hashing, short forms, reduce types, Paddle's query methods."""
+import pytest
+
+import autoshard as dist
+
+
+def test_equality_hash_and_short_forms():
+    assert dist.Shard(0) == dist.Shard(0) != dist.Shard(1)
+    assert dist.Replicate() == dist.Replicate() != dist.Shard(0)
+    assert dist.Partial() == dist.Partial("sum") == dist.Partial(dist.ReduceType.kRedSum)
+    assert dist.Partial("max") != dist.Partial("sum")
+    assert len({dist.Shard(0), dist.Shard(0), dist.Replicate(), dist.Partial()}) == 3
+    assert [repr(p) for p in (dist.Replicate(), dist.Shard(-1), dist.Partial("avg"))] == ["R", "S(-1)", "P(avg)"]
+    for text in ["R", "S(0)", "S(-2)", "P(sum)", "P(max)", "P(min)", "P(avg)"]:
+        assert repr(dist.parse_placement(text)) == text
+    assert dist.parse_placement("P") == dist.Partial()
+
+
+def test_reduce_types_and_paddle_aliases():
+    assert {t.value for t in dist.ReduceType} == {"sum", "avg", "max", "min"}
+    assert dist.ReduceType.kRedMax is dist.ReduceType.MAX
+    assert dist.Partial("mean").reduce_type is dist.ReduceType.AVG
+
+
+def test_queries():
+    assert dist.Shard(1).is_shard() and dist.Shard(1).is_shard(1) and not dist.Shard(1).is_shard(0)
+    assert dist.Shard(1).get_dim() == 1
+    assert dist.Replicate().is_replicated() and dist.Partial().is_partial()
+    assert not dist.Replicate().is_partial()
+
+
+def test_bad_placements():
+    with pytest.raises(dist.PlacementError, match="unknown reduce type 'prod'"):
+        dist.Partial("prod")
+    with pytest.raises(dist.PlacementTypeError, match="needs an int"):
+        dist.Shard("0")
+    with pytest.raises(dist.PlacementError, match="cannot read placement"):
+        dist.parse_placement("Q(1)")

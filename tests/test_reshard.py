@@ -1,0 +1,238 @@
+"""Every reshard equals numpy, and compiles to exactly the collectives the plan lists."""
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import autoshard as dist
+from autoshard.errors import PlacementError
+from autoshard.hlo import count_collectives
+from autoshard.reshard.execute import compiled_hlo
+
+from oracle import logical_value, make_tensor
+
+MESHES = {
+    "8": ([0, 1, 2, 3, 4, 5, 6, 7], ["x"]),
+    "2x4": ([[0, 1, 2, 3], [4, 5, 6, 7]], ["x", "y"]),
+    "4x2": ([[7, 6], [5, 4], [3, 2], [1, 0]], ["x", "y"]),
+    "2x2x2": ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["x", "y", "z"]),
+}
+OPTIONS = ["R", "S(0)", "S(1)", "P(sum)", "P(max)"]
+SAMPLES_PER_MESH = 150  # of 625 (2-d) and 15625 (3-d) pairs; the 1-d mesh runs all 25
+SHAPE = (8, 16)
+
+
+def _valid(placements) -> bool:
+    kinds = {p for p in placements if p.startswith("P")}
+    return len(kinds) <= 1
+
+
+def _pairs(name):
+    ndim = len(MESHES[name][1])
+    lists = [p for p in itertools.product(OPTIONS, repeat=ndim) if _valid(p)]
+    pairs = list(itertools.product(lists, lists))
+    if len(pairs) > SAMPLES_PER_MESH:
+        pairs = random.Random(f"reshard-{name}").sample(pairs, SAMPLES_PER_MESH)
+    return [pytest.param(name, list(a), list(b), id=f"{name}:{','.join(a)}->{','.join(b)}")
+            for a, b in pairs]
+
+
+CASES = [case for name in MESHES for case in _pairs(name)]
+
+
+def _value(shape=SHAPE, dtype=np.float32):
+    return np.arange(np.prod(shape), dtype=dtype).reshape(shape) - 40
+
+
+def check_reshard(src: dist.DistTensor, mesh, placements, expected: np.ndarray):
+    plan = dist.plan_reshard(src, mesh, placements)
+    out = dist.reshard(src, mesh, placements)
+    assert out.mesh == dist.ProcessMesh(mesh.id_array, mesh.dim_names)
+    assert [repr(p) for p in out.placements] == [
+        repr(p) for p in dist.reshard(out, mesh, placements).placements]
+    np.testing.assert_array_equal(logical_value(out), expected)
+    hlo = Counter()
+    for text in compiled_hlo(plan, src.physical):
+        hlo += count_collectives(text)
+    assert hlo == Counter(plan.collectives), (str(plan), hlo)
+    return plan, out
+
+
+@pytest.mark.parametrize("mesh_name,src,dst", CASES)
+def test_reshard_matrix(mesh_name, src, dst):
+    mesh = dist.ProcessMesh(*MESHES[mesh_name])
+    value = _value()
+    x = make_tensor(value, mesh, src, seed=hash((mesh_name, tuple(src))) % 1000)
+    np.testing.assert_array_equal(logical_value(x), value)
+    _, out = check_reshard(x, mesh, dst, value)
+    assert [repr(p) for p in out.placements] == [repr(dist.parse_placement(p)) for p in dst]
+
+
+@pytest.mark.parametrize("reduce_type", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("dst", [["R", "R"], ["S(0)", "R"], ["R", "S(1)"], ["S(1)", "S(0)"]])
+def test_every_partial_kind_reduces(reduce_type, dst):
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    value = _value()
+    x = make_tensor(value, mesh, [f"P({reduce_type})", "S(0)"], seed=3)
+    check_reshard(x, mesh, dst, value)
+
+
+@pytest.mark.parametrize("reduce_type", ["sum", "avg", "max", "min"])
+def test_to_partial_of_every_kind(reduce_type):
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    value = _value()
+    for src in (["R", "R"], ["S(0)", "S(1)"]):
+        x = dist.shard_tensor(value, mesh, src)
+        plan, _ = check_reshard(x, mesh, [f"P({reduce_type})", "S(1)"], value)
+        # R→P and S→P are local: no collective, no bytes.
+        assert plan.collectives == [] and plan.total_bytes == 0, str(plan)
+
+
+def test_mixed_sum_and_avg_partial():
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    value = _value()
+    x = make_tensor(value, mesh, ["P(sum)", "P(avg)"], seed=5)
+    check_reshard(x, mesh, ["S(0)", "R"], value)
+
+
+def test_mixed_nonlinear_partial_is_rejected():
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    with pytest.raises(PlacementError, match="one kind of reduction"):
+        dist.shard_tensor(_value(), mesh, [dist.Partial("sum"), dist.Partial("max")])
+
+
+# -- what the planner prefers ---------------------------------------------------------------
+
+def _plan_kinds(src, dst, mesh_name="2x4", shape=SHAPE):
+    mesh = dist.ProcessMesh(*MESHES[mesh_name])
+    x = make_tensor(_value(shape), mesh, src)
+    return [s.kind for s in dist.plan_reshard(x, mesh, dst).steps]
+
+
+@pytest.mark.parametrize("src,dst,kinds", [
+    (["S(0)"], ["R"], ["all_gather"]),
+    (["P(sum)"], ["R"], ["all_reduce"]),
+    (["P(sum)"], ["S(1)"], ["reduce_scatter"]),        # not psum + slice
+    (["S(0)"], ["S(1)"], ["all_to_all"]),              # not all_gather + slice
+    (["R"], ["S(1)"], ["slice"]),
+    (["R"], ["P(sum)"], ["to_partial"]),
+    (["S(0)"], ["P(sum)"], ["shard_to_partial"]),
+    (["P(max)"], ["S(0)"], ["all_reduce", "slice"]),    # no reduce-scatter for max
+])
+def test_planner_prefers_single_collectives(src, dst, kinds):
+    assert _plan_kinds(src, dst, "8") == kinds
+
+
+def test_multi_axis_collectives_are_merged():
+    # Gathering a co-sharded dim, or reducing two partial axes, is one collective each.
+    assert _plan_kinds(["S(0)", "S(0)"], ["R", "R"]) == ["all_gather"]
+    assert _plan_kinds(["P(sum)", "P(sum)"], ["R", "R"]) == ["all_reduce"]
+    assert _plan_kinds(["P(sum)", "P(sum)"], ["S(0)", "S(0)"]) == ["reduce_scatter"]
+
+
+def test_plan_reports_bytes_per_device_and_is_cached():
+    mesh = dist.ProcessMesh(*MESHES["8"])
+    x = dist.shard_tensor(_value(), mesh, ["S(0)"])
+    plan = dist.plan_reshard(x, mesh, ["R"])
+    full = 8 * 16 * 4
+    assert plan.steps[0].bytes_per_device == full * 7 // 8
+    assert plan.total_bytes == full * 7 // 8
+    assert dist.plan_reshard(x, mesh, [dist.Replicate()]) is plan
+    assert "all_gather(x) dim 0" in str(plan) and "448 B/device" in str(plan)
+
+
+def test_cost_model_is_overridable_and_changes_the_choice():
+    # With collectives made very expensive on 'y', the planner avoids a collective over it.
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    x = make_tensor(_value(), mesh, ["P(sum)", "P(sum)"])
+    cheap = dist.plan_reshard(x, mesh, ["R", "R"])
+    assert [s.kind for s in cheap.steps] == ["all_reduce"]
+    slow_y = dist.CostModel(latency={"y": 1.0})
+    plan = dist.plan_reshard(x, mesh, ["R", "R"], cost_model=slow_y)
+    assert plan.seconds >= 1.0 and plan is not cheap
+    assert dist.default_cost_model() == dist.CostModel()
+
+
+def test_identity_reshard_is_free():
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    x = dist.shard_tensor(_value(), mesh, ["S(0)", "S(1)"])
+    assert dist.plan_reshard(x, mesh, ["S(0)", "S(1)"]).steps == ()
+    assert dist.reshard(x, mesh, ["S(0)", "S(1)"]) is x
+
+
+def test_co_shard_orders():
+    mesh = dist.ProcessMesh(*MESHES["2x2x2"])
+    value = _value()
+    for src, dst in [(["S(0)", "S(0)", "S(0)"], ["S(1)", "S(1)", "S(1)"]),
+                     (["S(0)", "R", "S(0)"], ["R", "S(0)", "S(0)"]),
+                     (["R", "S(0)", "R"], ["S(0)", "S(0)", "R"]),
+                     (["P(sum)", "S(0)", "P(sum)"], ["S(0)", "S(0)", "S(0)"])]:
+        check_reshard(make_tensor(value, mesh, src), mesh, dst, value)
+
+
+def test_scalars_and_other_dtypes():
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    s = make_tensor(np.array(7.0, np.float32), mesh, ["P(sum)", "R"])
+    check_reshard(s, mesh, ["R", "R"], np.array(7.0, np.float32))
+    ints = np.arange(64, dtype=np.int32).reshape(8, 8)
+    check_reshard(make_tensor(ints, mesh, ["P(max)", "S(1)"]), mesh, ["S(1)", "S(0)"], ints)
+    bools = (np.arange(64).reshape(8, 8) % 3 == 0)
+    check_reshard(dist.shard_tensor(bools, mesh, ["S(0)", "S(1)"]), mesh, ["S(1)", "R"], bools)
+
+
+# -- across meshes ----------------------------------------------------------------------------
+
+def _cross(src_mesh, src, dst_mesh, dst, value=None):
+    value = _value() if value is None else value
+    x = make_tensor(value, src_mesh, src, seed=11)
+    plan = dist.plan_reshard(x, dst_mesh, dst)
+    out = dist.reshard(x, dst_mesh, dst)
+    assert out.mesh == dst_mesh
+    assert {s.device.id for s in out.physical.addressable_shards} == set(dst_mesh.process_ids)
+    np.testing.assert_array_equal(logical_value(out), value)
+    hlo = Counter()
+    for text in compiled_hlo(plan, x.physical):
+        hlo += count_collectives(text)
+    assert hlo == Counter(plan.collectives)
+    return plan
+
+
+def test_seed_002_replicate_to_shard_on_other_devices():
+    mesh0 = dist.ProcessMesh([0, 1], dim_names=["x"])
+    mesh1 = dist.ProcessMesh([2, 3], dim_names=["x"])
+    plan = _cross(mesh0, ["R"], mesh1, ["S(0)"], np.array([[1, 2, 3], [4, 5, 6]], np.int32))
+    # Each destination device receives only its own row, sliced on the sender.
+    assert [s.kind for s in plan.steps] == ["transfer"]
+    assert plan.total_bytes == 3 * 4
+
+
+@pytest.mark.parametrize("src,dst", [
+    (["S(0)", "S(1)"], ["S(1)"]), (["P(sum)", "S(1)"], ["S(1)"]), (["R", "P(max)"], ["R"]),
+    (["S(1)", "R"], ["P(sum)"]),
+])
+def test_full_mesh_to_pipeline_stage_and_back(src, dst):
+    full = dist.ProcessMesh(*MESHES["2x4"])
+    stage1 = full["x", 1]
+    assert stage1 == dist.ProcessMesh([4, 5, 6, 7], ["y"])
+    _cross(full, src, stage1, dst)
+    _cross(stage1, dst, full, src)
+
+
+def test_sub_mesh_that_already_holds_its_blocks_moves_nothing():
+    full = dist.ProcessMesh(*MESHES["2x4"])
+    plan = _cross(full, ["R", "S(1)"], full.get_mesh_with_dim("x", 0), ["S(1)"])
+    assert plan.total_bytes == 0
+
+
+@pytest.mark.parametrize("src_mesh,src,dst_mesh,dst", [
+    (([0, 1, 2, 3], ["a"]), ["S(0)"], ([4, 5], ["b"]), ["S(1)"]),
+    (([[0, 1], [2, 3]], ["a", "b"]), ["P(sum)", "S(0)"], ([[4, 5], [6, 7]], ["a", "b"]), ["S(0)", "S(1)"]),
+    (([0, 1, 2, 3, 4, 5, 6, 7], ["x"]), ["S(1)"], ([[7, 5], [3, 1]], ["p", "q"]), ["S(0)", "P(sum)"]),
+    (([[0, 1, 2, 3], [4, 5, 6, 7]], ["x", "y"]), ["S(0)", "S(1)"], ([[3, 2, 1, 0], [7, 6, 5, 4]], ["x", "y"]), ["S(0)", "S(1)"]),
+])
+def test_across_meshes_of_any_size_and_order(src_mesh, src, dst_mesh, dst):
+    _cross(dist.ProcessMesh(*src_mesh), src, dist.ProcessMesh(*dst_mesh), dst)
