@@ -4,16 +4,20 @@
     mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
     w = dist.shard_tensor(w, mesh, [dist.Replicate(), dist.Shard(1)])
 """
+from .compiler.jit import DistributedFunction, jit
+from .compiler.plan import FallbackWarning, Plan
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
 from .creation import dtensor_from_fn, dtensor_from_local, shard_tensor, unshard_dtensor
 from .display import placement_table
 from .dtensor import DistTensor
 from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshError,
-                     PlacementError, PlacementTypeError, ReshardError, ShardingError)
+                     MeshMismatchError, PlacementError, PlacementTypeError, ReshardError,
+                     ShardingError)
 from .layout import Layout
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, parse_placement
 from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
+from .rules import Rule, register_rule
 
 __version__ = "0.1.0"
 
@@ -21,7 +25,8 @@ __all__ = [
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
     "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
-    "set_default_cost_model", "Layout", "placement_table",
+    "set_default_cost_model", "Layout", "placement_table", "jit", "DistributedFunction", "Plan",
+    "FallbackWarning", "register_rule", "Rule", "MeshMismatchError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",
 ]

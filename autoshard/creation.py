@@ -51,6 +51,15 @@ def _reject_tracer(data: Any, verb: str) -> None:
             f"function; outside a transformation pass a concrete array")
 
 
+def annotate(x, mesh: ProcessMesh, placements, *, force: bool):
+    """Inside dist.jit: fix the placement of a traced value (force: a hard conversion point)."""
+    from .compiler.trace import bind_hint
+
+    layout = layout_from_placements(placements, mesh, tuple(x.shape),
+                                    what=_describe(x.shape, x.dtype))
+    return bind_hint(x, mesh, layout, force)
+
+
 def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | str], dtype=None,
                  *, stop_gradient: bool | None = None, place: Any = None) -> DistTensor:
     """Place `data` (numpy, jax.Array, scalar or list) on `mesh` as `placements` describe.
@@ -65,7 +74,8 @@ def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | 
 
         out = reshard(data, mesh, placements)
         return out if dtype is None else shard_tensor(np.asarray(out), mesh, placements, dtype)
-    _reject_tracer(data, "shard_tensor")
+    if isinstance(data, jax.core.Tracer):
+        return annotate(data, mesh, placements, force=False)
     arr = _to_array(data, dtype)
     shape = tuple(arr.shape)
     layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, arr.dtype))

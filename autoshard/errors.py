@@ -71,11 +71,15 @@ class ReshardError(AutoshardError, ValueError):
     """A reshard that cannot be carried out."""
 
 
+class MeshMismatchError(AutoshardError, ValueError):
+    """Values of one program on different meshes (or no mesh at all)."""
+
+
 class LocalDataError(AutoshardError, ValueError):
     """Per-device data handed to dtensor_from_local that does not fit the mesh and placements."""
 
 
 __all__ = [
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
-    "ShardingError", "ReshardError", "LocalDataError", "user_source_line",
+    "ShardingError", "ReshardError", "LocalDataError", "MeshMismatchError", "user_source_line",
 ]

@@ -1,8 +1,21 @@
 """Per-primitive SPMD rules, one module per primitive family, in one registry keyed by primitive.
 
-Installed as `autoshard.rules`. Registration is explicit: a family module lists its rules in a
-table and `register_family` puts them in; nothing registers by import side effect.
+Installed as `autoshard.rules`. Registration is explicit: each family module holds a TABLE and
+`install_builtin_rules` puts them in; importing a module registers nothing.
 """
-from .registry import RuleRegistry, lookup_rule, register_rule, registered_primitives
+from . import dot, elementwise, reduction, shape
+from .registry import REGISTRY, Rule, RuleRegistry, lookup_rule, register_rule, registered_primitives
 
-__all__ = ["RuleRegistry", "register_rule", "lookup_rule", "registered_primitives"]
+FAMILIES = {"elementwise": elementwise, "dot": dot, "reduction": reduction, "shape": shape}
+
+
+def install_builtin_rules(registry: RuleRegistry = REGISTRY) -> RuleRegistry:
+    for module in FAMILIES.values():
+        registry.register_table(module.TABLE)
+    return registry
+
+
+install_builtin_rules()
+
+__all__ = ["Rule", "RuleRegistry", "REGISTRY", "register_rule", "lookup_rule",
+           "registered_primitives", "install_builtin_rules", "FAMILIES"]

@@ -1,25 +1,44 @@
-"""The rule registry: JAX primitive object → rule. Empty until the compiler's rule families land."""
+"""The rule registry: JAX primitive object → Rule.
+
+A Rule is a pure `sharding(in_avals, out_avals, **params) -> OpSharding | None` (None: this
+instance has no rule and runs replicated) plus, where the primitive's params encode global
+shapes or positions, a `lower(ctx, *local_inputs, **params)` that binds it on local blocks.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Rule:
+    sharding: Callable[..., Any]
+    lower: Callable[..., Any] | None = None
 
 
 class RuleRegistry:
     """A table of SPMD rules keyed by the jax primitive object (never by name strings)."""
 
     def __init__(self) -> None:
-        self._rules: dict[Any, Callable[..., Any]] = {}
+        self._rules: dict[Any, Rule] = {}
 
-    def register(self, primitive: Any, rule: Callable[..., Any]) -> None:
+    def register(self, primitive: Any, rule: Rule | Callable[..., Any],
+                 lower: Callable[..., Any] | None = None) -> None:
         if not hasattr(primitive, "bind"):
             from autoshard.errors import PlacementTypeError
 
             raise PlacementTypeError(
                 f"register_rule needs a jax primitive (an object with .bind, e.g. "
                 f"jax.lax.add_p), got {primitive!r}")
+        if not isinstance(rule, Rule):
+            rule = Rule(rule, lower)
         self._rules[primitive] = rule
 
-    def lookup(self, primitive: Any) -> Callable[..., Any] | None:
+    def register_table(self, table: dict[Any, Rule]) -> None:
+        for primitive, rule in table.items():
+            self.register(primitive, rule)
+
+    def lookup(self, primitive: Any) -> Rule | None:
         return self._rules.get(primitive)
 
     def primitives(self) -> list[Any]:
@@ -35,11 +54,13 @@ class RuleRegistry:
 REGISTRY = RuleRegistry()
 
 
-def register_rule(primitive: Any, rule: Callable[..., Any]) -> None:
-    REGISTRY.register(primitive, rule)
+def register_rule(primitive: Any, rule: Rule | Callable[..., Any],
+                  lower: Callable[..., Any] | None = None) -> None:
+    """Add (or replace) the rule of `primitive`, e.g. for a user-defined primitive."""
+    REGISTRY.register(primitive, rule, lower)
 
 
-def lookup_rule(primitive: Any) -> Callable[..., Any] | None:
+def lookup_rule(primitive: Any) -> Rule | None:
     return REGISTRY.lookup(primitive)
 
 

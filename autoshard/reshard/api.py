@@ -54,8 +54,17 @@ def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placemen
 
 def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | str], *,
             cost_model: CostModel | None = None) -> DistTensor:
-    """Move `x` to (mesh, placements): collectives on one mesh, device copies across meshes."""
+    """Move `x` to (mesh, placements): collectives on one mesh, device copies across meshes.
+
+    Inside dist.jit, on a traced value, it marks a forced conversion point instead.
+    """
     mesh = as_process_mesh(mesh)
+    from jax.core import Tracer
+
+    if isinstance(x, Tracer):
+        from ..creation import annotate
+
+        return annotate(x, mesh, placements, force=True)
     mesh.devices()  # a destination with devices this process lacks fails here, with the ids
     plan = plan_reshard(x, mesh, placements, cost_model=cost_model)
     if not plan.steps and plan.src_mesh == plan.dst_mesh:

@@ -1,0 +1,1 @@
+"""The compiler: trace → propagate → plan → partition → lower (one module each)."""

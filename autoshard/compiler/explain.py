@@ -1,0 +1,78 @@
+"""explain(): the plan as a table — every equation that moved data, every collective, totals."""
+from __future__ import annotations
+
+import html
+
+from ..reshard.planner import _fmt_bytes
+
+
+def _rows(plan):
+    mesh = plan.mesh
+    rows = []
+    for ep in plan.eqns:
+        moved = bool(ep.reshards) or ep.fallback or any(L.partial for L in ep.results)
+        if not moved:
+            continue
+        ins = ", ".join(L.describe(mesh) for L in ep.operands)
+        outs = ", ".join(L.describe(mesh) for L in ep.results)
+        comm = "; ".join(str(s.step) for _, rp in ep.reshards for s in rp.steps) or "-"
+        rows.append((str(ep.index), ep.primitive, ep.source or "?", f"{ins} → {outs}", ep.strategy, comm))
+    return rows
+
+
+def explain_text(plan) -> str:
+    mesh = plan.mesh
+    lines = [f"autoshard plan on mesh {mesh.shape} {mesh.dim_names} "
+             f"({len(plan.program.eqns)} equations)"]
+    lines.append("inputs:  " + ", ".join(L.describe(mesh) for L in plan.inputs))
+    lines.append("outputs: " + ", ".join(L.describe(mesh) for L in plan.outputs))
+    rows = _rows(plan)
+    if rows:
+        lines.append("equations that move data or keep a Partial:")
+        for r in rows:
+            lines.append(f"  #{r[0]:<4} {r[1]:<18} {r[2]:<22} {r[3]}   [{r[4]}]  {r[5]}")
+    lines.append("collectives:")
+    if not plan.collectives:
+        lines.append("  none")
+    for c in plan.collectives:
+        lines.append(f"  {c.kind:<15} {c.step:<28} {_fmt_bytes(c.bytes_per_device):>10}/device  "
+                     f"at {c.source or '(output)'}: {c.reason}")
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) or "none"
+    lines.append(f"total: {counts}; {_fmt_bytes(plan.total_bytes)} per device")
+    if plan.fallbacks:
+        lines.append("replicated for lack of a rule: " +
+                     ", ".join(f"{n} at {s}" for n, s in plan.fallbacks))
+    return "\n".join(lines)
+
+
+def explain_html(plan) -> str:
+    head = ("<tr><th>#</th><th>op</th><th>source</th><th>layouts</th><th>strategy</th>"
+            "<th>collectives</th></tr>")
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
+                   for r in _rows(plan))
+    coll = "".join(
+        f"<tr><td>{c.kind}</td><td>{html.escape(c.step)}</td><td>{_fmt_bytes(c.bytes_per_device)}</td>"
+        f"<td>{html.escape(c.source or 'output')}</td><td>{html.escape(c.reason)}</td></tr>"
+        for c in plan.collectives)
+    return (f"<div><b>autoshard plan</b> on mesh {plan.mesh.shape} {plan.mesh.dim_names}: "
+            f"{len(plan.collectives)} collectives, {_fmt_bytes(plan.total_bytes)} per device"
+            f"<table>{head}{body}</table><table><tr><th>collective</th><th>step</th><th>bytes/device</th>"
+            f"<th>source</th><th>why</th></tr>{coll}</table></div>")
+
+
+class Explanation:
+    """What f.explain() returns: prints as text, renders as HTML in a notebook."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __str__(self) -> str:
+        return explain_text(self.plan)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return explain_html(self.plan)
+
+
+__all__ = ["explain_text", "explain_html", "Explanation"]

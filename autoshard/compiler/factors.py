@@ -1,0 +1,92 @@
+"""What a rule declares about one equation: a factor per operand/result dim, and a partial algebra.
+
+Shardy's factor model in miniature. Each dim carries a factor (or None: never sharded, e.g. a
+size-1 broadcast dim); sharding a factor on a mesh axis shards every dim that carries it.
+- PASS factors are batch / elementwise / matmul m,n dims;
+- REDUCE factors are contracted or reduced dims: sharding one makes the result Partial with the
+  factor's reduce type;
+- REPLICATE factors must stay whole (a sort axis, a concatenated dim).
+The partial algebra says which Partial operands may flow straight through: LINEAR ops pass
+P(sum)/P(avg) when all operands carry it (add), or when exactly one does and the rest are
+replicated (mul, dot); MONOTONE ops pass P(max)/P(min) when all operands carry it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..placement import ReduceType
+
+PASS, REDUCE, REPLICATE = "pass", "reduce", "replicate"
+NONE, ALL, ONE = "none", "all", "one"
+
+DimFactors = tuple  # tuple[int | None, ...]: factor index per dim
+
+
+@dataclass(frozen=True)
+class Factor:
+    kind: str = PASS
+    reduce_type: ReduceType | None = None
+
+
+@dataclass(frozen=True)
+class OpSharding:
+    operands: tuple[DimFactors, ...]
+    results: tuple[DimFactors, ...]
+    factors: tuple[Factor, ...]
+    linear: str = NONE           # how P(sum)/P(avg) pass: NONE, ALL or ONE
+    monotone: str = NONE         # how P(max)/P(min) pass: NONE or ALL
+    partial_operands: tuple[int, ...] | None = None  # operands that may be the partial one (ONE)
+
+    def partial_mode(self, reduce_type: ReduceType) -> str:
+        if reduce_type in (ReduceType.SUM, ReduceType.AVG):
+            return self.linear
+        return self.monotone
+
+    def dims_of(self, factor: int) -> list[tuple[str, int, int]]:
+        """('operand'|'result', index, dim) of every dim that carries `factor`."""
+        out = []
+        for kind, groups in (("operand", self.operands), ("result", self.results)):
+            for i, dims in enumerate(groups):
+                for d, f in enumerate(dims):
+                    if f == factor:
+                        out.append((kind, i, d))
+        return out
+
+
+def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[Sequence[int]],
+           *, reduce_type: ReduceType = ReduceType.SUM, replicate: str = "",
+           linear: str = NONE, monotone: str = NONE,
+           partial_operands: tuple[int, ...] | None = None) -> OpSharding:
+    """Build an OpSharding from an einsum-like spec, e.g. "bk,kn->bn" (one letter per dim).
+
+    Letters only on the input side are REDUCE factors; letters in `replicate` are REPLICATE;
+    `.` marks a dim that is never sharded. Size-1 dims are never sharded either.
+    """
+    lhs, rhs = spec.split("->")
+    ins, outs = lhs.split(","), rhs.split(",")
+    letters: list[str] = []
+    for term in ins + outs:
+        for ch in term:
+            if ch != "." and ch not in letters:
+                letters.append(ch)
+    out_letters = set("".join(outs))
+    factors = tuple(
+        Factor(REPLICATE) if ch in replicate else
+        Factor(PASS) if ch in out_letters else Factor(REDUCE, reduce_type)
+        for ch in letters)
+
+    def dims(term: str, shape: Sequence[int]) -> DimFactors:
+        assert len(term) == len(shape), (spec, term, shape)
+        return tuple(None if ch == "." or size == 1 else letters.index(ch)
+                     for ch, size in zip(term, shape))
+
+    return OpSharding(tuple(dims(t, s) for t, s in zip(ins, shapes_in)),
+                      tuple(dims(t, s) for t, s in zip(outs, shapes_out)),
+                      factors, linear, monotone, partial_operands)
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+__all__ = ["Factor", "OpSharding", "einsum", "PASS", "REDUCE", "REPLICATE", "NONE", "ALL", "ONE",
+           "LETTERS"]

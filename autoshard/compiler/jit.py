@@ -1,0 +1,258 @@
+"""dist.jit: trace → propagate → plan → partition → lower, cached per input layouts and avals."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ..cost_model import CostModel, default_cost_model
+from ..dtensor import DistTensor
+from ..errors import MeshMismatchError, PlacementTypeError
+from ..layout import Layout, layout_from_placements
+from ..mesh import ProcessMesh, as_process_mesh
+from ..physical import physical_sharding, physical_spec
+from ..placement import Placement
+from .explain import Explanation
+from .partition import local_function
+from .plan import Plan, make_plan
+from .trace import build_program, hint_p
+
+
+def _registry():
+    from .. import rules
+
+    return rules.REGISTRY
+
+
+def _layout_of_named(sharding: NamedSharding, ndim: int) -> Layout:
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
+    dims = []
+    for entry in spec:
+        if entry is None:
+            dims.append(())
+        elif isinstance(entry, tuple):
+            dims.append(tuple(entry))
+        else:
+            dims.append((entry,))
+    return Layout(tuple(dims))
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    shape: tuple[int, ...]
+    dtype: Any
+    mesh: ProcessMesh | None
+    layout: Layout | None    # None: unplaced, the plan decides
+
+
+def _describe_leaf(x) -> _Leaf:
+    if isinstance(x, DistTensor):
+        return _Leaf(x.shape, np.dtype(x.dtype), x.mesh, x.layout)
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1:
+        mesh = as_process_mesh(x.sharding.mesh)
+        return _Leaf(tuple(x.shape), np.dtype(x.dtype), mesh, _layout_of_named(x.sharding, x.ndim))
+    arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
+    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+    return _Leaf(tuple(np.shape(arr)), np.dtype(dtype), None, None)
+
+
+@dataclass
+class _Compiled:
+    plan: Plan
+    fn: Callable
+    out_tree: Any
+    leaves: tuple[_Leaf, ...]
+
+
+class DistributedFunction:
+    """A function partitioned across a mesh by autoshard; see `autoshard.jit`."""
+
+    def __init__(self, fn: Callable, *, static_argnums: Sequence[int] = (),
+                 donate_argnums: Sequence[int] = (), out_placements: Any = None,
+                 cost_model: CostModel | None = None):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._static = tuple(sorted({int(i) for i in (static_argnums if isinstance(static_argnums, (list, tuple)) else (static_argnums,))}))
+        self._donate = tuple(donate_argnums if isinstance(donate_argnums, (list, tuple)) else (donate_argnums,))
+        self._out_placements = out_placements
+        self._cost_model = cost_model
+        self._cache: dict = {}
+        self.trace_count = 0
+
+    # -- argument handling ------------------------------------------------------------------
+    def _split(self, args, kwargs):
+        static = tuple(args[i] for i in self._static if i < len(args))
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
+        leaves, tree = jax.tree.flatten((dynamic, kwargs), is_leaf=lambda x: isinstance(x, DistTensor))
+        return static, leaves, tree
+
+    def _rebuild_args(self, static, dynamic):
+        args, it = [], iter(static)
+        total = len(dynamic) + len(static)
+        dyn = iter(dynamic)
+        for i in range(total):
+            args.append(next(it) if i in self._static else next(dyn))
+        return args
+
+    def _entry(self, args, kwargs) -> tuple[_Compiled, list]:
+        static, leaves, tree = self._split(args, kwargs)
+        described = tuple(_describe_leaf(x) for x in leaves)
+        try:
+            key = (tree, static, described)
+            hash(key)
+        except TypeError as exc:
+            raise PlacementTypeError(f"dist.jit: static arguments must be hashable ({exc})") from None
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(static, tree, described)
+            self._cache[key] = entry
+        return entry, leaves
+
+    # -- the pipeline -----------------------------------------------------------------------
+    def _trace(self, static, tree, described):
+        out_tree_box = []
+
+        def flat(*flat_args):
+            dynamic, kwargs = jax.tree.unflatten(tree, flat_args)
+            out = self._fn(*self._rebuild_args(static, dynamic), **kwargs)
+            outs, out_tree = jax.tree.flatten(out)
+            out_tree_box.append(out_tree)
+            return outs
+
+        self.trace_count += 1
+        avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
+        closed = jax.make_jaxpr(flat)(*avals)
+        return closed, out_tree_box[0]
+
+    def _mesh(self, program, described) -> ProcessMesh:
+        seen: list[tuple[ProcessMesh, str]] = []
+        for i, d in enumerate(described):
+            if d.mesh is not None:
+                seen.append((d.mesh, f"input {i}"))
+        for e in program.eqns:
+            if e.primitive is hint_p:
+                seen.append((e.params["mesh"], f"the annotation at {e.source or '?'}"))
+        if not seen:
+            raise MeshMismatchError(
+                "dist.jit found no mesh: no argument is a DistTensor or a sharded jax.Array and "
+                "the function annotates nothing — place an input with dist.shard_tensor(x, mesh, "
+                "placements) or annotate a value inside with dist.shard_tensor")
+        mesh, what = seen[0]
+        for other, where in seen[1:]:
+            if other != mesh:
+                raise MeshMismatchError(
+                    f"{where} is on {other!r} but {what} is on {mesh!r}: one dist.jit program runs "
+                    f"on one mesh — reshard the input onto the same mesh before the call "
+                    f"(dist.reshard(x, mesh, placements)); moving between meshes inside a "
+                    f"function is pipeline parallelism, which needs its own stage programs",
+                    where=where.split(" at ")[-1] if " at " in where else None)
+        return mesh
+
+    def _out_targets(self, program, mesh) -> list[Layout | None]:
+        spec = self._out_placements
+        n = len(program.outputs)
+        if spec is None:
+            return [None] * n
+        if _is_placements(spec):
+            per_output = [spec] * n
+        else:
+            per_output = list(spec)
+            if len(per_output) != n:
+                raise PlacementTypeError(
+                    f"out_placements has {len(per_output)} entries for {n} outputs: give one "
+                    f"placements list per output (None to let the plan choose), or one list for all")
+        return [None if p is None else layout_from_placements(p, mesh, v.shape, what=f"output {k}")
+                for k, (v, p) in enumerate(zip(program.outputs, per_output))]
+
+    def _compile(self, static, tree, described) -> _Compiled:
+        closed, out_tree = self._trace(static, tree, described)
+        program = build_program(closed)
+        mesh = self._mesh(program, described)
+        for d in described:
+            if d.mesh is not None and d.mesh != mesh:
+                raise MeshMismatchError(f"inputs are on different meshes: {d.mesh!r} and {mesh!r}")
+        cost_model = self._cost_model or default_cost_model()
+        plan = make_plan(program, mesh, [d.layout for d in described],
+                         self._out_targets(program, mesh), _registry(), cost_model)
+        local = local_function(plan, _registry())
+        in_specs = tuple(physical_spec(L, mesh) for L in plan.inputs)
+        out_specs = [physical_spec(L, mesh) for L in plan.outputs]
+        mapped = jax.shard_map(local, mesh=mesh.to_jax(), in_specs=in_specs, out_specs=out_specs,
+                               check_vma=True)
+        fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree))
+        return _Compiled(plan, fn, out_tree, described)
+
+    def _flat_donations(self, tree) -> tuple[int, ...]:
+        if not self._donate:
+            return ()
+        dynamic_positions = [i for i in range(max(self._donate) + 1 + len(self._static))
+                             if i not in self._static]
+        donated_dynamic = {dynamic_positions.index(i) for i in self._donate if i in dynamic_positions}
+        (dyn_tree, _kw) = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+        flat = []
+        for j, sub in enumerate(dyn_tree):
+            if j in donated_dynamic:
+                flat.extend(jax.tree.leaves(sub))
+        return tuple(flat)
+
+    def _physical_inputs(self, entry: _Compiled, leaves) -> list:
+        out = []
+        for x, d, L in zip(leaves, entry.leaves, entry.plan.inputs):
+            if isinstance(x, DistTensor):
+                out.append(x.physical)
+            elif d.layout is not None:
+                out.append(x)
+            else:
+                arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x, dtype=d.dtype)
+                out.append(jax.device_put(arr, physical_sharding(L, entry.plan.mesh)))
+        return out
+
+    # -- public -------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        entry, leaves = self._entry(args, kwargs)
+        outs = entry.fn(*self._physical_inputs(entry, leaves))
+        plan = entry.plan
+        wrapped = [DistTensor(o, plan.mesh, L, v.shape)
+                   for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
+        return jax.tree.unflatten(entry.out_tree, wrapped)
+
+    def plan(self, *args, **kwargs) -> Plan:
+        """The Plan for these arguments: every value's layout, every collective and why."""
+        return self._entry(args, kwargs)[0].plan
+
+    def explain(self, *args, **kwargs) -> Explanation:
+        """The plan as a table (text in a terminal, HTML in a notebook)."""
+        return Explanation(self.plan(*args, **kwargs))
+
+    def lower(self, *args, **kwargs):
+        """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
+        entry, leaves = self._entry(args, kwargs)
+        return entry.fn.lower(*self._physical_inputs(entry, leaves))
+
+
+def _is_placements(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        isinstance(p, (Placement, str)) for p in x)
+
+
+def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
+        donate_argnums: Sequence[int] = (), out_placements: Any = None,
+        cost_model: CostModel | None = None):
+    """Partition `fn` across the mesh of its DistTensor inputs (usable as a decorator).
+
+    Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
+    `dist.reshard(x, mesh, placements)` forces a conversion; everything else is decided by the
+    SPMD rules and the cost model. Outputs are DistTensors.
+    """
+    if fn is None:
+        return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,
+                                 out_placements=out_placements, cost_model=cost_model)
+    return DistributedFunction(fn, static_argnums=static_argnums, donate_argnums=donate_argnums,
+                               out_placements=out_placements, cost_model=cost_model)
+
+
+__all__ = ["jit", "DistributedFunction"]

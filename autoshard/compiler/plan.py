@@ -1,0 +1,186 @@
+"""Plan: the layout of every value, the strategy of every equation, and every collective.
+
+Computed before anything is compiled, from the propagated preferences: in program order each
+equation takes the cheapest strategy given its operands' actual layouts (cost model), the
+operands that do not match are resharded (planner), and the results get the strategy's layouts
+— Partial included, kept pending until a consumer cannot take it. Outputs are reduced unless
+`out_placements` says otherwise.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cost_model import CostModel
+from ..layout import Layout
+from ..mesh import ProcessMesh
+from ..reshard.api import plan_layouts
+from ..reshard.planner import ReshardPlan, _fmt_bytes
+from .propagate import propagate, rule_sharding
+from .strategy import choose
+from .trace import Program, Value, hint_p
+
+
+class FallbackWarning(UserWarning):
+    """A primitive without an SPMD rule ran replicated (correct, but its inputs were gathered)."""
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    kind: str              # HLO op: all-gather, all-reduce, reduce-scatter, all-to-all
+    step: str              # e.g. "psum(mp)"
+    axes: tuple[str, ...]
+    bytes_per_device: int
+    value: str             # the program value it moves
+    consumer: str          # the equation (or "output") that needed it
+    source: str | None     # the user's file:line
+    reason: str
+
+
+@dataclass
+class EqnPlan:
+    index: int
+    primitive: str
+    source: str | None
+    operands: list[Layout]
+    required: list[Layout]
+    results: list[Layout]
+    strategy: str
+    considered: int
+    seconds: float
+    fallback: bool = False
+    reshards: list[tuple[int, ReshardPlan]] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    mesh: ProcessMesh
+    program: Program
+    layouts: dict
+    inputs: list[Layout]
+    outputs: list[Layout]
+    eqns: list[EqnPlan]
+    output_reshards: list[tuple[int, ReshardPlan]]
+    collectives: list[PlannedCollective]
+    fallbacks: list[tuple[str, str | None]]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes_per_device for c in self.collectives)
+
+    def collective_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for c in self.collectives:
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+        return counts
+
+    def layout_of(self, value: Value) -> Layout:
+        return self.layouts[value]
+
+    def __str__(self) -> str:
+        from .explain import explain_text
+
+        return explain_text(self)
+
+
+def _reason(consumer: str, value: Value, src: Layout, dst: Layout, mesh: ProcessMesh) -> str:
+    return (f"{consumer} needs {value!r} as {dst.describe(mesh)}, it is {src.describe(mesh)}")
+
+
+def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
+              output_targets: list[Layout | None], registry, cost_model: CostModel) -> Plan:
+    fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
+    for e in program.eqns:
+        if e.primitive is hint_p:
+            fixed[e.outputs[0]] = e.params["layout"]
+    for v, L in zip(program.outputs, output_targets):
+        if L is not None and v not in fixed and not v.is_const:
+            fixed[v] = L
+    pref = propagate(program, mesh, fixed, registry, cost_model)
+
+    actual: dict = {}
+    inputs = []
+    for v, L in zip(program.inputs, input_layouts):
+        if L is None:  # unplaced input: placed where propagation wants it, never partial
+            L = (pref.get(v) or Layout.replicated(len(v.shape))).without_partial()
+        actual[v] = L
+        inputs.append(L)
+    for c in program.consts:
+        actual[c] = Layout.replicated(len(c.shape))
+
+    collectives: list[PlannedCollective] = []
+    done: set = set()
+    fallbacks: list[tuple[str, str | None]] = []
+
+    def reshard(value: Value, dst: Layout, consumer: str, source) -> ReshardPlan:
+        src = actual[value]
+        rp = plan_layouts(tuple(value.shape), np.dtype(value.dtype).name, mesh, src, mesh, dst,
+                          cost_model)
+        if (value, dst) not in done:  # a value resharded twice the same way is moved once
+            done.add((value, dst))
+            for s in rp.steps:
+                if s.step.hlo:
+                    collectives.append(PlannedCollective(
+                        s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
+                        repr(value), consumer, source, _reason(consumer, value, src, dst, mesh)))
+        return rp
+
+    eqn_plans = []
+    for e in program.eqns:
+        operands = [actual[v] for v in e.inputs]
+        in_avals = [v.aval for v in e.inputs]
+        out_avals = [v.aval for v in e.outputs]
+        fallback = False
+        if e.primitive is hint_p:
+            target = e.params["layout"]
+            required, results, strategy, considered, seconds = [target], [target], "annotation", 1, 0.0
+        else:
+            opsh = rule_sharding(e, registry)
+            if opsh is None:
+                fallback = True
+                fallbacks.append((e.name, e.source))
+                required = [Layout.replicated(len(a.shape)) for a in in_avals]
+                results = [Layout.replicated(len(a.shape)) for a in out_avals]
+                strategy, considered, seconds = "replicated (no rule)", 1, 0.0
+            else:
+                choice = choose(opsh, mesh, in_avals, out_avals, operands,
+                                [pref.get(v) for v in e.outputs], cost_model)
+                required, results = choice.operands, choice.results
+                strategy = choice.strategy.describe(opsh)
+                considered, seconds = choice.considered, choice.seconds
+        ep = EqnPlan(e.index, e.name, e.source, operands, required, results, strategy,
+                     considered, seconds, fallback)
+        for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
+            if src != dst:
+                ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.source)))
+        for v, L in zip(e.outputs, results):
+            actual[v] = L
+        eqn_plans.append(ep)
+
+    producer = {v: e.source for e in program.eqns for v in e.outputs}
+    outputs, output_reshards = [], []
+    for k, (v, target) in enumerate(zip(program.outputs, output_targets)):
+        dst = target if target is not None else actual[v].without_partial()
+        if actual[v] != dst:
+            output_reshards.append((k, reshard(v, dst, f"output {k}", producer.get(v))))
+        outputs.append(dst)
+
+    if fallbacks:
+        names = sorted({n for n, _ in fallbacks})
+        for name in names:
+            where = ", ".join(sorted({s or "?" for n, s in fallbacks if n == name}))
+            warnings.warn(
+                f"autoshard: no SPMD rule for primitive '{name}' (at {where}); it runs "
+                f"replicated — results stay correct, but its inputs are gathered. Add a rule "
+                f"with dist.register_rule(<primitive>, rule).", FallbackWarning, stacklevel=4)
+    return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards, collectives,
+                fallbacks)
+
+
+def describe_bytes(n: int) -> str:
+    return _fmt_bytes(n)
+
+
+__all__ = ["Plan", "EqnPlan", "PlannedCollective", "FallbackWarning", "make_plan"]

@@ -1,0 +1,85 @@
+"""Propagate: where every value of the program would like to live, both ways, to a fixpoint.
+
+Annotated values (placed inputs, shard_tensor / reshard hints) are fixed. Sweeping forward,
+an equation with some known operands proposes layouts for its unknown results (and unknown
+operands); sweeping backward, known results propose layouts for unknown operands — so a hint
+deep in the program reaches the unplaced inputs that feed it, as in GSPMD and Shardy. A value
+once proposed is not revised (first proposal wins, in program order, deterministically); what
+stays unknown is replicated. The plan (plan.py) then decides each equation by cost, using these
+preferences as the look-ahead.
+"""
+from __future__ import annotations
+
+from ..cost_model import CostModel
+from ..layout import Layout
+from ..mesh import ProcessMesh
+from .strategy import choose
+from .trace import Eqn, Program, hint_p
+
+
+def rule_sharding(eqn: Eqn, registry):
+    rule = registry.lookup(eqn.primitive)
+    if rule is None:
+        return None
+    try:
+        return rule.sharding([v.aval for v in eqn.inputs], [v.aval for v in eqn.outputs],
+                             **eqn.params)
+    except (TypeError, ValueError, KeyError, IndexError, AssertionError):
+        return None  # an instance the rule does not describe runs replicated
+
+
+def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
+              cost_model: CostModel, max_sweeps: int = 4) -> dict:
+    """Preferred Layout of every value (fixed ones included); consts are replicated."""
+    pref: dict = dict(fixed)
+    for c in program.consts:
+        pref[c] = Layout.replicated(len(c.shape))
+    shardings = {e.index: rule_sharding(e, registry) for e in program.eqns
+                 if e.primitive is not hint_p}
+
+    def visit(e: Eqn) -> bool:
+        known_in = [pref.get(v) for v in e.inputs]
+        known_out = [pref.get(v) for v in e.outputs]
+        if all(L is not None for L in known_in + known_out):
+            return False
+        if not any(L is not None for L in known_in + known_out):
+            return False
+        changed = False
+        if e.primitive is hint_p:
+            target = e.params["layout"]
+            for v in e.outputs:
+                if v not in pref:
+                    pref[v] = target
+                    changed = True
+            for v in e.inputs:
+                if v not in pref and not v.is_const:
+                    pref[v] = target.without_partial()
+                    changed = True
+            return changed
+        opsh = shardings.get(e.index)
+        if opsh is None:
+            return False
+        choice = choose(opsh, mesh, [v.aval for v in e.inputs], [v.aval for v in e.outputs],
+                        known_in, known_out, cost_model)
+        for v, L in zip(e.outputs, choice.results):
+            if v not in pref:
+                pref[v] = L
+                changed = True
+        for v, L in zip(e.inputs, choice.operands):
+            if v not in pref and not v.is_const:
+                pref[v] = L.without_partial()
+                changed = True
+        return changed
+
+    for _ in range(max_sweeps):
+        changed = False
+        for e in program.eqns:
+            changed |= visit(e)
+        for e in reversed(program.eqns):
+            changed |= visit(e)
+        if not changed:
+            break
+    return pref
+
+
+__all__ = ["propagate", "rule_sharding"]

@@ -1,0 +1,178 @@
+"""Strategies for one equation: which mesh axis shards which factor, which Partial passes through.
+
+The engine derives N-d strategies from the rule's 1-d factor description: candidates are seeded
+from the operands' current layouts and the results' preferred layouts (merged where they agree),
+plus "reduce-scatter" variants that put a pending partial axis onto a factor, plus replicated;
+each is priced with the cost model (reshards of operands, mismatch with what consumers prefer,
+local compute) and the cheapest wins, deterministically (first of equals).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..cost_model import CostModel
+from ..errors import PlacementError
+from ..layout import Layout
+from ..mesh import ProcessMesh
+from ..placement import ReduceType
+from ..reshard.planner import plan_on_mesh
+from .factors import ALL, NONE, ONE, PASS, REDUCE, REPLICATE, OpSharding
+
+ALL_OPERANDS = -1
+
+
+@dataclass(frozen=True)
+class Strategy:
+    assign: tuple[tuple[str, int], ...] = ()                 # (mesh axis, factor), co-shard order
+    partial: tuple[tuple[str, ReduceType, int], ...] = ()    # (axis, type, operand or ALL_OPERANDS)
+
+    def axes_of(self, factor: int) -> tuple[str, ...]:
+        return tuple(a for a, f in self.assign if f == factor)
+
+    def used(self) -> set[str]:
+        return {a for a, _ in self.assign} | {a for a, _, _ in self.partial}
+
+    def describe(self, opsh: OpSharding) -> str:
+        parts = [f"{a}→{'reduce' if opsh.factors[f].kind == REDUCE else 'dim'}#{f}" for a, f in self.assign]
+        parts += [f"{a}→P({t.value}) passes" for a, t, _ in self.partial]
+        return ", ".join(parts) or "replicated"
+
+
+def _dims(groups, factors_axes) -> tuple[tuple[str, ...], ...]:
+    return tuple(factors_axes.get(f, ()) if f is not None else () for f in groups)
+
+
+def layouts(opsh: OpSharding, s: Strategy, in_shapes: Sequence[tuple[int, ...]],
+            out_shapes: Sequence[tuple[int, ...]], sizes) -> tuple[list[Layout], list[Layout]] | None:
+    """Operand and result layouts that strategy `s` implies; None if it is not valid here."""
+    factor_axes: dict[int, tuple[str, ...]] = {}
+    for a, f in s.assign:
+        if opsh.factors[f].kind == REPLICATE:
+            return None
+        factor_axes[f] = factor_axes.get(f, ()) + (a,)
+    for f, axes in factor_axes.items():
+        n = math.prod(sizes[a] for a in axes)
+        for kind, i, d in opsh.dims_of(f):
+            shape = in_shapes[i] if kind == "operand" else out_shapes[i]
+            if shape[d] % n:
+                return None
+    try:
+        ins = []
+        for i, groups in enumerate(opsh.operands):
+            partial = tuple((a, t) for a, t, who in s.partial if who in (ALL_OPERANDS, i))
+            ins.append(Layout(_dims(groups, factor_axes), partial))
+        outs = []
+        reduced = tuple((a, opsh.factors[f].reduce_type) for a, f in s.assign
+                        if opsh.factors[f].kind == REDUCE)
+        passed = tuple((a, t) for a, t, _ in s.partial)
+        for groups in opsh.results:
+            outs.append(Layout(_dims(groups, factor_axes), reduced + passed))
+    except PlacementError:  # e.g. a max-partial meeting a sum-partial
+        return None
+    return ins, outs
+
+
+def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None):
+    assign, partial = [], []
+    for d, axes in enumerate(layout.dims):
+        f = groups[d] if d < len(groups) else None
+        if f is None or opsh.factors[f].kind == REPLICATE:
+            continue
+        assign.extend((a, f) for a in axes)
+    if operand is not None:
+        for a, t in layout.partial:
+            mode = opsh.partial_mode(t)
+            if mode == ALL:
+                partial.append((a, t, ALL_OPERANDS))
+            elif mode == ONE and (opsh.partial_operands is None or operand in opsh.partial_operands):
+                partial.append((a, t, operand))
+    return assign, partial
+
+
+def _merge(seeds) -> Strategy:
+    assign, partial, used = [], [], set()
+    for seed_assign, seed_partial in seeds:
+        for a, f in seed_assign:
+            if a not in used:
+                assign.append((a, f))
+                used.add(a)
+        for a, t, who in seed_partial:
+            if a not in used:
+                partial.append((a, t, who))
+                used.add(a)
+    return Strategy(tuple(assign), tuple(partial))
+
+
+def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
+               preferred: Sequence[Layout | None]) -> list[Strategy]:
+    seeds = [_seed_from(opsh.operands[i], L, opsh, i) for i, L in enumerate(actual) if L is not None]
+    seeds += [_seed_from(opsh.results[j], L, opsh, None) for j, L in enumerate(preferred)
+              if L is not None]
+    out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
+    out += [_merge([s]) for s in seeds]
+    # A pending partial axis can be reduce-scattered onto any pass-through factor instead.
+    base = out[0]
+    pending = {a for L in actual if L is not None for a, _ in L.partial} - base.used()
+    for a in sorted(pending):
+        for f, factor in enumerate(opsh.factors):
+            if factor.kind == PASS:
+                out.append(Strategy(base.assign + ((a, f),), base.partial))
+    out.append(Strategy())
+    unique: list[Strategy] = []
+    for s in out:
+        if s not in unique:
+            unique.append(s)
+    return unique
+
+
+def reshard_seconds(mesh: ProcessMesh, src: Layout, dst: Layout, shape, dtype,
+                    cost_model: CostModel) -> float:
+    if src == dst:
+        return 0.0
+    return sum(s.seconds for s in plan_on_mesh(mesh, src, dst, tuple(shape), np.dtype(dtype).name,
+                                                cost_model))
+
+
+@dataclass(frozen=True)
+class Choice:
+    strategy: Strategy
+    operands: list[Layout]
+    results: list[Layout]
+    seconds: float
+    considered: int
+
+
+def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
+           actual: Sequence[Layout | None], preferred: Sequence[Layout | None],
+           cost_model: CostModel) -> Choice:
+    """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing)."""
+    sizes = mesh.axis_sizes
+    in_shapes = [tuple(a.shape) for a in in_avals]
+    out_shapes = [tuple(a.shape) for a in out_avals]
+    best: Choice | None = None
+    cands = candidates(opsh, actual, preferred)
+    for s in cands:
+        implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
+        if implied is None:
+            continue
+        ins, outs = implied
+        cost = 0.0
+        for L, R, aval in zip(actual, ins, in_avals):
+            if L is not None:
+                cost += reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
+        for R, P, aval in zip(outs, preferred, out_avals):
+            if P is not None:
+                cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
+            local = math.prod(R.local_shape(aval.shape, sizes)) * np.dtype(aval.dtype).itemsize
+            cost += cost_model.local(local)
+        if best is None or cost < best.seconds - 1e-15:
+            best = Choice(s, ins, outs, cost, len(cands))
+    assert best is not None  # the replicated strategy is always valid
+    return best
+
+
+__all__ = ["Strategy", "Choice", "choose", "candidates", "layouts", "reshard_seconds", "NONE"]

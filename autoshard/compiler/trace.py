@@ -1,0 +1,218 @@
+"""Trace: a user function → a flat program (our IR) with the user's annotations on it.
+
+`jax.make_jaxpr` gives nested jaxprs; calls that only wrap a body (jit, closed_call,
+custom_jvp_call, custom_vjp_call, checkpoint) are inlined so the propagation sees one flat list
+of equations. Each IR value is a fresh `Value` (inner jaxprs reuse their Var objects when called
+twice, so jaxpr Vars cannot be keys). `shard_tensor` / `reshard` on tracers bind `hint_p`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jex_core
+
+from ..layout import Layout
+from ..mesh import ProcessMesh
+
+# --------------------------------------------------------------------------------- hint primitive
+hint_p = jex_core.Primitive("autoshard_hint")
+
+
+def _hint_impl(x, *, mesh, layout, force):
+    return x
+
+
+def _hint_abstract(aval, *, mesh, layout, force):
+    return aval
+
+
+hint_p.def_impl(_hint_impl)
+hint_p.def_abstract_eval(_hint_abstract)
+
+
+def _hint_jvp(primals, tangents, *, mesh, layout, force):
+    (x,), (t,) = primals, tangents
+    out = hint_p.bind(x, mesh=mesh, layout=layout, force=force)
+    if type(t) is jax.interpreters.ad.Zero:
+        return out, t
+    return out, hint_p.bind(t, mesh=mesh, layout=layout, force=force)
+
+
+def _hint_transpose(ct, x, *, mesh, layout, force):
+    if type(ct) is jax.interpreters.ad.Zero:
+        return (ct,)
+    # The cotangent of an annotated value lives where the value lives, but never partial.
+    return (hint_p.bind(ct, mesh=mesh, layout=layout.without_partial(), force=False),)
+
+
+def _hint_batch(args, dims, *, mesh, layout, force):
+    return args[0], dims[0]  # vmapped values carry an extra dim: drop the hint rather than lie
+
+
+jax.interpreters.ad.primitive_jvps[hint_p] = _hint_jvp
+jax.interpreters.ad.primitive_transposes[hint_p] = _hint_transpose
+jax.interpreters.batching.primitive_batchers[hint_p] = _hint_batch
+jax.interpreters.mlir.register_lowering(hint_p, lambda ctx, x, **_: [x])
+
+
+def bind_hint(x, mesh: ProcessMesh, layout: Layout, force: bool):
+    return hint_p.bind(x, mesh=mesh, layout=layout, force=force)
+
+
+# --------------------------------------------------------------------------------- the IR
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Value:
+    """One SSA value of the flat program."""
+
+    aval: Any
+    name: str = ""
+    const: Any = None          # a literal or closed-over constant, else None
+    is_const: bool = False
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.aval.shape)
+
+    @property
+    def dtype(self):
+        return self.aval.dtype
+
+    def __repr__(self) -> str:
+        return self.name or f"v{self.id}"
+
+
+@dataclass(eq=False)
+class Eqn:
+    primitive: Any
+    inputs: list[Value]
+    outputs: list[Value]
+    params: dict
+    source: str | None
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclass(eq=False)
+class Program:
+    inputs: list[Value]
+    outputs: list[Value]
+    eqns: list[Eqn]
+    consts: list[Value]
+
+
+_INLINE_JAXPR_PARAM = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+}
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def source_line(source_info) -> str | None:
+    """`file:line` of the user's code that produced an equation.
+
+    Frames inside installed libraries (optax, flax) and autoshard itself are skipped, so an
+    optimizer update is attributed to the user's line that called it.
+    """
+    if not source_info:
+        return None
+    frames = list(source_info_util.user_frames(source_info.traceback))
+    mine = [f for f in frames if not f.file_name.startswith(_PKG)
+            and not any(m in f.file_name for m in _LIBRARY_MARKERS)]
+    frame = (mine or frames or [None])[0]
+    if frame is None:
+        return None
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+
+
+def _names():
+    for n in itertools.count():
+        s, k = "", n
+        while True:
+            s = chr(ord("a") + k % 26) + s
+            k = k // 26 - 1
+            if k < 0:
+                break
+        yield s
+
+
+def build_program(closed: Any) -> Program:
+    """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls."""
+    names = _names()
+    eqns: list[Eqn] = []
+    consts: list[Value] = []
+
+    def fresh(aval) -> Value:
+        return Value(aval, next(names))
+
+    def const_value(val, aval) -> Value:
+        v = Value(aval, next(names), const=val, is_const=True)
+        consts.append(v)
+        return v
+
+    def walk(jaxpr, const_vals, inputs: list[Value], outer_source: str | None = None) -> list[Value]:
+        env: dict[Any, Value] = {}
+        for var, val in zip(jaxpr.constvars, const_vals):
+            env[var] = const_value(val, var.aval)
+        for var, v in zip(jaxpr.invars, inputs):
+            env[var] = v
+
+        def read(atom) -> Value:
+            if isinstance(atom, jex_core.Literal):
+                return const_value(atom.val, atom.aval)
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            # Library internals (jax.nn.relu's body) report no user frame: use the call site.
+            source = source_line(eqn.source_info) or outer_source
+            key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
+            inner = eqn.params.get(key) if key else None
+            if inner is not None:
+                if hasattr(inner, "jaxpr"):  # ClosedJaxpr
+                    inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
+                else:
+                    inner_jaxpr, inner_consts = inner, []
+                outs = walk(inner_jaxpr, inner_consts, ins, source)
+                for var, v in zip(eqn.outvars, outs):
+                    env[var] = v
+                continue
+            outs = [fresh(v.aval) for v in eqn.outvars]
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source))
+            for var, v in zip(eqn.outvars, outs):
+                env[var] = v
+        return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
+
+    inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
+    outputs = walk(closed.jaxpr, closed.consts, inputs)
+    for i, e in enumerate(eqns):
+        e.index = i
+    return Program(inputs, outputs, eqns, consts)
+
+
+def is_const(v: Value) -> bool:
+    return v.is_const
+
+
+def const_array(v: Value):
+    return np.asarray(v.const) if not isinstance(v.const, jax.Array) else v.const
+
+
+__all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "build_program", "source_line"]

@@ -1,0 +1,37 @@
+"""Reductions: a sharded reduced dim makes the result Partial of the matching kind."""
+from __future__ import annotations
+
+from jax import lax
+
+from autoshard.compiler.factors import ALL, LETTERS, NONE, einsum
+from autoshard.placement import ReduceType
+
+from .registry import Rule
+
+# primitive → (reduce type of a sharded reduced dim or None: keep it whole, linear, monotone)
+KINDS = {
+    lax.reduce_sum_p: (ReduceType.SUM, ALL, NONE),
+    lax.reduce_max_p: (ReduceType.MAX, NONE, ALL),
+    lax.reduce_min_p: (ReduceType.MIN, NONE, ALL),
+    lax.reduce_and_p: (ReduceType.MIN, NONE, NONE),
+    lax.reduce_or_p: (ReduceType.MAX, NONE, NONE),
+    lax.reduce_prod_p: (None, NONE, NONE),
+}
+
+
+def reduction_sharding(kind):
+    reduce_type, linear, monotone = kind
+
+    def rule(in_avals, out_avals, *, axes, **params):
+        shape = in_avals[0].shape
+        term = LETTERS[:len(shape)]
+        out = "".join(ch for d, ch in enumerate(term) if d not in axes)
+        replicate = "" if reduce_type is not None else "".join(term[d] for d in axes)
+        return einsum(f"{term}->{out}", [shape], [out_avals[0].shape],
+                      reduce_type=reduce_type or ReduceType.SUM, replicate=replicate,
+                      linear=linear, monotone=monotone)
+
+    return rule
+
+
+TABLE = {p: Rule(reduction_sharding(k)) for p, k in KINDS.items()}

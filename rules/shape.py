@@ -1,0 +1,131 @@
+"""Shape primitives: data movement that keeps every Partial; dims that cannot move stay whole.
+
+reshape uses a small dim algebra: input and output dims are grouped into runs of equal product;
+in each run only the major-most dims share a factor (a contiguous block of the major input dim
+is a contiguous block of the major output dim when the mesh size divides both).
+"""
+from __future__ import annotations
+
+from jax import lax
+
+from autoshard.compiler.factors import ALL, LETTERS, Factor, OpSharding, PASS, REPLICATE, einsum
+
+from .registry import Rule
+
+_KEEP = dict(linear=ALL, monotone=ALL)
+
+
+def broadcast_in_dim_sharding(in_avals, out_avals, *, shape, broadcast_dimensions, **params):
+    out = LETTERS[:len(shape)]
+    term = "".join(out[d] if in_avals[0].shape[i] == shape[d] else "."
+                   for i, d in enumerate(broadcast_dimensions))
+    extra = ["" for _ in in_avals[1:]]  # dynamic shape operands, if any
+    return einsum(",".join([term] + extra) + "->" + out, [a.shape for a in in_avals], [shape], **_KEEP)
+
+
+def transpose_sharding(in_avals, out_avals, *, permutation):
+    term = LETTERS[:len(permutation)]
+    return einsum(f"{term}->{''.join(term[p] for p in permutation)}", [in_avals[0].shape],
+                  [out_avals[0].shape], **_KEEP)
+
+
+def squeeze_sharding(in_avals, out_avals, *, dimensions):
+    term = LETTERS[:len(in_avals[0].shape)]
+    out = "".join(ch for d, ch in enumerate(term) if d not in dimensions)
+    return einsum(f"{term}->{out}", [in_avals[0].shape], [out_avals[0].shape], **_KEEP)
+
+
+def _runs(a: tuple[int, ...], b: tuple[int, ...]):
+    """Split two shapes of equal size into runs of dims with equal products."""
+    i = j = 0
+    while i < len(a) or j < len(b):
+        ri, rj = [i], [j]
+        pa = a[i] if i < len(a) else 1
+        pb = b[j] if j < len(b) else 1
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                pa *= a[i]; ri.append(i); i += 1
+            else:
+                pb *= b[j]; rj.append(j); j += 1
+        yield [d for d in ri if d < len(a)], [d for d in rj if d < len(b)]
+
+
+def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
+    if dimensions is not None:
+        return None
+    src, dst = tuple(in_avals[0].shape), tuple(new_sizes)
+    operand: list = [None] * len(src)
+    result: list = [None] * len(dst)
+    factors: list[Factor] = []
+    for run_in, run_out in _runs(src, dst):
+        big_in = [d for d in run_in if src[d] > 1]
+        big_out = [d for d in run_out if dst[d] > 1]
+        if big_in and big_out:
+            operand[big_in[0]] = result[big_out[0]] = len(factors)
+            factors.append(Factor(PASS))
+        for d in big_in[1:]:
+            operand[d] = len(factors)
+            factors.append(Factor(REPLICATE))
+        for d in big_out[1:]:
+            result[d] = len(factors)
+            factors.append(Factor(REPLICATE))
+    return OpSharding((tuple(operand),), (tuple(result),), tuple(factors), **_KEEP)
+
+
+def concatenate_sharding(in_avals, out_avals, *, dimension):
+    r = len(out_avals[0].shape)
+    term = LETTERS[:r]
+    return einsum(",".join([term] * len(in_avals)) + "->" + term, [a.shape for a in in_avals],
+                  [out_avals[0].shape], replicate=term[dimension], **_KEEP)
+
+
+def pad_sharding(in_avals, out_avals, *, padding_config):
+    term = LETTERS[:len(padding_config)]
+    moved = "".join(ch for ch, cfg in zip(term, padding_config) if tuple(cfg) != (0, 0, 0))
+    # The padding value is an operand too: Partial(sum) pads parts with 0 and one part with it.
+    return einsum(f"{term},->{term}", [a.shape for a in in_avals], [out_avals[0].shape],
+                  replicate=moved, **_KEEP)
+
+
+def slice_sharding(in_avals, out_avals, *, start_indices, limit_indices, strides):
+    shape = in_avals[0].shape
+    term = LETTERS[:len(shape)]
+    strides = strides or (1,) * len(shape)
+    cut = "".join(ch for ch, s, lo, hi, st in zip(term, shape, start_indices, limit_indices, strides)
+                  if (lo, hi, st) != (0, s, 1))
+    return einsum(f"{term}->{term}", [shape], [out_avals[0].shape], replicate=cut, **_KEEP)
+
+
+def rev_sharding(in_avals, out_avals, *, dimensions):
+    term = LETTERS[:len(in_avals[0].shape)]
+    return einsum(f"{term}->{term}", [in_avals[0].shape], [out_avals[0].shape],
+                  replicate="".join(term[d] for d in dimensions), **_KEEP)
+
+
+def iota_sharding(in_avals, out_avals, *, dtype, shape, dimension, sharding):
+    return einsum(f"->{LETTERS[:len(shape)]}", [], [shape])
+
+
+def iota_lower(ctx, *, dtype, shape, dimension, sharding):
+    local = ctx.local_out_shapes[0]
+    values = lax.iota(dtype, local[dimension])
+    axes = ctx.out_layouts[0].dims[dimension]
+    if axes:  # each device counts from its block's global start
+        values = values + (ctx.block_index(axes) * local[dimension]).astype(dtype)
+    return [lax.broadcast_in_dim(values, local, (dimension,))]
+
+
+TABLE = {
+    lax.broadcast_in_dim_p: Rule(broadcast_in_dim_sharding),
+    lax.transpose_p: Rule(transpose_sharding),
+    lax.squeeze_p: Rule(squeeze_sharding),
+    lax.reshape_p: Rule(reshape_sharding),
+    lax.concatenate_p: Rule(concatenate_sharding),
+    lax.pad_p: Rule(pad_sharding),
+    lax.slice_p: Rule(slice_sharding),
+    lax.rev_p: Rule(rev_sharding),
+    lax.iota_p: Rule(iota_sharding, iota_lower),
+}
+
+__all__ = ["TABLE"]
