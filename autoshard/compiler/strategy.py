@@ -1,8 +1,10 @@
 """Strategies for one equation: which mesh axis shards which factor, which Partial passes through.
 
 The engine derives N-d strategies from the rule's 1-d factor description: candidates are seeded
-from the operands' current layouts and the results' preferred layouts (merged where they agree),
-plus "reduce-scatter" variants that put a pending partial axis onto a factor, plus replicated;
+from the operands' current layouts and the results' preferred layouts (merged where they agree,
+in both priority orders), plus replicated. A pending Partial axis lands on a factor — one
+reduce-scatter — only when a consumer's preferred layout asks for that shard; sharding that
+nobody asked for (an implicit ZeRO) is the user's choice, not a side effect;
 each is priced with the cost model (reshards of operands, mismatch with what consumers prefer,
 local compute) and the cheapest wins, deterministically (first of equals).
 """
@@ -114,13 +116,6 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
               if L is not None]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
     out += [_merge([s]) for s in seeds]
-    # A pending partial axis can be reduce-scattered onto any pass-through factor instead.
-    base = out[0]
-    pending = {a for L in actual if L is not None for a, _ in L.partial} - base.used()
-    for a in sorted(pending):
-        for f, factor in enumerate(opsh.factors):
-            if factor.kind == PASS:
-                out.append(Strategy(base.assign + ((a, f),), base.partial))
     out.append(Strategy())
     unique: list[Strategy] = []
     for s in out:

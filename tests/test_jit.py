@@ -1,0 +1,264 @@
+"""dist.jit: partitioned programs equal one device, and compile to exactly the planned collectives."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+
+MESH4 = dist.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+
+
+def hlo_counts(f, *args) -> Counter:
+    return count_collectives(f.lower(*args).compile().as_text())
+
+
+def planned(f, *args) -> Counter:
+    return Counter(c.kind for c in f.plan(*args).collectives)
+
+
+def assert_tree_close(a, b, rtol=1e-6, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# -- seed 002 §3: C = A @ B with A replicated and B split by rows, then relu --------------------
+
+def test_seed_matmul_relu_partial_then_reduced():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    A = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    B = np.array([[5.0, 6.0], [7.0, 8.0]], np.float32)
+    a = dist.shard_tensor(A, mesh, [dist.Replicate()])
+    b = dist.shard_tensor(B, mesh, [dist.Shard(0)])
+    f = dist.jit(lambda a, b: jax.nn.relu(a @ b))
+    np.testing.assert_array_equal(f(a, b).numpy(), np.maximum(A @ B, 0))
+    plan = f.plan(a, b)
+    dot = plan.eqns[0]
+    assert dot.primitive == "dot_general" and repr(dot.results[0].placements(mesh)) == "[P(sum)]"
+    assert [repr(L.placements(mesh)) for L in dot.required] == ["[S(1)]", "[S(0)]"]  # A is split
+    (c,) = plan.collectives  # the partial is reduced once, before the nonlinear relu
+    assert c.kind in ("all-reduce", "reduce-scatter") and "test_jit.py" in c.source
+    assert hlo_counts(f, a, b) == planned(f, a, b)
+    text = str(f.explain(a, b))
+    assert "P(sum)" in text and "dot_general" in text and "test_jit.py:" in text
+
+
+# -- seed 002 §4.1 data parallel and §4.2 tensor parallel MLPs with optax -----------------------
+
+def _mlp_data(seed=0, d_in=16, d_hidden=32, d_out=8, batch=8):
+    rng = np.random.default_rng(seed)
+    params = {"w0": (rng.normal(size=(d_in, d_hidden)) * 0.2).astype(np.float32),
+              "w1": (rng.normal(size=(d_hidden, d_out)) * 0.2).astype(np.float32)}
+    x = rng.normal(size=(batch, d_in)).astype(np.float32)
+    y = rng.normal(size=(batch, d_out)).astype(np.float32)
+    return params, x, y
+
+
+def _loss(p, x, y):
+    h = jax.nn.relu(x @ p["w0"])
+    return jnp.mean((h @ p["w1"] - y) ** 2)
+
+
+def _make_step(tx, hint=None):
+    def step(p, s, x, y):
+        if hint is not None:
+            x = hint(x)
+        loss, grads = jax.value_and_grad(_loss)(p, x, y)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+    return step
+
+
+@pytest.mark.parametrize("tx,rtol", [(optax.sgd(0.1), 1e-6), (optax.adamw(1e-2), 1e-4)],
+                         ids=["sgd", "adamw"])
+def test_data_parallel_mlp_trains_like_one_device(tx, rtol):
+    params, x, y = _mlp_data()
+    step = _make_step(tx, hint=lambda x: dist.shard_tensor(x, MESH4, [dist.Shard(0)]))
+    f = dist.jit(step)
+    dparams = {k: dist.shard_tensor(v, MESH4, [dist.Replicate()]) for k, v in params.items()}
+    dstate = tx.init(params)
+    ref_p, ref_s = params, tx.init(params)
+    for _ in range(3):
+        dparams, dstate, loss = f(dparams, dstate, x, y)
+        ref_p, ref_s, ref_loss = jax.jit(step)(ref_p, ref_s, x, y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=rtol)
+    assert_tree_close(dparams, ref_p, rtol=rtol, atol=rtol)
+    assert all(p.placements == [dist.Replicate()] for p in jax.tree.leaves(
+        dparams, is_leaf=lambda t: isinstance(t, dist.DistTensor)))
+    # DP: the gradient all-reduce only — nothing gathered, nothing else moved.
+    kinds = planned(f, dparams, dstate, x, y)
+    assert set(kinds) == {"all-reduce"}
+    assert hlo_counts(f, dparams, dstate, x, y) == kinds
+    grad_bytes = sum(v.size * 4 for v in params.values())
+    reduced = sum(c.bytes_per_device for c in f.plan(dparams, dstate, x, y).collectives)
+    assert reduced <= 2 * grad_bytes * 3 / 4 + 16 * 4  # ring all-reduce of the gradients (+ scalars)
+
+
+def test_tensor_parallel_mlp_forward_has_one_all_reduce():
+    params, x, _ = _mlp_data()
+    w0 = dist.shard_tensor(params["w0"], MESH4, [dist.Shard(1)])
+    w1 = dist.shard_tensor(params["w1"], MESH4, [dist.Shard(0)])
+    f = dist.jit(lambda x, w0, w1: jax.nn.relu(x @ w0) @ w1)
+    out = f(x, w0, w1)
+    np.testing.assert_allclose(out.numpy(), jax.nn.relu(x @ params["w0"]) @ params["w1"], rtol=1e-5)
+    assert planned(f, x, w0, w1) == Counter({"all-reduce": 1}) == hlo_counts(f, x, w0, w1)
+
+
+def test_tensor_parallel_mlp_trains_like_one_device():
+    params, x, y = _mlp_data()
+    tx = optax.sgd(0.1)
+    f = dist.jit(_make_step(tx))
+    dparams = {"w0": dist.shard_tensor(params["w0"], MESH4, [dist.Shard(1)]),
+               "w1": dist.shard_tensor(params["w1"], MESH4, [dist.Shard(0)])}
+    dstate = tx.init(params)
+    ref_p, ref_s = params, tx.init(params)
+    for _ in range(3):
+        dparams, dstate, loss = f(dparams, dstate, x, y)
+        ref_p, ref_s, ref_loss = jax.jit(_make_step(tx))(ref_p, ref_s, x, y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-6)
+    assert_tree_close(dparams, ref_p)
+    # Megatron: the weights' gradients stay sharded; only activations are all-reduced.
+    assert dparams["w0"].placements == [dist.Shard(1)] and dparams["w1"].placements == [dist.Shard(0)]
+    kinds = planned(f, dparams, dstate, x, y)
+    assert set(kinds) <= {"all-reduce"} and hlo_counts(f, dparams, dstate, x, y) == kinds
+
+
+def test_hybrid_dp_tp_on_2x4_equals_one_device_with_gradients():
+    params, x, y = _mlp_data(batch=8)
+    dparams = {"w0": dist.shard_tensor(params["w0"], MESH24, [dist.Replicate(), dist.Shard(1)]),
+               "w1": dist.shard_tensor(params["w1"], MESH24, [dist.Replicate(), dist.Shard(0)])}
+    dx = dist.shard_tensor(x, MESH24, [dist.Shard(0), dist.Replicate()])
+    f = dist.jit(jax.value_and_grad(_loss))
+    loss, grads = f(dparams, dx, y)
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(params, x, y)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-6)
+    assert_tree_close(grads, ref_grads)
+    assert hlo_counts(f, dparams, dx, y) == planned(f, dparams, dx, y)
+
+
+# -- annotations inside, outputs, inputs of every kind, caching ---------------------------------
+
+def test_hints_reshard_and_out_placements():
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+    def fn(a):
+        a = dist.shard_tensor(a, MESH24, [dist.Shard(0), dist.Shard(1)])
+        b = jnp.sin(a) * 2.0
+        return dist.reshard(b, MESH24, [dist.Replicate(), dist.Shard(0)])
+
+    f = dist.jit(fn)
+    out = f(x)
+    assert out.placements == [dist.Replicate(), dist.Shard(0)]
+    np.testing.assert_allclose(out.numpy(), np.sin(x) * 2.0, rtol=1e-6)
+    # The unplaced input is placed where the hint wants it: no collective before the sin.
+    plan = f.plan(x)
+    assert [repr(p) for p in plan.inputs[0].placements(MESH24)] == ["S(0)", "S(1)"]
+    g = dist.jit(lambda a: a + 1.0, out_placements=[dist.Shard(1), dist.Replicate()])
+    xs = dist.shard_tensor(x, MESH24, [dist.Shard(0), dist.Replicate()])
+    out = g(xs)
+    assert out.placements == [dist.Shard(1), dist.Replicate()]
+    np.testing.assert_array_equal(out.numpy(), x + 1.0)
+    assert hlo_counts(g, xs) == planned(g, xs) == Counter({"all-to-all": 1})
+
+
+def test_inputs_numpy_scalars_jax_arrays_and_named_shardings():
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    named = jax.device_put(x, NamedSharding(MESH24.to_jax(), P("dp", None)))
+    f = dist.jit(lambda a, b, c, s: (a * b + c) * s)
+    out = f(named, jnp.asarray(x), x, 2.0)
+    np.testing.assert_array_equal(out.numpy(), (x * x + x) * 2.0)
+    assert f.plan(named, jnp.asarray(x), x, 2.0).inputs[0].dims[0] == ("dp",)
+
+
+def test_second_call_with_same_layouts_does_not_retrace():
+    calls = []
+
+    def fn(a, b):
+        calls.append(1)
+        return a @ b
+
+    f = dist.jit(fn)
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)])
+    b = dist.shard_tensor(np.ones((4, 4), np.float32), MESH4, [dist.Replicate()])
+    f(a, b)
+    f(a, b)
+    f(dist.shard_tensor(np.zeros((8, 4), np.float32), MESH4, [dist.Shard(0)]), b)
+    assert len(calls) == 1 and f.trace_count == 1
+    f(dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Replicate()]), b)
+    assert len(calls) == 2  # a new layout is a new program
+
+
+def test_static_argnums_and_pytrees():
+    f = dist.jit(lambda d, n: {"y": d["a"] * n, "z": [d["b"].sum()]}, static_argnums=(1,))
+    d = {"a": dist.shard_tensor(np.ones((8,), np.float32), MESH4, [dist.Shard(0)]),
+         "b": dist.shard_tensor(np.arange(8.0, dtype=np.float32), MESH4, [dist.Shard(0)])}
+    out = f(d, 3)
+    np.testing.assert_array_equal(out["y"].numpy(), np.full(8, 3.0))
+    np.testing.assert_array_equal(out["z"][0].numpy(), 28.0)
+
+
+# -- primitives without rules, user rules -------------------------------------------------------
+
+def test_primitive_without_rule_runs_replicated_with_one_warning():
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    xs = dist.shard_tensor(x, MESH4, [dist.Shard(0)])
+    f = dist.jit(lambda a: jnp.cumsum(a * 2.0, axis=0) + 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(xs)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, dist.FallbackWarning)]
+    assert len(msgs) == 1 and "'cumsum'" in msgs[0] and "test_jit.py:" in msgs[0]
+    np.testing.assert_array_equal(out.numpy(), np.cumsum(x * 2.0, axis=0) + 1.0)
+
+
+def test_register_rule_for_a_user_primitive():
+    from jax.extend import core as jex_core
+
+    from autoshard.compiler.factors import einsum
+
+    double_p = jex_core.Primitive("my_double")
+    double_p.def_impl(lambda x: x * 2)
+    double_p.def_abstract_eval(lambda a: a)
+    jax.interpreters.mlir.register_lowering(
+        double_p, jax.interpreters.mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+    dist.register_rule(double_p, lambda ins, outs, **p: einsum("ij->ij", [ins[0].shape], [outs[0].shape]))
+    xs = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)])
+    f = dist.jit(lambda a: double_p.bind(a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(xs)
+    assert out.placements == [dist.Shard(0)] and not f.plan(xs).collectives
+    np.testing.assert_array_equal(out.numpy(), np.full((8, 4), 2.0))
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def _err(error, match, fn):
+    with pytest.raises(error, match=match) as info:
+        fn()
+    assert "test_jit.py:" in str(info.value), str(info.value)
+
+
+def test_errors_name_the_problem_and_the_line():
+    other = dist.ProcessMesh([4, 5, 6, 7], dim_names=["x"])
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)])
+    b = dist.shard_tensor(np.ones((8, 4), np.float32), other, [dist.Shard(0)])
+    _err(dist.MeshMismatchError, "different meshes|is on", lambda: dist.jit(lambda a, b: a + b)(a, b))
+    hint_other = dist.jit(lambda a: dist.shard_tensor(a, other, [dist.Replicate()]) * 2)
+    _err(dist.MeshMismatchError, r"annotation at test_jit.py:\d+ is on ProcessMesh\(\[4, 5, 6, 7\]",
+         lambda: hint_other(a))
+    bad_len = dist.jit(lambda a: dist.shard_tensor(a, MESH4, [dist.Shard(0), dist.Replicate()]))
+    _err(dist.PlacementError, "got 2 placements", lambda: bad_len(a))
+    bad_div = dist.jit(lambda a: dist.reshard(a, MESH4, [dist.Shard(1)]))
+    _err(dist.ShardingError, "dim 1 has size 2", lambda: bad_div(dist.shard_tensor(
+        np.ones((8, 2), np.float32), MESH4, [dist.Shard(0)])))
+    _err(dist.MeshMismatchError, "found no mesh", lambda: dist.jit(lambda a: a * 2)(np.ones(4)))
