@@ -9,31 +9,35 @@ from jax import lax
 from jax._src.ad_util import add_jaxvals_p
 
 from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
+from autoshard.placement import ReduceType
 
 from .registry import Rule
 
-# (linear mode, monotone mode, operands that may be the partial one)
-_ADD_LIKE = (ALL, NONE, None)
-_MUL = (ONE, NONE, None)
-_DIV = (ONE, NONE, (0,))
-_INCREASING = (NONE, ALL, None)          # f(max x_i) == max f(x_i)
-_MAX_MIN = (NONE, ALL, None)
-_PLAIN = (NONE, NONE, None)
+_MAX, _MIN = ReduceType.MAX, ReduceType.MIN
+# (linear mode, monotone mode, operands that may be the partial one, monotone reduce types)
+_ADD_LIKE = (ALL, NONE, None, ())
+_MUL = (ONE, NONE, None, ())
+_DIV = (ONE, NONE, (0,), ())
+# f(max x_i) == max f(x_i) needs f increasing on *every* part, and a part that does not hold
+# the value may be anything below it (down to -inf): so log, sqrt, log1p are not here.
+_INCREASING = (NONE, ALL, None, (_MAX, _MIN))
+_PLAIN = (NONE, NONE, None, ())
 
 ALGEBRA = {
     lax.add_p: _ADD_LIKE, lax.sub_p: _ADD_LIKE, add_jaxvals_p: _ADD_LIKE, lax.neg_p: _ADD_LIKE,
     lax.mul_p: _MUL, lax.div_p: _DIV,
-    lax.max_p: _MAX_MIN, lax.min_p: _MAX_MIN,
-    lax.exp_p: _INCREASING, lax.exp2_p: _INCREASING, lax.log_p: _INCREASING,
-    lax.log1p_p: _INCREASING, lax.expm1_p: _INCREASING, lax.tanh_p: _INCREASING,
-    lax.logistic_p: _INCREASING, lax.sqrt_p: _INCREASING, lax.cbrt_p: _INCREASING,
+    # max of maxima is the max; max of minima is not the min
+    lax.max_p: (NONE, ALL, None, (_MAX,)), lax.min_p: (NONE, ALL, None, (_MIN,)),
+    lax.exp_p: _INCREASING, lax.exp2_p: _INCREASING, lax.expm1_p: _INCREASING,
+    lax.tanh_p: _INCREASING, lax.logistic_p: _INCREASING, lax.cbrt_p: _INCREASING,
     lax.floor_p: _INCREASING, lax.ceil_p: _INCREASING, lax.round_p: _INCREASING,
     lax.erf_p: _INCREASING, lax.atan_p: _INCREASING, lax.sinh_p: _INCREASING,
     lax.asinh_p: _INCREASING,
-    lax.copy_p: (ALL, ALL, None),
+    lax.copy_p: (ALL, ALL, None, (_MAX, _MIN)),
 }
 PLAIN = [
-    lax.rem_p, lax.pow_p, lax.sign_p, lax.is_finite_p, lax.sin_p, lax.cos_p, lax.tan_p,
+    lax.log_p, lax.log1p_p, lax.sqrt_p, lax.rem_p, lax.pow_p, lax.sign_p, lax.is_finite_p,
+    lax.sin_p, lax.cos_p, lax.tan_p,
     lax.asin_p, lax.acos_p, lax.atan2_p, lax.cosh_p, lax.acosh_p, lax.atanh_p, lax.rsqrt_p,
     lax.abs_p, lax.integer_pow_p, lax.square_p, lax.erfc_p, lax.erf_inv_p, lax.lgamma_p,
     lax.digamma_p, lax.nextafter_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p,
@@ -49,7 +53,7 @@ def _is_float(aval) -> bool:
 
 
 def elementwise_sharding(algebra):
-    linear, monotone, partial_operands = algebra
+    linear, monotone, partial_operands, monotone_types = algebra
 
     def rule(in_avals, out_avals, **params):
         out = out_avals[0]
@@ -59,7 +63,7 @@ def elementwise_sharding(algebra):
             return None
         return einsum(",".join(terms) + "->" + LETTERS[:r], [a.shape for a in in_avals],
                       [out.shape], linear=linear, monotone=monotone,
-                      partial_operands=partial_operands)
+                      partial_operands=partial_operands, monotone_types=monotone_types)
 
     return rule
 
@@ -67,7 +71,7 @@ def elementwise_sharding(algebra):
 def _convert_sharding(in_avals, out_avals, **params):
     # A float→float cast keeps sums and maxima; a cast to or from integers does not.
     keeps = _is_float(in_avals[0]) and _is_float(out_avals[0])
-    return elementwise_sharding((ALL, ALL, None) if keeps else _PLAIN)(in_avals, out_avals)
+    return elementwise_sharding((ALL, ALL, None, (_MAX, _MIN)) if keeps else _PLAIN)(in_avals, out_avals)
 
 
 TABLE = {p: Rule(elementwise_sharding(a)) for p, a in ALGEBRA.items()}

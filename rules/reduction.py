@@ -27,9 +27,11 @@ def reduction_sharding(kind):
         term = LETTERS[:len(shape)]
         out = "".join(ch for d, ch in enumerate(term) if d not in axes)
         replicate = "" if reduce_type is not None else "".join(term[d] for d in axes)
+        # reduce_max keeps a P(max) (max of maxima) but not a P(min); reduce_min the reverse
+        keeps = (reduce_type,) if reduce_type in (ReduceType.MAX, ReduceType.MIN) else ()
         return einsum(f"{term}->{out}", [shape], [out_avals[0].shape],
                       reduce_type=reduce_type or ReduceType.SUM, replicate=replicate,
-                      linear=linear, monotone=monotone)
+                      linear=linear, monotone=monotone, monotone_types=keeps)
 
     return rule
 

@@ -97,6 +97,15 @@ def slice_sharding(in_avals, out_avals, *, start_indices, limit_indices, strides
     return einsum(f"{term}->{term}", [shape], [out_avals[0].shape], replicate=cut, **_KEEP)
 
 
+def slice_lower(ctx, x, *, start_indices, limit_indices, strides):
+    # Only whole dims may be sharded; those span their whole local block.
+    local = x.shape
+    starts = tuple(0 if axes else lo for lo, axes in zip(start_indices, ctx.in_layouts[0].dims))
+    limits = tuple(local[d] if axes else hi
+                   for d, (hi, axes) in enumerate(zip(limit_indices, ctx.in_layouts[0].dims)))
+    return [lax.slice(x, starts, limits, strides)]
+
+
 def rev_sharding(in_avals, out_avals, *, dimensions):
     term = LETTERS[:len(in_avals[0].shape)]
     return einsum(f"{term}->{term}", [in_avals[0].shape], [out_avals[0].shape],
@@ -123,7 +132,7 @@ TABLE = {
     lax.reshape_p: Rule(reshape_sharding),
     lax.concatenate_p: Rule(concatenate_sharding),
     lax.pad_p: Rule(pad_sharding),
-    lax.slice_p: Rule(slice_sharding),
+    lax.slice_p: Rule(slice_sharding, slice_lower),
     lax.rev_p: Rule(rev_sharding),
     lax.iota_p: Rule(iota_sharding, iota_lower),
 }

@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autoshard as dist
 
-from oracle import logical_value
+from autoshard.testing import logical_value
 
 SEED_MESH = dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"])
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])

@@ -10,13 +10,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_rules_importable_from_this_install():
     import jax
 
-    from autoshard.rules import RuleRegistry
+    from autoshard.rules import FAMILIES, REGISTRY, Rule, RuleRegistry
 
     registry = RuleRegistry()
-    rule = object()
+    rule = Rule(lambda ins, outs, **params: None)
     registry.register(jax.lax.sin_p, rule)
     assert registry.lookup(jax.lax.sin_p) is rule and jax.lax.sin_p in registry
     assert registry.lookup(jax.lax.cos_p) is None
+    assert set(FAMILIES) >= {"elementwise", "dot", "reduction", "shape"}
+    assert jax.lax.dot_general_p in REGISTRY
 
 
 def test_rules_importable_from_a_built_wheel(tmp_path):

@@ -13,7 +13,7 @@ from autoshard.errors import PlacementError
 from autoshard.hlo import count_collectives
 from autoshard.reshard.execute import compiled_hlo
 
-from oracle import logical_value, make_tensor
+from autoshard.testing import logical_value, make_tensor
 
 MESHES = {
     "8": ([0, 1, 2, 3, 4, 5, 6, 7], ["x"]),

@@ -37,11 +37,12 @@ class OpSharding:
     linear: str = NONE           # how P(sum)/P(avg) pass: NONE, ALL or ONE
     monotone: str = NONE         # how P(max)/P(min) pass: NONE or ALL
     partial_operands: tuple[int, ...] | None = None  # operands that may be the partial one (ONE)
+    monotone_types: tuple[ReduceType, ...] = (ReduceType.MAX, ReduceType.MIN)
 
     def partial_mode(self, reduce_type: ReduceType) -> str:
         if reduce_type in (ReduceType.SUM, ReduceType.AVG):
             return self.linear
-        return self.monotone
+        return self.monotone if reduce_type in self.monotone_types else NONE
 
     def dims_of(self, factor: int) -> list[tuple[str, int, int]]:
         """('operand'|'result', index, dim) of every dim that carries `factor`."""
@@ -57,7 +58,8 @@ class OpSharding:
 def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[Sequence[int]],
            *, reduce_type: ReduceType = ReduceType.SUM, replicate: str = "",
            linear: str = NONE, monotone: str = NONE,
-           partial_operands: tuple[int, ...] | None = None) -> OpSharding:
+           partial_operands: tuple[int, ...] | None = None,
+           monotone_types: tuple[ReduceType, ...] = (ReduceType.MAX, ReduceType.MIN)) -> OpSharding:
     """Build an OpSharding from an einsum-like spec, e.g. "bk,kn->bn" (one letter per dim).
 
     Letters only on the input side are REDUCE factors; letters in `replicate` are REPLICATE;
@@ -83,7 +85,7 @@ def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[S
 
     return OpSharding(tuple(dims(t, s) for t, s in zip(ins, shapes_in)),
                       tuple(dims(t, s) for t, s in zip(outs, shapes_out)),
-                      factors, linear, monotone, partial_operands)
+                      factors, linear, monotone, partial_operands, monotone_types)
 
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -18,7 +18,7 @@ from ..physical import physical_sharding, physical_spec
 from ..placement import Placement
 from .explain import Explanation
 from .partition import local_function
-from .plan import Plan, make_plan
+from .plan import KEEP, Plan, make_plan
 from .trace import build_program, hint_p
 
 
@@ -157,6 +157,8 @@ class DistributedFunction:
         n = len(program.outputs)
         if spec is None:
             return [None] * n
+        if isinstance(spec, str) and spec == KEEP:
+            return [KEEP] * n
         if _is_placements(spec):
             per_output = [spec] * n
         else:
@@ -246,7 +248,9 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
 
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
     `dist.reshard(x, mesh, placements)` forces a conversion; everything else is decided by the
-    SPMD rules and the cost model. Outputs are DistTensors.
+    SPMD rules and the cost model. Outputs are DistTensors: pending Partial values are reduced
+    unless `out_placements` gives the placements (one list for all outputs, or one per output)
+    or is "keep" (leave every output as the plan computed it, Partial included).
     """
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,

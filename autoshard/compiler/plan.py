@@ -23,6 +23,9 @@ from .strategy import choose
 from .trace import Program, Value, hint_p
 
 
+KEEP = "keep"  # an output target: leave the value as computed, Partial included
+
+
 class FallbackWarning(UserWarning):
     """A primitive without an SPMD rule ran replicated (correct, but its inputs were gathered)."""
 
@@ -96,7 +99,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         if e.primitive is hint_p:
             fixed[e.outputs[0]] = e.params["layout"]
     for v, L in zip(program.outputs, output_targets):
-        if L is not None and v not in fixed and not v.is_const:
+        if isinstance(L, Layout) and v not in fixed and not v.is_const:
             fixed[v] = L
     pref = propagate(program, mesh, fixed, registry, cost_model)
 
@@ -162,7 +165,12 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     producer = {v: e.source for e in program.eqns for v in e.outputs}
     outputs, output_reshards = [], []
     for k, (v, target) in enumerate(zip(program.outputs, output_targets)):
-        dst = target if target is not None else actual[v].without_partial()
+        if target is None:
+            dst = actual[v].without_partial()
+        elif isinstance(target, str) and target == KEEP:
+            dst = actual[v]
+        else:
+            dst = target
         if actual[v] != dst:
             output_reshards.append((k, reshard(v, dst, f"output {k}", producer.get(v))))
         outputs.append(dst)

@@ -1,17 +1,24 @@
-"""Host-side reference for DistTensors: rebuild the logical value from the device shards with
-numpy alone, and build Partial tensors whose per-device values differ asymmetrically, so a wrong
-reshard cannot pass by coincidence."""
+"""Testing helpers: a host-side reference for DistTensors, and adversarial Partial tensors.
+
+`logical_value` rebuilds the logical value from the device shards with numpy alone (checking
+that replicas agree); `make_tensor` builds Partial tensors whose per-device values differ
+unevenly and at random, so a wrong rule or reshard cannot pass by coincidence. Used by the test
+suite and by the rule validator; useful to anyone writing a rule.
+"""
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
 
-import autoshard as dist
-from autoshard.layout import block_bounds, layout_from_placements
+from . import creation as _creation
+from .dtensor import DistTensor
+from .layout import block_bounds, layout_from_placements
+from .mesh import ProcessMesh
+from .placement import ReduceType
 
 
-def logical_value(x: dist.DistTensor) -> np.ndarray:
+def logical_value(x: DistTensor) -> np.ndarray:
     """The logical value of `x`, reduced on the host from every device's shard.
 
     Also checks honesty: the physical block shapes, and that replicas agree.
@@ -39,9 +46,9 @@ def logical_value(x: dist.DistTensor) -> np.ndarray:
             for d in datas[1:]:
                 np.testing.assert_array_equal(d, datas[0], err_msg="replicas disagree")
             value = datas[0]
-        elif kinds <= {dist.ReduceType.SUM, dist.ReduceType.AVG}:
+        elif kinds <= {ReduceType.SUM, ReduceType.AVG}:
             value = stack.sum(0) / avg_div
-        elif kinds == {dist.ReduceType.MAX}:
+        elif kinds == {ReduceType.MAX}:
             value = stack.max(0)
         else:
             value = stack.min(0)
@@ -49,12 +56,12 @@ def logical_value(x: dist.DistTensor) -> np.ndarray:
     return out
 
 
-def make_tensor(value: np.ndarray, mesh: dist.ProcessMesh, placements, seed: int = 0):
+def make_tensor(value: np.ndarray, mesh: ProcessMesh, placements, seed: int = 0):
     """A DistTensor of logical `value`, whose partial values are split unevenly and at random."""
     layout = layout_from_placements(placements, mesh, value.shape)
     partial = layout.partial_map
     if not partial:
-        return dist.shard_tensor(value, mesh, placements)
+        return _creation.shard_tensor(value, mesh, placements)
     rng = np.random.default_rng(seed)
     axes = [a for a in mesh.dim_names if a in partial]
     kinds = set(partial.values())
@@ -66,10 +73,10 @@ def make_tensor(value: np.ndarray, mesh: dist.ProcessMesh, placements, seed: int
         if bounds not in parts_by_block:
             block = value[tuple(slice(lo, hi) for lo, hi in bounds)]
             noise = rng.integers(-5, 6, size=(k,) + block.shape).astype(value.dtype)
-            if kinds <= {dist.ReduceType.SUM, dist.ReduceType.AVG}:
+            if kinds <= {ReduceType.SUM, ReduceType.AVG}:
                 noise[-1] = block * avg_div - noise[:-1].sum(0)
             else:
-                sign = -1 if kinds == {dist.ReduceType.MAX} else 1
+                sign = -1 if kinds == {ReduceType.MAX} else 1
                 noise = block + sign * np.abs(noise) + sign  # strictly worse than the value
                 owner = rng.integers(0, k, size=block.shape)
                 np.put_along_axis(noise, owner[None], block[None], axis=0)
@@ -83,4 +90,4 @@ def make_tensor(value: np.ndarray, mesh: dist.ProcessMesh, placements, seed: int
             slot = slot * mesh.get_dim_size(a) + coords[mesh.dim_names.index(a)]
         return parts_for(bounds)[slot]
 
-    return dist.dtensor_from_local(block_of, mesh, placements)
+    return _creation.dtensor_from_local(block_of, mesh, placements)
