@@ -107,6 +107,8 @@ def samples() -> list[Sample]:
     add("squeeze", "squeeze", lambda x: lax.squeeze(x, (1,)), ((4, 1, 8), "f"))
     add("concatenate dim 0", "concatenate", lambda a, b: lax.concatenate([a, b], 0), f2, f2)
     add("concatenate dim 1", "concatenate", lambda a, b: lax.concatenate([a, b], 1), f2, f2)
+    add("split dim 1", "split", lambda x: lax.split(x, (3, 5), axis=1)[1] * 2.0, f2)
+    add("split dim 0", "split", lambda x: sum(lax.split(x, (2, 2), axis=0)), f2)
     add("pad dim 0", "pad", lambda x: lax.pad(x, 1.5, [(1, 2, 0), (0, 0, 0)]), f2)
     add("pad interior dim 1", "pad", lambda x: lax.pad(x, 0.0, [(0, 0, 0), (0, 1, 1)]), f2)
     add("slice", "slice", lambda x: lax.slice(x, (0, 2), (4, 6)), f2)

@@ -80,6 +80,12 @@ def concatenate_sharding(in_avals, out_avals, *, dimension):
                   [out_avals[0].shape], replicate=term[dimension], **_KEEP)
 
 
+def split_sharding(in_avals, out_avals, *, sizes, axis):
+    term = LETTERS[:len(in_avals[0].shape)]
+    return einsum(f"{term}->" + ",".join([term] * len(out_avals)), [in_avals[0].shape],
+                  [a.shape for a in out_avals], replicate=term[axis], **_KEEP)
+
+
 def pad_sharding(in_avals, out_avals, *, padding_config):
     term = LETTERS[:len(padding_config)]
     moved = "".join(ch for ch, cfg in zip(term, padding_config) if tuple(cfg) != (0, 0, 0))
@@ -132,6 +138,7 @@ TABLE = {
     lax.reshape_p: Rule(reshape_sharding),
     lax.concatenate_p: Rule(concatenate_sharding),
     lax.pad_p: Rule(pad_sharding),
+    lax.split_p: Rule(split_sharding),
     lax.slice_p: Rule(slice_sharding, slice_lower),
     lax.rev_p: Rule(rev_sharding),
     lax.iota_p: Rule(iota_sharding, iota_lower),

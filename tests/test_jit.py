@@ -262,3 +262,48 @@ def test_errors_name_the_problem_and_the_line():
     _err(dist.ShardingError, "dim 1 has size 2", lambda: bad_div(dist.shard_tensor(
         np.ones((8, 2), np.float32), MESH4, [dist.Shard(0)])))
     _err(dist.MeshMismatchError, "found no mesh", lambda: dist.jit(lambda a: a * 2)(np.ones(4)))
+
+
+# -- pending Partial, invariants, donation, notebook view ---------------------------------------
+
+def test_partial_stays_pending_through_linear_ops_and_is_reduce_scattered_once():
+    a = dist.shard_tensor(np.arange(32, dtype=np.float32).reshape(8, 4), MESH4, [dist.Shard(1)])
+    b = dist.shard_tensor(np.ones((4, 8), np.float32), MESH4, [dist.Shard(0)])
+
+    def fn(a, b):
+        c = (a @ b) * 2.0                 # P(sum), scaled: still pending
+        c = (c + c).T.reshape(8, 8)       # add, transpose, reshape: still pending
+        return dist.reshard(c, MESH4, [dist.Shard(0)])
+
+    f = dist.jit(fn)
+    out = f(a, b)
+    A = np.arange(32, dtype=np.float32).reshape(8, 4)
+    np.testing.assert_array_equal(out.numpy(), (4.0 * (A @ np.ones((4, 8)))).T)
+    plan = f.plan(a, b)
+    assert [c.kind for c in plan.collectives] == ["reduce-scatter"]
+    assert hlo_counts(f, a, b) == Counter({"reduce-scatter": 1})
+
+
+def test_layout_invariants():
+    from autoshard.layout import Layout
+    from autoshard.placement import ReduceType
+    from autoshard.reshard.steps import LocalSlice
+
+    with pytest.raises(dist.PlacementError, match="both partial and sharding"):
+        Layout((("x",), ()), (("x", ReduceType.SUM),))
+    partial = Layout(((), ()), (("x", ReduceType.SUM),))
+    assert LocalSlice("x", 0).after(partial, (8, 8), {"x": 4}) is None  # never slice a partial
+
+
+def test_donated_inputs_still_give_right_results():
+    f = dist.jit(lambda a, b: a * 2.0 + b, donate_argnums=(0,))
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)])
+    b = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)])
+    np.testing.assert_array_equal(f(a, b).numpy(), np.full((8, 4), 3.0))
+
+
+def test_explain_renders_for_notebooks():
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(1)])
+    b = dist.shard_tensor(np.ones((4, 4), np.float32), MESH4, [dist.Shard(0)])
+    html = dist.jit(lambda a, b: jnp.tanh(a @ b)).explain(a, b)._repr_html_()
+    assert "<table>" in html and "all-reduce" in html and "dot_general" in html

@@ -2,7 +2,8 @@
 
 `jax.make_jaxpr` gives nested jaxprs; calls that only wrap a body (jit, closed_call,
 custom_jvp_call, custom_vjp_call, checkpoint) are inlined so the propagation sees one flat list
-of equations. Each IR value is a fresh `Value` (inner jaxprs reuse their Var objects when called
+of equations, and duplicate pure equations (common after autodiff) are merged — else XLA would
+merge them behind the plan's back and the plan would list collectives that never run. Each IR value is a fresh `Value` (inner jaxprs reuse their Var objects when called
 twice, so jaxpr Vars cannot be keys). `shard_tensor` / `reshard` on tracers bind `hint_p`.
 """
 from __future__ import annotations
@@ -167,6 +168,19 @@ def build_program(closed: Any) -> Program:
         consts.append(v)
         return v
 
+    seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
+
+    def cse_key(eqn, ins):
+        if eqn.effects:
+            return None
+        try:
+            key = (eqn.primitive, tuple(v.id for v in ins),
+                   tuple(sorted((k, v) for k, v in eqn.params.items())))
+            hash(key)
+        except TypeError:  # params holding jaxprs or arrays: not worth comparing
+            return None
+        return key
+
     def walk(jaxpr, const_vals, inputs: list[Value], outer_source: str | None = None) -> list[Value]:
         env: dict[Any, Value] = {}
         for var, val in zip(jaxpr.constvars, const_vals):
@@ -194,7 +208,14 @@ def build_program(closed: Any) -> Program:
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
+            key = cse_key(eqn, ins)
+            if key is not None and key in seen:
+                for var, v in zip(eqn.outvars, seen[key]):
+                    env[var] = v
+                continue
             outs = [fresh(v.aval) for v in eqn.outvars]
+            if key is not None:
+                seen[key] = outs
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source))
             for var, v in zip(eqn.outvars, outs):
                 env[var] = v
