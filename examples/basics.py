@@ -60,6 +60,15 @@ def main() -> None:
     print("\n§3 matmul of R and S(0) → Partial, then relu needs Replicate:")
     print("  C partial on device 0:", c.local(0).tolist(), " relu(C) =", np.maximum(d.numpy(), 0).tolist())
     assert np.allclose(np.maximum(d.numpy(), 0), np.maximum(A @ B, 0))
+    # The same through the compiler: dist.jit finds the Partial and where to reduce it.
+    import jax
+
+    step = dist.jit(lambda a, b: jax.nn.relu(a @ b))
+    a_rep = dist.shard_tensor(A, mesh2, [dist.Replicate()])
+    out = step(a_rep, b_rows)
+    print("\n§3 with dist.jit:", out.numpy().tolist())
+    print(step.explain(a_rep, b_rows))
+    assert np.allclose(out.numpy(), np.maximum(A @ B, 0))
     print("\nall results equal the single-device values")
 
 
