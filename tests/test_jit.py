@@ -307,3 +307,19 @@ def test_explain_renders_for_notebooks():
     b = dist.shard_tensor(np.ones((4, 4), np.float32), MESH4, [dist.Shard(0)])
     html = dist.jit(lambda a, b: jnp.tanh(a @ b)).explain(a, b)._repr_html_()
     assert "<table>" in html and "all-reduce" in html and "dot_general" in html
+
+
+def test_conflicting_contracting_shardings_are_decided_by_cost_deterministically():
+    # lhs contracts over 'dp', rhs over 'mp': JAX's explicit mode stops here; we choose.
+    A = np.arange(64, dtype=np.float32).reshape(8, 8) / 10
+    B = np.arange(64, dtype=np.float32).reshape(8, 8)[::-1] / 10
+    a = dist.shard_tensor(A, MESH24, [dist.Shard(1), dist.Replicate()])
+    b = dist.shard_tensor(B, MESH24, [dist.Replicate(), dist.Shard(0)])
+    f = dist.jit(lambda a, b: a @ b)
+    np.testing.assert_allclose(f(a, b).numpy(), A @ B, rtol=1e-5)
+    plan = f.plan(a, b)
+    assert plan.eqns[0].considered > 1 and plan.eqns[0].strategy
+    assert all(c.reason and c.source for c in plan.collectives)
+    again = dist.jit(lambda a, b: a @ b)
+    assert str(again.explain(a, b)) == str(f.explain(a, b))  # same inputs, same plan
+    assert hlo_counts(f, a, b) == planned(f, a, b)
