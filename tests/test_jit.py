@@ -315,11 +315,14 @@ def test_conflicting_contracting_shardings_are_decided_by_cost_deterministically
     B = np.arange(64, dtype=np.float32).reshape(8, 8)[::-1] / 10
     a = dist.shard_tensor(A, MESH24, [dist.Shard(1), dist.Replicate()])
     b = dist.shard_tensor(B, MESH24, [dist.Replicate(), dist.Shard(0)])
-    f = dist.jit(lambda a, b: a @ b)
+    def matmul(a, b):
+        return a @ b
+
+    f = dist.jit(matmul)
     np.testing.assert_allclose(f(a, b).numpy(), A @ B, rtol=1e-5)
     plan = f.plan(a, b)
     assert plan.eqns[0].considered > 1 and plan.eqns[0].strategy
     assert all(c.reason and c.source for c in plan.collectives)
-    again = dist.jit(lambda a, b: a @ b)
+    again = dist.jit(matmul)
     assert str(again.explain(a, b)) == str(f.explain(a, b))  # same inputs, same plan
     assert hlo_counts(f, a, b) == planned(f, a, b)
