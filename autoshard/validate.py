@@ -116,6 +116,13 @@ def samples() -> list[Sample]:
     add("rev", "rev", lambda x: lax.rev(x, (1,)), f2)
     add("iota dim 0", "iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 8), 0), f2)
     add("iota dim 1", "iota", lambda x: x * lax.broadcasted_iota(jnp.float32, (4, 8), 1), f2)
+    # Families may ship their own samples next to their rules.
+    from .rules import FAMILIES
+
+    for module in FAMILIES.values():
+        extra = getattr(module, "validation_samples", None)
+        if extra is not None:
+            out.extend(Sample(*item) for item in extra())
     return out
 
 
