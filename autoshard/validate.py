@@ -59,6 +59,8 @@ def samples() -> list[Sample]:
     add("integer_pow", "integer_pow", lambda x: lax.integer_pow(x, 3), f2)
     add("reduce_precision", "reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), f2)
     add("convert f32->f16", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.float16), f2)
+    add("bitcast f32->i32", "bitcast_convert_type",
+        lambda x: lax.bitcast_convert_type(x, jnp.int32) >> 3, f2)
     add("convert f32->i32", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.int32), f2)
     for n in ["add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
               "eq", "ne", "lt", "le", "gt", "ge"]:

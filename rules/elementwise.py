@@ -74,6 +74,14 @@ def _convert_sharding(in_avals, out_avals, **params):
     return elementwise_sharding((ALL, ALL, None, (_MAX, _MIN)) if keeps else _PLAIN)(in_avals, out_avals)
 
 
+def _bitcast_sharding(in_avals, out_avals, **params):
+    # Same-width bitcasts are elementwise; width changes add or drop a trailing dim.
+    if len(in_avals[0].shape) != len(out_avals[0].shape):
+        return None
+    return elementwise_sharding(_PLAIN)(in_avals, out_avals)
+
+
 TABLE = {p: Rule(elementwise_sharding(a)) for p, a in ALGEBRA.items()}
 TABLE.update({p: Rule(elementwise_sharding(_PLAIN)) for p in PLAIN})
 TABLE[lax.convert_element_type_p] = Rule(_convert_sharding)
+TABLE[lax.bitcast_convert_type_p] = Rule(_bitcast_sharding)

@@ -16,6 +16,7 @@ from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import physical_sharding, physical_spec
 from ..placement import Placement
+from .dtypes import is_extended, normalize
 from .explain import Explanation
 from .partition import local_function
 from .plan import KEEP, Plan, make_plan
@@ -51,13 +52,13 @@ class _Leaf:
 
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
-        return _Leaf(x.shape, np.dtype(x.dtype), x.mesh, x.layout)
+        return _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout)
     if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1:
         mesh = as_process_mesh(x.sharding.mesh)
-        return _Leaf(tuple(x.shape), np.dtype(x.dtype), mesh, _layout_of_named(x.sharding, x.ndim))
+        return _Leaf(tuple(x.shape), normalize(x.dtype), mesh, _layout_of_named(x.sharding, x.ndim))
     arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
-    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
-    return _Leaf(tuple(np.shape(arr)), np.dtype(dtype), None, None)
+    dtype = arr.dtype if is_extended(arr.dtype) else jax.dtypes.canonicalize_dtype(arr.dtype)
+    return _Leaf(tuple(np.shape(arr)), normalize(dtype), None, None)
 
 
 @dataclass

@@ -38,7 +38,7 @@ class LowerContext:
         return index
 
 
-def _match_vma(values: list[Any]) -> list[Any]:
+def match_vma(values: list[Any]) -> list[Any]:
     axes = set()
     for x in values:
         axes |= _varying_axes(x)
@@ -72,8 +72,8 @@ def local_function(plan: Plan, registry):
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if L.partial else x
         for c in program.consts:
-            env[c] = jnp.asarray(np.asarray(c.const) if not isinstance(c.const, jax.Array) else c.const,
-                                 dtype=c.dtype)
+            env[c] = (c.const if isinstance(c.const, jax.Array)
+                      else jnp.asarray(np.asarray(c.const), dtype=c.dtype))
 
         def get(v, rp):
             if rp is None:
@@ -94,7 +94,7 @@ def local_function(plan: Plan, registry):
             else:
                 local_shapes = [L.local_shape(v.shape, sizes) for v, L in zip(e.outputs, ep.results)]
                 rule = None if ep.fallback else registry.lookup(e.primitive)
-                ins = _match_vma(ins)
+                ins = match_vma(ins)
                 if rule is not None and rule.lower is not None:
                     ctx = LowerContext(sizes, ep.required, ep.results, local_shapes)
                     outs = rule.lower(ctx, *ins, **e.params)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan, _fmt_bytes
+from .dtypes import cost_dtype
 from .propagate import propagate, rule_sharding
 from .strategy import choose
 from .trace import Program, Value, hint_p
@@ -119,7 +118,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
 
     def reshard(value: Value, dst: Layout, consumer: str, source) -> ReshardPlan:
         src = actual[value]
-        rp = plan_layouts(tuple(value.shape), np.dtype(value.dtype).name, mesh, src, mesh, dst,
+        rp = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh, dst,
                           cost_model)
         if (value, dst) not in done:  # a value resharded twice the same way is moved once
             done.add((value, dst))

@@ -3,9 +3,12 @@
 Annotated values (placed inputs, shard_tensor / reshard hints) are fixed. Sweeping forward,
 an equation with some known operands proposes layouts for its unknown results (and unknown
 operands); sweeping backward, known results propose layouts for unknown operands — so a hint
-deep in the program reaches the unplaced inputs that feed it, as in GSPMD and Shardy. A value
-once proposed is not revised (first proposal wins, in program order, deterministically); what
-stays unknown is replicated. The plan (plan.py) then decides each equation by cost, using these
+deep in the program reaches the unplaced inputs that feed it, as in GSPMD and Shardy.
+Proposals that shard something go first; "replicated" proposals (from replicated keys,
+constants) only fill what is still unknown after those reach their fixpoint — else a random
+mask would be decided replicated before its sharded consumer is seen. A value once proposed
+is not revised (first proposal wins, in program order, deterministically); what stays unknown
+is replicated. The plan (plan.py) then decides each equation by cost, using these
 preferences as the look-ahead.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     shardings = {e.index: rule_sharding(e, registry) for e in program.eqns
                  if e.primitive is not hint_p}
 
-    def visit(e: Eqn) -> bool:
+    def visit(e: Eqn, allow_trivial: bool) -> bool:
         known_in = [pref.get(v) for v in e.inputs]
         known_out = [pref.get(v) for v in e.outputs]
         if all(L is not None for L in known_in + known_out):
@@ -61,6 +64,8 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
             return False
         choice = choose(opsh, mesh, [v.aval for v in e.inputs], [v.aval for v in e.outputs],
                         known_in, known_out, cost_model)
+        if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
+            return False  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):
             if v not in pref:
                 pref[v] = L
@@ -71,13 +76,23 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 changed = True
         return changed
 
-    for _ in range(max_sweeps):
+    def sweep(allow_trivial: bool) -> bool:
         changed = False
-        for e in program.eqns:
-            changed |= visit(e)
-        for e in reversed(program.eqns):
-            changed |= visit(e)
-        if not changed:
+        for _ in range(max_sweeps):
+            once = False
+            for e in program.eqns:
+                once |= visit(e, allow_trivial)
+            for e in reversed(program.eqns):
+                once |= visit(e, allow_trivial)
+            changed |= once
+            if not once:
+                break
+        return changed
+
+    # Informative proposals first; then let "replicated" fill the gaps, and go again.
+    for _ in range(max_sweeps):
+        sweep(False)
+        if not sweep(True):
             break
     return pref
 

@@ -14,14 +14,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from ..cost_model import CostModel
 from ..errors import PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from ..reshard.planner import plan_on_mesh
+from .dtypes import cost_dtype, itemsize
 from .factors import ALL, NONE, ONE, PASS, REDUCE, REPLICATE, OpSharding
 
 ALL_OPERANDS = -1
@@ -128,7 +127,7 @@ def reshard_seconds(mesh: ProcessMesh, src: Layout, dst: Layout, shape, dtype,
                     cost_model: CostModel) -> float:
     if src == dst:
         return 0.0
-    return sum(s.seconds for s in plan_on_mesh(mesh, src, dst, tuple(shape), np.dtype(dtype).name,
+    return sum(s.seconds for s in plan_on_mesh(mesh, src, dst, tuple(shape), cost_dtype(dtype),
                                                 cost_model))
 
 
@@ -162,7 +161,7 @@ def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
         for R, P, aval in zip(outs, preferred, out_avals):
             if P is not None:
                 cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
-            local = math.prod(R.local_shape(aval.shape, sizes)) * np.dtype(aval.dtype).itemsize
+            local = math.prod(R.local_shape(aval.shape, sizes)) * itemsize(aval.dtype)
             cost += cost_model.local(local)
         if best is None or cost < best.seconds - 1e-15:
             best = Choice(s, ins, outs, cost, len(cands))

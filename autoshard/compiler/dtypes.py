@@ -1,0 +1,25 @@
+"""dtype helpers that also accept JAX's extended dtypes (PRNG key arrays)."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def is_extended(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def cost_dtype(dtype) -> str:
+    """A numpy dtype name with the same bytes per element, for the cost model and planner."""
+    if is_extended(dtype):
+        # a threefry key is two uint32 words; other key kinds are priced the same
+        return "uint64"
+    return np.dtype(dtype).name
+
+
+def itemsize(dtype) -> int:
+    return np.dtype(cost_dtype(dtype)).itemsize
+
+
+def normalize(dtype):
+    return dtype if is_extended(dtype) else np.dtype(dtype)

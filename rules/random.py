@@ -1,0 +1,100 @@
+"""Random numbers equal to one device's on every mesh.
+
+With `jax_threefry_partitionable` (on by default), bit i of `random_bits(key, shape)` is
+threefry(key, i) for the element's global row-major index i. So each device computes threefry
+over the global indices of its own block: the values match one device exactly, whatever the
+mesh, with no communication. (JAX itself does not promise mesh-independent values under
+shard_map.) Key manipulation (seed, wrap, split, fold_in) is tiny and runs replicated.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src.random import prng
+from jax._src.random import threefry2x32 as threefry
+
+from autoshard.compiler.factors import LETTERS, REPLICATE, Factor, OpSharding, einsum
+
+from .registry import Rule
+
+
+def _is_threefry(aval) -> bool:
+    impl = getattr(aval.dtype, "_impl", None)
+    return impl is not None and str(getattr(impl, "name", "")) == "threefry2x32"
+
+
+def random_bits_sharding(in_avals, out_avals, *, bit_width, shape):
+    key = in_avals[0]
+    if (key.shape != () or not _is_threefry(key) or bit_width not in (8, 16, 32)
+            or not jax.config.jax_threefry_partitionable or math.prod(shape) >= 2 ** 32):
+        return None  # batched keys, other generators, huge draws: run replicated
+    # one scalar operand (the key, never sharded); every result dim passes
+    return einsum(f"->{LETTERS[:len(shape)]}", [()], [shape])
+
+
+def random_bits_lower(ctx, key, *, bit_width, shape):
+    from autoshard.compiler.partition import match_vma
+
+    local = ctx.local_out_shapes[0]
+    layout = ctx.out_layouts[0]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    index = lax.full(local, 0, np.uint32)
+    for d, axes in enumerate(layout.dims):
+        g = lax.broadcasted_iota(np.uint32, local, d)
+        if axes:  # this block starts at block_index * local size along d
+            g = g + (ctx.block_index(axes) * local[d]).astype(np.uint32)
+        index = index + g * np.uint32(strides[d])
+    data = jax.random.key_data(key)
+    k1, k2, hi, lo = match_vma([data[0], data[1], lax.full(local, 0, np.uint32), index])
+    bits1, bits2 = threefry.threefry2x32_p.bind(k1, k2, hi, lo)
+    bits = bits1 ^ bits2
+    if bit_width != 32:
+        bits = lax.convert_element_type(bits, prng.UINT_DTYPES[bit_width])
+    return [bits]
+
+
+def replicated_sharding(in_avals, out_avals, **params):
+    """Every dim stays whole: for small key arrays, where sharding gains nothing."""
+    factors, operands, results = [], [], []
+    for group, avals in ((operands, in_avals), (results, out_avals)):
+        for aval in avals:
+            dims = []
+            for _ in aval.shape:
+                dims.append(len(factors))
+                factors.append(Factor(REPLICATE))
+            group.append(tuple(dims))
+    return OpSharding(tuple(operands), tuple(results), tuple(factors))
+
+
+TABLE = {
+    prng.random_bits_p: Rule(random_bits_sharding, random_bits_lower),
+    prng.random_seed_p: Rule(replicated_sharding),
+    prng.random_wrap_p: Rule(replicated_sharding),
+    prng.random_unwrap_p: Rule(replicated_sharding),
+    prng.random_split_p: Rule(replicated_sharding),
+    prng.random_fold_in_p: Rule(replicated_sharding),
+}
+
+
+def validation_samples() -> list:
+    f2 = ((8, 8), "f")
+    return [
+        ("uniform", "random_bits",
+         lambda x: x * jax.random.uniform(jax.random.key(3), x.shape), (f2,)),
+        ("bernoulli dropout", "random_bits",
+         lambda x: jax.numpy.where(jax.random.bernoulli(jax.random.key(7), 0.7, x.shape), x / 0.7, 0.0), (f2,)),
+        ("bits 8", "random_bits",
+         lambda x: x + jax.random.bits(jax.random.key(1), x.shape, dtype=np.uint8).astype(np.float32), (f2,)),
+        ("split + fold_in", "random_split",
+         lambda x: x * jax.random.normal(jax.random.split(jax.random.fold_in(jax.random.key(5), 2))[1], x.shape), (f2,)),
+        ("PRNGKey wrap", "random_wrap",
+         lambda x: x + jax.random.uniform(jax.random.PRNGKey(11), x.shape), (f2,)),
+        ("fold_in", "random_fold_in",
+         lambda x: x + jax.random.uniform(jax.random.fold_in(jax.random.key(2), 9), x.shape), (f2,)),
+        ("seed", "random_seed", lambda x: x + jax.random.normal(jax.random.key(4), x.shape), (f2,)),
+        ("unwrap", "random_unwrap",
+         lambda x: x + jax.random.key_data(jax.random.key(6))[1].astype(np.float32), (f2,)),
+    ]

@@ -1,0 +1,49 @@
+"""Random numbers inside dist.jit equal one device's for every mesh, with no communication."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard as dist
+
+MESHES = {
+    "8": dist.ProcessMesh(list(range(8)), ["a"]),
+    "2x4": dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["a", "b"]),
+    "4x2": dist.ProcessMesh([[7, 6], [5, 4], [3, 2], [1, 0]], ["a", "b"]),
+    "2x2x2": dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["a", "b", "c"]),
+}
+
+
+def dropout(x, key):
+    keep = jax.random.bernoulli(key, 0.7, x.shape)
+    noise = jax.random.normal(jax.random.fold_in(key, 1), x.shape)
+    return jnp.where(keep, x / 0.7, 0.0) + 0.01 * noise
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("placements", [("S(0)",), ("S(1)",), ("S(0)", "S(1)"), ("R",), ("S(1)", "S(0)")])
+def test_dropout_mask_is_the_single_device_mask(mesh_name, placements):
+    mesh = MESHES[mesh_name]
+    placements = list(placements)[:mesh.ndim] + ["R"] * (mesh.ndim - len(placements))
+    x = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    xs = dist.shard_tensor(x, mesh, placements)
+    key = jax.random.key(1234)
+    f = dist.jit(dropout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(xs, key)
+    np.testing.assert_array_equal(out.numpy(), np.asarray(jax.jit(dropout)(x, key)))
+    plan = f.plan(xs, key)
+    assert not plan.collectives
+    # each device draws only its own block: the random bits are sharded like x
+    bits = next(ep for ep in plan.eqns if ep.primitive == "random_bits")
+    assert bits.results[0] == xs.layout
+
+
+def test_random_init_with_dtensor_from_fn_matches_one_device():
+    mesh = MESHES["2x4"]
+    key = jax.random.key(0)
+    w = dist.dtensor_from_fn(jax.random.normal, mesh, ["S(0)", "S(1)"], key, (8, 16))
+    np.testing.assert_array_equal(w.numpy(), np.asarray(jax.random.normal(key, (8, 16))))
