@@ -32,4 +32,35 @@ def count_collectives(hlo_text: str) -> Counter:
     return Counter(collectives(hlo_text))
 
 
-__all__ = ["collectives", "count_collectives", "COLLECTIVE_KINDS"]
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_RESULT = re.compile(r"=\s+(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVE_KINDS) + r")(-start)?\(")
+
+
+def collective_bytes(hlo_text: str) -> Counter:
+    """Result bytes of the collectives per kind (per device), tuples of combined ops summed.
+
+    The size of what each collective produces on one device: a deterministic measure of
+    traffic to compare two programs (the wire bytes of a ring algorithm are proportional).
+    """
+    total: Counter = Counter()
+    for line in hlo_text.splitlines():
+        m = _RESULT.search(line)
+        if not m:
+            continue
+        kind, result = m.group(2), m.group(1)
+        if m.group(3):  # an async start returns (operands, results): count the results half
+            arrays = _ARRAY.findall(result)
+            arrays = arrays[len(arrays) // 2:]
+        else:
+            arrays = _ARRAY.findall(result)
+        for dtype, dims in arrays:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total[kind] += n * _BYTES.get(dtype, 4)
+    return total
+
+
+__all__ = ["collectives", "count_collectives", "collective_bytes", "COLLECTIVE_KINDS"]

@@ -56,6 +56,7 @@ def samples() -> list[Sample]:
     for n in unary_f:
         add(n, n, getattr(lax, n), f2)
     add("copy", "copy", lambda x: lax.copy_p.bind(x), f2)
+    add("stop_gradient", "stop_gradient", lambda x: lax.stop_gradient(x) * 2.0, f2)
     add("integer_pow", "integer_pow", lambda x: lax.integer_pow(x, 3), f2)
     add("reduce_precision", "reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), f2)
     add("convert f32->f16", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.float16), f2)

@@ -34,6 +34,7 @@ ALGEBRA = {
     lax.erf_p: _INCREASING, lax.atan_p: _INCREASING, lax.sinh_p: _INCREASING,
     lax.asinh_p: _INCREASING,
     lax.copy_p: (ALL, ALL, None, (_MAX, _MIN)),
+    lax.stop_gradient_p: (ALL, ALL, None, (_MAX, _MIN)),  # identity on values
 }
 PLAIN = [
     lax.log_p, lax.log1p_p, lax.sqrt_p, lax.rem_p, lax.pow_p, lax.sign_p, lax.is_finite_p,

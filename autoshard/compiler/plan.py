@@ -129,6 +129,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                         repr(value), consumer, source, _reason(consumer, value, src, dst, mesh)))
         return rp
 
+    uses = program.use_counts()
     eqn_plans = []
     for e in program.eqns:
         operands = [actual[v] for v in e.inputs]
@@ -148,7 +149,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 strategy, considered, seconds = "replicated (no rule)", 1, 0.0
             else:
                 choice = choose(opsh, mesh, in_avals, out_avals, operands,
-                                [pref.get(v) for v in e.outputs], cost_model)
+                                [pref.get(v) for v in e.outputs], cost_model,
+                                [uses.get(v, 0) <= 1 for v in e.inputs])
                 required, results = choice.operands, choice.results
                 strategy = choice.strategy.describe(opsh)
                 considered, seconds = choice.considered, choice.seconds

@@ -40,6 +40,8 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     shardings = {e.index: rule_sharding(e, registry) for e in program.eqns
                  if e.primitive is not hint_p}
 
+    uses = program.use_counts()
+
     def visit(e: Eqn, allow_trivial: bool) -> bool:
         known_in = [pref.get(v) for v in e.inputs]
         known_out = [pref.get(v) for v in e.outputs]
@@ -63,7 +65,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         if opsh is None:
             return False
         choice = choose(opsh, mesh, [v.aval for v in e.inputs], [v.aval for v in e.outputs],
-                        known_in, known_out, cost_model)
+                        known_in, known_out, cost_model, [uses.get(v, 0) <= 1 for v in e.inputs])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return False  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):

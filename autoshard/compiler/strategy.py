@@ -77,14 +77,15 @@ def layouts(opsh: OpSharding, s: Strategy, in_shapes: Sequence[tuple[int, ...]],
     return ins, outs
 
 
-def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None):
+def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
+               may_pass: bool = True):
     assign, partial = [], []
     for d, axes in enumerate(layout.dims):
         f = groups[d] if d < len(groups) else None
         if f is None or opsh.factors[f].kind == REPLICATE:
             continue
         assign.extend((a, f) for a in axes)
-    if operand is not None:
+    if operand is not None and may_pass:
         for a, t in layout.partial:
             mode = opsh.partial_mode(t)
             if mode == ALL:
@@ -109,8 +110,16 @@ def _merge(seeds) -> Strategy:
 
 
 def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
-               preferred: Sequence[Layout | None]) -> list[Strategy]:
-    seeds = [_seed_from(opsh.operands[i], L, opsh, i) for i, L in enumerate(actual) if L is not None]
+               preferred: Sequence[Layout | None],
+               single_use: Sequence[bool] | None = None) -> list[Strategy]:
+    """`single_use[i]`: operand i has no other consumer, so its Partial may flow through here.
+
+    A Partial with several consumers is reduced once, where it is first needed, and every
+    consumer reads the reduced value — else each branch would reduce its own view of it.
+    """
+    single_use = single_use if single_use is not None else [True] * len(actual)
+    seeds = [_seed_from(opsh.operands[i], L, opsh, i, single_use[i])
+             for i, L in enumerate(actual) if L is not None]
     seeds += [_seed_from(opsh.results[j], L, opsh, None) for j, L in enumerate(preferred)
               if L is not None]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
@@ -142,13 +151,13 @@ class Choice:
 
 def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
            actual: Sequence[Layout | None], preferred: Sequence[Layout | None],
-           cost_model: CostModel) -> Choice:
+           cost_model: CostModel, single_use: Sequence[bool] | None = None) -> Choice:
     """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing)."""
     sizes = mesh.axis_sizes
     in_shapes = [tuple(a.shape) for a in in_avals]
     out_shapes = [tuple(a.shape) for a in out_avals]
     best: Choice | None = None
-    cands = candidates(opsh, actual, preferred)
+    cands = candidates(opsh, actual, preferred, single_use)
     for s in cands:
         implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
         if implied is None:

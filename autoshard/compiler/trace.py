@@ -113,6 +113,16 @@ class Program:
     eqns: list[Eqn]
     consts: list[Value]
 
+    def use_counts(self) -> dict:
+        """How many times each value is read (by equations and as a program output)."""
+        counts: dict = {}
+        for e in self.eqns:
+            for v in e.inputs:
+                counts[v] = counts.get(v, 0) + 1
+        for v in self.outputs:
+            counts[v] = counts.get(v, 0) + 1
+        return counts
+
 
 _INLINE_JAXPR_PARAM = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
