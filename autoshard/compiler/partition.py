@@ -17,6 +17,7 @@ from jax import lax
 
 from ..layout import Layout
 from ..reshard.steps import _varying_axes
+from .control_flow import lower_higher_order
 from .plan import Plan
 from .trace import hint_p
 
@@ -61,8 +62,12 @@ def _localize(params: dict, local_out_shapes: list[tuple[int, ...]]) -> dict:
     return p
 
 
-def local_function(plan: Plan, registry):
-    """A function of the local input blocks that computes the local output blocks."""
+def local_function(plan: Plan, registry, *, physical: bool = True):
+    """A function of the local input blocks that computes the local output blocks.
+
+    `physical`: inputs and outputs carry the leading slot axis of Partial values (the form
+    shard_map hands over); sub-programs (loop bodies) take and give plain local blocks.
+    """
     program = plan.program
     sizes = plan.mesh.axis_sizes
 
@@ -70,7 +75,7 @@ def local_function(plan: Plan, registry):
         env: dict = {}
         moved: dict = {}
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
-            env[v] = x[0] if L.partial else x
+            env[v] = x[0] if (L.partial and physical) else x
         for c in program.consts:
             env[c] = (c.const if isinstance(c.const, jax.Array)
                       else jnp.asarray(np.asarray(c.const), dtype=c.dtype))
@@ -91,6 +96,8 @@ def local_function(plan: Plan, registry):
             ins = [get(v, plans.get(i)) for i, v in enumerate(e.inputs)]
             if e.primitive is hint_p:
                 outs = ins
+            elif ep.sub_plans:
+                outs = lower_higher_order(e, ep, ins, registry)
             else:
                 local_shapes = [L.local_shape(v.shape, sizes) for v, L in zip(e.outputs, ep.results)]
                 rule = None if ep.fallback else registry.lookup(e.primitive)
@@ -108,7 +115,7 @@ def local_function(plan: Plan, registry):
         results = []
         for k, (v, L) in enumerate(zip(program.outputs, plan.outputs)):
             x = get(v, reshards.get(k))
-            results.append(x[None] if L.partial else x)
+            results.append(x[None] if (L.partial and physical) else x)
         return results
 
     return run

@@ -9,13 +9,14 @@ operands that do not match are resharded (planner), and the results get the stra
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan, _fmt_bytes
+from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .propagate import propagate, rule_sharding
 from .strategy import choose
@@ -54,6 +55,7 @@ class EqnPlan:
     seconds: float
     fallback: bool = False
     reshards: list[tuple[int, ReshardPlan]] = field(default_factory=list)
+    sub_plans: list = field(default_factory=list)  # bodies of scan / while / cond / checkpoint
 
 
 @dataclass
@@ -92,7 +94,8 @@ def _reason(consumer: str, value: Value, src: Layout, dst: Layout, mesh: Process
 
 
 def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
-              output_targets: list[Layout | None], registry, cost_model: CostModel) -> Plan:
+              output_targets: list, registry, cost_model: CostModel, *,
+              top_level: bool = True) -> Plan:
     fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
     for e in program.eqns:
         if e.primitive is hint_p:
@@ -136,9 +139,18 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         in_avals = [v.aval for v in e.inputs]
         out_avals = [v.aval for v in e.outputs]
         fallback = False
+        sub_plans: list = []
         if e.primitive is hint_p:
             target = e.params["layout"]
             required, results, strategy, considered, seconds = [target], [target], "annotation", 1, 0.0
+        elif e.name in HIGHER_ORDER:
+            required, results, sub_plans, strategy = plan_higher_order(
+                e, operands, mesh, registry, cost_model)
+            considered, seconds = 1, 0.0
+            for sub in sub_plans:
+                for c in sub.collectives:  # once in the plan, as once in the loop's HLO body
+                    collectives.append(replace(c, reason=f"{c.reason} (inside {strategy})"))
+                fallbacks.extend(sub.fallbacks)
         else:
             opsh = rule_sharding(e, registry)
             if opsh is None:
@@ -155,7 +167,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 strategy = choice.strategy.describe(opsh)
                 considered, seconds = choice.considered, choice.seconds
         ep = EqnPlan(e.index, e.name, e.source, operands, required, results, strategy,
-                     considered, seconds, fallback)
+                     considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
             if src != dst:
                 ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.source)))
@@ -176,7 +188,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             output_reshards.append((k, reshard(v, dst, f"output {k}", producer.get(v))))
         outputs.append(dst)
 
-    if fallbacks:
+    if fallbacks and top_level:
         names = sorted({n for n, _ in fallbacks})
         for name in names:
             where = ", ".join(sorted({s or "?" for n, s in fallbacks if n == name}))

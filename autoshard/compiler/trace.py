@@ -127,8 +127,8 @@ class Program:
 _INLINE_JAXPR_PARAM = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
-}
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}  # checkpoint / remat are kept: their bodies are partitioned and re-wrapped (control_flow.py)
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,0 +1,88 @@
+"""scan, while, cond and checkpoint are partitioned inside, equal to one device, with the plan's
+collectives — and a gradient accumulated across a scan is reduced once, after the loop."""
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+
+
+def run_checked(fn, *args):
+    f = dist.jit(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(*args)
+    planned = Counter(c.kind for c in f.plan(*args).collectives)
+    assert count_collectives(f.lower(*args).compile().as_text()) == planned
+    return f, out
+
+
+def _scan_loss(w, xs):
+    def body(c, x):
+        return c + jnp.tanh(x @ w).sum(), x * 2
+    c, ys = jax.lax.scan(body, 0.0, xs)
+    return c + ys.sum() * 0.01
+
+
+@pytest.mark.parametrize("pw,px", [(["R", "S(1)"], ["R", "R"]), (["R", "R"], ["R", "S(1)"]),
+                                   (["S(0)", "R"], ["R", "R"])])
+def test_scan_value_and_gradient(pw, px):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(4, 4)).astype(np.float32)
+    xs = rng.normal(size=(3, 8, 4)).astype(np.float32)
+    dw, dxs = dist.shard_tensor(w, MESH, pw), dist.shard_tensor(xs, MESH, px)
+    f, (loss, grad) = run_checked(jax.value_and_grad(_scan_loss), dw, dxs)
+    ref_loss, ref_grad = jax.value_and_grad(_scan_loss)(w, xs)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulated_across_a_scan_is_reduced_once_after_the_loop():
+    # data parallel over the scanned micro-batches: per-step dW is Partial(sum) over dp
+    w = np.eye(4, dtype=np.float32)
+    xs = np.arange(3 * 8 * 4, dtype=np.float32).reshape(3, 8, 4) / 100
+    dw = dist.shard_tensor(w, MESH, ["R", "R"])
+    dxs = dist.shard_tensor(xs, MESH, [dist.Shard(1), dist.Replicate()])  # batch over dp
+    f, (loss, grad) = run_checked(jax.value_and_grad(_scan_loss), dw, dxs)
+    np.testing.assert_allclose(grad.numpy(), jax.grad(_scan_loss)(w, xs), rtol=1e-4, atol=1e-6)
+    plan = f.plan(dw, dxs)
+    inside = [c for c in plan.collectives if "inside scan" in c.reason]
+    assert not inside, [c.reason for c in inside]  # no per-iteration reduction
+    backward = [ep for ep in plan.eqns if ep.primitive == "scan"][-1]
+    assert any(L.partial for L in backward.results)  # the carry stays Partial through the loop
+
+
+def test_cond_and_while():
+    x = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "S(1)"])
+
+    def fn(x):
+        y = jax.lax.cond(x.sum() > 0, lambda a: jnp.sin(a) * 2, lambda a: a - 1, x)
+        n, z = jax.lax.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, c[1] * 1.5 + 1), (0, y))
+        return z * n
+
+    _, out = run_checked(fn, dx)
+    np.testing.assert_allclose(out.numpy(), fn(x), rtol=1e-5)
+
+
+def test_checkpoint_is_partitioned_inside_and_keeps_its_policy():
+    x = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
+    w = np.ones((4, 4), np.float32) / 4
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "R"])
+    dw = dist.shard_tensor(w, MESH, ["R", "S(1)"])
+    policy = jax.checkpoint_policies.nothing_saveable
+    block = jax.checkpoint(lambda x, w: jnp.tanh(x @ w) @ w.T, policy=policy)
+    loss = lambda x, w: jnp.sum(block(x, w) ** 2)  # noqa: E731
+    f, (l, g) = run_checked(jax.value_and_grad(loss, argnums=1), dx, dw)
+    ref_l, ref_g = jax.value_and_grad(loss, argnums=1)(x, w)
+    np.testing.assert_allclose(l.numpy(), ref_l, rtol=1e-5)
+    np.testing.assert_allclose(g.numpy(), ref_g, rtol=1e-4, atol=1e-6)
+    kept = [ep for ep in f.plan(dx, dw).eqns if ep.sub_plans and "checkpoint" in ep.strategy]
+    assert kept and all("nothing_saveable" in ep.strategy for ep in kept)
