@@ -12,7 +12,7 @@ import pytest
 import autoshard as dist
 from autoshard.hlo import collective_bytes, count_collectives
 
-import gpt_model as gpt
+from autoshard.bench import gpt
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 LAYERS = 2

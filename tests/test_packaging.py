@@ -30,6 +30,9 @@ def test_rules_importable_from_a_built_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "autoshard/rules/__init__.py" in names and "autoshard/rules/registry.py" in names
     assert "autoshard/py.typed" in names and not any(n.startswith("rules/") for n in names)
+    # every package of the source tree is in the wheel (an editable install would hide a gap)
+    for init in (ROOT / "autoshard").rglob("__init__.py"):
+        assert str(init.relative_to(ROOT)) in names, init
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = subprocess.run(

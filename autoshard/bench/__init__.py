@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m autoshard.bench <suite>`; workloads shared with the tests."""
