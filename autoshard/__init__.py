@@ -10,6 +10,7 @@ from .cost_model import CostModel, default_cost_model, set_default_cost_model
 from .creation import dtensor_from_fn, dtensor_from_local, shard_tensor, unshard_dtensor
 from .display import placement_table
 from .dtensor import DistTensor
+from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
 from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshError,
                      MeshMismatchError, PlacementError, PlacementTypeError, ReshardError,
                      ShardingError)

@@ -1,6 +1,8 @@
 """dtype helpers that also accept JAX's extended dtypes (PRNG key arrays)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -9,6 +11,7 @@ def is_extended(dtype) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
+@functools.lru_cache(maxsize=None)
 def cost_dtype(dtype) -> str:
     """A numpy dtype name with the same bytes per element, for the cost model and planner."""
     if is_extended(dtype):
@@ -17,6 +20,7 @@ def cost_dtype(dtype) -> str:
     return np.dtype(dtype).name
 
 
+@functools.lru_cache(maxsize=None)
 def itemsize(dtype) -> int:
     return np.dtype(cost_dtype(dtype)).itemsize
 

@@ -20,15 +20,24 @@ from .strategy import choose
 from .trace import Eqn, Program, hint_p
 
 
+_UNSET = object()
+
+
 def rule_sharding(eqn: Eqn, registry):
+    """The rule's description of `eqn` (computed once per equation and registry)."""
+    cached = eqn.sharding_cache.get(id(registry), _UNSET)
+    if cached is not _UNSET:
+        return cached
     rule = registry.lookup(eqn.primitive)
-    if rule is None:
-        return None
-    try:
-        return rule.sharding([v.aval for v in eqn.inputs], [v.aval for v in eqn.outputs],
-                             **eqn.params)
-    except (TypeError, ValueError, KeyError, IndexError, AssertionError):
-        return None  # an instance the rule does not describe runs replicated
+    result = None
+    if rule is not None:
+        try:
+            result = rule.sharding([v.aval for v in eqn.inputs], [v.aval for v in eqn.outputs],
+                                   **eqn.params)
+        except (TypeError, ValueError, KeyError, IndexError, AssertionError):
+            result = None  # an instance the rule does not describe runs replicated
+    eqn.sharding_cache[id(registry)] = result
+    return result
 
 
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,

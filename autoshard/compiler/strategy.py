@@ -10,6 +10,7 @@ local compute) and the cheapest wins, deterministically (first of equals).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -152,10 +153,29 @@ class Choice:
 def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
            actual: Sequence[Layout | None], preferred: Sequence[Layout | None],
            cost_model: CostModel, single_use: Sequence[bool] | None = None) -> Choice:
-    """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing)."""
+    """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing).
+
+    A pure function of its arguments, memoised: the layers of a model repeat the same
+    decisions, so most equations of a deep network are answered from the cache.
+    """
+    single = tuple(single_use) if single_use is not None else (True,) * len(actual)
+    return _choose(opsh, mesh, tuple(_Aval(tuple(a.shape), a.dtype) for a in in_avals),
+                   tuple(_Aval(tuple(a.shape), a.dtype) for a in out_avals), tuple(actual),
+                   tuple(preferred), cost_model, single)
+
+
+@dataclass(frozen=True)
+class _Aval:
+    shape: tuple
+    dtype: object
+
+
+@functools.lru_cache(maxsize=65536)
+def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, preferred,
+            cost_model: CostModel, single_use) -> Choice:
     sizes = mesh.axis_sizes
-    in_shapes = [tuple(a.shape) for a in in_avals]
-    out_shapes = [tuple(a.shape) for a in out_avals]
+    in_shapes = [a.shape for a in in_avals]
+    out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
     cands = candidates(opsh, actual, preferred, single_use)
     for s in cands:

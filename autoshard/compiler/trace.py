@@ -100,6 +100,7 @@ class Eqn:
     params: dict
     source: str | None
     index: int = 0
+    sharding_cache: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -1,0 +1,307 @@
+"""Eager mode (Paddle's dynamic graph): DistTensor operators, indexing, reductions and casts.
+
+Each op is a small dist.jit program, cached per (op, static params), that keeps Partial results.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import source_info_util
+from jax._src.lib import xla_client
+
+from .compiler.jit import DistributedFunction, jit
+from .dtensor import DistTensor
+
+# (op name, *static params) → its program. dist.jit caches per input layouts and avals inside,
+# so a second call of an op on tensors laid out the same way neither retraces nor replans.
+PROGRAMS: dict[tuple, DistributedFunction] = {}
+
+_CALLER = threading.local()  # the traceback of the eager call being traced, if any
+_PY_SCALARS = (bool, int, float, complex)  # bool first: True is an int too
+_ARRAY = object()  # an index array's slot in a getitem key (the array itself is an argument)
+
+_BINARY: dict[str, Callable[..., Any]] = {
+    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "truediv": jnp.true_divide,
+    "floordiv": jnp.floor_divide, "mod": jnp.remainder, "pow": jnp.power, "matmul": jnp.matmul,
+    "and": jnp.bitwise_and, "or": jnp.bitwise_or, "xor": jnp.bitwise_xor,
+    "lshift": jnp.left_shift, "rshift": jnp.right_shift,
+}
+_COMPARE: dict[str, Callable[..., Any]] = {
+    "lt": jnp.less, "le": jnp.less_equal, "gt": jnp.greater, "ge": jnp.greater_equal,
+    "eq": jnp.equal, "ne": jnp.not_equal,
+}
+_UNARY: dict[str, Callable[..., Any]] = {
+    "neg": jnp.negative, "pos": jnp.positive, "abs": jnp.abs, "invert": jnp.invert,
+}
+_REDUCE: dict[str, Callable[..., Any]] = {
+    "sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min, "prod": jnp.prod,
+    "any": jnp.any, "all": jnp.all,
+}
+
+
+def program(key: tuple, make: Callable[[], Callable[..., Any]]) -> DistributedFunction:
+    """The cached program of `key` = (op name, *static params), built by `make()` once."""
+    f = PROGRAMS.get(key)
+    if f is None:
+        fn = make()
+
+        def traced(*args: Any) -> Any:
+            # jax cuts a traceback at its API boundary, so every equation would be attributed
+            # to this file; the caller's traceback puts the user's line in plans and warnings.
+            with source_info_util.user_context(getattr(_CALLER, "traceback", None)):
+                return fn(*args)
+
+        traced.__name__ = traced.__qualname__ = f"eager_{key[0]}"
+        # "keep": pending Partial results stay visible op by op, until the user reshards them
+        f = PROGRAMS[key] = jit(traced, out_placements="keep")
+    return f
+
+
+def run(key: tuple, make: Callable[[], Callable[..., Any]], *args: Any) -> Any:
+    """Call the program of `key` on `args` (DistTensors, arrays, scalars)."""
+    f = program(key, make)
+    _CALLER.traceback = xla_client.Traceback.get_traceback()
+    try:
+        return f(*args)
+    finally:
+        _CALLER.traceback = None
+
+
+def _operand(x: Any) -> tuple[Any, type | None] | None:
+    """(value, its Python scalar type or None), or None for what no op takes (NotImplemented)."""
+    if isinstance(x, (DistTensor, jax.Array, np.ndarray, np.generic)):
+        return x, None
+    for t in _PY_SCALARS:
+        if isinstance(x, t):
+            return t(x), t
+    if isinstance(x, (list, tuple)):
+        arr = np.asarray(x)
+        return (arr, None) if arr.dtype.kind in "biufc" else None
+    return None
+
+
+def _apply(name: str, f: Callable[..., Any], *operands: Any) -> Any:
+    parsed = [_operand(x) for x in operands]
+    if any(p is None for p in parsed):
+        return NotImplemented
+    values = [v for v, _ in parsed]
+    kinds = [k for _, k in parsed]
+    if name == "pow" and kinds[1] is int and kinds[0] is None:
+        # x ** 3 with a Python int is lax.integer_pow in jnp (exact for integers, no loop):
+        # the exponent is static, one program per exponent.
+        n = values[1]
+        return run(("pow", ("int", n)), lambda: lambda x: jnp.power(x, n), values[0])
+    if any(kinds):
+        # A Python scalar is weakly typed in jnp (bf16 * 2.0 stays bf16, int32 * 2.5 is
+        # float32): give it the dtype jnp would, here, so the program sees a plain array.
+        target = jnp.result_type(*(np.dtype(v.dtype) if k is None else k
+                                   for v, k in zip(values, kinds)))
+        values = [v if k is None else np.asarray(v, dtype=target) for v, k in zip(values, kinds)]
+    return run((name,), lambda: f, *values)
+
+
+def _binary(name: str, f: Callable[..., Any]) -> tuple[Callable, Callable]:
+    def method(self: DistTensor, other: Any) -> Any:
+        return _apply(name, f, self, other)
+
+    def reflected(self: DistTensor, other: Any) -> Any:
+        return _apply(name, f, other, self)
+
+    return method, reflected
+
+
+def _pow(self: DistTensor, other: Any, mod: Any = None) -> Any:
+    return NotImplemented if mod is not None else _apply("pow", jnp.power, self, other)
+
+
+def _unary(name: str, f: Callable[..., Any]) -> Callable:
+    def method(self: DistTensor) -> DistTensor:
+        return run((name,), lambda: f, self)
+
+    return method
+
+
+def _axis(axis: Any, ndim: int) -> int:
+    a = operator.index(axis)
+    if not -ndim <= a < ndim:
+        raise np.exceptions.AxisError(a, ndim)
+    return a % ndim
+
+
+def _axes(axis: Any, ndim: int) -> tuple[int, ...] | None:
+    if axis is None:
+        return None
+    return tuple(sorted(_axis(a, ndim) for a in (axis if isinstance(axis, (tuple, list)) else (axis,))))
+
+
+def _reduction(name: str, f: Callable[..., Any]) -> Callable:
+    def method(self: DistTensor, axis: Any = None, keepdims: bool = False) -> DistTensor:
+        axes, keep = _axes(axis, self.ndim), bool(keepdims)
+        return run((name, axes, keep), lambda: lambda x: f(x, axis=axes, keepdims=keep), self)
+
+    method.__doc__ = f"jnp.{f.__name__} over `axis` (all dims when None), as a DistTensor."
+    return method
+
+
+def _arg_reduction(name: str, f: Callable[..., Any]) -> Callable:
+    def method(self: DistTensor, axis: Any = None, keepdims: bool = False) -> DistTensor:
+        ax = None if axis is None else _axis(axis, self.ndim)
+        keep = bool(keepdims)
+        return run((name, ax, keep), lambda: lambda x: f(x, axis=ax, keepdims=keep), self)
+
+    method.__doc__ = f"jnp.{f.__name__} along `axis` (of the flattened tensor when None)."
+    return method
+
+
+def astype(self: DistTensor, dtype: Any) -> DistTensor:
+    """This tensor converted to `dtype`, laid out as the plan chooses."""
+    dt = np.dtype(dtype)
+    return run(("astype", dt), lambda: lambda x: x.astype(dt), self)
+
+
+def reshape(self: DistTensor, *shape: Any) -> DistTensor:
+    """`x.reshape(2, 3)` or `x.reshape((2, 3))`; one dim may be -1."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    new = tuple(operator.index(s) for s in shape)
+    return run(("reshape", new), lambda: lambda x: jnp.reshape(x, new), self)
+
+
+def transpose(self: DistTensor, *axes: Any) -> DistTensor:
+    """`x.transpose(1, 0)` or `x.transpose((1, 0))`; all dims reversed when none are given."""
+    if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
+        axes = () if axes[0] is None else tuple(axes[0])
+    perm = tuple(operator.index(a) for a in axes) or tuple(reversed(range(self.ndim)))
+    return run(("transpose", perm), lambda: lambda x: jnp.transpose(x, perm), self)
+
+
+def _index_entries(key: Any) -> list:
+    # A boolean mask is concrete here (eager), so it becomes integer arrays as numpy does; the
+    # result's shape then depends on the mask's values, which a traced program could not know.
+    out: list = []
+    for k in (key if isinstance(key, tuple) else (key,)):
+        if isinstance(k, list):
+            k = np.asarray(k)
+        if isinstance(k, (DistTensor, jax.Array, np.ndarray)) and k.dtype == np.bool_:
+            k = np.asarray(k)
+            out.extend(np.nonzero(k) if k.ndim else [bool(k)])
+        else:
+            out.append(k)
+    return out
+
+
+def _getitem(self: DistTensor, key: Any) -> DistTensor:
+    spec: list = []
+    arrays: list = []
+    for k in _index_entries(key):
+        if k is None or k is Ellipsis or isinstance(k, (bool, np.bool_)):
+            spec.append(k if k is None or k is Ellipsis else bool(k))
+        elif isinstance(k, slice):
+            spec.append(("slice",) + tuple(None if v is None else operator.index(v)
+                                           for v in (k.start, k.stop, k.step)))
+        elif isinstance(k, (int, np.integer)) or (isinstance(k, np.ndarray) and k.ndim == 0
+                                                  and k.dtype.kind in "iu"):
+            spec.append(operator.index(k))
+        elif isinstance(k, (DistTensor, jax.Array, np.ndarray)) and np.dtype(k.dtype).kind in "iu":
+            spec.append(_ARRAY)
+            arrays.append(k)
+        else:
+            raise IndexError(f"DistTensor index {k!r:.60}: only integers, slices (`:`), ellipsis "
+                             f"(`...`), None and integer or boolean arrays are valid indices")
+    _check_bounds(self.shape, spec, arrays)
+    static = tuple(spec)
+
+    def make() -> Callable[..., Any]:
+        def fn(x, *idx):
+            it = iter(idx)
+            return x[tuple(next(it) if k is _ARRAY else slice(*k[1:]) if isinstance(k, tuple)
+                           else k for k in static)]
+        return fn
+
+    return run(("getitem", static), make, self, *arrays)
+
+
+def _check_bounds(shape: tuple[int, ...], spec: list, arrays: list) -> None:
+    # jnp clamps an out-of-range index; numpy (and Python iteration) raise IndexError. Host
+    # index arrays are checked too; device ones would have to be fetched, so they are not.
+    consumed = sum(1 for k in spec if k is not None and k is not Ellipsis and not isinstance(k, bool))
+    dim, it = 0, iter(arrays)
+    for k in spec:
+        if k is Ellipsis:
+            dim += max(len(shape) - consumed, 0)
+            continue
+        if k is None or isinstance(k, bool):
+            continue
+        values = next(it) if k is _ARRAY else k
+        if dim < len(shape) and isinstance(values, (int, np.ndarray)):
+            n = shape[dim]
+            bad = np.asarray(values)
+            bad = bad[(bad < -n) | (bad >= n)]
+            if bad.size:
+                raise IndexError(f"index {int(bad.flat[0])} is out of bounds for axis {dim} "
+                                 f"with size {n}")
+        dim += 1
+
+
+def _iter(self: DistTensor) -> Iterator[DistTensor]:
+    if not self.shape:
+        raise TypeError("iteration over a 0-d DistTensor")
+    n = self.shape[0]
+    # One program for all rows rather than one per row index.
+    rows = run(("rows", n), lambda: lambda x: tuple(x[i] for i in range(n)), self)
+    return iter(rows)
+
+
+def _to_python(convert: Callable[[Any], Any]) -> Callable:
+    def method(self: DistTensor) -> Any:
+        if self.ndim:
+            raise TypeError(f"only a 0-d DistTensor converts to a Python {convert.__name__}; this "
+                            f"one has shape {self.shape}: index or reduce it first")
+        return convert(self.numpy())
+
+    return method
+
+
+def _bool(self: DistTensor) -> bool:
+    if self.size != 1:
+        raise ValueError(f"the truth value of a DistTensor of shape {self.shape} is ambiguous: "
+                         f"reduce it first (x.any(), x.all())")
+    return bool(self.numpy().reshape(()))
+
+
+def install(cls: type = DistTensor) -> None:
+    """Give `cls` the eager operators and methods (idempotent)."""
+    methods: dict[str, Any] = {}
+    for name, f in _BINARY.items():
+        methods[f"__{name}__"], methods[f"__r{name}__"] = _binary(name, f)
+    methods["__pow__"] = _pow
+    for name, f in _COMPARE.items():  # Python swaps the operands itself: no reflected forms
+        methods[f"__{name}__"] = _binary(name, f)[0]
+    for name, f in _UNARY.items():
+        methods[f"__{name}__"] = _unary(name, f)
+    for name, f in _REDUCE.items():
+        methods[name] = _reduction(name, f)
+    methods.update(
+        argmax=_arg_reduction("argmax", jnp.argmax), argmin=_arg_reduction("argmin", jnp.argmin),
+        astype=astype, reshape=reshape, transpose=transpose,
+        T=property(lambda self: self.transpose(), doc="All dims reversed."),
+        __getitem__=_getitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
+        __int__=_to_python(int), __complex__=_to_python(complex),
+        # __eq__ is elementwise, which would make the class unhashable had it been defined in
+        # the class body; DistTensors stay hashable by identity (dict keys, sets, `x in list`).
+        __hash__=object.__hash__,
+        # ndarray's binary operators step aside for a higher priority: np_array + x is ours.
+        __array_priority__=1000,
+    )
+    for name, value in methods.items():
+        setattr(cls, name, value)
+
+
+install(DistTensor)
+
+__all__ = ["install", "program", "PROGRAMS", "astype", "reshape", "transpose"]

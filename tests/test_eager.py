@@ -1,0 +1,317 @@
+"""Eager mode: DistTensor operators run op by op through the engine and equal numpy."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import autoshard as dist
+from autoshard import eager
+
+R, S, P = dist.Replicate, dist.Shard, dist.Partial
+MESH8 = dist.ProcessMesh(list(range(8)), ["x"])
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+
+# (mesh, placements of a, placements of b): replicated, split either dim, co-split, pending sums
+CASES = [
+    (MESH8, [R()], [S(0)]),
+    (MESH8, [S(0)], [S(0)]),
+    (MESH8, [S(1)], [R()]),
+    (MESH8, [P()], [S(1)]),
+    (MESH24, [S(0), S(1)], [R(), S(1)]),
+    (MESH24, [P(), S(1)], [S(0), P()]),
+    (MESH24, [S(1), S(1)], [R(), R()]),
+]
+IDS = [f"{'x'.join(map(str, m.shape))}-{''.join(map(repr, pa))}-{''.join(map(repr, pb))}"
+       for m, pa, pb in CASES]
+
+_rng = np.random.default_rng(0)
+# Integer-valued floats: comparisons see ties, // and % are exact; B is never zero.
+A = _rng.integers(-4, 5, (8, 8)).astype(np.float32)
+B = _rng.choice(np.array([-3, -2, -1, 1, 2, 3], np.float32), (8, 8))
+
+
+@pytest.fixture(params=CASES, ids=IDS)
+def ab(request):
+    mesh, pa, pb = request.param
+    return dist.shard_tensor(A, mesh, pa), dist.shard_tensor(B, mesh, pb)
+
+
+def check(out, expected, rtol=1e-6, dtype=None):
+    assert isinstance(out, dist.DistTensor), type(out)
+    expected = np.asarray(expected)
+    assert out.shape == expected.shape
+    if dtype is not None:
+        assert out.dtype == dtype, (out.dtype, dtype)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=rtol, atol=1e-6)
+
+
+def no_partial(x) -> bool:
+    return not any(isinstance(p, P) for p in x.placements)
+
+
+# -- operators ----------------------------------------------------------------------------------
+
+def test_arithmetic_comparisons_and_matmul_match_numpy(ab):
+    a, b = ab
+    check(a + b, A + B)
+    check(a - b, A - B)
+    check(a * b, A * B)
+    check(a / b, A / B)
+    check(a // b, A // B)
+    check(a % b, A % B)
+    check(b ** a, B ** A, rtol=1e-5)
+    check(a ** 2, A ** 2)
+    check(-a, -A)
+    check(+a, A)
+    check(abs(a), np.abs(A))
+    check(a @ b, A @ B, rtol=1e-5)
+    for out, expected in [(a < b, A < B), (a <= b, A <= B), (a > b, A > B), (a >= b, A >= B),
+                          (a == b, A == B), (a != b, A != B)]:
+        check(out, expected, dtype=np.bool_)
+        assert no_partial(out)  # a comparison is not linear: a pending sum is reduced first
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]], ids=[IDS[0], IDS[3], IDS[5]])
+def test_python_scalars_and_numpy_on_either_side(case):
+    mesh, pa, pb = case
+    a, b = dist.shard_tensor(A, mesh, pa), dist.shard_tensor(B, mesh, pb)
+    check(a + 1, A + 1)
+    check(2.0 - a, 2.0 - A)
+    check(3 * a, 3 * A)
+    check(1.0 / b, 1.0 / B)
+    check(7 // b, 7 // B)
+    check(5 % b, 5 % B)
+    check(2.0 ** a, 2.0 ** A)
+    check(a ** 3, A ** 3)
+    check(abs(a) ** 0.5, np.abs(A) ** 0.5)
+    check(a < 1, A < 1, dtype=np.bool_)
+    check(0 >= a, 0 >= A, dtype=np.bool_)
+    check(A + b, A + B)             # ndarray.__add__ steps aside: the DistTensor's __radd__ runs
+    check(A @ b, A @ B, rtol=1e-5)
+    check(A < b, A < B, dtype=np.bool_)
+    check(np.float32(2) * a, 2 * A)
+    check(a - B[0], A - B[0])       # broadcasting a host row
+    check(a * jnp.asarray(B), A * B)
+
+
+def test_scalar_operands_keep_jnp_weak_typing():
+    mesh = MESH8
+    i = dist.shard_tensor(np.arange(16, dtype=np.int32).reshape(8, 2), mesh, [S(0)])
+    check(i * 2, np.arange(16).reshape(8, 2) * 2, dtype=np.int32)
+    check(i // 3, np.arange(16).reshape(8, 2) // 3, dtype=np.int32)
+    check(i * 2.5, np.arange(16).reshape(8, 2) * 2.5, dtype=np.float32)
+    check(i & 6, np.arange(16).reshape(8, 2) & 6, dtype=np.int32)
+    check(~i, ~np.arange(16).reshape(8, 2), dtype=np.int32)
+    check(i << 1, np.arange(16).reshape(8, 2) << 1, dtype=np.int32)
+    h = dist.shard_tensor(np.ones((8, 2), ml_dtypes.bfloat16), mesh, [S(0)])
+    assert (h * 2.0).dtype == ml_dtypes.bfloat16  # a Python float does not widen bf16
+    assert (h * np.float32(2)).dtype == np.float32  # a numpy scalar does, as in jnp
+    f = dist.shard_tensor(A, mesh, [S(1)])
+    check(f + 2**40, A + np.float32(2**40), dtype=np.float32)  # too big for int32, fine as f32
+    check(f * True, A, dtype=np.float32)
+
+
+def test_unsupported_operands_fall_back_to_python():
+    a = dist.shard_tensor(A, MESH8, [S(0)])
+    with pytest.raises(TypeError):
+        a + "1"
+    assert (a == None) is False  # noqa: E711 — NotImplemented, then identity
+    assert (a != "x") is True
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(a == a)
+
+
+# -- the seed example: a pending Partial the user can print, then reshard ----------------------
+
+def test_seed_matmul_is_partial_then_resharded_and_relu():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    A2 = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    B2 = np.array([[5.0, 6.0], [7.0, 8.0]], np.float32)
+    a = dist.shard_tensor(A2, mesh, [dist.Replicate()])
+    b = dist.shard_tensor(B2, mesh, [dist.Shard(0)])
+    c = a @ b
+    assert c.placements == [dist.Partial()]
+    assert "P(sum)" in repr(c)
+    np.testing.assert_array_equal(c.numpy(), A2 @ B2)
+    np.testing.assert_array_equal(np.asarray(c.local(0)) + np.asarray(c.local(1)), A2 @ B2)  # each holds a partial sum
+    r = dist.reshard(c, mesh, [dist.Replicate()])
+    assert r.placements == [dist.Replicate()]
+    np.testing.assert_array_equal(dist.jit(jax.nn.relu)(r).numpy(), np.maximum(A2 @ B2, 0))
+    np.testing.assert_array_equal((r * (r > 0)).numpy(), np.maximum(A2 @ B2, 0))
+
+
+def test_partial_stays_pending_through_linear_ops_op_by_op():
+    a = dist.shard_tensor(A, MESH8, [S(1)])
+    b = dist.shard_tensor(B, MESH8, [S(0)])
+    c = a @ b
+    assert c.placements == [P()]
+    for out, expected in [(c * 2.0, 2 * (A @ B)), (c + c, 2 * (A @ B)), (-c, -(A @ B)),
+                          (c.T, (A @ B).T), (c.reshape(64), (A @ B).reshape(64)),
+                          (c.sum(0), (A @ B).sum(0)), (c + 1.0, A @ B + 1.0)]:
+        assert out.placements == [P()], out
+        check(out, expected, rtol=1e-5)
+    assert no_partial(c > 0) and no_partial(abs(c)) and no_partial(c.max())
+    cc = c * c  # one factor is reduced, the other may stay pending: R * P(sum) is P(sum)
+    check(cc, (A @ B) ** 2, rtol=1e-5)
+
+
+# -- indexing, shapes, reductions, casts --------------------------------------------------------
+
+@pytest.fixture(params=[CASES[1], CASES[5]], ids=[IDS[1], IDS[5]])
+def a(request):
+    mesh, pa, _ = request.param
+    return dist.shard_tensor(A, mesh, pa)
+
+
+def test_indexing_and_slicing(a):
+    for key in [np.s_[1:3], np.s_[:, 0], np.s_[..., None], np.s_[-1], np.s_[::-1],
+                np.s_[1:7:2, 2], np.s_[None, 2:, ...], np.s_[3, 5], np.s_[..., -2:],
+                np.s_[np.int64(2)], np.s_[True]]:
+        check(a[key], A[key])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.FallbackWarning)  # gather has no rule yet
+        check(a[np.array([0, 3, 5])], A[[0, 3, 5]])
+        check(a[[1, 2], 4:], A[[1, 2], 4:])
+        check(a[:, np.array([[0, 1], [7, -1]])], A[:, np.array([[0, 1], [7, -1]])])
+        check(a[A > 0], A[A > 0])          # a host mask: concrete, as numpy sees it
+        check(a[a > 0], A[A > 0])          # a DistTensor mask is fetched first (eager)
+        idx = dist.shard_tensor(np.array([7, 0, 3, 3, 1, 2, 5, 6], np.int32), a.mesh,
+                                [R()] * a.mesh.ndim)
+        check(a[idx], A[[7, 0, 3, 3, 1, 2, 5, 6]])
+    with pytest.raises(IndexError, match="out of bounds for axis 1 with size 8"):
+        a[0, 8]
+    with pytest.raises(IndexError, match="out of bounds"):
+        a[np.array([0, 9])]
+    with pytest.raises(IndexError, match="valid indices"):
+        a["x"]
+    rows = list(a)
+    assert len(rows) == 8
+    check(rows[5], A[5])
+
+
+def test_shapes_reductions_and_casts(a):
+    check(a.T, A.T)
+    check(a.reshape(4, 16), A.reshape(4, 16))
+    check(a.reshape((64,)), A.reshape(64))
+    check(a.reshape(-1, 2), A.reshape(-1, 2))
+    check(a.transpose(1, 0), A.T)
+    check(a.transpose((1, 0)), A.T)
+    check(a.reshape(2, 4, 8).transpose(2, 0, 1), A.reshape(2, 4, 8).transpose(2, 0, 1))
+    check(a.reshape(2, 4, 8).T, A.reshape(2, 4, 8).T)
+    for axis in [None, 0, 1, (0, 1)]:
+        check(a.sum(axis), A.sum(axis))
+        check(a.max(axis=axis), A.max(axis))
+    check(a.sum(-1, keepdims=True), A.sum(-1, keepdims=True))
+    check(a.mean(), A.mean(), rtol=1e-5)
+    check(a.mean(0, keepdims=True), A.mean(0, keepdims=True), rtol=1e-5)
+    check(a.min(1), A.min(1))
+    check(a.prod(0), A.prod(0))
+    check((a > 0).any(1), (A > 0).any(1), dtype=np.bool_)
+    check((a > -5).all(), True, dtype=np.bool_)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.FallbackWarning)  # argmax has no rule yet
+        check(a.argmax(), A.argmax())
+        check(a.argmax(0), A.argmax(0))
+        check(a.argmin(axis=1, keepdims=True), A.argmin(1, keepdims=True))
+    with pytest.raises(np.exceptions.AxisError):
+        a.sum(2)
+    check(a.astype(np.int32), A.astype(np.int32), dtype=np.int32)
+    check(a.astype("bool"), A.astype(bool), dtype=np.bool_)
+    check((a > 0).astype(np.float32).sum(), (A > 0).sum())
+    assert a.astype(jnp.bfloat16).dtype == jnp.bfloat16
+
+
+def test_argmax_over_a_sharded_dim_is_right_even_through_the_fallback():
+    a = dist.shard_tensor(A, MESH8, [S(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.FallbackWarning)
+        check(a.argmax(0), A.argmax(0))
+    # Today argmax has no rule and runs replicated; a rule may land later.
+    plan = eager.PROGRAMS[("argmax", 0, False)].plan(a)
+    assert {name for name, _ in plan.fallbacks} <= {"argmax"}
+
+
+def test_python_conversions():
+    a = dist.shard_tensor(A, MESH24, [S(0), S(1)])
+    assert float(a.sum()) == float(A.sum())
+    assert int(a[2, 3]) == int(A[2, 3])
+    assert bool(a.max() > 0) is True
+    assert complex(a[0, 0]) == complex(A[0, 0])
+    assert bool(a[1:2, 1:2]) == bool(A[1, 1])   # one element: like numpy
+    with pytest.raises(TypeError, match="0-d"):
+        float(a)
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(a > 0)
+    assert a.astype(np.int32).sum().numpy().item() == int(A.sum())
+    with pytest.raises(TypeError, match="0-d"):
+        iter(a.sum())
+
+
+# -- caching, meshes, pytrees -------------------------------------------------------------------
+
+def test_second_call_with_same_layouts_does_not_retrace():
+    a = dist.shard_tensor(A, MESH8, [S(0)])
+    b = dist.shard_tensor(B, MESH8, [S(1)])
+    a @ b
+    a * 2.0
+    a[1:5, 3]
+    a.sum(1)
+    traced = {k: eager.PROGRAMS[k].trace_count for k in [
+        ("matmul",), ("mul",), ("getitem", (("slice", 1, 5, None), 3)),
+        ("sum", (1,), False)]}
+    a2 = dist.shard_tensor(B, MESH8, [S(0)])  # other values, same layout
+    check(a2 @ b, B @ B, rtol=1e-5)
+    check(a * 3.0, A * 3.0)                   # another scalar is an argument, not a new program
+    check(a2[1:5, 3], B[1:5, 3])
+    check(a2.sum(1), B.sum(1))
+    assert {k: eager.PROGRAMS[k].trace_count for k in traced} == traced
+    a[2:6, 7]  # another static parameter is another program
+    assert eager.PROGRAMS[("getitem", (("slice", 2, 6, None), 7))].trace_count == 1
+
+
+def test_operands_on_different_meshes_raise_mesh_mismatch():
+    a = dist.shard_tensor(A, MESH8, [S(0)])
+    other = dist.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    b = dist.shard_tensor(B, other, [S(0)])
+    with pytest.raises(dist.MeshMismatchError, match="is on") as info:
+        a + b
+    assert "test_eager.py:" in str(info.value)
+    with pytest.raises(dist.MeshMismatchError):
+        a[dist.shard_tensor(np.array([0, 1], np.int32), other, [R()])]
+
+
+def test_plans_and_warnings_point_at_the_users_line():
+    # Shapes no other test uses: fresh traces, so the first caller's line is recorded.
+    a = dist.shard_tensor(A[:4], MESH8, [S(1)])
+    b = dist.shard_tensor(B[:, :4], MESH8, [S(0)])
+    c = a @ b
+    check(c * c, (A[:4] @ B[:, :4]) ** 2, rtol=1e-5)
+    text = str(eager.PROGRAMS[("mul",)].explain(c, c))  # the plan of the call above, cached
+    assert "all-reduce" in text and "test_eager.py:" in text and "eager.py:" not in text.replace(
+        "test_eager.py:", "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a.argmax(1)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, dist.FallbackWarning)]
+    assert all("test_eager.py:" in m for m in msgs), msgs
+
+
+def test_dtensors_stay_pytrees_and_hashable():
+    d = {"a": dist.shard_tensor(A, MESH24, [S(0), S(1)]),
+         "b": dist.shard_tensor(B, MESH24, [R(), S(0)])}
+    doubled = jax.tree.map(lambda x: x * 2, d)
+    assert all(isinstance(v, dist.DistTensor) for v in doubled.values())
+    check(doubled["a"], 2 * A)
+    assert doubled["b"].placements == d["b"].placements
+    summed = jax.tree.map(lambda x, y: x + y, d, d, is_leaf=lambda x: isinstance(x, dist.DistTensor))
+    check(summed["b"], 2 * B)   # the leaves are DistTensors: their own + runs
+    assert len(jax.tree.leaves(d)) == 2
+    assert jax.jit(lambda t: jax.tree.map(jnp.negative, t))(d)["a"].placements == [S(0), S(1)]
+    out = dist.jit(lambda t: t["a"] @ t["b"])(d)
+    check(out, A @ B, rtol=1e-5)
+    a = d["a"]
+    assert hash(a) == hash(a) and {a: 1}[a] == 1 and len({a, d["b"]}) == 2
+    assert a in [a] and a in {a}
