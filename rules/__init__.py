@@ -3,11 +3,11 @@
 Installed as `autoshard.rules`. Registration is explicit: each family module holds a TABLE and
 `install_builtin_rules` puts them in; importing a module registers nothing.
 """
-from . import dot, elementwise, indexing, random, reduction, shape
+from . import cumulative, dot, elementwise, indexing, random, reduction, shape
 from .registry import REGISTRY, Rule, RuleRegistry, lookup_rule, register_rule, registered_primitives
 
 FAMILIES = {"elementwise": elementwise, "dot": dot, "reduction": reduction, "shape": shape,
-            "indexing": indexing, "random": random}
+            "indexing": indexing, "random": random, "cumulative": cumulative}
 
 
 def install_builtin_rules(registry: RuleRegistry = REGISTRY) -> RuleRegistry:

@@ -3,6 +3,9 @@
 A Rule is a pure `sharding(in_avals, out_avals, **params) -> OpSharding | None` (None: this
 instance has no rule and runs replicated) plus, where the primitive's params encode global
 shapes or positions, a `lower(ctx, *local_inputs, **params)` that binds it on local blocks.
+A `lower` that communicates itself (a cross-shard combine) declares what it sends in `comm`,
+`comm(in_layouts, out_layouts, in_avals, out_avals, axis_sizes, **params)` → a list of
+(hlo kind, description, mesh axes, bytes per device), so the plan still lists every collective.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any, Callable
 class Rule:
     sharding: Callable[..., Any]
     lower: Callable[..., Any] | None = None
+    comm: Callable[..., Any] | None = None
 
 
 class RuleRegistry:

@@ -5,7 +5,9 @@ size-1 broadcast dim); sharding a factor on a mesh axis shards every dim that ca
 - PASS factors are batch / elementwise / matmul m,n dims;
 - REDUCE factors are contracted or reduced dims: sharding one makes the result Partial with the
   factor's reduce type;
-- REPLICATE factors must stay whole (a sort axis, a concatenated dim).
+- REPLICATE factors must stay whole (a sort axis, a concatenated dim);
+- COMBINE factors may be sharded though no result dim carries them: the rule's own lowering
+  combines the shards (argmax over a sharded axis), so the result is complete, not Partial.
 The partial algebra says which Partial operands may flow straight through: LINEAR ops pass
 P(sum)/P(avg) when all operands carry it (add), or when exactly one does and the rest are
 replicated (mul, dot); MONOTONE ops pass P(max)/P(min) when all operands carry it.
@@ -17,7 +19,7 @@ from typing import Sequence
 
 from ..placement import ReduceType
 
-PASS, REDUCE, REPLICATE = "pass", "reduce", "replicate"
+PASS, REDUCE, REPLICATE, COMBINE = "pass", "reduce", "replicate", "combine"
 NONE, ALL, ONE = "none", "all", "one"
 
 DimFactors = tuple  # tuple[int | None, ...]: factor index per dim
@@ -56,7 +58,7 @@ class OpSharding:
 
 
 def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[Sequence[int]],
-           *, reduce_type: ReduceType = ReduceType.SUM, replicate: str = "",
+           *, reduce_type: ReduceType = ReduceType.SUM, replicate: str = "", combine: str = "",
            linear: str = NONE, monotone: str = NONE,
            partial_operands: tuple[int, ...] | None = None,
            monotone_types: tuple[ReduceType, ...] = (ReduceType.MAX, ReduceType.MIN)) -> OpSharding:
@@ -75,6 +77,7 @@ def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[S
     out_letters = set("".join(outs))
     factors = tuple(
         Factor(REPLICATE) if ch in replicate else
+        Factor(COMBINE) if ch in combine else
         Factor(PASS) if ch in out_letters else Factor(REDUCE, reduce_type)
         for ch in letters)
 
@@ -90,5 +93,5 @@ def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[S
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
-__all__ = ["Factor", "OpSharding", "einsum", "PASS", "REDUCE", "REPLICATE", "NONE", "ALL", "ONE",
+__all__ = ["Factor", "OpSharding", "einsum", "PASS", "REDUCE", "REPLICATE", "COMBINE", "NONE", "ALL", "ONE",
            "LETTERS"]

@@ -166,6 +166,14 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 required, results = choice.operands, choice.results
                 strategy = choice.strategy.describe(opsh)
                 considered, seconds = choice.considered, choice.seconds
+                rule = registry.lookup(e.primitive)
+                if rule is not None and rule.comm is not None:
+                    for kind, step, axes, nbytes in rule.comm(required, results, in_avals, out_avals,
+                                                              mesh.axis_sizes, **e.params):
+                        collectives.append(PlannedCollective(
+                            kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
+                            f"{e.name} (eqn {e.index})", e.source,
+                            f"{e.name} combines its shards across {', '.join(axes)}"))
         ep = EqnPlan(e.index, e.name, e.source, operands, required, results, strategy,
                      considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
