@@ -33,6 +33,12 @@ OPS = {
     "scale": lambda h, w: h / (1.0 + h * h),
     "concat_slice": lambda h, w: jnp.concatenate([h[:, :4], w[:, 4:]], axis=1),
     "broadcast": lambda h, w: h + jnp.sum(w, axis=0),
+    "cumsum": lambda h, w: jnp.cumsum(h, axis=1) * 0.1,
+    "cummax": lambda h, w: jax.lax.cummax(h, axis=0),
+    "sort": lambda h, w: jnp.sort(h, axis=1) + w,
+    "argmax_onehot": lambda h, w: h * jax.nn.one_hot(jnp.argmax(w, axis=1), 8),
+    "dropout": lambda h, w: jnp.where(jax.random.bernoulli(jax.random.key(3), 0.75, h.shape), h, 0.0),
+    "scan_rows": lambda h, w: jax.lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(8), h)[1],
 }
 
 PLACEMENTS = ["R", "S(0)", "S(1)", "P(sum)"]
