@@ -1,0 +1,212 @@
+"""Indexing rules: gather, scatter, dynamic_slice and dynamic_update_slice equal one device,
+values and gradients, and compile to exactly the planned collectives."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+from autoshard.placement import ReduceType
+
+MESH8 = dist.ProcessMesh(list(range(8)), dim_names=["x"])
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+R, S = dist.Replicate(), dist.Shard
+
+VOCAB, DIM = 16, 8
+RNG = np.random.default_rng(0)
+TABLE = RNG.normal(size=(VOCAB, DIM)).astype(np.float32)
+IDS = RNG.integers(0, VOCAB, size=(4, 6)).astype(np.int32)   # every block of 16 rows is hit
+W = RNG.normal(size=(4, 6, DIM)).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def no_fallbacks():
+    # Every indexing primitive here has a rule: running one replicated is a failure.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        yield
+
+
+def kinds(f, *args) -> Counter:
+    return Counter(c.kind for c in f.plan(*args).collectives)
+
+
+def assert_hlo_matches_plan(f, *args):
+    assert count_collectives(f.lower(*args).compile().as_text()) == kinds(f, *args)
+
+
+def eqn(plan, primitive):
+    (found,) = [ep for ep in plan.eqns if ep.primitive == primitive]
+    return found
+
+
+def check(fn, args, *, rtol=1e-6, atol=1e-6, **jit_kwargs):
+    """dist.jit(fn) on the placed args equals jax.jit(fn) on their values; returns the plan."""
+    f = dist.jit(fn, **jit_kwargs)
+    got = f(*args)
+    values = [a.numpy() if isinstance(a, dist.DistTensor) else a for a in args]
+    ref = jax.jit(fn)(*values)
+    for x, y in zip(jax.tree.leaves(got, is_leaf=lambda t: isinstance(t, dist.DistTensor)),
+                    jax.tree.leaves(ref)):
+        np.testing.assert_allclose(x.numpy(), np.asarray(y), rtol=rtol, atol=atol)
+    assert_hlo_matches_plan(f, *args)
+    return f, f.plan(*args), got
+
+
+# -- the vocab-parallel embedding ---------------------------------------------------------------
+
+EMBEDDING_PLACEMENTS = [
+    pytest.param(MESH24, [R, S(0)], [S(0), R], "mp", id="2x4 vocab on mp, ids on dp"),
+    pytest.param(MESH8, [S(0)], [R], "x", id="8 vocab on x"),
+]
+
+
+@pytest.mark.parametrize("mesh,table_at,ids_at,vocab_axis", EMBEDDING_PLACEMENTS)
+def test_embedding_lookup_of_a_vocab_sharded_table_never_gathers_it(mesh, table_at, ids_at,
+                                                                    vocab_axis):
+    table = dist.shard_tensor(TABLE, mesh, table_at)
+    ids = dist.shard_tensor(IDS, mesh, ids_at)
+    f, plan, out = check(lambda t, i: t[i], (table, ids))
+    np.testing.assert_array_equal(out.numpy(), TABLE[IDS])
+    # each device looks up its own rows: the lookup is Partial(sum) over the vocab axis ...
+    gather = eqn(plan, "gather")
+    assert gather.required[0] == gather.operands[0]
+    assert gather.results[0].partial == ((vocab_axis, ReduceType.SUM),)
+    # ... reduced once; the table never moves
+    assert "all-gather" not in kinds(f, table, ids)
+    assert [c.step for c in plan.collectives] == [f"psum({vocab_axis})"]
+
+
+def _loss(t, ids):
+    return jnp.sum(jnp.tanh(t[ids]) * W)
+
+
+@pytest.mark.parametrize("mesh,table_at,ids_at,vocab_axis", EMBEDDING_PLACEMENTS)
+def test_embedding_gradient_stays_vocab_sharded(mesh, table_at, ids_at, vocab_axis):
+    table = dist.shard_tensor(TABLE, mesh, table_at)
+    ids = dist.shard_tensor(IDS, mesh, ids_at)
+    f, plan, (loss, grad) = check(jax.value_and_grad(_loss), (table, ids), rtol=1e-5, atol=1e-5,
+                                  out_placements=[None, table_at])
+    assert grad.placements == table_at
+    # the table gradient is a scatter-add that each device does into its own rows
+    scatter = eqn(plan, "scatter-add")
+    assert scatter.results[0].dims[0] == (vocab_axis,)
+    assert set(kinds(f, table, ids)) == {"all-reduce"}
+    assert not any(c.value == repr(plan.program.inputs[0]) for c in plan.collectives)
+
+
+def test_embedding_gradient_with_free_output_placement():
+    table = dist.shard_tensor(TABLE, MESH24, [R, S(0)])
+    ids = dist.shard_tensor(IDS, MESH24, [S(0), R])
+    f, _, _ = check(jax.value_and_grad(_loss), (table, ids), rtol=1e-5, atol=1e-5)
+    assert "all-gather" not in kinds(f, table, ids)
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_out_of_range_ids_behave_as_on_one_device(mode):
+    # ids past either end: fill gives NaN rows, clip the first/last row — on exactly one device
+    bad = np.array([[-3, 0, 15, 16, 40, 7]], np.int32)
+    table = dist.shard_tensor(TABLE, MESH24, [R, S(0)])
+    ids = dist.shard_tensor(bad, MESH24, [R, R])
+    fn = lambda t, i: jnp.take(t, i, axis=0, mode=mode)  # noqa: E731
+    f, plan, out = check(fn, (table, ids))
+    assert eqn(plan, "gather").results[0].partial == (("mp", ReduceType.SUM),)
+    assert np.isnan(out.numpy()).any() == (mode == "fill")
+
+
+def test_integer_table_with_fill_value():
+    table = dist.shard_tensor(np.arange(64, dtype=np.int32).reshape(16, 4), MESH8, [S(0)])
+    ids = np.array([3, -1, 9, 16, 12], np.int32)
+    check(lambda t, i: jnp.take(t, i, axis=0, mode="fill", fill_value=-7), (table, ids))
+
+
+# -- other gather forms -------------------------------------------------------------------------
+
+X = RNG.normal(size=(8, 16)).astype(np.float32)
+IDX = np.array([3, 0, 12, 7, 7, 15], np.int32)
+ALONG = RNG.integers(0, 16, size=(8, 4)).astype(np.int32)
+DOWN = RNG.integers(0, 8, size=(4, 16)).astype(np.int32)
+
+
+FIVE, THREE = np.int32(5), np.int32(3)
+
+
+@pytest.mark.parametrize("name,fn,index", [
+    ("x[idx]", lambda x, i: x[i % 8], IDX),
+    ("x[:, idx]", lambda x, i: x[:, i], IDX),
+    ("x[idx, jdx]", lambda x, i: x[i % 8, i[::-1]], IDX),
+    ("take_along_axis 1", lambda x, i: jnp.take_along_axis(x, i, axis=1), ALONG),
+    ("take_along_axis 0", lambda x, i: jnp.take_along_axis(x, i, axis=0), DOWN),
+    ("x[i]", lambda x, i: x[i], FIVE),
+    ("x[i, j]", lambda x, i: x[i, i * 3], FIVE),
+    ("dynamic_slice", lambda x, i: lax.dynamic_slice(x, (i, 0), (1, 16)), FIVE),
+    ("dynamic_slice window", lambda x, i: lax.dynamic_slice(x, (i, i), (2, 16)), THREE),
+])
+@pytest.mark.parametrize("placements", [[S(0), S(1)], [S(1), S(0)]], ids=["S0S1", "S1S0"])
+def test_forms_equal_one_device_with_gradients(name, fn, index, placements):
+    x = dist.shard_tensor(X, MESH24, placements)
+    loss = lambda x, i: jnp.sum(jnp.sin(fn(x, i)))  # noqa: E731
+    f, plan, (_, grad) = check(jax.value_and_grad(loss), (x, index), rtol=1e-5, atol=1e-5)
+    assert grad.shape == X.shape
+    if name != "dynamic_slice window":  # a window across blocks is the one read that gathers
+        assert "all-gather" not in kinds(f, x, index)
+
+
+def test_take_along_axis_of_row_sharded_values_needs_no_communication():
+    x = dist.shard_tensor(X, MESH8, [S(0)])
+    idx = dist.shard_tensor(ALONG, MESH8, [S(0)])
+    f, plan, out = check(lambda x, i: jnp.take_along_axis(x, i, axis=1), (x, idx))
+    assert out.placements == [S(0)] and not plan.collectives
+
+
+# -- writes -------------------------------------------------------------------------------------
+
+def test_scatter_set_with_duplicate_indices_into_a_sharded_dim():
+    dup = np.array([5, 1, 5, 14, 1, 5], np.int32)
+    v = RNG.normal(size=(6, 8)).astype(np.float32)
+    table = dist.shard_tensor(TABLE, MESH24, [R, S(0)])
+    f, plan, out = check(lambda t, v: t.at[dup].set(v), (table, v))
+    assert out.placements == [R, S(0)] and not plan.collectives
+
+
+@pytest.mark.parametrize("op", ["add", "min", "max", "multiply"])
+def test_scatter_of_sharded_updates(op):
+    # updates split over dp: add sums partial results, min/max take their min/max
+    v = RNG.normal(size=(4, 6, DIM)).astype(np.float32)
+    table = dist.shard_tensor(TABLE, MESH24, [R, S(0)])
+    ids = dist.shard_tensor(IDS, MESH24, [S(0), R])
+    vs = dist.shard_tensor(v, MESH24, [S(0), R])
+    f, plan, _ = check(lambda t, i, v: getattr(t.at[i], op)(v), (table, ids, vs),
+                       out_placements=[[R, S(0)]])
+    scatter = [ep for ep in plan.eqns if ep.primitive.startswith("scatter")][0]
+    assert scatter.results[0].dims[0] == ("mp",)
+    if op != "multiply":  # a product of partial products is not a reduction we have
+        assert "all-gather" not in kinds(f, table, ids, vs)
+
+
+def test_dynamic_update_slice_into_a_sharded_cache_needs_no_communication():
+    cache = RNG.normal(size=(4, 8, DIM)).astype(np.float32)
+    new = RNG.normal(size=(4, DIM)).astype(np.float32)
+    c = dist.shard_tensor(cache, MESH24, [S(0), S(1)])
+    step = lambda c, n, pos: lax.dynamic_update_slice_in_dim(c, n[:, None], pos, axis=1)  # noqa: E731
+    for pos in (0, 5, 7, 11):  # 11: clamped to the last position, as on one device
+        f, plan, out = check(step, (c, new, np.int32(pos)))
+        assert out.placements == [S(0), S(1)] and not plan.collectives
+
+
+def test_dynamic_update_slice_of_partial_values():
+    a = dist.shard_tensor(X, MESH8, [S(1)])
+    b = dist.shard_tensor(X.T.copy(), MESH8, [S(0)])
+    row = np.arange(8, dtype=np.float32)[None]
+    # a @ b is Partial(sum); writing a row into it keeps it pending, counting the row once
+    f, plan, _ = check(lambda a, b: lax.dynamic_update_slice(a @ b, row, (3, 0)), (a, b),
+                       out_placements="keep", rtol=1e-5, atol=1e-5)
+    assert eqn(plan, "dynamic_update_slice").results[0].partial == (("x", ReduceType.SUM),)
+    assert not plan.collectives
