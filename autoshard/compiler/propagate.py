@@ -13,6 +13,8 @@ preferences as the look-ahead.
 """
 from __future__ import annotations
 
+from collections import deque
+
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
@@ -51,59 +53,67 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
 
     uses = program.use_counts()
 
-    def visit(e: Eqn, allow_trivial: bool) -> bool:
+    def visit(e: Eqn, allow_trivial: bool) -> list:
         known_in = [pref.get(v) for v in e.inputs]
         known_out = [pref.get(v) for v in e.outputs]
         if all(L is not None for L in known_in + known_out):
-            return False
+            return []
         if not any(L is not None for L in known_in + known_out):
-            return False
-        changed = False
+            return []
+        changed: list = []
         if e.primitive is hint_p:
             target = e.params["layout"]
             for v in e.outputs:
                 if v not in pref:
                     pref[v] = target
-                    changed = True
+                    changed.append(v)
             for v in e.inputs:
                 if v not in pref and not v.is_const:
                     pref[v] = target.without_partial()
-                    changed = True
+                    changed.append(v)
             return changed
         opsh = shardings.get(e.index)
         if opsh is None:
-            return False
+            return []
         choice = choose(opsh, mesh, [v.aval for v in e.inputs], [v.aval for v in e.outputs],
                         known_in, known_out, cost_model, [uses.get(v, 0) <= 1 for v in e.inputs])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
-            return False  # "replicated" carries no information yet: let other proposals arrive
+            return []  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):
             if v not in pref:
                 pref[v] = L
-                changed = True
+                changed.append(v)
         for v, L in zip(e.inputs, choice.operands):
             if v not in pref and not v.is_const:
                 pref[v] = L.without_partial()
-                changed = True
+                changed.append(v)
         return changed
 
-    def sweep(allow_trivial: bool) -> bool:
-        changed = False
-        for _ in range(max_sweeps):
-            once = False
-            for e in program.eqns:
-                once |= visit(e, allow_trivial)
-            for e in reversed(program.eqns):
-                once |= visit(e, allow_trivial)
-            changed |= once
-            if not once:
-                break
-        return changed
+    neighbours: dict = {}
+    for e in program.eqns:
+        for v in e.inputs + e.outputs:
+            neighbours.setdefault(v, []).append(e)
+
+    def settle(allow_trivial: bool) -> bool:
+        """Visit every equation once, then only those next to a value that just changed."""
+        queue = deque(program.eqns)
+        queued = {e.index for e in program.eqns}
+        changed_any = False
+        while queue:
+            e = queue.popleft()
+            queued.discard(e.index)
+            for v in visit(e, allow_trivial):
+                changed_any = True
+                for n in neighbours.get(v, ()):
+                    if n.index not in queued:
+                        queued.add(n.index)
+                        queue.append(n)
+        return changed_any
 
     # Informative proposals first; then let "replicated" fill the gaps, and go again.
     for _ in range(max_sweeps):
-        sweep(False)
-        if not sweep(True):
+        settle(False)
+        if not settle(True):
             break
     return pref
 
