@@ -210,3 +210,31 @@ def test_dynamic_update_slice_of_partial_values():
                        out_placements="keep", rtol=1e-5, atol=1e-5)
     assert eqn(plan, "dynamic_update_slice").results[0].partial == (("x", ReduceType.SUM),)
     assert not plan.collectives
+
+
+def test_vocab_parallel_cross_entropy_reduces_partials_instead_of_gathering_logits():
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(8, 64)).astype(np.float32)
+    labels = rng.integers(0, 64, size=(8,)).astype(np.int32)
+
+    def xent(z, y):
+        logp = jax.nn.log_softmax(z, axis=-1)
+        return -jnp.take_along_axis(logp, y[:, None], axis=-1).mean()
+
+    z = dist.shard_tensor(logits, mesh, [dist.Shard(0), dist.Shard(1)])  # vocab over mp
+    y = dist.shard_tensor(labels, mesh, [dist.Shard(0), dist.Replicate()])
+    f = dist.jit(jax.value_and_grad(xent))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        loss, grad = f(z, y)
+    ref_loss, ref_grad = jax.value_and_grad(xent)(logits, labels)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-4, atol=1e-6)
+    plan = f.plan(z, y)
+    assert "all-gather" not in {c.kind for c in plan.collectives}
+    steps = " ".join(c.step for c in plan.collectives)
+    assert "pmax(mp)" in steps and "psum(mp)" in steps  # max, then sum, over the vocab shards
+    rows = 8 // 2
+    assert all(c.bytes_per_device <= rows * 4 * 2 for c in plan.collectives if "mp" in c.axes)
+    assert count_collectives(f.lower(z, y).compile().as_text()) == Counter(c.kind for c in plan.collectives)
