@@ -24,19 +24,8 @@ def _is_dt(x):
 
 @pytest.mark.parametrize("form", ["unrolled", "scan", "remat"])
 def test_gpt_train_step_equals_one_device(form):
-    params = gpt.init(jax.random.key(0), LAYERS)
-    if form == "scan":
-        params = gpt.stack(params)
-    tx = optax.sgd(0.1)
-    step = gpt.train_step(gpt.LOSSES[form], tx)
-    dparams = jax.tree_util.tree_map_with_path(
-        lambda path, x: dist.shard_tensor(x, MESH, gpt.megatron_placements(path, x, form == "scan")),
-        params)
-    ids, labels = gpt.batch()
-    dids = dist.shard_tensor(ids, MESH, [dist.Shard(0), dist.Replicate()])
-    dlabels = dist.shard_tensor(labels, MESH, [dist.Shard(0), dist.Replicate()])
-    key = jax.random.key(7)
-    state = tx.init(params)
+    step, (params, state, ids, labels, key), (dparams, _, dids, dlabels, _) = gpt.workload(
+        MESH, LAYERS, form, optax.sgd(0.1))
 
     f = dist.jit(step)
     with warnings.catch_warnings():

@@ -28,18 +28,7 @@ def measure(layers: int, form: str) -> dict:
     import autoshard as dist
 
     mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
-    params = gpt.init(jax.random.key(0), layers)
-    if form == "scan":
-        params = gpt.stack(params)
-    tx = optax.sgd(0.1)
-    step = gpt.train_step(gpt.LOSSES[form], tx)
-    dparams = jax.tree_util.tree_map_with_path(
-        lambda path, x: dist.shard_tensor(x, mesh, gpt.megatron_placements(path, x, form == "scan")),
-        params)
-    ids, labels = gpt.batch()
-    dids = dist.shard_tensor(ids, mesh, [dist.Shard(0), dist.Replicate()])
-    dlabels = dist.shard_tensor(labels, mesh, [dist.Shard(0), dist.Replicate()])
-    args = (dparams, tx.init(params), dids, dlabels, jax.random.key(1))
+    step, _, args = gpt.workload(mesh, layers, form, optax.sgd(0.1))
 
     f: DistributedFunction = dist.jit(step)
     static, leaves, tree = f._split(args, {})

@@ -113,3 +113,25 @@ def megatron_placements(path, x, stacked: bool):
 def batch(seed=0):
     rng = np.random.default_rng(seed)
     return (rng.integers(0, V, (B, T)).astype(np.int32), rng.integers(0, V, (B, T)).astype(np.int32))
+
+
+def workload(mesh, layers: int, form: str, tx, seed: int = 0):
+    """(train step, single-device args, distributed args) of the GPT step on a (dp, mp) mesh.
+
+    The args are (params, optimizer state, ids, labels, dropout key): params with Megatron
+    placements, the batch split over dp.
+    """
+    params = init(jax.random.key(seed), layers)
+    if form == "scan":
+        params = stack(params)
+    step = train_step(LOSSES[form], tx)
+    dparams = jax.tree_util.tree_map_with_path(
+        lambda path, x: dist.shard_tensor(x, mesh, megatron_placements(path, x, form == "scan")),
+        params)
+    ids, labels = batch(seed)
+    split = [dist.Shard(0), dist.Replicate()]
+    key = jax.random.key(seed + 7)
+    state = tx.init(params)
+    return (step, (params, state, ids, labels, key),
+            (dparams, state, dist.shard_tensor(ids, mesh, split),
+             dist.shard_tensor(labels, mesh, split), key))
