@@ -19,6 +19,11 @@ from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, parse_placement
 from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
 from .rules import Rule, register_rule
+from .training.dataloader import BatchSplitError, DataloaderError, ShardDataloader, shard_dataloader
+from .training.dist_model import DistModel, DistModelError, to_static
+from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
+                                 ShardingStage3, shard_optimizer)
+from .training.strategy import Strategy, StrategyError
 
 __version__ = "0.1.0"
 
@@ -28,6 +33,10 @@ __all__ = [
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "Layout", "placement_table", "jit", "DistributedFunction", "Plan",
     "FallbackWarning", "register_rule", "Rule", "MeshMismatchError",
+    "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
+    "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
+    "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
+    "StrategyError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",
 ]

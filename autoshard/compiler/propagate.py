@@ -3,12 +3,13 @@
 Annotated values (placed inputs, shard_tensor / reshard hints) are fixed. Sweeping forward,
 an equation with some known operands proposes layouts for its unknown results (and unknown
 operands); sweeping backward, known results propose layouts for unknown operands — so a hint
-deep in the program reaches the unplaced inputs that feed it, as in GSPMD and Shardy.
+deep in the program reaches the unplaced inputs that feed it, as in GSPMD and Shardy. A
+proposal never takes sharding away from a value, but may add some on mesh axes the value
+leaves unused (a refinement), so information arriving later still lands.
 Proposals that shard something go first; "replicated" proposals (from replicated keys,
 constants) only fill what is still unknown after those reach their fixpoint — else a random
-mask would be decided replicated before its sharded consumer is seen. A value once proposed
-is not revised (first proposal wins, in program order, deterministically); what stays unknown
-is replicated. The plan (plan.py) then decides each equation by cost, using these
+mask would be decided replicated before its sharded consumer is seen. Otherwise the first
+proposal wins, in program order, deterministically; what stays unknown is replicated. The plan (plan.py) then decides each equation by cost, using these
 preferences as the look-ahead.
 """
 from __future__ import annotations
@@ -42,6 +43,15 @@ def rule_sharding(eqn: Eqn, registry):
     return result
 
 
+def refines(old: Layout, new: Layout) -> bool:
+    """`new` keeps every sharding and partial axis of `old` and adds more (a strict refinement)."""
+    if new == old or len(new.dims) != len(old.dims):
+        return False
+    if not set(old.partial) <= set(new.partial):
+        return False
+    return all(n[:len(o)] == o for o, n in zip(old.dims, new.dims))
+
+
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
               cost_model: CostModel, max_sweeps: int = 4) -> dict:
     """Preferred Layout of every value (fixed ones included); consts are replicated."""
@@ -52,24 +62,28 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                  if e.primitive is not hint_p}
 
     uses = program.use_counts()
+    pinned = set(fixed) | set(program.consts)
+
+    def offer(v, L) -> bool:
+        """Record a proposal: first one wins, but a free value may be refined later."""
+        if v not in pref or (v not in pinned and refines(pref[v], L)):
+            pref[v] = L
+            return True
+        return False
 
     def visit(e: Eqn, allow_trivial: bool) -> list:
         known_in = [pref.get(v) for v in e.inputs]
         known_out = [pref.get(v) for v in e.outputs]
-        if all(L is not None for L in known_in + known_out):
-            return []
         if not any(L is not None for L in known_in + known_out):
             return []
         changed: list = []
         if e.primitive is hint_p:
             target = e.params["layout"]
             for v in e.outputs:
-                if v not in pref:
-                    pref[v] = target
+                if offer(v, target):
                     changed.append(v)
             for v in e.inputs:
-                if v not in pref and not v.is_const:
-                    pref[v] = target.without_partial()
+                if not v.is_const and offer(v, target.without_partial()):
                     changed.append(v)
             return changed
         opsh = shardings.get(e.index)
@@ -80,12 +94,10 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):
-            if v not in pref:
-                pref[v] = L
+            if offer(v, L):
                 changed.append(v)
         for v, L in zip(e.inputs, choice.operands):
-            if v not in pref and not v.is_const:
-                pref[v] = L.without_partial()
+            if not v.is_const and offer(v, L.without_partial()):
                 changed.append(v)
         return changed
 

@@ -46,10 +46,10 @@ def _hint_jvp(primals, tangents, *, mesh, layout, force):
 
 
 def _hint_transpose(ct, x, *, mesh, layout, force):
-    if type(ct) is jax.interpreters.ad.Zero:
-        return (ct,)
-    # The cotangent of an annotated value lives where the value lives, but never partial.
-    return (hint_p.bind(ct, mesh=mesh, layout=layout.without_partial(), force=False),)
+    # The cotangent is left free: the engine places it by cost. Pinning it to the value's
+    # layout would, for a ZeRO-3 gather (reshard to replicated), force an all-reduce of the
+    # gradient where a reduce-scatter into the param's shard is what the update wants.
+    return (ct,)
 
 
 def _hint_batch(args, dims, *, mesh, layout, force):

@@ -1,0 +1,306 @@
+"""shard_dataloader: wrap a loader of numpy/jax batches so each batch arrives as DistTensors,
+split along its batch dim, every device receiving only its own slice (Paddle's API)."""
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey, keystr, tree_map_with_path
+
+from ..dtensor import DistTensor, make_dtensor
+from ..errors import AutoshardError, ShardingError
+from ..layout import Layout
+from ..mesh import ProcessMesh, as_process_mesh
+from ..physical import physical_sharding
+
+DimSpec = Union[str, int, None]
+ShardDims = Union[DimSpec, Sequence[DimSpec], Mapping[Hashable, DimSpec]]
+InputKeys = Union[Sequence[Hashable], Mapping[Hashable, int], None]
+
+
+class DataloaderError(AutoshardError, ValueError):
+    """shard_dataloader arguments, or a batch, that do not say how to place the data."""
+
+
+class BatchSplitError(DataloaderError, ShardingError):
+    """A batch whose batch dim the mesh dim it is split over does not divide."""
+
+
+def _as_meshes(meshes: Any) -> list[ProcessMesh]:
+    items = list(meshes) if isinstance(meshes, (list, tuple)) else [meshes]
+    if not items:
+        raise DataloaderError("shard_dataloader got meshes=[]: give one ProcessMesh, or a list "
+                              "[first_stage_mesh, last_stage_mesh] for pipeline stages")
+    return [as_process_mesh(m) for m in items]
+
+
+def _axis_name(spec: DimSpec, mesh: ProcessMesh, where: str) -> str:
+    """The mesh dim name that `spec` (None: the first dim) picks on `mesh`."""
+    if spec is None:
+        return mesh.dim_names[0]
+    if isinstance(spec, str) and spec in mesh.dim_names:
+        return spec
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool) \
+            and -mesh.ndim <= spec < mesh.ndim:
+        return mesh.dim_names[spec]
+    raise DataloaderError(
+        f"shard_dims={spec!r} for {where}: {mesh!r} has no such mesh dim; write one of its dim "
+        f"names {mesh.dim_names}, an index in 0..{mesh.ndim - 1}, or None for the first dim")
+
+
+def _top_key(batch: Any, path: tuple) -> Hashable:
+    """The key (dict batch) or position (tuple/list batch) of the input a leaf belongs to."""
+    if not path:
+        return None
+    head = path[0]
+    if isinstance(head, DictKey):
+        return head.key
+    if isinstance(head, SequenceKey):
+        return head.idx
+    if isinstance(head, GetAttrKey) and hasattr(batch, "_fields"):  # namedtuple
+        return batch._fields.index(head.name)
+    return None
+
+
+def _host_array(leaf: Any, where: str) -> np.ndarray:
+    arr = np.asarray(leaf)
+    if arr.dtype.kind in "OSUV":
+        raise DataloaderError(
+            f"{where} is {type(leaf).__name__} {leaf!r:.60}, which is not numeric: "
+            f"shard_dataloader places numpy/jax arrays only; turn it into an array in your "
+            f"collate_fn, or leave it out of the batch")
+    # float64/int64 become float32/int32 unless jax_enable_x64 is on, as everywhere in jax.
+    return arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
+
+
+class ShardDataloader:
+    """Iterate it (or call it, Paddle style) to get each batch of the wrapped loader as
+    DistTensors of the same structure. See `shard_dataloader` for the placement rules."""
+
+    def __init__(self, loader: Any, meshes: Any, input_keys: InputKeys = None,
+                 shard_dims: ShardDims = None, is_dataset_splitted: bool = False):
+        if not (hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")):
+            hint = (" — it looks like a generator function: pass its result, gen()"
+                    if callable(loader) else "")
+            raise DataloaderError(
+                f"shard_dataloader needs an iterable of batches, got {type(loader).__name__}"
+                f"{hint}; pass a DataLoader, a list of batches or a generator")
+        self._loader = loader
+        self._meshes = _as_meshes(meshes)
+        self._input_keys = self._check_input_keys(input_keys)
+        if isinstance(shard_dims, (str, int, np.integer)):
+            # Fail at the call when the one dim named cannot be found on a receiving mesh.
+            for mesh in (self._meshes[0], self._meshes[-1]):
+                _axis_name(shard_dims, mesh, "every input")
+        elif not (shard_dims is None or isinstance(shard_dims, (list, tuple, Mapping))):
+            raise DataloaderError(
+                f"shard_dims={shard_dims!r}: write a mesh dim name, an int mesh dim index, None, "
+                f"or a list/dict with one of those per input")
+        self._shard_dims = shard_dims
+        self._splitted = bool(is_dataset_splitted)
+        self._shardings: dict[tuple, tuple[Layout, NamedSharding]] = {}
+
+    def _check_input_keys(self, input_keys: InputKeys) -> InputKeys:
+        if input_keys is None:
+            return None
+        if isinstance(input_keys, Mapping):
+            n = len(self._meshes)
+            for key, index in input_keys.items():
+                if not isinstance(index, (int, np.integer)) or not -n <= index < n:
+                    raise DataloaderError(
+                        f"input_keys[{key!r}]={index!r}: map each key to a mesh index in "
+                        f"0..{n - 1} (meshes has {n} entries)")
+            return dict(input_keys)
+        keys = list(input_keys) if isinstance(input_keys, (list, tuple)) else None
+        if keys is None or len(keys) != 2 or keys[0] == keys[1]:
+            raise DataloaderError(
+                f"input_keys={input_keys!r}: give two different keys [input_key, label_key], "
+                f"e.g. input_keys=['image', 'label'], or a dict key -> mesh index")
+        return keys
+
+    # -- iteration --------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: one batch is drawn from the loader per batch handed out, never ahead,
+        # and everything is inferred from the batch in hand.
+        for batch in self._loader:
+            yield self._place(batch)
+
+    def __call__(self) -> Iterator[Any]:
+        return iter(self)
+
+    def __len__(self) -> int:
+        try:
+            return len(self._loader)
+        except TypeError:
+            raise TypeError(f"the wrapped {type(self._loader).__name__} has no len(); "
+                            f"shard_dataloader passes len() through only when it does") from None
+
+    def __getattr__(self, name: str) -> Any:
+        # Paddle code reads loader attributes (batch_size, dataset) through the wrapper.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    @property
+    def meshes(self) -> list[ProcessMesh]:
+        return list(self._meshes)
+
+    # -- placement --------------------------------------------------------------------------
+    def _check_batch(self, batch: Any) -> None:
+        dims, keys = self._shard_dims, self._input_keys
+        if isinstance(batch, Mapping):
+            names = list(batch)
+            if keys is None and len(self._meshes) > 1:
+                raise DataloaderError(
+                    f"the batch is a dict with keys {names} and {len(self._meshes)} meshes were "
+                    f"given: say which key is the input and which the label, e.g. "
+                    f"input_keys={names[:1] + names[-1:]}")
+            missing = [k for k in (keys or []) if k not in batch]
+            if isinstance(dims, Mapping):
+                missing += [k for k in dims if k not in batch]
+            if missing:
+                raise DataloaderError(f"the batch has no key(s) {missing} named in input_keys or "
+                                      f"shard_dims; its keys are {names}")
+            if isinstance(dims, (list, tuple)) and not (isinstance(keys, list)
+                                                        and len(dims) == len(keys)):
+                raise DataloaderError(
+                    f"shard_dims={dims!r} is a list but the batch is a dict: give "
+                    f"input_keys=[input_key, label_key] to match it, or write shard_dims as a "
+                    f"dict key -> mesh dim")
+        elif isinstance(batch, (list, tuple)):
+            if keys is not None:
+                raise DataloaderError(
+                    f"input_keys={keys!r} applies to dict batches, but this batch is a "
+                    f"{type(batch).__name__}: drop input_keys (element 0 goes to meshes[0], the "
+                    f"last element to meshes[-1])")
+            n = len(batch)
+            bad = (len(dims) != n if isinstance(dims, (list, tuple)) else
+                   [k for k in dims if not (isinstance(k, int) and -n <= k < n)]
+                   if isinstance(dims, Mapping) else False)
+            if bad:
+                raise DataloaderError(
+                    f"shard_dims={dims!r} does not fit a batch of {n} elements: give one entry "
+                    f"per element (a list of {n}), or a dict element index -> mesh dim")
+        elif isinstance(dims, (list, tuple, Mapping)):
+            raise DataloaderError(
+                f"shard_dims={dims!r} is per input, but the batch is one "
+                f"{type(batch).__name__}: write a single mesh dim name or index")
+
+    def _mesh_index(self, batch: Any, top: Hashable) -> int:
+        keys = self._input_keys
+        if isinstance(batch, Mapping):
+            if isinstance(keys, dict):
+                return keys.get(top, 0)
+            return -1 if keys is not None and top == keys[1] else 0
+        if isinstance(batch, (list, tuple)) and len(batch) > 1 and top == len(batch) - 1:
+            return -1
+        return 0
+
+    def _dim_spec(self, batch: Any, top: Hashable) -> DimSpec:
+        dims = self._shard_dims
+        if isinstance(dims, Mapping):
+            if isinstance(batch, Mapping):
+                return dims.get(top)
+            n = len(batch)
+            return next((v for k, v in dims.items() if k % n == top), None)
+        if isinstance(dims, (list, tuple)):
+            if isinstance(batch, Mapping):  # aligned with input_keys; other keys: the default
+                keys = self._input_keys
+                return dims[keys.index(top)] if top in keys else None
+            return dims[top]
+        return dims
+
+    def _place(self, batch: Any) -> Any:
+        self._check_batch(batch)
+
+        def place(path: tuple, leaf: Any) -> Any:
+            top = _top_key(batch, path)
+            mesh = self._meshes[self._mesh_index(batch, top)]
+            return self._place_leaf(leaf, mesh, self._dim_spec(batch, top), "batch" + keystr(path))
+
+        return tree_map_with_path(place, batch, is_leaf=lambda x: isinstance(x, DistTensor))
+
+    def _sharding(self, mesh: ProcessMesh, axis: str | None,
+                  ndim: int) -> tuple[Layout, NamedSharding]:
+        key = (mesh, axis, ndim)
+        if key not in self._shardings:
+            dims = ((axis,),) + ((),) * (ndim - 1) if axis is not None else ((),) * ndim
+            layout = Layout(dims)
+            self._shardings[key] = (layout, physical_sharding(layout, mesh))
+        return self._shardings[key]
+
+    def _slots(self, mesh: ProcessMesh, axis: str) -> int:
+        """How many distinct batch slices this process feeds along `axis`."""
+        if not self._splitted or jax.process_count() == 1:
+            return mesh.get_dim_size(axis)
+        i, me = mesh.dim_names.index(axis), jax.process_index()
+        mine = {idx[i] for idx, d in np.ndenumerate(mesh.devices()) if d.process_index == me}
+        return max(len(mine), 1)
+
+    def _place_leaf(self, leaf: Any, mesh: ProcessMesh, spec: DimSpec, where: str) -> Any:
+        if isinstance(leaf, DistTensor):
+            return leaf
+        data = leaf if isinstance(leaf, jax.Array) else _host_array(leaf, where)
+        # A 0-d value (a step counter, a scalar weight) has no batch dim: every device gets it.
+        axis = _axis_name(spec, mesh, where) if data.ndim else None
+        if axis is not None:
+            slots = self._slots(mesh, axis)
+            if data.shape[0] % slots:
+                part = "this process's part of " if self._splitted else ""
+                raise BatchSplitError(
+                    f"{part}{where} has {data.shape[0]} rows on dim 0 (the batch dim), which "
+                    f"mesh dim {axis!r} (size {slots}) of {mesh!r} does not divide: make every "
+                    f"batch a multiple of {slots} (e.g. drop_last=True in the DataLoader, or pad "
+                    f"the last batch), or split {where} over another mesh dim with shard_dims")
+        layout, sharding = self._sharding(mesh, axis, data.ndim)
+        if isinstance(data, jax.Array):
+            if data.sharding.is_equivalent_to(sharding, data.ndim):
+                return make_dtensor(data, mesh, layout, data.shape)  # already laid out as asked
+            data = _host_array(data, where)
+        if self._splitted:
+            # The loader yields only this process's rows; jax stitches the processes' parts
+            # into the global array (one process: the local part is the global batch).
+            value = jax.make_array_from_process_local_data(sharding, data)
+        else:
+            # Each addressable device is sent just its own slice of the host batch.
+            value = jax.make_array_from_callback(data.shape, sharding, data.__getitem__,
+                                                 dtype=data.dtype)
+        return make_dtensor(value, mesh, layout, value.shape)
+
+
+def shard_dataloader(loader: Any, meshes: ProcessMesh | Sequence[ProcessMesh],
+                     input_keys: InputKeys = None, shard_dims: ShardDims = None,
+                     is_dataset_splitted: bool = False) -> ShardDataloader:
+    """Wrap `loader` so every batch it yields arrives as DistTensors of the same structure.
+
+    `loader` is any iterable of batches: arrays, or (nested) tuples/lists/dicts of arrays.
+    Each array's dim 0 (the batch dim) is Shard along one mesh dim and Replicate on the other
+    mesh dims; 0-d values are replicated. Each device receives only its slice of the batch.
+
+    `meshes`: one ProcessMesh, or a list of pipeline-stage meshes. With a list, inputs go to
+    meshes[0] and labels to meshes[-1]: for a tuple/list batch, its last element goes to
+    meshes[-1] and every other element (a lone element too) to meshes[0]; for a dict batch,
+    `input_keys` decides: `[input_key, label_key]` sends label_key to meshes[-1] and every other
+    key to meshes[0], and a dict `{key: mesh_index}` sends each listed key to meshes[index] and
+    the rest to meshes[0]. A dict batch with several meshes needs input_keys.
+
+    `shard_dims` names the mesh dim the batch dim is split over: None (each mesh's first dim),
+    a dim name, an int mesh dim index, or per input: a list (one entry per element of a
+    tuple/list batch, or per key of input_keys=[input_key, label_key] for a dict batch) or a
+    dict (element index or key -> dim; inputs it omits use None). An input's entry applies to
+    every array nested in it.
+
+    `is_dataset_splitted=True`: the loader already yields only this process's rows; the
+    parts of all processes form the global batch (jax.make_array_from_process_local_data). In
+    a single process the local part is the whole batch.
+
+    Iterate the result, or call it (`for step, inputs in enumerate(loader())`); `len()` is the
+    wrapped loader's. Nothing is drawn from `loader` before you iterate.
+    """
+    return ShardDataloader(loader, meshes, input_keys, shard_dims, is_dataset_splitted)
+
+
+__all__ = ["shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError"]

@@ -1,0 +1,200 @@
+"""shard_optimizer: an optax transformation whose states live where their params live, or are
+split along one mesh dim (ZeRO stages 1–3).
+
+Stage 1 splits the optimizer states along `mesh_dim`; stage 2 also reduce-scatters the
+gradients into that split (in one compiled step the compiler does this for stage 1 too: the
+update consumes each gradient where its state shard lives); stage 3 also stores the params
+split and gathers each one where the forward and backward use it (FSDP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import optax
+
+from ..dtensor import DistTensor
+from ..errors import AutoshardError
+from ..mesh import ProcessMesh
+from ..placement import Placement, Replicate, Shard
+
+
+class OptimizerError(AutoshardError, ValueError):
+    """An optimizer or sharding stage that does not fit the params or the mesh."""
+
+
+@dataclass(frozen=True)
+class _Stage:
+    mesh_dim: str | int | None = None
+    mesh: ProcessMesh | None = None
+    level: int = 0
+
+    def axis(self, mesh: ProcessMesh) -> str:
+        dim = self.mesh_dim
+        if dim is None:
+            dim = "dp" if "dp" in mesh.dim_names else mesh.dim_names[0]
+        if isinstance(dim, int):
+            return mesh.dim_names[dim]
+        if dim not in mesh.dim_names:
+            raise OptimizerError(
+                f"ShardingStage{self.level}(mesh_dim={dim!r}): the params' mesh has dims "
+                f"{mesh.dim_names}; name one of them, e.g. ShardingStage{self.level}("
+                f"{mesh.dim_names[0]!r})")
+        return dim
+
+
+class ShardingStage1(_Stage):
+    def __init__(self, mesh_dim: str | int | None = None, mesh: ProcessMesh | None = None):
+        if isinstance(mesh_dim, ProcessMesh):  # Paddle's older ShardingStage1(mesh) spelling
+            mesh_dim, mesh = None, mesh_dim
+        super().__init__(mesh_dim, mesh, 1)
+
+
+class ShardingStage2(_Stage):
+    def __init__(self, mesh_dim: str | int | None = None, mesh: ProcessMesh | None = None):
+        if isinstance(mesh_dim, ProcessMesh):
+            mesh_dim, mesh = None, mesh_dim
+        super().__init__(mesh_dim, mesh, 2)
+
+
+class ShardingStage3(_Stage):
+    def __init__(self, mesh_dim: str | int | None = None, mesh: ProcessMesh | None = None):
+        if isinstance(mesh_dim, ProcessMesh):
+            mesh_dim, mesh = None, mesh_dim
+        super().__init__(mesh_dim, mesh, 3)
+
+
+def split_placements(placements: Sequence[Placement], shape: Sequence[int], mesh: ProcessMesh,
+                     axis: str) -> list[Placement]:
+    """`placements` with mesh dim `axis` also splitting the first tensor dim that can take it.
+
+    A dim already split by another mesh dim is skipped (it would need a co-shard order), as is
+    one that the axis does not divide; a tensor with no such dim keeps its placements.
+    """
+    out = list(placements)
+    k = mesh.dim_names.index(axis)
+    if not isinstance(out[k], Replicate):
+        return out
+    used = {p.dim % len(shape) for p in out if isinstance(p, Shard)}
+    n = mesh.get_dim_size(axis)
+    for d, size in enumerate(shape):
+        if d not in used and size % n == 0 and size >= n:
+            out[k] = Shard(d)
+            return out
+    return out
+
+
+def _is_dt(x: Any) -> bool:
+    return isinstance(x, DistTensor)
+
+
+class ShardedOptimizer:
+    """An optax GradientTransformation plus where its states (and, at stage 3, params) live."""
+
+    def __init__(self, tx: optax.GradientTransformation, shard_fn: Any = None,
+                 gradient_accumulation_steps: int = 1):
+        if isinstance(tx, ShardedOptimizer):
+            tx = tx.tx
+        if not hasattr(tx, "init") or not hasattr(tx, "update"):
+            raise OptimizerError(f"shard_optimizer needs an optax GradientTransformation, got "
+                                 f"{type(tx).__name__}: write dist.shard_optimizer(optax.adamw(1e-3))")
+        if shard_fn is not None and not isinstance(shard_fn, _Stage) and not callable(shard_fn):
+            raise OptimizerError(f"shard_fn must be dist.ShardingStage1/2/3(mesh_dim) or a "
+                                 f"function, got {shard_fn!r}")
+        if int(gradient_accumulation_steps) < 1:
+            raise OptimizerError("gradient_accumulation_steps must be >= 1")
+        self.tx = tx
+        self.shard_fn = shard_fn
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+
+    @property
+    def stage(self) -> int:
+        return self.shard_fn.level if isinstance(self.shard_fn, _Stage) else 0
+
+    # -- placements ------------------------------------------------------------------------
+    def storage_placements(self, param: DistTensor) -> list[Placement]:
+        """Where a param is stored between steps: split along the stage's axis at stage 3."""
+        if self.stage == 3:
+            return split_placements(param.placements, param.shape, param.mesh,
+                                    self.shard_fn.axis(param.mesh))
+        return list(param.placements)
+
+    def state_placements(self, param: DistTensor) -> list[Placement]:
+        if self.stage >= 1:
+            return split_placements(param.placements, param.shape, param.mesh,
+                                    self.shard_fn.axis(param.mesh))
+        return list(param.placements)
+
+    def _state_layout_tree(self, state_shapes: Any, params: Any) -> Any:
+        """Placements for every state leaf: those mirroring a param follow it; others replicate."""
+        params_tree = jax.tree.structure(params, is_leaf=_is_dt)
+        mesh = next(p.mesh for p in jax.tree.leaves(params, is_leaf=_is_dt) if _is_dt(p))
+        replicated = [Replicate()] * mesh.ndim
+
+        def mirrors_params(node) -> bool:  # a subtree shaped like the params (adam's mu, nu)
+            return jax.tree.structure(node) == params_tree
+
+        def place(node):
+            if not mirrors_params(node):
+                return replicated
+            return jax.tree.map(
+                lambda s, p: (self._custom(p, s) or self.state_placements(p))
+                if _is_dt(p) and tuple(s.shape) == tuple(p.shape) else replicated,
+                node, params, is_leaf=_is_dt)
+
+        return jax.tree.map(place, state_shapes, is_leaf=mirrors_params)
+
+    def _custom(self, param: DistTensor, state_leaf) -> list[Placement] | None:
+        if self.shard_fn is None or isinstance(self.shard_fn, _Stage):
+            return None
+        return self.shard_fn(param, state_leaf)
+
+    # -- optax interface -------------------------------------------------------------------
+    def init(self, params: Any) -> Any:
+        """Optimizer states as DistTensors placed by the policy (built where they live)."""
+        from ..compiler.jit import jit
+
+        leaves = [p for p in jax.tree.leaves(params, is_leaf=_is_dt) if _is_dt(p)]
+        if not leaves:
+            raise OptimizerError("shard_optimizer.init needs params that are DistTensors: place "
+                                 "them with dist.shard_tensor or dist.shard_layer first")
+        mesh = leaves[0].mesh
+        logical = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype) if _is_dt(p) else p,
+                               params, is_leaf=_is_dt)
+        shapes = jax.eval_shape(self.tx.init, logical)
+        placements = self._state_layout_tree(shapes, params)
+        flat = jax.tree.leaves(placements, is_leaf=lambda x: isinstance(x, list))
+        if not jax.tree.leaves(shapes):
+            return self.tx.init(params)
+        del mesh
+        return jit(self.tx.init, out_placements=flat)(params)
+
+    def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return self.tx.update(grads, state, params)
+
+    def state_out_placements(self, state: Any) -> list:
+        return [x.placements if _is_dt(x) else None for x in jax.tree.leaves(state, is_leaf=_is_dt)]
+
+
+def shard_optimizer(optimizer: Any, shard_fn: Any = None,
+                    gradient_accumulation_steps: int = 1) -> ShardedOptimizer:
+    """Paddle's dist.shard_optimizer for an optax transformation (see the module docstring)."""
+    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps)
+
+
+def place_params(params: Any, opt: ShardedOptimizer) -> Any:
+    """The params as the optimizer stores them between steps (split along the axis at stage 3)."""
+    from ..reshard.api import reshard
+
+    def move(p):
+        if not _is_dt(p):
+            return p
+        target = opt.storage_placements(p)
+        return p if target == p.placements else reshard(p, p.mesh, target)
+
+    return jax.tree.map(move, params, is_leaf=_is_dt)
+
+
+__all__ = ["shard_optimizer", "ShardedOptimizer", "ShardingStage1", "ShardingStage2",
+           "ShardingStage3", "OptimizerError", "split_placements", "place_params"]

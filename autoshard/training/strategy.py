@@ -1,0 +1,96 @@
+"""dist.Strategy: Paddle's training-strategy sections, settable as a dict or as attributes."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import AutoshardError
+
+
+class StrategyError(AutoshardError, ValueError):
+    """A strategy setting that does not exist or has a value it cannot take."""
+
+
+_SECTIONS: dict[str, dict[str, Any]] = {
+    "sharding": {"enable": False, "stage": 1, "mesh_dim": None, "degree": None},
+    "gradient_merge": {"enable": False, "k_steps": 1, "avg": True},
+    "amp": {"enable": False, "dtype": "bfloat16", "level": "o1", "init_loss_scaling": 32768.0,
+            "use_dynamic_loss_scaling": False},
+    "recompute": {"enable": False, "policy": None},
+    "pipeline": {"enable": False, "schedule_mode": "1F1B", "micro_batch_size": 1,
+                 "accumulate_steps": 1, "vpp_degree": 1},
+}
+_CHOICES = {
+    ("sharding", "stage"): (1, 2, 3),
+    ("amp", "dtype"): ("bfloat16", "float16"),
+    ("amp", "level"): ("o1", "o2"),
+    ("pipeline", "schedule_mode"): ("FThenB", "1F1B", "VPP", "ZBH1"),
+}
+
+
+class _Section:
+    def __init__(self, name: str, values: dict[str, Any] | None = None):
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_values", dict(_SECTIONS[name]))
+        for key, value in (values or {}).items():
+            setattr(self, key, value)
+
+    def __getattr__(self, key: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if key in values:
+            return values[key]
+        raise AttributeError(key)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        name = self._name
+        if key not in _SECTIONS[name]:
+            raise StrategyError(f"strategy.{name} has no setting {key!r}; its settings are "
+                                f"{sorted(_SECTIONS[name])}")
+        allowed = _CHOICES.get((name, key))
+        if allowed is not None and value not in allowed:
+            raise StrategyError(f"strategy.{name}.{key} = {value!r} is not one of {list(allowed)}")
+        if key in ("k_steps", "micro_batch_size", "accumulate_steps", "vpp_degree") and (
+                not isinstance(value, int) or value < 1):
+            raise StrategyError(f"strategy.{name}.{key} must be a positive int, got {value!r}")
+        self._values[key] = value
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+
+class Strategy:
+    """Sections: sharding, gradient_merge, amp, recompute, pipeline (Paddle's names).
+
+        strategy = dist.Strategy({"sharding": {"enable": True, "stage": 2}})
+        strategy.gradient_merge.enable = True; strategy.gradient_merge.k_steps = 4
+    """
+
+    def __init__(self, config: dict[str, dict[str, Any]] | None = None):
+        config = dict(config or {})
+        unknown = set(config) - set(_SECTIONS)
+        if unknown:
+            raise StrategyError(f"unknown strategy sections {sorted(unknown)}; the sections are "
+                                f"{sorted(_SECTIONS)}")
+        for name in _SECTIONS:
+            section = config.get(name)
+            if section is not None and not isinstance(section, dict):
+                raise StrategyError(f"strategy section {name!r} must be a dict, got {section!r}")
+            object.__setattr__(self, name, _Section(name, section))
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in _SECTIONS and isinstance(value, dict):
+            value = _Section(key, value)
+        if key not in _SECTIONS:
+            raise StrategyError(f"unknown strategy section {key!r}; the sections are {sorted(_SECTIONS)}")
+        object.__setattr__(self, key, value)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: getattr(self, name).to_dict() for name in _SECTIONS}
+
+    def __repr__(self) -> str:
+        return "Strategy(" + ", ".join(repr(getattr(self, n)) for n in _SECTIONS) + ")"
+
+
+__all__ = ["Strategy", "StrategyError"]

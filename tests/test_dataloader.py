@@ -1,0 +1,202 @@
+"""shard_dataloader: batch structures, pipeline meshes, shard dims, per-device slices only,
+lazy iteration and Paddle-style use."""
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.interpreters import pxla
+
+import autoshard as dist
+from autoshard.training.dataloader import (BatchSplitError, DataloaderError, ShardDataloader,
+                                           shard_dataloader)
+
+MESH0 = dist.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+MESH1 = dist.ProcessMesh([[4, 5], [6, 7]], ["x", "y"])
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+SR = [dist.Shard(0), dist.Replicate()]
+
+
+def batches(n=3, rows=4):
+    return [(np.arange(rows * 6, dtype=np.float32).reshape(rows, 6) + 100 * i,
+             np.arange(rows, dtype=np.int32) + 10 * i) for i in range(n)]
+
+
+def test_seed_two_meshes_paddle_style():
+    data = batches()
+    shard = getattr(dist, "shard_dataloader", shard_dataloader)  # the export, once added
+    dataloader = shard(data, meshes=[MESH0, MESH1], shard_dims="x")
+    assert len(dataloader) == 3
+    seen = 0
+    for step, inputs in enumerate(dataloader()):
+        image, label = inputs
+        assert isinstance(inputs, tuple)
+        assert image.mesh == MESH0 and label.mesh == MESH1
+        assert image.placements == SR and label.placements == SR
+        assert image.local_shape == (2, 6) and label.local_shape == (2,)
+        np.testing.assert_array_equal(image.numpy(), data[step][0])
+        np.testing.assert_array_equal(label.numpy(), data[step][1])
+        # x=0 holds rows 0:2 (devices 0, 1 / 4, 5), x=1 rows 2:4 (devices 2, 3 / 6, 7)
+        np.testing.assert_array_equal(image.local(1), data[step][0][:2])
+        np.testing.assert_array_equal(image.local(2), data[step][0][2:])
+        np.testing.assert_array_equal(label.local(6), data[step][1][2:])
+        seen += 1
+    assert seen == 3
+    # plain iteration, and a list loader can be iterated again
+    assert [b[1].numpy().tolist() for b in dataloader] == [d[1].tolist() for d in data]
+
+
+def test_list_batch_middle_elements_go_to_the_first_mesh():
+    data = [[np.ones((4, 2)), np.zeros((4, 3)), np.arange(4)]]
+    a, b, c = next(iter(shard_dataloader(data, [MESH0, MESH1], shard_dims="x")))
+    assert (a.mesh, b.mesh, c.mesh) == (MESH0, MESH0, MESH1)
+    assert a.dtype == np.float32 and c.dtype == np.int32  # canonicalized like jnp
+    single = next(iter(shard_dataloader([[np.ones(4)]], [MESH0, MESH1])))
+    assert isinstance(single, list) and single[0].mesh == MESH0
+
+
+def test_dict_batches_with_input_keys_list_and_dict():
+    batch = {"image": np.arange(32.0).reshape(8, 4), "label": np.arange(8), "mask": np.ones(8)}
+    out = next(iter(shard_dataloader([batch], [MESH0, MESH1], input_keys=["image", "label"])))
+    assert set(out) == {"image", "label", "mask"}
+    assert out["image"].mesh == MESH0 and out["mask"].mesh == MESH0 and out["label"].mesh == MESH1
+    assert out["label"].placements == SR and out["label"].local_shape == (4,)
+    for k in batch:
+        np.testing.assert_array_equal(out[k].numpy(), batch[k])
+    out = next(iter(shard_dataloader([batch], [MESH0, MESH1], input_keys={"mask": 1},
+                                     shard_dims={"mask": "y", "image": 1})))
+    assert out["mask"].mesh == MESH1 and out["mask"].placements == [dist.Replicate(), dist.Shard(0)]
+    assert out["image"].placements == [dist.Replicate(), dist.Shard(0)]
+    assert out["label"].mesh == MESH0 and out["label"].placements == SR
+    # a list of shard dims follows input_keys
+    out = next(iter(shard_dataloader([batch], [MESH0, MESH1], input_keys=["image", "label"],
+                                     shard_dims=["y", "x"])))
+    assert out["image"].placements == [dist.Replicate(), dist.Shard(0)]
+    assert out["label"].placements == SR and out["mask"].placements == SR
+
+
+def test_nested_batches_keep_their_structure():
+    Pair = collections.namedtuple("Pair", "ids pos")
+    batch = ({"ids": np.arange(16).reshape(8, 2), "extra": [np.ones((8, 1)), None]},
+             Pair(np.arange(8), np.arange(8.0)), np.float32(0.5))
+    out = next(iter(shard_dataloader([batch], [MESH0, MESH1], shard_dims=[0, "y", None])))
+    ids, extra = out[0]["ids"], out[0]["extra"]
+    assert isinstance(out, tuple) and isinstance(out[1], Pair) and extra[1] is None
+    assert ids.mesh == MESH0 and ids.placements == SR and extra[0].local_shape == (4, 1)
+    assert out[1].ids.mesh == MESH0 and out[1].pos.placements == [dist.Replicate(), dist.Shard(0)]
+    scalar = out[2]  # the last element: meshes[-1], replicated (no batch dim)
+    assert scalar.mesh == MESH1 and scalar.placements == [dist.Replicate(), dist.Replicate()]
+    np.testing.assert_array_equal(ids.numpy(), batch[0]["ids"])
+    assert float(scalar.numpy()) == 0.5
+
+
+def test_default_and_int_shard_dims_on_one_mesh():
+    x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    t = next(iter(shard_dataloader([x], MESH)))  # a bare array batch; first mesh dim 'dp'
+    assert t.placements == SR and t.local_shape == (4, 8)
+    t = next(iter(shard_dataloader([x], MESH, shard_dims=1)))
+    assert t.placements == [dist.Replicate(), dist.Shard(0)] and t.local_shape == (2, 8)
+    assert {tuple(s.data.shape) for s in t.physical.addressable_shards} == {(2, 8)}
+    np.testing.assert_array_equal(t.local(5), x[2:4])
+    # a jax.Array leaf works too; one already laid out as asked is used as is
+    placed = jax.device_put(jnp.asarray(x), t.sharding)
+    same = next(iter(shard_dataloader([placed, jnp.asarray(x)], MESH, shard_dims="mp")))
+    assert same.physical is placed
+    other = list(shard_dataloader([jnp.asarray(x)], MESH, shard_dims="mp"))[0]
+    np.testing.assert_array_equal(other.numpy(), x)
+
+
+@pytest.mark.parametrize("splitted", [False, True])
+def test_each_device_receives_only_its_slice(monkeypatch, splitted):
+    puts, single = [], []
+    real_batched, real_put = pxla.batched_device_put, jax.device_put
+
+    def spy_batched(aval, sharding, xs, devices, *a, **k):
+        puts.extend(np.shape(x) for x in xs)
+        return real_batched(aval, sharding, xs, devices, *a, **k)
+
+    def spy_put(x, device=None, *a, **k):
+        single.append(np.shape(x))
+        return real_put(x, device, *a, **k)
+
+    monkeypatch.setattr(pxla, "batched_device_put", spy_batched)
+    monkeypatch.setattr(jax, "device_put", spy_put)
+    data = [(np.ones((8, 16), np.float32), np.arange(8))]
+    loader = shard_dataloader(data, MESH, shard_dims="mp", is_dataset_splitted=splitted)
+    image, label = next(iter(loader))
+    assert {tuple(s.data.shape) for s in image.physical.addressable_shards} == {(2, 16)}
+    assert {tuple(s.data.shape) for s in label.physical.addressable_shards} == {(2,)}
+    # 8 devices x 2 arrays, each placed from a host slice of its own size, never the batch
+    assert sorted(set(puts)) == [(2,), (2, 16)] and len(puts) == 16
+    assert (8, 16) not in single and (8,) not in single
+    np.testing.assert_array_equal(image.numpy(), data[0][0])
+    np.testing.assert_array_equal(label.numpy(), data[0][1])
+
+
+def test_generator_is_not_over_consumed_and_len():
+    drawn = []
+
+    def gen():
+        for i, b in enumerate(batches(4)):
+            drawn.append(i)
+            yield b
+
+    loader = shard_dataloader(gen(), [MESH0, MESH1], shard_dims="x")
+    assert drawn == []  # nothing is inferred ahead of iteration
+    it = loader()
+    assert drawn == []
+    first = next(it)
+    assert drawn == [0] and first[0].shape == (4, 6)
+    next(it)
+    assert drawn == [0, 1]
+    assert len(list(it)) == 2 and drawn == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match="has no len"):
+        len(loader)
+    assert isinstance(loader, ShardDataloader) and loader.meshes == [MESH0, MESH1]
+
+
+def test_loader_attributes_pass_through():
+    class Loader:
+        batch_size = 4
+
+        def __iter__(self):
+            return iter(batches(2))
+
+        def __len__(self):
+            return 2
+
+    loader = shard_dataloader(Loader(), MESH0, shard_dims="y")
+    assert loader.batch_size == 4 and len(loader) == 2 and len(list(loader)) == 2
+
+
+def test_divisibility_error_names_input_dim_and_axis():
+    data = [(np.ones((4, 3)), np.ones(5))]
+    loader = shard_dataloader(data, [MESH0, MESH1], shard_dims="x")
+    with pytest.raises(BatchSplitError, match=r"batch\[1\] has 5 rows on dim 0 .* mesh dim 'x' "
+                       r"\(size 2\).*multiple of 2.*drop_last=True") as info:
+        next(iter(loader))
+    assert isinstance(info.value, dist.ShardingError)
+    with pytest.raises(BatchSplitError, match=r"batch\['a'\] has 3 rows.*'dp' \(size 2\)"):
+        list(shard_dataloader([{"a": np.ones(3)}], MESH))
+
+
+def test_argument_and_batch_errors():
+    with pytest.raises(DataloaderError, match=r"shard_dims='z' .* dim names \['x', 'y'\]"):
+        shard_dataloader([], [MESH0, MESH1], shard_dims="z")
+    with pytest.raises(DataloaderError, match="generator function: pass its result"):
+        shard_dataloader(batches, MESH0)
+    with pytest.raises(DataloaderError, match="two different keys"):
+        shard_dataloader([], [MESH0, MESH1], input_keys=["a"])
+    with pytest.raises(DataloaderError, match=r"input_keys=\['a', 'b'\]"):
+        list(shard_dataloader([{"a": np.ones(2), "b": np.ones(2)}], [MESH0, MESH1]))
+    with pytest.raises(DataloaderError, match=r"no key\(s\) \['label'\]"):
+        list(shard_dataloader([{"a": np.ones(2)}], [MESH0, MESH1], input_keys=["a", "label"]))
+    with pytest.raises(DataloaderError, match="applies to dict batches"):
+        list(shard_dataloader(batches(1), [MESH0, MESH1], input_keys=["a", "b"]))
+    with pytest.raises(DataloaderError, match="a list of 2"):
+        list(shard_dataloader(batches(1), MESH0, shard_dims=["x"]))
+    with pytest.raises(DataloaderError, match=r"shard_dims=5 for batch\[0\]"):
+        list(shard_dataloader(batches(1), MESH0, shard_dims={0: 5}))
+    with pytest.raises(DataloaderError, match=r"batch\['text'\]\[0\] is str 'a', which is not"):
+        list(shard_dataloader([{"text": ["a", "b"]}], MESH0))

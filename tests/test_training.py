@@ -1,0 +1,188 @@
+"""to_static + shard_optimizer + Strategy: every parallel strategy trains like one device, with
+the collectives and memory each promises."""
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+MESH8 = dist.ProcessMesh(list(range(8)), ["dp"])
+R, S = dist.Replicate, dist.Shard
+
+
+def apply(p, x):
+    return jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"]
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def _weights(d_in=16, hidden=32, d_out=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w0": (rng.normal(size=(d_in, hidden)) * 0.2).astype(np.float32),
+            "b0": np.zeros((hidden,), np.float32),
+            "w1": (rng.normal(size=(hidden, d_out)) * 0.2).astype(np.float32)}
+
+
+def _batches(n=8, batch=8, d_in=16, d_out=8, seed=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(batch, d_in)).astype(np.float32),
+             rng.normal(size=(batch, d_out)).astype(np.float32)) for _ in range(n)]
+
+
+def _reference(weights, batches, tx, k=1, dtype=None):
+    p = jax.tree.map(jnp.asarray, weights)
+    s, acc, losses = tx.init(p), None, []
+    for i, (x, y) in enumerate(batches):
+        def loss(p):
+            q = jax.tree.map(lambda w: w.astype(dtype), p) if dtype else p
+            return mse(apply(q, x.astype(dtype) if dtype else x), y).astype(jnp.float32)
+        value, g = jax.value_and_grad(loss)(p)
+        losses.append(float(value))
+        acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+        if (i + 1) % k == 0:
+            u, s = tx.update(jax.tree.map(lambda a: a / k, acc), s, p)
+            p, acc = optax.apply_updates(p, u), None
+    return losses, p
+
+
+PLACEMENTS = {
+    "dp": (MESH24, {"w0": [R(), R()], "b0": [R(), R()], "w1": [R(), R()]}),
+    "tp": (MESH24, {"w0": [R(), S(1)], "b0": [R(), S(0)], "w1": [R(), S(0)]}),
+}
+
+
+def _model(kind, weights):
+    mesh, placements = PLACEMENTS[kind]
+    return mesh, (apply, {k: dist.shard_tensor(v, mesh, placements[k]) for k, v in weights.items()})
+
+
+def _hlo(model, name, *args):
+    f = model.programs()[name]
+    planned = Counter(c.kind for c in f.plan(*args).collectives)
+    compiled = count_collectives(f.lower(*args).compile().as_text())
+    assert compiled == planned
+    return compiled
+
+
+@pytest.mark.parametrize("kind,stage,tx,tol", [
+    ("dp", 0, optax.sgd(0.1), 1e-6), ("tp", 0, optax.sgd(0.1), 1e-6),
+    ("tp", 1, optax.adamw(1e-2), 1e-4), ("tp", 2, optax.adamw(1e-2), 1e-4),
+    ("tp", 3, optax.sgd(0.1), 1e-6), ("dp", 3, optax.adamw(1e-2), 1e-4),
+], ids=["dp", "dp+tp", "zero1", "zero2", "zero3", "fsdp-adamw"])
+def test_strategies_train_like_one_device(kind, stage, tx, tol):
+    weights, batches = _weights(), _batches()
+    mesh, model = _model(kind, weights)
+    strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+    m = dist.to_static(model, None, mse, tx, strategy)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=tol, atol=tol)
+    kinds = _hlo(m, "train", m.params, m.opt_state, *m._batch(batches[0]))
+    if stage in (1, 2):   # gradients reduce-scattered into the state shards, params re-gathered
+        assert kinds["reduce-scatter"] >= 2 and kinds["all-gather"] >= 2
+    if stage == 3:        # params gathered where used, gradients reduce-scattered
+        assert kinds["all-gather"] >= 2 and kinds["reduce-scatter"] >= 2
+        # stored split over dp between steps: on dim 0 for w0 / w1, unless mp already split it
+        assert m.params["w0"].placements[0] == S(0)
+
+
+def test_gradient_merge_reduces_once_per_k_steps():
+    weights, batches = _weights(), _batches()
+    mesh, model = _model("dp", weights)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True}})
+    m = dist.to_static(model, None, mse, optax.sgd(0.1), strategy)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, optax.sgd(0.1), k=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+    batch = m._batch(batches[0])
+    accumulate = _hlo(m, "accumulate", m.params, m._zero_acc(), *batch)
+    merge = _hlo(m, "merge", m.params, m.opt_state, m._zero_acc(), *batch)
+    # micro-steps only reduce the scalar loss; the k-th step reduces the gradients, once
+    assert accumulate == Counter({"all-reduce": 1})
+    assert merge["all-reduce"] == 1 + len(weights)
+
+
+def test_amp_bfloat16_and_recompute():
+    weights, batches = _weights(), _batches(n=3)
+    for section, dtype, tol in [({"amp": {"enable": True, "dtype": "bfloat16"}}, jnp.bfloat16, 2e-2),
+                                ({"recompute": {"enable": True, "policy": "nothing_saveable"}}, None, 1e-6)]:
+        mesh, model = _model("tp", weights)
+        m = dist.to_static(model, None, mse, optax.sgd(0.1), dist.Strategy(section))
+        losses = [float(m(x, y).numpy()) for x, y in batches]
+        ref_losses, ref_params = _reference(weights, batches, optax.sgd(0.1), dtype=dtype)
+        np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
+        for name, value in ref_params.items():
+            np.testing.assert_allclose(m.params[name].numpy(), value, rtol=tol, atol=tol)
+
+
+def test_zero3_memory_per_device_falls_to_one_nth():
+    weights = _weights(d_in=64, hidden=512, d_out=64)
+    batches = _batches(n=1, batch=8, d_in=64, d_out=64)
+    placements = {k: [R()] for k in weights}
+    sizes = {}
+    for stage in (0, 3):
+        model = (apply, {k: dist.shard_tensor(v, MESH8, placements[k]) for k, v in weights.items()})
+        strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+        m = dist.to_static(model, None, mse, optax.adamw(1e-3), strategy)
+        m(*batches[0])
+        compiled = m.programs()["train"].lower(m.params, m.opt_state, *m._batch(batches[0])).compile()
+        sizes[stage] = compiled.memory_analysis().argument_size_in_bytes
+    param_and_state = 3 * sum(v.size * 4 for v in weights.values())
+    assert sizes[0] >= param_and_state                       # replicated: everything everywhere
+    assert sizes[3] <= param_and_state / 8 * 1.1 + 4096     # ZeRO-3: ~1/8 per device (+ batch)
+
+
+def test_predict_eval_and_state_dict_round_trip():
+    weights, batches = _weights(), _batches(n=2)
+    mesh, model = _model("tp", weights)
+    m = dist.to_static(model, None, mse, optax.adamw(1e-2))
+    m(*batches[0])
+    x, y = batches[1]
+    out = m.predict()(x)
+    np.testing.assert_allclose(out.numpy(), apply({k: v.numpy() for k, v in m.params.items()}, x), rtol=1e-5)
+    loss = m.eval()(x, y)
+    np.testing.assert_allclose(loss.numpy(), mse(out.numpy(), y), rtol=1e-5)
+    sd = m.state_dict()
+    assert {"param.w0", "param.w1", "param.b0"} <= set(sd) and any(k.startswith("opt.") for k in sd)
+    assert set(m.state_dict("param")) == {"param.w0", "param.w1", "param.b0"}
+    fresh = dist.to_static(_model("dp", _weights(seed=5))[1], None, mse, optax.adamw(1e-2))
+    fresh.set_state_dict(sd)
+    np.testing.assert_array_equal(fresh.params["w0"].numpy(), m.params["w0"].numpy())
+    assert fresh.params["w0"].placements == [R(), R()]   # loaded into the target's placements
+
+
+def test_to_static_with_shard_dataloader_seed_4_5():
+    weights, batches = _weights(), _batches(n=4)
+    mesh, model = _model("dp", weights)
+    loader = dist.shard_dataloader(batches, meshes=mesh, shard_dims="dp")
+    m = dist.to_static(model, loader, mse, optax.sgd(0.1))
+    m.train()
+    losses = [float(m(inputs).numpy()) for inputs in loader]
+    np.testing.assert_allclose(losses, _reference(weights, batches, optax.sgd(0.1))[0], rtol=1e-6)
+
+
+def test_strategy_sections_and_errors():
+    s = dist.Strategy({"sharding": {"enable": True, "stage": 2}})
+    s.gradient_merge.enable = True
+    s.gradient_merge.k_steps = 4
+    assert s.to_dict()["gradient_merge"]["k_steps"] == 4 and s.sharding.stage == 2
+    with pytest.raises(dist.StrategyError, match="stage = 4 is not one of"):
+        s.sharding.stage = 4
+    with pytest.raises(dist.StrategyError, match="no setting 'stages'"):
+        dist.Strategy({"sharding": {"stages": 2}})
+    with pytest.raises(dist.StrategyError, match="unknown strategy sections"):
+        dist.Strategy({"zero": {}})
+    with pytest.raises(dist.OptimizerError, match="GradientTransformation"):
+        dist.shard_optimizer(object())
