@@ -21,6 +21,9 @@ from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
 from .rules import Rule, register_rule
 from .training.dataloader import BatchSplitError, DataloaderError, ShardDataloader, shard_dataloader
 from .training.dist_model import DistModel, DistModelError, to_static
+from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
+                              PrepareLayerOutput, RowWiseParallel, SequenceParallelBegin,
+                              SequenceParallelEnd, parallelize, shard_layer)
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
 from .training.strategy import Strategy, StrategyError
@@ -36,7 +39,9 @@ __all__ = [
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
-    "StrategyError",
+    "StrategyError", "shard_layer", "parallelize", "ColWiseParallel", "RowWiseParallel",
+    "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
+    "ParallelizeError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",
 ]

@@ -264,6 +264,27 @@ class DistModel:
         self._micro, self._acc = 0, None
         return loss
 
+    def summary(self, *batch: Any) -> str:
+        """The train step's plan in a few lines: collectives, bytes, memory per device."""
+        from ..reshard.planner import _fmt_bytes
+
+        batch = self._batch(batch)
+        name = "train" if self.k_steps == 1 else "merge"
+        args = (self.params, self.opt_state) + ((self._zero_acc(),) if name == "merge" else ())
+        f = self._program(name)
+        plan = f.plan(*args, *batch)
+        memory = f.lower(*args, *batch).compile().memory_analysis()
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) or "none"
+        lines = [f"mesh {self.mesh.shape} {self.mesh.dim_names}; strategy: sharding stage "
+                 f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
+                 f"amp {'on' if self.strategy.amp.enable else 'off'}, recompute "
+                 f"{'on' if self.strategy.recompute.enable else 'off'}",
+                 f"per step: {counts}; {_fmt_bytes(plan.total_bytes)} sent per device",
+                 f"memory per device: arguments {_fmt_bytes(memory.argument_size_in_bytes)}, "
+                 f"temporaries {_fmt_bytes(memory.temp_size_in_bytes)}, outputs "
+                 f"{_fmt_bytes(memory.output_size_in_bytes)}"]
+        return "\n".join(lines)
+
     def programs(self) -> dict[str, Any]:
         """The compiled programs built so far, by mode (their .plan / .explain / .lower)."""
         return dict(self._programs)

@@ -1,0 +1,541 @@
+"""Paddle's dist.shard_layer and dist.parallelize for flax: place a model's parameters on a mesh,
+by hand (a shard_fn) or from a plan of name patterns (Megatron column/row and sequence parallel)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+from ..creation import shard_tensor
+from ..dtensor import DistTensor
+from ..errors import AutoshardError, ShardingError
+from ..layout import layout_from_placements
+from ..mesh import ProcessMesh, as_process_mesh
+from ..placement import Placement, Replicate, Shard
+
+
+class ParallelizeError(AutoshardError, ValueError):
+    """A shard_layer / parallelize request that does not fit the model, the config or the mesh."""
+
+
+def _nnx():
+    # Imported on first use so that `import autoshard` does not pay for flax.
+    from flax import nnx
+
+    return nnx
+
+
+def _dotted(path: Sequence[Any]) -> str:
+    return ".".join(str(k) for k in path)
+
+
+# ------------------------------------------------------------------------------- call hooks
+@dataclass(frozen=True)
+class _Hooks:
+    inputs: tuple[Callable[[tuple], tuple], ...] = ()
+    outputs: tuple[Callable[[Any], Any], ...] = ()
+
+
+_HOOKED_CLASSES: dict[type, type] = {}
+
+
+def _hooked_class(cls: type) -> type:
+    """A subclass of `cls` whose __call__ runs the instance's hooks around cls.__call__.
+
+    Python looks __call__ up on the type, so per-instance hooks need a class of their own; nnx
+    records that class in the graphdef, so modules rebuilt by nnx.merge inside dist.jit keep
+    their hooks. One subclass per class keeps graphdefs of equal models equal.
+    """
+    if cls in _HOOKED_CLASSES.values():
+        return cls
+    if cls not in _HOOKED_CLASSES:
+        def __call__(self, *args, **kwargs):
+            hooks = getattr(self, "_autoshard_hooks", _Hooks())
+            for fn in hooks.inputs:
+                args = fn(args)
+            out = cls.__call__(self, *args, **kwargs)
+            for fn in hooks.outputs:
+                out = fn(out)
+            return out
+
+        # Same name and module: reprs and error messages show the user's class.
+        _HOOKED_CLASSES[cls] = type(cls)(cls.__name__, (cls,), {
+            "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _HOOKED_CLASSES[cls]
+
+
+def _add_hooks(module: Any, path: str, inputs: Sequence[Callable] = (),
+               outputs: Sequence[Callable] = ()) -> None:
+    if not callable(module):
+        raise ParallelizeError(
+            f"the layer at {path!r} ({type(module).__name__}) has no __call__, so input/output "
+            f"hooks cannot run around it: attach them to the layer that is called")
+    old = getattr(module, "_autoshard_hooks", _Hooks())
+    # object.__setattr__: nnx's own __setattr__ would record __class__ as a module attribute.
+    object.__setattr__(module, "__class__", _hooked_class(type(module)))
+    module._autoshard_hooks = _Hooks(old.inputs + tuple(inputs), old.outputs + tuple(outputs))
+
+
+def _as_args(result: Any) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _run_input_fn(fn: Callable, mesh: ProcessMesh, args: tuple) -> tuple:
+    return _as_args(fn(args, mesh))
+
+
+def _run_output_fn(fn: Callable, mesh: ProcessMesh, out: Any) -> Any:
+    return fn(out, mesh)
+
+
+def _run_first_input_fn(fn: Callable, mesh: ProcessMesh, path: str, args: tuple) -> tuple:
+    if not args:
+        raise ParallelizeError(f"PrepareLayerInput on {path!r}: the layer was called without "
+                               f"positional arguments; pass its input positionally")
+    return (fn(args[0], mesh),) + args[1:]
+
+
+# ------------------------------------------------------------------------------- shard_layer
+def shard_layer(layer: Any, process_mesh: ProcessMesh, shard_fn: Callable | None = None,
+                input_fn: Callable | None = None, output_fn: Callable | None = None) -> Any:
+    """Place every parameter of `layer` on `process_mesh` (Paddle's dist.shard_layer).
+
+    flax nnx Module: changed in place and returned. `shard_fn(name, sublayer, mesh)` is called
+    once per submodule (shared ones once), the root first with name "", the others with their
+    dotted attribute path ("up", "layers.0.attn"); it shards a parameter by assigning a
+    DistTensor, e.g. `sublayer.kernel.set_value(dist.shard_tensor(sublayer.kernel.get_value(),
+    mesh, [dist.Replicate(), dist.Shard(1)]))` or `.value = ...` (not `kernel[...] = ...`,
+    which copies the values into the old array). Every nnx.Param it leaves alone becomes a
+    Replicate DistTensor. `input_fn(inputs, mesh)` gets the tuple of positional arguments of
+    each call and returns the new tuple (or one value); `output_fn(outputs, mesh)` gets and
+    returns the call's result. They run around every call of the layer, also after nnx.split /
+    nnx.merge, so inside dist.jit a `dist.shard_tensor` in them is a placement hint (e.g. split
+    the batch over "dp").
+
+    linen params (the dict from `model.init`): returns a new tree of DistTensors. `shard_fn(name,
+    subtree, mesh)` is called for every sub-dict, parents before children, the root with name
+    "" and the others with their dotted key path ("params.Dense_0"); `subtree` is the
+    unsharded sub-dict. It returns None or a dict {key: DistTensor or placements list} for keys
+    of `subtree` that hold arrays (not sub-dicts); every array not named so is replicated.
+    input_fn / output_fn need an nnx module.
+    """
+    mesh = as_process_mesh(process_mesh)
+    nnx = _nnx()
+    if isinstance(layer, nnx.Module):
+        _shard_nnx(layer, mesh, shard_fn)
+        if input_fn is not None or output_fn is not None:
+            _add_hooks(layer, "",
+                       [functools.partial(_run_input_fn, input_fn, mesh)] if input_fn else [],
+                       [functools.partial(_run_output_fn, output_fn, mesh)] if output_fn else [])
+        return layer
+    if isinstance(layer, Mapping):
+        if input_fn is not None or output_fn is not None:
+            raise ParallelizeError(
+                "shard_layer on a linen params tree cannot take input_fn / output_fn: the tree "
+                "is not called; annotate the inputs with dist.shard_tensor in the step function "
+                "or inside the linen module's __call__")
+        return _shard_tree(layer, mesh, shard_fn, ())
+    raise ParallelizeError(
+        f"shard_layer takes a flax nnx.Module or a linen params dict, got "
+        f"{type(layer).__name__}: for a linen Module pass `model.init(key, x)` (its params tree)")
+
+
+def _nnx_modules(model: Any) -> dict[str, Any]:
+    nnx = _nnx()
+    found = {_dotted(p): m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
+    # iter_graph visits children before parents; Paddle calls shard_fn on the root first.
+    return {"": found.pop("")} | found
+
+
+def _nnx_params(model: Any) -> dict[str, Any]:
+    nnx = _nnx()
+    return {_dotted(p): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+def _on_mesh(value: Any, mesh: ProcessMesh, path: str) -> DistTensor:
+    if isinstance(value, DistTensor):
+        if value.mesh != mesh:
+            raise ParallelizeError(
+                f"parameter {path!r} is on {value.mesh!r}, not on the layer's mesh {mesh!r}: "
+                f"shard it onto {mesh!r} (dist.shard_tensor(x, mesh, placements))")
+        return value
+    return shard_tensor(value, mesh, [Replicate()] * mesh.ndim)
+
+
+def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None:
+    if shard_fn is not None:
+        for name, module in _nnx_modules(model).items():
+            shard_fn(name, module, mesh)
+    for path, param in _nnx_params(model).items():
+        param.set_value(_on_mesh(param.get_value(), mesh, path))
+
+
+def _shard_tree(tree: Mapping, mesh: ProcessMesh, shard_fn: Callable | None,
+                path: tuple[str, ...]) -> Mapping:
+    name = _dotted(path)
+    wanted = (shard_fn(name, tree, mesh) if shard_fn is not None else None) or {}
+    if not isinstance(wanted, Mapping):
+        raise ParallelizeError(f"shard_fn({name!r}, ...) returned {type(wanted).__name__}: return "
+                               f"None or a dict {{key: DistTensor or placements}}")
+    for key in wanted:
+        if key not in tree or isinstance(tree[key], Mapping):
+            raise ParallelizeError(
+                f"shard_fn({name!r}, ...) returned key {key!r}, but the arrays of "
+                f"{name or 'the root'!r} are "
+                f"{[k for k, v in tree.items() if not isinstance(v, Mapping)]}: return only "
+                f"those; a sub-dict's arrays are sharded by the shard_fn call for that sub-dict")
+    out = {}
+    for key, value in tree.items():
+        where = _dotted(path + (str(key),))
+        if isinstance(value, Mapping):
+            out[key] = _shard_tree(value, mesh, shard_fn, path + (str(key),))
+        elif key in wanted:
+            out[key] = _place_leaf(wanted[key], value, mesh, where)
+        else:
+            out[key] = _on_mesh(value, mesh, where)
+    return type(tree)(out)  # keeps dict / FrozenDict as given
+
+
+def _place_leaf(target: Any, value: Any, mesh: ProcessMesh, path: str) -> DistTensor:
+    if isinstance(target, DistTensor):
+        if tuple(target.shape) != tuple(value.shape):
+            raise ParallelizeError(f"shard_fn gave parameter {path!r} shape {target.shape}, but it "
+                                   f"is {tuple(value.shape)}: shard the given array itself")
+        return _on_mesh(target, mesh, path)  # checks the mesh
+    if isinstance(target, (list, tuple)):
+        layout_from_placements(target, mesh, tuple(value.shape), what=f"parameter {path!r}")
+        return shard_tensor(value, mesh, target)
+    raise ParallelizeError(f"shard_fn gave {type(target).__name__} for parameter {path!r}: give "
+                           f"a DistTensor or placements, e.g. [dist.Replicate(), dist.Shard(1)]")
+
+
+# ------------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What parallelize decided, kept on an nnx model as `model._autoshard_parallel`."""
+
+    mesh: ProcessMesh
+    dp_dim: str
+    mp_dim: str
+    sharding_level: int
+
+
+class ParallelPlan:
+    """Base of the entries of mp_config["parallelize_plan"]."""
+
+    def param_dim(self, ndim: int) -> int | None:
+        """The tensor dim a parameter of `ndim` dims is split on over the mp dim (None: keep)."""
+        return None
+
+    def hooks(self, config: ParallelConfig, path: str) -> tuple[list, list]:
+        """(input hooks, output hooks) to run around the calls of the layer at `path`."""
+        return [], []
+
+    @property
+    def places_params(self) -> bool:
+        return type(self).param_dim is not ParallelPlan.param_dim
+
+
+@dataclass(frozen=True)
+class ColWiseParallel(ParallelPlan):
+    """Split the output features: the last dim of a kernel / embedding (nnx.Linear (in, out):
+    Shard(1)) and the bias (Shard(0)) over the mp mesh dim."""
+
+    def param_dim(self, ndim: int) -> int | None:
+        return ndim - 1 if ndim >= 1 else None
+
+
+@dataclass(frozen=True)
+class RowWiseParallel(ParallelPlan):
+    """Split the input features: the second-to-last dim of a kernel (nnx.Linear (in, out):
+    Shard(0); nnx.Embed: the vocabulary) over the mp mesh dim; the bias stays replicated."""
+
+    def param_dim(self, ndim: int) -> int | None:
+        return ndim - 2 if ndim >= 2 else None
+
+
+@dataclass(frozen=True)
+class SequenceParallelBegin(ParallelPlan):
+    """From this layer's output on, activations [batch, seq, ...] are split on seq over mp."""
+
+    def hooks(self, config, path):
+        return [], [functools.partial(_activation_hint, config, True, path)]
+
+
+@dataclass(frozen=True)
+class SequenceParallelEnd(ParallelPlan):
+    """This layer's output is gathered back to whole sequences (Replicate over mp)."""
+
+    def hooks(self, config, path):
+        return [], [functools.partial(_activation_hint, config, False, path)]
+
+
+@dataclass(frozen=True)
+class PrepareLayerInput(ParallelPlan):
+    """Run `fn(x, mesh) -> x` on the layer's first positional argument before each call."""
+
+    fn: Callable[[Any, ProcessMesh], Any]
+
+    def hooks(self, config, path):
+        return [functools.partial(_run_first_input_fn, self.fn, config.mesh, path)], []
+
+
+@dataclass(frozen=True)
+class PrepareLayerOutput(ParallelPlan):
+    """Run `fn(out, mesh) -> out` on the layer's result after each call."""
+
+    fn: Callable[[Any, ProcessMesh], Any]
+
+    def hooks(self, config, path):
+        return [], [functools.partial(_run_output_fn, self.fn, config.mesh)]
+
+
+def _activation_hint(config: ParallelConfig, seq_sharded: bool, path: str, x: Any) -> Any:
+    if not isinstance(x, jax.core.Tracer):
+        return x  # a placement hint means something only while dist.jit traces
+    mesh = config.mesh
+    placements: list[Placement] = []
+    for name in mesh.dim_names:
+        if name == config.mp_dim:
+            placements.append(Shard(1) if seq_sharded else Replicate())
+        elif name == config.dp_dim and x.ndim and x.shape[0] % mesh.get_dim_size(name) == 0:
+            # Keep the batch split over dp as data parallelism left it; a Replicate hint there
+            # would make the plan gather the whole batch at every sequence-parallel boundary.
+            placements.append(Shard(0))
+        else:
+            placements.append(Replicate())
+    kind = "SequenceParallelBegin" if seq_sharded else "SequenceParallelEnd"
+    layout_from_placements(placements, mesh, tuple(x.shape), what=(
+        f"the output of layer {path!r} ({kind}, activations [batch, seq, ...])"))
+    return shard_tensor(x, mesh, placements)
+
+
+_PLAN_NAMES = ("ColWiseParallel(), RowWiseParallel(), SequenceParallelBegin(), "
+               "SequenceParallelEnd(), PrepareLayerInput(fn), PrepareLayerOutput(fn)")
+
+
+# ------------------------------------------------------------------------------- parallelize
+def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = None,
+                config: Mapping[str, Any] | None = None) -> Any:
+    """Place `model` on `mesh` as Paddle's dist.parallelize `config` says.
+
+    config = {"dp_config": {"sharding_level": 0-3}, "mp_config": {"parallelize_plan":
+    {pattern: plan or [plans]}}}. A pattern is matched (fnmatch, case-sensitive) against the
+    dotted path of every submodule ("" is the root) and parameter ("up.kernel"); `*` also
+    matches dots, so "*.qkv" finds "layers.0.attn.qkv". A plan on a module applies to its own
+    parameters (not its children's). Parameters no plan places are replicated.
+
+    Mesh dims: mp is mp_config["mesh_dim"] if given, else "mp" if the mesh has it, else its last
+    dim; dp is dp_config["mesh_dim"], else "dp", else the first dim. `mesh` defaults to the mesh
+    of the model's DistTensor parameters. dp sharding_level picks the optimizer's ZeRO stage
+    (0: none, 1-3: dist.ShardingStage1-3 over dp) and, for an nnx model, is recorded with the
+    dims as `model._autoshard_parallel` (a ParallelConfig).
+
+    An nnx model is changed in place; a linen params tree comes back as a new tree. Returns
+    (model, optimizer) when `optimizer` is given (wrapped by dist.shard_optimizer), else model.
+    """
+    nnx = _nnx()
+    is_nnx = isinstance(model, nnx.Module)
+    if not is_nnx and not isinstance(model, Mapping):
+        raise ParallelizeError(
+            f"parallelize takes a flax nnx.Module or a linen params dict, got "
+            f"{type(model).__name__}: for a linen Module pass `model.init(key, x)` (its params)")
+    mesh = _model_mesh(model, mesh, is_nnx)
+    level, dp_named, mp_named, plan = _read_config(config)
+
+    if is_nnx:
+        modules, params = _nnx_modules(model), _nnx_params(model)
+        shapes = {p: tuple(v.get_value().shape) for p, v in params.items()}
+    else:
+        modules, shapes = _tree_paths(model)
+    targets = _match(plan, modules, shapes)
+    decided = _resolve_dims(mesh, dp_named, mp_named, level, targets)
+
+    placements = _param_placements(targets, shapes, decided)
+    if is_nnx:
+        for path, pl in placements.items():
+            params[path].set_value(shard_tensor(params[path].get_value(), mesh, pl))
+        shard_layer(model, mesh)
+        for path, hook_plans in targets.hooks.items():
+            ins, outs = [], []
+            for p in hook_plans:
+                i, o = p.hooks(decided, path)
+                ins += i
+                outs += o
+            _add_hooks(modules[path], path, ins, outs)
+        model._autoshard_parallel = decided
+    else:
+        if targets.hooks:
+            path, plans = next(iter(targets.hooks.items()))
+            raise ParallelizeError(
+                f"{type(plans[0]).__name__} on {path!r} needs an nnx module: a linen params tree "
+                f"is never called; annotate activations with dist.shard_tensor inside the linen "
+                f"module's __call__ instead")
+
+        def by_parent(name: str, subtree: Mapping, _mesh: ProcessMesh) -> dict:
+            paths = {k: f"{name}.{k}" if name else str(k) for k in subtree}
+            return {k: placements[p] for k, p in paths.items() if p in placements}
+
+        model = shard_layer(model, mesh, by_parent)
+    if optimizer is None:
+        return model
+    return model, _wrap_optimizer(optimizer, decided)
+
+
+def _wrap_optimizer(optimizer: Any, config: ParallelConfig) -> Any:
+    try:
+        from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+    except ImportError:
+        return optimizer  # no optimizer layer in this install: its states stay as optax makes them
+    stage = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}.get(config.sharding_level)
+    return shard_optimizer(optimizer, stage(config.dp_dim, config.mesh) if stage else None)
+
+
+def _model_mesh(model: Any, mesh: ProcessMesh | None, is_nnx: bool) -> ProcessMesh:
+    if mesh is not None:
+        return as_process_mesh(mesh)
+    values = ([v.get_value() for v in _nnx_params(model).values()] if is_nnx
+              else jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, DistTensor)))
+    for v in values:
+        if isinstance(v, DistTensor):
+            return v.mesh
+    raise ParallelizeError("parallelize needs a mesh: pass mesh=dist.ProcessMesh([[0, 1, 2, 3], "
+                           "[4, 5, 6, 7]], dim_names=['dp', 'mp'])")
+
+
+def _read_config(config: Mapping[str, Any] | None
+                 ) -> tuple[int, Any, Any, list[tuple[str, ParallelPlan]]]:
+    config = dict(config or {})
+    known = {"dp_config": {"sharding_level", "mesh_dim"},
+             "mp_config": {"parallelize_plan", "mesh_dim"}}
+    for key, section in config.items():
+        if key not in known:
+            hint = (" (pipeline parallelism is not supported by parallelize)"
+                    if key == "pp_config" else "")
+            raise ParallelizeError(f"unknown parallelize config key {key!r}{hint}: the keys are "
+                                   f"{sorted(known)}")
+        if not isinstance(section, Mapping) or set(section) - known[key]:
+            raise ParallelizeError(f"config[{key!r}] must be a dict with keys from "
+                                   f"{sorted(known[key])}, got {section!r}")
+    dp, mp = config.get("dp_config", {}), config.get("mp_config", {})
+    level = dp.get("sharding_level", 0)
+    if level not in (0, 1, 2, 3) or isinstance(level, bool):
+        raise ParallelizeError(f"dp_config['sharding_level'] is {level!r}: write 0 (no sharding), "
+                               f"1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)")
+    plan = mp.get("parallelize_plan", {})
+    if not isinstance(plan, Mapping):
+        raise ParallelizeError(f"mp_config['parallelize_plan'] must be a dict {{pattern: plan}}, "
+                               f"got {type(plan).__name__}")
+    entries: list[tuple[str, ParallelPlan]] = []
+    for pattern, value in plan.items():
+        for p in (value if isinstance(value, (list, tuple)) else [value]):
+            if not isinstance(p, ParallelPlan):
+                raise ParallelizeError(
+                    f"parallelize_plan[{pattern!r}] is {p!r} ({type(p).__name__}), not a plan: "
+                    f"write one of {_PLAN_NAMES}, or a list of them")
+            entries.append((str(pattern), p))
+    return level, dp.get("mesh_dim"), mp.get("mesh_dim"), entries
+
+
+def _tree_paths(tree: Mapping, path: tuple[str, ...] = ()) -> tuple[dict, dict[str, tuple]]:
+    """Every sub-dict by dotted path (the 'modules' of a linen tree) and every array's shape."""
+    modules, shapes = {_dotted(path): tree}, {}
+    for key, value in tree.items():
+        sub = path + (str(key),)
+        if isinstance(value, Mapping):
+            m, s = _tree_paths(value, sub)
+            modules |= m
+            shapes |= s
+        else:
+            shapes[_dotted(sub)] = tuple(value.shape)
+    return modules, shapes
+
+
+@dataclass
+class _Targets:
+    params: dict[str, tuple[str, ParallelPlan]]     # param path -> (pattern, plan)
+    hooks: dict[str, list[ParallelPlan]]            # module path -> hook plans, in plan order
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> _Targets:
+    targets = _Targets({}, {})
+    for pattern, plan in entries:
+        hit_modules = [m for m in modules if fnmatchcase(m, pattern)]
+        if plan.places_params:
+            hits = {p for p in shapes if fnmatchcase(p, pattern)}
+            hits |= {p for p in shapes if _parent(p) in hit_modules}
+            for p in sorted(hits):
+                if p in targets.params and targets.params[p][1] != plan:
+                    other, prev = targets.params[p]
+                    raise ParallelizeError(
+                        f"parameter {p!r} gets {prev!r} from pattern {other!r} and {plan!r} from "
+                        f"pattern {pattern!r}: make the patterns select disjoint parameters")
+                targets.params[p] = (pattern, plan)
+        else:
+            hits = set(hit_modules)
+            for m in hit_modules:
+                targets.hooks.setdefault(m, []).append(plan)
+        if not hits:
+            kind = "layer or parameter" if plan.places_params else "layer"
+            raise ParallelizeError(
+                f"parallelize_plan pattern {pattern!r} matches no {kind}: the layers are "
+                f"{sorted(modules)[:12]}{' ...' if len(modules) > 12 else ''} (patterns are "
+                f"fnmatch on dotted paths, e.g. 'layers.*.mlp.up' or '*.qkv')")
+    return targets
+
+
+def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
+                  targets: _Targets) -> ParallelConfig:
+    first = next(iter(targets.params), None) or next(iter(targets.hooks), None)
+    users = f" (the plan would shard {first!r} over it)" if first is not None else ""
+
+    def pick(named: Any, default: str, fallback: str, key: str) -> str:
+        if named is None:
+            return default if default in mesh.dim_names else fallback
+        if named not in mesh.dim_names:
+            raise ParallelizeError(
+                f"{key}['mesh_dim'] is {named!r}, but the mesh has dims {mesh.dim_names}"
+                f"{users if key == 'mp_config' else ''}: name one of them, or build the mesh with "
+                f"dim_names=['dp', 'mp']")
+        return named
+
+    dp = pick(dp_named, "dp", mesh.dim_names[0], "dp_config")
+    mp = pick(mp_named, "mp", mesh.dim_names[-1], "mp_config")
+    if dp == mp and level > 0 and first is not None:
+        raise ParallelizeError(
+            f"data parallel (sharding_level {level}) and model parallel{users} both fall on mesh "
+            f"dim {mp!r} of {mesh!r}: give the mesh a 'dp' and an 'mp' dim, e.g. "
+            f"dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=['dp', 'mp'])")
+    return ParallelConfig(mesh, dp, mp, level)
+
+
+def _param_placements(targets: _Targets, shapes: Mapping[str, tuple],
+                      config: ParallelConfig) -> dict[str, list[Placement]]:
+    mesh, mp, out = config.mesh, config.mp_dim, {}
+    for path, (pattern, plan) in targets.params.items():
+        dim = plan.param_dim(len(shapes[path]))
+        if dim is None:
+            continue
+        placements = [Shard(dim) if n == mp else Replicate() for n in mesh.dim_names]
+        # Checked here so that the error names the parameter and the pattern that placed it.
+        try:
+            layout_from_placements(placements, mesh, shapes[path], what=(
+                f"parameter {path!r} (Shard({dim}) on mesh dim {mp!r}, from {plan!r} for "
+                f"pattern {pattern!r})"))
+        except ShardingError as e:
+            raise ShardingError(f"{e.message}; or drop {path!r} from pattern {pattern!r} of the "
+                                f"parallelize_plan", where=e.where) from None
+        out[path] = placements
+    return out
+
+
+__all__ = ["shard_layer", "parallelize", "ParallelPlan", "ColWiseParallel", "RowWiseParallel",
+           "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput",
+           "PrepareLayerOutput", "ParallelConfig", "ParallelizeError"]

@@ -1,0 +1,297 @@
+"""shard_layer and parallelize: flax nnx modules and linen params placed on a mesh, then trained."""
+import warnings
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoshard as dist
+from autoshard.training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
+                                       RowWiseParallel, SequenceParallelBegin,
+                                       SequenceParallelEnd, parallelize, shard_layer)
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+R, S = dist.Replicate(), dist.Shard
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, hidden=32):
+        self.up = nnx.Linear(8, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.relu(self.up(x)))
+
+
+def _data(shape=(16, 8)):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+
+
+def _is_dt(t):
+    return isinstance(t, dist.DistTensor)
+
+
+def _mp(plan):
+    return {"mp_config": {"parallelize_plan": plan}}
+
+
+def _placements(model):
+    return {".".join(map(str, p)): v.get_value().placements
+            for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+def _megatron(name, layer, mesh):
+    if name == "up":
+        layer.kernel.set_value(dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(1)]))
+        layer.bias.value = dist.shard_tensor(layer.bias.value, mesh, [R, S(0)])  # Paddle spelling
+    elif name == "down":
+        layer.kernel.set_value(dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(0)]))
+
+
+MEGATRON = {"up.kernel": [R, S(1)], "up.bias": [R, S(0)], "down.kernel": [R, S(0)],
+            "down.bias": [R, R]}
+
+
+def _train_nnx(model, x, y, steps=3):
+    """SGD steps of `model` through dist.jit (DistTensor params) or jax.jit; (losses, params)."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            return jnp.mean((nnx.merge(graphdef, nnx.State(p))(x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    f = dist.jit(step) if _is_dt(jax.tree.leaves(params, is_leaf=_is_dt)[0]) else jax.jit(step)
+    state, losses = tx.init(params), []
+    for _ in range(steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            params, state, loss = f(params, state, x, y)
+        losses.append(np.asarray(loss))
+    return f, losses, params
+
+
+def _assert_same_training(model, x, y, ref_hidden=32):
+    f, losses, params = _train_nnx(model, x, y)
+    _, ref_losses, ref_params = _train_nnx(MLP(nnx.Rngs(0), ref_hidden), x, y)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    return f, params
+
+
+# ------------------------------------------------------------------------------- shard_layer
+@pytest.mark.filterwarnings("ignore:'.value' (access|setter) is now deprecated:DeprecationWarning")
+def test_shard_layer_nnx_megatron_trains_like_one_device():
+    x, y = _data()
+    calls, seen_inputs = [], []
+
+    def shard_fn(name, layer, mesh):
+        calls.append((name, type(layer).__name__))
+        _megatron(name, layer, mesh)
+
+    def input_fn(inputs, mesh):
+        seen_inputs.append(type(inputs[0]).__name__)
+        return dist.shard_tensor(inputs[0], mesh, [S(0), R])  # split the batch over dp
+
+    model = MLP(nnx.Rngs(0))
+    assert shard_layer(model, MESH, shard_fn, input_fn=input_fn) is model
+    assert calls[0] == ("", "MLP") and sorted(calls) == [("", "MLP"), ("down", "Linear"),
+                                                          ("up", "Linear")]
+    assert _placements(model) == MEGATRON
+    assert isinstance(model, MLP) and type(model).__name__ == "MLP"
+
+    f, params = _assert_same_training(model, x, y)
+    assert seen_inputs and all("Tracer" in t for t in seen_inputs)  # ran as a hint, inside dist.jit
+    assert params["up"]["kernel"].placements == [R, S(1)]
+    # The input_fn's hint decided where the unplaced batch lives.
+    state = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    plan = f.plan(state, optax.sgd(0.1).init(state), x, y)
+    assert plan.inputs[4].dims[0] == ("dp",)
+
+
+def test_shard_layer_output_fn_and_shared_modules_called_once():
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 8, rngs=rngs)
+            self.b = self.a
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    names, outs = [], []
+    model = Tied(nnx.Rngs(0))
+    shard_layer(model, MESH, lambda n, layer, m: names.append(n),
+                output_fn=lambda out, mesh: outs.append(out.shape) or out)
+    assert sorted(names) == ["", "a"] or sorted(names) == ["", "b"]
+    assert all(p == [R, R] for p in _placements(model).values())
+    params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    graphdef = nnx.split(model, nnx.Param)[0]
+    call = dist.jit(lambda p, x: nnx.merge(graphdef, nnx.State(p))(x))
+    out = call(params, np.ones((4, 8), np.float32))
+    assert out.shape == (4, 8) and outs == [(4, 8)]
+
+
+def test_shard_layer_linen_params_tree():
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            h = linen.relu(linen.Dense(32)(x))  # Dense_0
+            return linen.Dense(8)(h)  # Dense_1
+
+    x, y = _data()
+    net = Net()
+    variables = net.init(jax.random.key(0), x)
+    calls = []
+
+    def shard_fn(name, subtree, mesh):
+        calls.append(name)
+        if name == "params.Dense_0":
+            bias = dist.shard_tensor(subtree["bias"], mesh, [R, S(0)])
+            return {"kernel": [R, S(1)], "bias": bias}
+        if name == "params.Dense_1":
+            return {"kernel": [R, S(0)]}
+        return None
+
+    placed = shard_layer(variables, MESH, shard_fn)
+    assert calls == ["", "params", "params.Dense_0", "params.Dense_1"]
+    got = jax.tree.map(lambda t: t.placements, placed, is_leaf=_is_dt)
+    assert got == {"params": {"Dense_0": {"kernel": [R, S(1)], "bias": [R, S(0)]},
+                              "Dense_1": {"kernel": [R, S(0)], "bias": [R, R]}}}
+
+    loss = lambda p, x, y: jnp.mean((net.apply(p, x) - y) ** 2)  # noqa: E731
+    np.testing.assert_allclose(dist.jit(loss)(placed, x, y).numpy(), loss(variables, x, y),
+                               rtol=1e-5)
+
+    with pytest.raises(ParallelizeError, match="'Dense_0'.*arrays of 'params'"):
+        shard_layer(variables, MESH, lambda n, t, m: {"Dense_0": [R, R]} if n == "params" else None)
+    with pytest.raises(ParallelizeError, match="input_fn"):
+        shard_layer(variables, MESH, input_fn=lambda i, m: i)
+    with pytest.raises(dist.ShardingError, match="parameter 'head.w'.*dim 0 has size 6.*'mp'"):
+        shard_layer({"head": {"w": np.ones(6, np.float32)}}, MESH,
+                    lambda n, t, m: {"w": [R, S(0)]} if n == "head" else None)
+
+
+# ------------------------------------------------------------------------------- parallelize
+def test_parallelize_plan_matches_shard_layer_and_trains():
+    x, y = _data()
+    model = MLP(nnx.Rngs(0))
+    tx = optax.sgd(0.1)
+    config = {"dp_config": {"sharding_level": 1},
+              **_mp({"up": ColWiseParallel(), "down": RowWiseParallel()})}
+    out_model, out_tx = parallelize(model, tx, mesh=MESH, config=config)
+    assert out_model is model and _placements(model) == MEGATRON
+    assert model._autoshard_parallel.sharding_level == 1
+    assert (model._autoshard_parallel.dp_dim, model._autoshard_parallel.mp_dim) == ("dp", "mp")
+    try:
+        from autoshard.training.optimizer import shard_optimizer  # noqa: F401
+        assert out_tx is not tx and out_tx.stage == 1
+    except ImportError:
+        assert out_tx is tx
+    _assert_same_training(model, x, y)
+    assert parallelize(MLP(nnx.Rngs(0)), mesh=MESH).up.kernel.get_value().placements == [R, R]
+
+
+def test_parallelize_sequence_parallel_and_prepare_input():
+    x, y = _data((4, 8, 8))  # [batch, seq, hidden]
+    seen = []
+
+    def split_batch(x, mesh):
+        seen.append(mesh)
+        return dist.shard_tensor(x, mesh, [S(0), R])
+
+    # Megatron-SP: the row-parallel output is reduce-scattered into sequence shards, and the
+    # model's output gathered back to whole sequences.
+    plan = {"": [PrepareLayerInput(split_batch), SequenceParallelEnd()], "up": ColWiseParallel(),
+            "down": [RowWiseParallel(), SequenceParallelBegin()]}
+    model = parallelize(MLP(nnx.Rngs(0)), mesh=MESH, config=_mp(plan))
+    assert _placements(model) == MEGATRON
+    f, _ = _assert_same_training(model, x, y)
+    assert seen and seen[0] == MESH
+    state = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    p = f.plan(state, optax.sgd(0.1).init(state), x, y)
+    hinted = [e.results[0].dims for e in p.eqns if e.primitive == "autoshard_hint"]
+    assert hinted[:3] == [(("dp",), (), ()), (("dp",), ("mp",), ()), (("dp",), (), ())]
+    steps = {c.step for c in p.collectives}
+    assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
+
+
+class Attn(nnx.Module):
+    def __init__(self, rngs):
+        self.qkv = nnx.Linear(8, 24, rngs=rngs)
+        self.out = nnx.Linear(8, 8, rngs=rngs)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = Attn(rngs)
+        self.mlp = MLP(rngs)
+
+
+class Stack(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([Block(rngs), Block(rngs)])
+
+
+def test_parallelize_patterns():
+    plan = {"layers.*.mlp.up": ColWiseParallel(), "*.qkv": ColWiseParallel(),
+            "layers.1.mlp.down": RowWiseParallel(), "layers.0.mlp.down.kernel": RowWiseParallel(),
+            "*.out.bias": ColWiseParallel()}
+    model = parallelize(Stack(nnx.Rngs(0)), mesh=MESH, config=_mp(plan))
+    got = _placements(model)
+    for i in (0, 1):
+        assert got[f"layers.{i}.mlp.up.kernel"] == [R, S(1)]
+        assert got[f"layers.{i}.attn.qkv.bias"] == [R, S(0)]
+        assert got[f"layers.{i}.mlp.down.kernel"] == [R, S(0)]
+        assert got[f"layers.{i}.mlp.down.bias"] == [R, R]
+        assert got[f"layers.{i}.attn.out.kernel"] == [R, R]
+        assert got[f"layers.{i}.attn.out.bias"] == [R, S(0)]
+
+    # linen trees use the same patterns on their key paths.
+    dense = {"kernel": np.ones((8, 32), np.float32), "bias": np.ones(32, np.float32)}
+    placed = parallelize({"params": {"Dense_0": dense}}, mesh=MESH,
+                         config=_mp({"*Dense_0": RowWiseParallel()}))
+    assert placed["params"]["Dense_0"]["kernel"].placements == [R, S(0)]
+    assert placed["params"]["Dense_0"]["bias"].placements == [R, R]
+
+
+def test_parallelize_errors_name_the_parameter():
+    def run(plan, mesh=MESH, hidden=32, **extra):
+        config = {"mp_config": {"parallelize_plan": plan, **extra}}
+        return parallelize(MLP(nnx.Rngs(0), hidden), mesh=mesh, config=config)
+
+    with pytest.raises(ParallelizeError,
+                       match=r"parallelize_plan\['up'\] is 'colwise'.*ColWiseParallel\(\)"):
+        run({"up": "colwise"})
+    with pytest.raises(dist.ShardingError, match=r"parameter 'up.bias' \(Shard\(0\) on mesh dim "
+                       r"'mp', from ColWiseParallel\(\) for pattern 'up'\).*drop 'up.bias'"):
+        run({"up": ColWiseParallel()}, hidden=30)
+    with pytest.raises(ParallelizeError, match=r"'tp'.*\['dp', 'mp'\].*'up.bias'"):
+        run({"up": ColWiseParallel()}, mesh_dim="tp")
+    with pytest.raises(ParallelizeError, match=r"'up.bias'.*both fall on mesh dim 'mp'"):
+        parallelize(MLP(nnx.Rngs(0)), mesh=dist.ProcessMesh([0, 1, 2, 3], ["mp"]),
+                    config={"dp_config": {"sharding_level": 2},
+                            "mp_config": {"parallelize_plan": {"up": ColWiseParallel()}}})
+    with pytest.raises(ParallelizeError, match="'mlp.up' matches no layer or parameter.*'down'"):
+        run({"mlp.up": ColWiseParallel()})
+    with pytest.raises(ParallelizeError, match="'up.kernel' gets ColWiseParallel.*RowWiseParallel"):
+        run({"up": ColWiseParallel(), "*.kernel": RowWiseParallel()})
+    with pytest.raises(ParallelizeError, match="pipeline"):
+        parallelize(MLP(nnx.Rngs(0)), mesh=MESH, config={"pp_config": {}})
+    with pytest.raises(ParallelizeError, match="sharding_level"):
+        parallelize(MLP(nnx.Rngs(0)), mesh=MESH, config={"dp_config": {"sharding_level": 4}})
+    with pytest.raises(ParallelizeError, match="needs a mesh"):
+        parallelize(MLP(nnx.Rngs(0)))
+    with pytest.raises(ParallelizeError, match="needs an nnx module"):
+        parallelize({"params": {"w": np.ones(4)}}, mesh=MESH,
+                    config={"mp_config": {"parallelize_plan": {"params": SequenceParallelBegin()}}})
