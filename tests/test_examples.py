@@ -9,10 +9,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script,expect", [("basics.py", "all results equal the single-device values")])
-def test_example_runs(script, expect):
+@pytest.mark.parametrize("script,args,expect", [
+    ("basics.py", [], "all results equal the single-device values"),
+    ("train_gpt.py", ["--steps", "60"], "losses equal the one-device run"),
+])
+def test_example_runs(script, args, expect, tmp_path):
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True,
-                         text=True, env=env, timeout=600, cwd=ROOT)
+    if script == "train_gpt.py":
+        args = args + ["--out", str(tmp_path)]
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
+                         text=True, env=env, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert expect in out.stdout
