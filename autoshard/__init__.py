@@ -19,6 +19,7 @@ from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, parse_placement
 from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
 from .rules import Rule, register_rule
+from .training.checkpoint import CheckpointError, load_state_dict, save_state_dict
 from .training.dataloader import BatchSplitError, DataloaderError, ShardDataloader, shard_dataloader
 from .training.dist_model import DistModel, DistModelError, to_static
 from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
@@ -41,7 +42,7 @@ __all__ = [
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
     "StrategyError", "shard_layer", "parallelize", "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
-    "ParallelizeError",
+    "ParallelizeError", "save_state_dict", "load_state_dict", "CheckpointError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",
 ]

@@ -1,0 +1,295 @@
+"""Distributed checkpoints (Paddle's dist.save_state_dict / dist.load_state_dict) on orbax-checkpoint:
+every device writes and reads only its own shards, so a checkpoint loads onto any mesh."""
+from __future__ import annotations
+
+import atexit
+import difflib
+import os
+import threading
+from collections.abc import MutableMapping
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ..dtensor import DistTensor, make_dtensor
+from ..errors import AutoshardError
+from ..physical import physical_sharding
+from ..placement import Replicate
+from ..reshard.api import reshard
+
+
+class CheckpointError(AutoshardError, ValueError):
+    """A checkpoint that cannot be written, found, read, or matched to the target state dict."""
+
+
+_SCALARS = (bool, int, float, np.bool_, np.number)
+_KINDS = (np.bool_, np.integer, np.floating, np.complexfloating)
+
+
+def _is_prng_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
+    """Leaves of `state_dict` keyed by their tree path ("opt.0.mu.w"), DistTensors kept whole."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(
+        state_dict, is_leaf=lambda x: isinstance(x, DistTensor))
+    keys = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in pairs]
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise CheckpointError(
+                f"two entries of the state dict are both named {key!r} (a key containing '.' "
+                f"clashes with a nested path): rename one of them")
+        seen.add(key)
+    return keys, [leaf for _, leaf in pairs], treedef
+
+
+def _to_saveable(key: str, x: Any) -> Any:
+    if isinstance(x, DistTensor):
+        x = x if not x.layout.partial else reshard(
+            x, x.mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+        # Shard placements stay, so orbax writes each block once, from the device that holds it.
+        return x.physical
+    if isinstance(x, jax.core.Tracer):
+        raise CheckpointError(f"save_state_dict got a traced value for {key!r}: save outside "
+                              f"jax.jit / dist.jit, on the concrete state")
+    if _is_prng_key(x):
+        return jax.random.key_data(x)  # orbax stores plain arrays; load re-wraps with the impl
+    if isinstance(x, (jax.Array, np.ndarray)) and x.dtype != object:
+        return x
+    if isinstance(x, _SCALARS):
+        return x
+    raise CheckpointError(
+        f"cannot save {key!r}: it is a {type(x).__name__} ({x!r:.60}), but a checkpoint holds "
+        f"DistTensors, jax.Arrays, numpy arrays and numbers: drop it from the state dict or "
+        f"store it separately (e.g. as JSON)")
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("_CHECKPOINT_METADATA", "_METADATA"))
+
+
+class SaveHandle:
+    """A save in progress or done; `wait()` blocks until the checkpoint is complete on disk."""
+
+    def __init__(self, checkpointer: ocp.AsyncCheckpointer | None, path: str):
+        self._checkpointer = checkpointer
+        self.path = path
+
+    def done(self) -> bool:
+        """True once wait() has returned (the checkpoint is then complete)."""
+        return self._checkpointer is None
+
+    def wait(self) -> None:
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is None:
+            return
+        if self in _PENDING:
+            _PENDING.remove(self)
+        try:
+            checkpointer.close()  # waits for the background commit, then frees its threads
+        except Exception as exc:
+            raise CheckpointError(f"writing the checkpoint {self.path} failed: {exc}; it is "
+                                  f"incomplete, save it again") from exc
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, done={self.done()})"
+
+
+# Async saves not yet waited on: a later save or load, and interpreter exit, wait for them first,
+# so nobody reads a half-written checkpoint and no commit is cut off at exit.
+_PENDING: list[SaveHandle] = []
+
+
+def wait_for_saves() -> None:
+    """Block until every async save_state_dict has finished."""
+    while _PENDING:
+        _PENDING[0].wait()
+
+
+# Python shuts down its thread pools, which orbax's background commit needs, before atexit
+# handlers run; threading's own exit hooks run first, so wait there when the hook exists.
+getattr(threading, "_register_atexit", atexit.register)(wait_for_saves)
+
+
+def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
+                    async_save: bool = False) -> SaveHandle:
+    """Save a (nested) state dict of DistTensors, jax/numpy arrays and numbers to directory `path`.
+
+    Partial values are reduced first; sharded values are written block by block. With
+    `async_save` the call returns once the values are copied off the devices and the files are
+    written in the background: call `.wait()` on the returned handle (a later save or load, and
+    exit, also wait). An existing checkpoint at `path` is replaced.
+    """
+    wait_for_saves()
+    path = os.path.abspath(os.fspath(path))
+    keys, leaves, _ = _flatten(state_dict)
+    if not keys:
+        raise CheckpointError(f"save_state_dict to {path}: the state dict has no arrays to save")
+    if os.path.exists(path) and not _is_checkpoint_dir(path) and (
+            not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"cannot save to {path}: it exists and is not a checkpoint, and "
+                              f"saving would delete it; pass a new or empty directory")
+    flat = {key: _to_saveable(key, leaf) for key, leaf in zip(keys, leaves)}
+    checkpointer = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(flat), force=True)
+    except Exception as exc:
+        checkpointer.close()
+        raise CheckpointError(f"saving the state dict to {path} failed: {exc}") from exc
+    handle = SaveHandle(checkpointer, path)
+    _PENDING.append(handle)
+    if not async_save:
+        handle.wait()
+    return handle
+
+
+def _read_metadata(path: str) -> dict[str, Any]:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path}: it is not a directory; pass the "
+                              f"directory given to save_state_dict")
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            meta = checkpointer.metadata(path).item_metadata
+    except Exception as exc:
+        meta, cause = None, exc
+    else:
+        cause = None
+    # orbax answers None (not an error) when a metadata or index file is missing or unreadable.
+    if meta is None or not isinstance(meta.tree, dict):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: its metadata cannot be read (not a checkpoint "
+            f"directory, or a file in it is missing, truncated or corrupt"
+            f"{': ' + str(cause)[:200] if cause else ''}); save it again or load another "
+            f"checkpoint") from cause
+    return dict(meta.tree)
+
+
+def _same_kind(a: np.dtype, b: np.dtype) -> bool:
+    return any(np.issubdtype(a, k) and np.issubdtype(b, k) for k in _KINDS)
+
+
+def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, Any]:
+    """(item, restore args) reading `key` straight into the target's sharding, after checks."""
+    if isinstance(target, DistTensor):
+        shape, dtype = target.shape, np.dtype(target.dtype)
+        sharding = physical_sharding(target.layout.without_partial(), target.mesh)
+    elif _is_prng_key(target):
+        data = jax.random.key_data(target)
+        shape, dtype, sharding = tuple(data.shape), np.dtype(data.dtype), data.sharding
+    elif isinstance(target, jax.Array):
+        shape, dtype, sharding = tuple(target.shape), np.dtype(target.dtype), target.sharding
+    elif isinstance(target, (np.ndarray, *_SCALARS)) and np.asarray(target).dtype != object:
+        shape, dtype, sharding = np.shape(target), np.asarray(target).dtype, None
+    else:
+        raise CheckpointError(f"cannot load into {key!r}: the target is a "
+                              f"{type(target).__name__}, not a DistTensor, array or number")
+    if not hasattr(saved, "dtype"):
+        raise CheckpointError(f"{key!r} in checkpoint {path} is a subtree, not one array: this "
+                              f"checkpoint was not written by save_state_dict")
+    saved_shape, saved_dtype = tuple(saved.shape), np.dtype(saved.dtype)
+    if shape != saved_shape:
+        raise CheckpointError(
+            f"{key!r} has global shape {list(saved_shape)} in checkpoint {path}, but the target "
+            f"has shape {list(shape)}: build the target with the saved shape")
+    # Numbers carry no fixed width (a Python int saves as int64), so only their kind must agree.
+    loose = isinstance(saved, ocp.metadata.ScalarMetadata) or isinstance(target, (bool, int, float))
+    if not (_same_kind(dtype, saved_dtype) if loose else dtype == saved_dtype):
+        raise CheckpointError(
+            f"{key!r} is {saved_dtype.name} in checkpoint {path}, but the target is "
+            f"{dtype.name}: loading must be exact, so make the target {saved_dtype.name} (and "
+            f"cast after loading if needed)")
+    if sharding is None:
+        return target, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+    return (jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+            ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype))
+
+
+def _rebuild(target: Any, value: Any) -> Any:
+    if isinstance(target, DistTensor):
+        out = make_dtensor(value, target.mesh, target.layout.without_partial(), target.shape)
+        return reshard(out, target.mesh, target.placements) if target.layout.partial else out
+    if _is_prng_key(target):
+        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
+    if isinstance(target, (bool, int, float)):
+        return type(target)(np.asarray(value).item())
+    if isinstance(target, np.generic):
+        return np.asarray(value, target.dtype)[()]
+    return value
+
+
+def _restore(path: str, items: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        def read(keys: list[str]) -> dict[str, Any]:
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                item={k: items[k] for k in keys}, restore_args={k: args[k] for k in keys},
+                partial_restore=True))
+
+        try:
+            return read(list(items))
+        except Exception as exc:
+            bad = next((k for k in items if not _reads(read, k)), None)
+            raise CheckpointError(
+                f"reading {repr(bad) if bad else 'the state dict'} from checkpoint {path} failed ("
+                f"{str(exc).splitlines()[0][:200]}): a file in the checkpoint is missing, "
+                f"truncated or corrupt; save it again or load another checkpoint") from exc
+
+
+def _reads(read: Callable[[list[str]], Any], key: str) -> bool:
+    # Only on failure: retry key by key so the error can name the broken entry.
+    try:
+        read([key])
+        return True
+    except Exception:
+        return False
+
+
+def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
+    """Load the checkpoint at `path` into the layout of the target `state_dict`.
+
+    Each target (a DistTensor on any mesh and placements, a jax.Array, numpy array or number)
+    decides where its value goes; every device reads only its own block. Returns a new state
+    dict of the same structure and also replaces the entries of the given dicts and lists in
+    place, as Paddle does. Checkpoint entries the target does not name are ignored.
+    """
+    wait_for_saves()
+    path = os.path.abspath(os.fspath(path))
+    keys, targets, treedef = _flatten(state_dict)
+    saved = _read_metadata(path)
+    items: dict[str, Any] = {}
+    args: dict[str, Any] = {}
+    for key, target in zip(keys, targets):
+        if key not in saved:
+            near = difflib.get_close_matches(key, list(saved), n=3) or sorted(saved)[:5]
+            raise CheckpointError(
+                f"{key!r} is not in checkpoint {path} (it has {len(saved)} entries, e.g. "
+                f"{near}): rename the target entry or drop it from the state dict")
+        items[key], args[key] = _restore_spec(key, target, saved[key], path)
+    restored = _restore(path, items, args) if items else {}
+    result = jax.tree_util.tree_unflatten(
+        treedef, [_rebuild(t, restored[k]) for k, t in zip(keys, targets)])
+    _fill_in_place(state_dict, result)
+    return result
+
+
+def _fill_in_place(target: Any, result: Any) -> None:
+    """Put the loaded values into the caller's own dicts and lists (Paddle mutates in place)."""
+    if isinstance(target, MutableMapping):
+        slots = list(target.keys())
+    elif isinstance(target, list):
+        slots = list(range(len(target)))
+    else:
+        return
+    for slot in slots:
+        old, new = target[slot], result[slot]
+        if isinstance(old, (MutableMapping, list)) and old is not new:
+            _fill_in_place(old, new)
+        else:
+            target[slot] = new
+
+
+__all__ = ["save_state_dict", "load_state_dict", "SaveHandle", "CheckpointError",
+           "wait_for_saves"]

@@ -1,0 +1,269 @@
+"""Distributed checkpoints: save on one mesh, load bit-exact onto another mesh, device count or
+placements; async saves; every broken checkpoint or mismatched target is a named error."""
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard as dist
+from autoshard.training.checkpoint import (CheckpointError, load_state_dict, save_state_dict,
+                                           wait_for_saves)
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+MESH4 = dist.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+MESH1 = dist.ProcessMesh([5], dim_names=["x"])
+R, P, S0, S1 = dist.Replicate(), dist.Partial(), dist.Shard(0), dist.Shard(1)
+
+RNG = np.random.default_rng(0)
+# Random bit patterns (NaN payloads, denormals, -0.0): loading must give back every bit.
+FLOATS = RNG.integers(0, 2**32, (8, 8), dtype=np.uint32).view(np.float32)
+INTS = RNG.integers(-2**31, 2**31, (8, 16), dtype=np.int64).astype(np.int32)
+
+
+def assert_bits_equal(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    np.testing.assert_array_equal(actual.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8))
+
+
+def zeros_like_on(value, mesh, placements):
+    return dist.dtensor_from_fn(jnp.zeros, mesh, placements, value.shape, value.dtype)
+
+
+@pytest.mark.parametrize("src", [[S0, S1], [R, P], [S1, R]])
+@pytest.mark.parametrize("dst_mesh,dst", [(MESH4, [S1]), (MESH4, [R]), (MESH4, [P]),
+                                          (MESH1, [R]), (MESH, [S1, S0]), (MESH, [P, R])])
+def test_round_trip_across_meshes_device_counts_and_placements(tmp_path, src, dst_mesh, dst):
+    # Partial sources hold the value on one device and zeros elsewhere, so their sum is exact.
+    floats = FLOATS if P not in src else np.abs(np.nan_to_num(FLOATS, nan=1.0, posinf=2.0))
+    state = {"w": dist.shard_tensor(floats, MESH, src), "i": dist.shard_tensor(INTS, MESH, src)}
+    save_state_dict(state, tmp_path / "ckpt")
+
+    target = {"w": zeros_like_on(floats, dst_mesh, dst), "i": zeros_like_on(INTS, dst_mesh, dst)}
+    shardings = {k: v.physical.sharding for k, v in target.items()}
+    loaded = load_state_dict(target, tmp_path / "ckpt")
+    for key, expected in [("w", floats), ("i", INTS)]:
+        out = loaded[key]
+        assert isinstance(out, dist.DistTensor)
+        assert out.mesh == dst_mesh and out.placements == dst and out.shape == expected.shape
+        assert out.physical.sharding == shardings[key]
+        assert_bits_equal(out.numpy(), expected)
+        assert target[key] is out  # Paddle style: the given dict now holds the loaded values
+
+
+def test_partial_values_are_reduced_before_saving(tmp_path):
+    # Each device holds a different partial block; the checkpoint holds their sum.
+    blocks = lambda c: np.full((4, 6), (c[0] + 1) * 10 + c[1], np.int32)  # noqa: E731
+    t = dist.dtensor_from_local(blocks, MESH, [P, S1])
+    expected = t.numpy()
+    assert expected.shape == (4, 24) and expected[0, 0] == 10 + 20
+    save_state_dict({"t": t}, tmp_path / "ckpt")
+    out = load_state_dict({"t": zeros_like_on(expected, MESH1, [R])}, tmp_path / "ckpt")["t"]
+    assert_bits_equal(out.numpy(), expected)
+    assert out.local(5).shape == (4, 24)
+
+
+def test_each_device_gets_only_its_block(tmp_path):
+    save_state_dict({"w": dist.shard_tensor(FLOATS, MESH, [S0, S1])}, tmp_path / "ckpt")
+    out = load_state_dict({"w": zeros_like_on(FLOATS, MESH4, [S0])}, tmp_path / "ckpt")["w"]
+    assert {s.data.shape for s in out.physical.addressable_shards} == {(2, 8)}
+    assert_bits_equal(out.local(2), FLOATS[4:6])
+
+
+def test_nested_dict_of_mixed_leaves(tmp_path):
+    sharding = jax.sharding.NamedSharding(MESH.to_jax(), jax.sharding.PartitionSpec("mp"))
+    key = jax.random.key(7)
+    state = {
+        "model": {"linear": {"weight": dist.shard_tensor(FLOATS, MESH, [S1, S0]),
+                             "bias": jax.device_put(INTS[0], sharding)}},
+        "host": np.arange(5, dtype=np.int64), "step": 12, "lr": 0.25, "flag": True,
+        "scale": np.float32(1.5), "rng": key, "layers": [INTS[1, :4], INTS[2, :4]],
+    }
+    save_state_dict(state, tmp_path / "ckpt")
+
+    inner = {"weight": zeros_like_on(FLOATS, MESH4, [S0]),
+             "bias": jnp.zeros(16, jnp.int32)}
+    layers = [np.zeros(4, np.int32), jnp.zeros(4, jnp.int32)]
+    target = {"model": {"linear": inner}, "host": np.zeros(5, np.int64), "step": 0, "lr": 0.0,
+              "flag": False, "scale": np.float32(0), "rng": jax.random.key(0), "layers": layers}
+    loaded = load_state_dict(target, tmp_path / "ckpt")
+
+    w = loaded["model"]["linear"]["weight"]
+    assert w.mesh == MESH4 and w.placements == [S0]
+    assert_bits_equal(w.numpy(), FLOATS)
+    assert_bits_equal(loaded["model"]["linear"]["bias"], INTS[0])
+    assert isinstance(loaded["host"], np.ndarray)
+    assert_bits_equal(loaded["host"], np.arange(5, dtype=np.int64))
+    assert loaded["step"] == 12 and type(loaded["step"]) is int
+    assert loaded["lr"] == 0.25 and type(loaded["lr"]) is float
+    assert loaded["flag"] is True
+    assert loaded["scale"] == np.float32(1.5) and loaded["scale"].dtype == np.float32
+    assert_bits_equal(jax.random.key_data(loaded["rng"]), jax.random.key_data(key))
+    assert isinstance(loaded["layers"][0], np.ndarray) and isinstance(loaded["layers"][1], jax.Array)
+    assert_bits_equal(loaded["layers"][1], INTS[2, :4])
+    # the caller's own nested dicts and lists were filled in place
+    assert inner["weight"] is w and layers[0] is loaded["layers"][0] and target["step"] == 12
+
+
+def test_optax_adam_state_of_disttensors(tmp_path):
+    params = {"w": jnp.asarray(FLOATS[:, :4]), "b": jnp.linspace(-1.0, 1.0, 8)}
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+    grads = jax.tree.map(lambda p: jnp.sin(p * 3.0), params)
+    _, opt_state = opt.update(grads, opt_state, params)
+    as_dist = lambda a, mesh, pl: dist.shard_tensor(a, mesh, pl if a.ndim else [R] * mesh.ndim)  # noqa: E731
+    state = {"opt": jax.tree.map(lambda a: as_dist(a, MESH, [S0, R]), opt_state)}
+    save_state_dict(state, tmp_path / "ckpt")
+
+    target = {"opt": jax.tree.map(lambda a: as_dist(jnp.zeros_like(a), MESH4, [R]), opt_state)}
+    loaded = load_state_dict(target, tmp_path / "ckpt")
+    adam = loaded["opt"][0]
+    assert type(adam).__name__ == "ScaleByAdamState" and int(adam.count.numpy()) == 1
+    for got, want in zip(jax.tree.leaves(loaded, is_leaf=lambda x: isinstance(x, dist.DistTensor)),
+                         jax.tree.leaves(opt_state)):
+        assert got.mesh == MESH4 and got.placements == [R]
+        assert_bits_equal(got.numpy(), want)
+
+
+def test_async_save_is_complete_after_wait(tmp_path):
+    big = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
+    handle = save_state_dict({"w": dist.shard_tensor(big, MESH, [S0, S1])}, tmp_path / "a",
+                             async_save=True)
+    handle.wait()
+    assert handle.done() and os.path.isfile(tmp_path / "a" / "_CHECKPOINT_METADATA")
+    out = load_state_dict({"w": zeros_like_on(big, MESH4, [S1])}, tmp_path / "a")["w"]
+    assert_bits_equal(out.numpy(), big)
+    # a later load (or save, or exit) waits for a save nobody waited on
+    save_state_dict({"w": big + 1}, tmp_path / "b", async_save=True)
+    assert_bits_equal(load_state_dict({"w": np.zeros_like(big)}, tmp_path / "b")["w"], big + 1)
+    wait_for_saves()
+
+
+def test_exit_waits_for_an_async_save(tmp_path):
+    script = (f"import numpy as np\nfrom autoshard.training.checkpoint import save_state_dict\n"
+              f"save_state_dict({{'w': np.arange(1 << 20)}}, {str(tmp_path / 'c')!r}, "
+              f"async_save=True)\n")
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    out = load_state_dict({"w": np.zeros(1 << 20, np.int64)}, tmp_path / "c")["w"]
+    assert_bits_equal(out, np.arange(1 << 20))
+
+
+def test_saving_again_replaces_the_checkpoint(tmp_path):
+    save_state_dict({"w": INTS}, tmp_path / "ckpt")
+    save_state_dict({"w": INTS + 1}, tmp_path / "ckpt")
+    assert_bits_equal(load_state_dict({"w": np.zeros_like(INTS)}, tmp_path / "ckpt")["w"], INTS + 1)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def saved(tmp_path):
+    path = tmp_path / "ckpt"
+    save_state_dict({"model": {"w": dist.shard_tensor(FLOATS, MESH, [S0, S1])},
+                     "step": 3}, path)
+    return path
+
+
+def test_missing_key_is_named(saved):
+    target = {"model": {"w": zeros_like_on(FLOATS, MESH4, [R]), "bias": np.zeros(8, np.float32)}}
+    with pytest.raises(CheckpointError, match=r"'model\.bias' is not in checkpoint .*ckpt"):
+        load_state_dict(target, saved)
+
+
+def test_wrong_shape_is_named(saved):
+    target = {"model": {"w": zeros_like_on(FLOATS[:4], MESH4, [R])}}
+    with pytest.raises(CheckpointError, match=r"'model\.w' has global shape \[8, 8\].*\[4, 8\]"):
+        load_state_dict(target, saved)
+
+
+def test_wrong_dtype_is_named(saved):
+    target = {"model": {"w": zeros_like_on(np.zeros((8, 8), np.int32), MESH4, [R])}}
+    with pytest.raises(CheckpointError, match=r"'model\.w' is float32 in .* target is int32"):
+        load_state_dict(target, saved)
+    with pytest.raises(CheckpointError, match=r"'step' is int64 .* target is float64"):
+        load_state_dict({"step": 0.0}, saved)
+
+
+# On a broken file orbax stops at the first failed read; tensorstore's other reads finish after
+# orbax closed its event loop, and Python reports that as an unraisable exception.
+TENSORSTORE_NOISE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@TENSORSTORE_NOISE
+@pytest.mark.parametrize("damage", ["missing dir", "not a checkpoint", "no metadata",
+                                    "truncated data", "deleted data"])
+def test_broken_checkpoint_names_the_path(saved, tmp_path, damage):
+    path = saved
+    if damage == "missing dir":
+        path = tmp_path / "nowhere"
+    elif damage == "not a checkpoint":
+        path = tmp_path / "other"
+        path.mkdir()
+        (path / "notes.txt").write_text("hello")
+    elif damage == "no metadata":
+        os.remove(path / "_METADATA")
+    else:
+        files = glob.glob(str(path / "d" / "*"))
+        assert files
+        for f in files:
+            if damage == "deleted data":
+                os.remove(f)
+            else:
+                data = open(f, "rb").read()
+                open(f, "wb").write(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_state_dict({"model": {"w": zeros_like_on(FLOATS, MESH4, [R])}}, path)
+
+
+@TENSORSTORE_NOISE
+def test_corrupt_array_data_names_the_key(tmp_path):
+    # Big enough that its chunks live in data files of their own, read only at restore time.
+    big = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    save_state_dict({"model": {"big": big, "small": INTS[0]}}, tmp_path / "ckpt")
+    data = max(glob.glob(str(tmp_path / "ckpt" / "ocdbt.process_*" / "d" / "*")),
+               key=os.path.getsize)
+    content = open(data, "rb").read()
+    open(data, "wb").write(content[:len(content) // 2])
+    target = {"model": {"big": np.zeros_like(big), "small": np.zeros(16, np.int32)}}
+    with pytest.raises(CheckpointError, match=r"reading 'model\.big' from checkpoint .*ckpt"):
+        load_state_dict(target, tmp_path / "ckpt")
+
+
+def test_non_array_leaf_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match=r"cannot save 'meta\.name': it is a str"):
+        save_state_dict({"w": INTS, "meta": {"name": "gpt"}}, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="no arrays"):
+        save_state_dict({}, tmp_path / "ckpt")
+
+
+def test_refuses_to_overwrite_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        save_state_dict({"w": INTS}, tmp_path / "data")
+    assert (tmp_path / "data" / "train.txt").read_text() == "keep me"
+
+
+def test_flax_nnx_state_round_trip(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, seed):
+            self.linear = nnx.Linear(8, 4, rngs=nnx.Rngs(seed))
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(seed + 1))
+
+    trained = Net(0)
+    save_state_dict(nnx.state(trained), tmp_path / "ckpt")
+    fresh = Net(1)
+    nnx.update(fresh, load_state_dict(nnx.state(fresh), tmp_path / "ckpt"))
+    for got, want in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(nnx.state(trained))):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        assert_bits_equal(got, want)
