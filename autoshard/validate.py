@@ -17,7 +17,7 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 _HELP_DEVICES = 4
 

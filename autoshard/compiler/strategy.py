@@ -22,7 +22,7 @@ from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from ..reshard.planner import plan_on_mesh
 from .dtypes import cost_dtype, itemsize
-from .factors import ALL, NONE, ONE, PASS, REDUCE, REPLICATE, OpSharding
+from .factors import ALL, NONE, ONE, REDUCE, REPLICATE, OpSharding
 
 ALL_OPERANDS = -1
 
