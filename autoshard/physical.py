@@ -22,10 +22,6 @@ def _entry(axes: Sequence[str]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def has_partial_axis(layout: Layout) -> bool:
-    return bool(layout.partial)
-
-
 def physical_shape(layout: Layout, mesh: ProcessMesh, shape: Sequence[int]) -> tuple[int, ...]:
     if not layout.partial:
         return tuple(shape)
@@ -44,4 +40,4 @@ def physical_sharding(layout: Layout, mesh: ProcessMesh) -> NamedSharding:
     return NamedSharding(mesh.to_jax(), physical_spec(layout, mesh))
 
 
-__all__ = ["physical_shape", "physical_spec", "physical_sharding", "has_partial_axis"]
+__all__ = ["physical_shape", "physical_spec", "physical_sharding"]

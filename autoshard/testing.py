@@ -13,7 +13,7 @@ import numpy as np
 
 from . import creation as _creation
 from .dtensor import DistTensor
-from .layout import block_bounds, layout_from_placements
+from .layout import block_bounds, layout_from_placements, partial_index
 from .mesh import ProcessMesh
 from .placement import ReduceType
 
@@ -85,9 +85,6 @@ def make_tensor(value: np.ndarray, mesh: ProcessMesh, placements, seed: int = 0)
 
     def block_of(coords):
         bounds = block_bounds(layout, mesh, value.shape, coords)
-        slot = 0
-        for a in axes:
-            slot = slot * mesh.get_dim_size(a) + coords[mesh.dim_names.index(a)]
-        return parts_for(bounds)[slot]
+        return parts_for(bounds)[partial_index(layout, mesh, coords)]
 
     return _creation.dtensor_from_local(block_of, mesh, placements)

@@ -146,13 +146,9 @@ def lower_higher_order(e, ep, ins, registry):
 
 
 def _vary_to(values, layouts):
-    from ..reshard.steps import _varying_axes
+    from ..reshard.steps import ensure_varying
 
-    out = []
-    for v, L in zip(values, layouts):
-        missing = tuple(sorted(set(L.used_axes) - _varying_axes(v)))
-        out.append(lax.pcast(v, missing, to="varying") if missing else v)
-    return out
+    return [ensure_varying(v, L.used_axes) for v, L in zip(values, layouts)]
 
 
 __all__ = ["HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]

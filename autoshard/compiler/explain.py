@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import html
 
-from ..reshard.planner import _fmt_bytes
+from ..reshard.planner import format_bytes
 
 
 def _rows(plan):
@@ -35,10 +35,10 @@ def explain_text(plan) -> str:
     if not plan.collectives:
         lines.append("  none")
     for c in plan.collectives:
-        lines.append(f"  {c.kind:<15} {c.step:<28} {_fmt_bytes(c.bytes_per_device):>10}/device  "
+        lines.append(f"  {c.kind:<15} {c.step:<28} {format_bytes(c.bytes_per_device):>10}/device  "
                      f"at {c.source or '(output)'}: {c.reason}")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) or "none"
-    lines.append(f"total: {counts}; {_fmt_bytes(plan.total_bytes)} per device")
+    lines.append(f"total: {counts}; {format_bytes(plan.total_bytes)} per device")
     if plan.fallbacks:
         lines.append("replicated for lack of a rule: " +
                      ", ".join(f"{n} at {s}" for n, s in plan.fallbacks))
@@ -51,11 +51,11 @@ def explain_html(plan) -> str:
     body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
                    for r in _rows(plan))
     coll = "".join(
-        f"<tr><td>{c.kind}</td><td>{html.escape(c.step)}</td><td>{_fmt_bytes(c.bytes_per_device)}</td>"
+        f"<tr><td>{c.kind}</td><td>{html.escape(c.step)}</td><td>{format_bytes(c.bytes_per_device)}</td>"
         f"<td>{html.escape(c.source or 'output')}</td><td>{html.escape(c.reason)}</td></tr>"
         for c in plan.collectives)
     return (f"<div><b>autoshard plan</b> on mesh {plan.mesh.shape} {plan.mesh.dim_names}: "
-            f"{len(plan.collectives)} collectives, {_fmt_bytes(plan.total_bytes)} per device"
+            f"{len(plan.collectives)} collectives, {format_bytes(plan.total_bytes)} per device"
             f"<table>{head}{body}</table><table><tr><th>collective</th><th>step</th><th>bytes/device</th>"
             f"<th>source</th><th>why</th></tr>{coll}</table></div>")
 

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from ..layout import Layout
-from ..reshard.steps import _varying_axes
+from ..reshard.steps import ensure_varying, varying_axes
 from .control_flow import lower_higher_order
 from .plan import Plan
 from .trace import hint_p
@@ -40,14 +40,10 @@ class LowerContext:
 
 
 def match_vma(values: list[Any]) -> list[Any]:
-    axes = set()
+    axes: set = set()
     for x in values:
-        axes |= _varying_axes(x)
-    out = []
-    for x in values:
-        missing = tuple(sorted(axes - _varying_axes(x)))
-        out.append(lax.pcast(x, missing, to="varying") if missing else x)
-    return out
+        axes |= varying_axes(x)
+    return [ensure_varying(x, axes) for x in values]
 
 
 def _localize(params: dict, local_out_shapes: list[tuple[int, ...]]) -> dict:

@@ -15,7 +15,7 @@ from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
-from ..reshard.planner import ReshardPlan, _fmt_bytes
+from ..reshard.planner import ReshardPlan
 from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .propagate import propagate, rule_sharding
@@ -207,9 +207,6 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards, collectives,
                 fallbacks)
 
-
-def describe_bytes(n: int) -> str:
-    return _fmt_bytes(n)
 
 
 __all__ = ["Plan", "EqnPlan", "PlannedCollective", "FallbackWarning", "make_plan"]

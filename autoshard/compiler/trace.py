@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
@@ -238,13 +237,6 @@ def build_program(closed: Any) -> Program:
         e.index = i
     return Program(inputs, outputs, eqns, consts)
 
-
-def is_const(v: Value) -> bool:
-    return v.is_const
-
-
-def const_array(v: Value):
-    return np.asarray(v.const) if not isinstance(v.const, jax.Array) else v.const
 
 
 __all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "build_program", "source_line"]

@@ -46,7 +46,7 @@ class PlannedStep:
 
     def __str__(self) -> str:
         return (f"{str(self.step):<34} {self.before.describe(self.before_mesh)} → "
-                f"{self.after.describe(self.mesh)}  {_fmt_bytes(self.bytes_per_device)}/device")
+                f"{self.after.describe(self.mesh)}  {format_bytes(self.bytes_per_device)}/device")
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,14 @@ class ReshardPlan:
         if not self.steps:
             return head + "\n  (nothing to do)"
         lines = [head] + [f"  {i}. {s}" for i, s in enumerate(self.steps, 1)]
-        lines.append(f"  total {_fmt_bytes(self.total_bytes)}/device, est. {self.seconds * 1e6:.1f} µs")
+        lines.append(f"  total {format_bytes(self.total_bytes)}/device, est. {self.seconds * 1e6:.1f} µs")
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer, cycle):  # IPython
         printer.text(str(self))
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -180,4 +180,4 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
     return tuple(reversed(steps))
 
 
-__all__ = ["PlannedStep", "ReshardPlan", "plan_on_mesh"]
+__all__ = ["PlannedStep", "ReshardPlan", "plan_on_mesh", "format_bytes"]

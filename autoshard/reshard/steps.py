@@ -48,7 +48,7 @@ def _identity(reduce_type: ReduceType, dtype) -> object:
     return info.min if reduce_type is ReduceType.MAX else info.max
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10 keeps it on the aval's manual-axis type
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
@@ -60,8 +60,10 @@ def _can_add_partial(layout: Layout, reduce_type: ReduceType) -> bool:
     return len(kinds) == 1 or kinds <= {ReduceType.SUM, ReduceType.AVG}
 
 
-def _ensure_varying(x, axes: tuple[str, ...]):
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
+def ensure_varying(x, axes) -> object:
+    """`x` cast to vary over at least `axes` (the type check_vma expects for a value split or
+    partial over them)."""
+    missing = tuple(sorted(a for a in axes if a not in varying_axes(x)))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -288,7 +290,7 @@ class MakePartial(Step):
     def run(self, x, sizes):
         if self.reduce_type is ReduceType.SUM:
             return jnp.where(lax.axis_index(self.axis) == 0, x, jnp.zeros_like(x))
-        return _ensure_varying(x, (self.axis,))
+        return ensure_varying(x, (self.axis,))
 
     def __str__(self):
         return f"to_partial({self.axis}, {self.reduce_type.value})"

@@ -266,7 +266,7 @@ class DistModel:
 
     def summary(self, *batch: Any) -> str:
         """The train step's plan in a few lines: collectives, bytes, memory per device."""
-        from ..reshard.planner import _fmt_bytes
+        from ..reshard.planner import format_bytes
 
         batch = self._batch(batch)
         name = "train" if self.k_steps == 1 else "merge"
@@ -279,10 +279,10 @@ class DistModel:
                  f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
                  f"amp {'on' if self.strategy.amp.enable else 'off'}, recompute "
                  f"{'on' if self.strategy.recompute.enable else 'off'}",
-                 f"per step: {counts}; {_fmt_bytes(plan.total_bytes)} sent per device",
-                 f"memory per device: arguments {_fmt_bytes(memory.argument_size_in_bytes)}, "
-                 f"temporaries {_fmt_bytes(memory.temp_size_in_bytes)}, outputs "
-                 f"{_fmt_bytes(memory.output_size_in_bytes)}"]
+                 f"per step: {counts}; {format_bytes(plan.total_bytes)} sent per device",
+                 f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
+                 f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
+                 f"{format_bytes(memory.output_size_in_bytes)}"]
         return "\n".join(lines)
 
     def programs(self) -> dict[str, Any]:
