@@ -4,7 +4,8 @@
 
 The Paddle code of the seed, ported: an MLP whose forward marks its input with
 dist.shard_tensor (§4.1) or whose weights are created sharded (§4.2), trained with
-dist.shard_optimizer(AdamW); §4.5 compiles the same model with dist.to_static and a
+dist.shard_optimizer(AdamW) (an nnx.Optimizer, as Paddle's optimizer is built over the
+model's parameters); §4.5 compiles the same model with dist.to_static and a
 dist.shard_dataloader. Sizes are scaled down from the seed's (1024, 4096) for CPUs. Every loss
 is checked against the same steps on one device.
 """
@@ -60,7 +61,8 @@ def train_eagerly(mode: str) -> list[float]:
     params = jax.tree.map(lambda p: p if isinstance(p, dist.DistTensor)
                           else dist.shard_tensor(p, mesh, [dist.Replicate()]), params,
                           is_leaf=lambda p: isinstance(p, dist.DistTensor))
-    opt = dist.shard_optimizer(optax.adamw(learning_rate=0.001))
+    # Paddle: opt = AdamW(learning_rate=0.001, parameters=model.parameters()); shard_optimizer(opt)
+    opt = dist.shard_optimizer(nnx.Optimizer(model, optax.adamw(learning_rate=0.001), wrt=nnx.Param))
     state = opt.init(params)
 
     @dist.jit
@@ -81,11 +83,17 @@ def train_eagerly(mode: str) -> list[float]:
 def train_static() -> list[float]:
     """§4.5: dist_model = dist.to_static(model, dataloader, paddle.mean, opt)."""
     model = MlpModel("tp")
-    loader = dist.shard_dataloader(list(RandomDataset(SEQ, HIDDEN).batches()), meshes=mesh)
-    opt = dist.shard_optimizer(optax.adamw(learning_rate=0.001))
-    dist_model = dist.to_static(model, loader, jnp.mean, opt)
+    dataloader = dist.shard_dataloader(list(RandomDataset(SEQ, HIDDEN).batches()), meshes=mesh)
+    opt = dist.shard_optimizer(nnx.Optimizer(model, optax.adamw(learning_rate=0.001), wrt=nnx.Param))
+    dist_model = dist.to_static(model, dataloader, jnp.mean, opt)
+
     dist_model.train()
-    return [float(dist_model(data).numpy()) for data in loader]
+    losses = []
+    for step, inputs in enumerate(dataloader()):
+        data = inputs
+        loss = dist_model(data)
+        losses.append(float(loss.numpy()))
+    return losses
 
 
 def one_device() -> list[float]:

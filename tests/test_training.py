@@ -64,8 +64,9 @@ def _model(kind, weights):
     return mesh, (apply, {k: dist.shard_tensor(v, mesh, placements[k]) for k, v in weights.items()})
 
 
-def _hlo(model, name, *args):
+def _hlo(model, name, batch):
     f = model.programs()[name]
+    args = model.program_args(name, *batch)
     planned = Counter(c.kind for c in f.plan(*args).collectives)
     compiled = count_collectives(f.lower(*args).compile().as_text())
     assert compiled == planned
@@ -87,7 +88,7 @@ def test_strategies_train_like_one_device(kind, stage, tx, tol):
     np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
     for name, value in ref_params.items():
         np.testing.assert_allclose(m.params[name].numpy(), value, rtol=tol, atol=tol)
-    kinds = _hlo(m, "train", m.params, m.opt_state, *m._batch(batches[0]))
+    kinds = _hlo(m, "train", batches[0])
     if stage in (1, 2):   # gradients reduce-scattered into the state shards, params re-gathered
         assert kinds["reduce-scatter"] >= 2 and kinds["all-gather"] >= 2
     if stage == 3:        # params gathered where used, gradients reduce-scattered
@@ -96,35 +97,73 @@ def test_strategies_train_like_one_device(kind, stage, tx, tol):
         assert m.params["w0"].placements[0] == S(0)
 
 
-def test_gradient_merge_reduces_once_per_k_steps():
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["no-zero", "zero1", "zero2"])
+def test_gradient_merge_reduces_once_per_k_steps(stage):
     weights, batches = _weights(), _batches()
     mesh, model = _model("dp", weights)
-    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True}})
-    m = dist.to_static(model, None, mse, optax.sgd(0.1), strategy)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True},
+                              "sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+    tx = optax.sgd(0.1, momentum=0.9)   # a state to shard, and exact (no Adam sign flips)
+    m = dist.to_static(model, None, mse, tx, strategy)
     losses = [float(m(x, y).numpy()) for x, y in batches]
-    ref_losses, ref_params = _reference(weights, batches, optax.sgd(0.1), k=4)
+    ref_losses, ref_params = _reference(weights, batches, tx, k=4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for name, value in ref_params.items():
         np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
-    batch = m._batch(batches[0])
-    accumulate = _hlo(m, "accumulate", m.params, m._zero_acc(), *batch)
-    merge = _hlo(m, "merge", m.params, m.opt_state, m._zero_acc(), *batch)
-    # micro-steps only reduce the scalar loss; the k-th step reduces the gradients, once
-    assert accumulate == Counter({"all-reduce": 1})
-    assert merge["all-reduce"] == 1 + len(weights)
+    accumulate = _hlo(m, "accumulate", batches[0])
+    merge = _hlo(m, "merge", batches[0])
+    acc = m.program_args("accumulate", *batches[0])[0]["acc"]
+    acc_bytes = sum(int(np.prod(a.local_shape)) * 4 for a in acc.values())
+    full_bytes = sum(v.size * 4 for v in weights.values())
+    if stage < 2:
+        # micro-steps only reduce the scalar loss; the k-th step reduces the gradients, once
+        # (all-reduce, or reduce-scatter into ZeRO-1's state shards); the accumulator holds
+        # the whole unreduced gradient on every device
+        assert accumulate == Counter({"all-reduce": 1})
+        if stage == 0:
+            assert merge["all-reduce"] == 1 + len(weights)
+        else:
+            assert merge["reduce-scatter"] == len(weights) and merge["all-reduce"] == 1
+        assert acc_bytes == full_bytes
+    else:
+        # ZeRO-2 keeps only each device's gradient shard: every micro-step reduce-scatters
+        assert accumulate["reduce-scatter"] == len(weights)
+        assert merge["reduce-scatter"] == len(weights)
+        assert acc_bytes == full_bytes // mesh.get_dim_size("dp")
 
 
-def test_amp_bfloat16_and_recompute():
+def test_recompute_trains_like_one_device():
+    # AMP has its own tests (test_amp.py): each level against its one-device program
     weights, batches = _weights(), _batches(n=3)
-    for section, dtype, tol in [({"amp": {"enable": True, "dtype": "bfloat16"}}, jnp.bfloat16, 2e-2),
-                                ({"recompute": {"enable": True, "policy": "nothing_saveable"}}, None, 1e-6)]:
+    mesh, model = _model("tp", weights)
+    strategy = dist.Strategy({"recompute": {"enable": True, "policy": "nothing_saveable"}})
+    m = dist.to_static(model, None, mse, optax.sgd(0.1), strategy)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, optax.sgd(0.1))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-6)
+    plan = m.programs()["train"].plan(*m.program_args("train", *batches[0]))
+    assert "remat2" in {e.name for e in plan.program.eqns}   # jax.checkpoint around the forward, partitioned inside
+
+
+def test_zero1_and_zero2_compile_the_same_step():
+    """Without gradient merge the stages coincide: the update of each state shard consumes
+    the matching gradient shard, so stage 1 reduce-scatters too (see the README)."""
+    weights, batches = _weights(), _batches(n=1)
+    plans = {}
+    for stage in (1, 2):
         mesh, model = _model("tp", weights)
-        m = dist.to_static(model, None, mse, optax.sgd(0.1), dist.Strategy(section))
-        losses = [float(m(x, y).numpy()) for x, y in batches]
-        ref_losses, ref_params = _reference(weights, batches, optax.sgd(0.1), dtype=dtype)
-        np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
-        for name, value in ref_params.items():
-            np.testing.assert_allclose(m.params[name].numpy(), value, rtol=tol, atol=tol)
+        m = dist.to_static(model, None, mse, optax.adamw(1e-2),
+                           dist.Strategy({"sharding": {"enable": True, "stage": stage}}))
+        m(*batches[0])
+        plan = m.programs()["train"].plan(*m.program_args("train", *batches[0]))
+        plans[stage] = sorted((c.kind, c.step, c.bytes_per_device) for c in plan.collectives)
+    assert plans[1] == plans[2]
+    # w0 and w1 (states split over dp) get their gradients reduce-scattered, not all-reduced
+    # (b0 is already split over mp on its only dim, so its state stays whole over dp)
+    assert [step for kind, step, _ in plans[1] if kind == "reduce-scatter"] == [
+        "psum_scatter(dp) dim 0", "psum_scatter(dp) dim 1"]
 
 
 def test_zero3_memory_per_device_falls_to_one_nth():
@@ -137,7 +176,7 @@ def test_zero3_memory_per_device_falls_to_one_nth():
         strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
         m = dist.to_static(model, None, mse, optax.adamw(1e-3), strategy)
         m(*batches[0])
-        compiled = m.programs()["train"].lower(m.params, m.opt_state, *m._batch(batches[0])).compile()
+        compiled = m.programs()["train"].lower(*m.program_args("train", *batches[0])).compile()
         sizes[stage] = compiled.memory_analysis().argument_size_in_bytes
     param_and_state = 3 * sum(v.size * 4 for v in weights.values())
     assert sizes[0] >= param_and_state                       # replicated: everything everywhere

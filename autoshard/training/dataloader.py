@@ -148,6 +148,11 @@ class ShardDataloader:
     def meshes(self) -> list[ProcessMesh]:
         return list(self._meshes)
 
+    @property
+    def input_keys(self) -> InputKeys:
+        """The input_keys given (None, [input_key, label_key] or {key: mesh index})."""
+        return self._input_keys
+
     # -- placement --------------------------------------------------------------------------
     def _check_batch(self, batch: Any) -> None:
         dims, keys = self._shard_dims, self._input_keys

@@ -2,9 +2,15 @@
 update; eval: the loss; predict: the outputs), over a flax nnx Module or an (apply_fn, params)
 pair, with the Strategy's sharding stage, gradient merge, AMP and recompute applied.
 
+Every program threads the model's non-Param state (BatchNorm statistics, dropout RNG
+counters; see model_state) and, for float16, the loss scaler's state: they go in and come out
+of the compiled step, and after each call the params and state are written back into the nnx
+Module, so the user's model is the trained model, as in Paddle.
+
 Gradient merge keeps the summed gradients Partial across calls — each micro-step adds its
 still-unreduced gradients into an accumulator that lives as Partial DistTensors — and reduces
-once, in the k-th call, where the optimizer update consumes them.
+once, in the k-th call, where the optimizer update consumes them. At ZeRO stage 2 and 3 the
+accumulator is the gradient shard instead: each micro-step reduce-scatters (1/N memory).
 """
 from __future__ import annotations
 
@@ -18,45 +24,37 @@ import optax
 from ..compiler.jit import jit
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
-from ..errors import AutoshardError
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
+from .amp import LossScaler, all_finite, autocast, cast_floating, keep_if, o1_primitives
+from .model_state import DistModelError, flatten_dict, sibling_param, split_model, unflatten_dict
 from .optimizer import (ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3,
                         place_params, shard_optimizer)
 from .strategy import Strategy
 
 _STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
 
+# Per program: the carried values it reads and those it returns (before its loss / outputs).
+_PROGRAMS = {
+    "train": (("params", "opt_state", "state", "scaler"), ("params", "opt_state", "state", "scaler")),
+    "accumulate": (("params", "state", "acc", "scaler"), ("state", "acc")),
+    "merge": (("params", "opt_state", "state", "acc", "scaler"),
+              ("params", "opt_state", "state", "scaler")),
+    "eval": (("params", "state"), ("state",)),
+    "predict": (("params", "state"), ("state",)),
+}
 
-class DistModelError(AutoshardError, ValueError):
-    """A model, batch or mode that to_static cannot work with."""
+_ATTRIBUTES = {"params": "params", "opt_state": "opt_state", "state": "state",
+               "scaler": "scaler_state", "acc": "_acc"}
 
 
 def _is_dt(x: Any) -> bool:
     return isinstance(x, DistTensor)
 
 
-def _split_model(model: Any) -> tuple[Callable, Any]:
-    """(apply(params, *inputs), params) for an nnx Module or an (apply_fn, params) pair."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        nnx = None
-    if nnx is not None and isinstance(model, nnx.Module):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        pure = nnx.to_pure_dict(params)
-
-        def apply(p, *inputs):
-            state = nnx.State(p) if not isinstance(p, nnx.State) else p
-            return nnx.merge(graphdef, state, rest)(*inputs)
-
-        return apply, pure
-    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
-        return model
-    raise DistModelError(
-        f"to_static needs a flax nnx Module or an (apply_fn, params) pair, got "
-        f"{type(model).__name__}: for linen write dist.to_static((module.apply, params), ...)")
+def _is_placements(x: Any) -> bool:
+    return isinstance(x, list)
 
 
 def _find_mesh(params: Any, loader: Any) -> ProcessMesh:
@@ -76,17 +74,21 @@ class DistModel:
     def __init__(self, model: Any, loader: Any, loss_fn: Callable | None, optimizer: Any,
                  strategy: Strategy | None = None):
         self.strategy = strategy if strategy is not None else Strategy()
-        self._apply, params = _split_model(model)
+        self._parts = split_model(model)
         self._model = model
         self._loss_fn = loss_fn
-        self.mesh = _find_mesh(params, loader)
-        replicated = [Replicate()] * self.mesh.ndim
-        params = jax.tree.map(lambda p: p if _is_dt(p) else shard_tensor(np.asarray(p), self.mesh, replicated),
-                              params, is_leaf=_is_dt)
+        self._input_keys = getattr(loader, "input_keys", None)
+        self.mesh = _find_mesh(self._parts.params, loader)
+        params = jax.tree.map(lambda p: p if _is_dt(p) else self._replicated(p),
+                              self._parts.params, is_leaf=_is_dt)
         self._compute = jax.tree.map(lambda p: list(p.placements), params, is_leaf=_is_dt)
         self.optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
         self.params = place_params(params, self.optimizer) if self.optimizer else params
         self.opt_state = self.optimizer.init(self.params) if self.optimizer else None
+        self.state = self._place_state(self._parts.state)
+        self._scaler = self._loss_scaler()
+        self.scaler_state = (jax.tree.map(self._replicated, self._scaler.init_state())
+                             if self._scaler else None)
         self._dp = "dp" if "dp" in self.mesh.dim_names else self.mesh.dim_names[0]
         gm = self.strategy.gradient_merge
         self.k_steps = gm.k_steps if gm.enable else 1
@@ -96,6 +98,9 @@ class DistModel:
         self._programs: dict[str, Any] = {}
 
     # -- configuration ----------------------------------------------------------------------
+    def _replicated(self, value: Any) -> DistTensor:
+        return shard_tensor(np.asarray(value), self.mesh, [Replicate()] * self.mesh.ndim)
+
     def _sharded_optimizer(self, optimizer: Any) -> ShardedOptimizer:
         opt = optimizer if isinstance(optimizer, ShardedOptimizer) else shard_optimizer(optimizer)
         sharding = self.strategy.sharding
@@ -103,6 +108,28 @@ class DistModel:
             opt = ShardedOptimizer(opt.tx, _STAGES[sharding.stage](sharding.mesh_dim),
                                    opt.gradient_accumulation_steps)
         return opt
+
+    def _place_state(self, state: dict) -> dict:
+        """Model state placed as the user placed it, else like a same-shaped param beside it."""
+        compute = flatten_dict(self._compute) if isinstance(self._compute, dict) else {}
+        placed = {}
+        for path, value in flatten_dict(state).items():
+            if _is_dt(value):
+                placed[path] = value
+                continue
+            sibling = sibling_param(self._parts.param_paths, path, np.shape(value))
+            placements = compute.get(sibling) if sibling is not None else None
+            placed[path] = (shard_tensor(np.asarray(value), self.mesh, placements)
+                            if placements is not None else self._replicated(value))
+        return unflatten_dict(placed)
+
+    def _loss_scaler(self) -> LossScaler | None:
+        amp = self.strategy.amp
+        if not (amp.enable and amp.dtype == "float16"):
+            return None  # bfloat16 has float32's exponent range: nothing to rescue
+        return LossScaler(float(amp.init_loss_scaling), bool(amp.use_dynamic_loss_scaling),
+                          amp.incr_every_n_steps, amp.decr_every_n_nan_or_inf,
+                          float(amp.incr_ratio), float(amp.decr_ratio))
 
     def train(self) -> "DistModel":
         self._mode = "train"
@@ -120,119 +147,177 @@ class DistModel:
     def mode(self) -> str:
         return self._mode
 
+    @property
+    def loss_scale(self) -> float | None:
+        """The current float16 loss scale (None without float16 AMP)."""
+        return None if self.scaler_state is None else float(self.scaler_state["scale"].numpy())
+
     # -- the traced pieces ------------------------------------------------------------------
     def _compute_view(self, params: Any) -> Any:
-        """Params as the forward uses them: gathered from ZeRO-3 storage, cast for AMP."""
+        """Params as the forward uses them: gathered from ZeRO-3 storage."""
         if self.optimizer is not None and self.optimizer.stage == 3:
             params = jax.tree.map(lambda p, pl: reshard(p, self.mesh, pl), params, self._compute,
-                                  is_leaf=lambda x: isinstance(x, list))
-        amp = self.strategy.amp
-        if amp.enable:
-            dtype = jnp.dtype(amp.dtype)
-            params = jax.tree.map(
-                lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+                                  is_leaf=_is_placements)
         return params
 
-    def _forward(self, params: Any, inputs: tuple) -> Any:
-        apply = self._apply
+    def _apply_fn(self, mode: str) -> Callable:
+        """apply(params, state, *inputs) → (outputs, state) with AMP and recompute wrapped in."""
+        parts = self._parts
+
+        def apply(params, state, *inputs):
+            return parts.apply(mode, params, state, *inputs)
+
+        amp = self.strategy.amp
+        if amp.enable and amp.level == "o1":
+            apply = autocast(apply, amp.dtype, o1_primitives(amp.custom_white_list,
+                                                             amp.custom_black_list))
         recompute = self.strategy.recompute
-        if recompute.enable:
+        if recompute.enable and mode == "train":
             policy = recompute.policy
             if isinstance(policy, str):
                 policy = getattr(jax.checkpoint_policies, policy)
             apply = jax.checkpoint(apply, policy=policy)
-        amp = self.strategy.amp
-        if amp.enable:
-            dtype = jnp.dtype(amp.dtype)
-            inputs = tuple(x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-                           for x in inputs)
-        return apply(self._compute_view(params), *inputs)
+        return apply
 
-    def _loss(self, params: Any, batch: tuple) -> Any:
+    def _forward(self, mode: str, params: Any, state: dict, inputs: tuple) -> tuple[Any, dict]:
+        params = self._compute_view(params)
+        amp = self.strategy.amp
+        if amp.enable and amp.level == "o2":  # the whole forward in low precision
+            params, inputs = cast_floating(params, amp.dtype), cast_floating(inputs, amp.dtype)
+        out, state = self._apply_fn(mode)(params, state, *inputs)
+        if amp.enable:  # the loss (and what predict returns) in float32
+            out = cast_floating(out, jnp.float32)
+        return out, state
+
+    def _loss(self, mode: str, params: Any, state: dict, batch: tuple) -> tuple[Any, dict]:
         if self._loss_fn is None:
             raise DistModelError("this DistModel has no loss_fn: pass one to dist.to_static, or "
                                  "use .predict()")
-        if len(batch) == 1:
-            loss = self._loss_fn(self._forward(params, batch))
-        else:
-            loss = self._loss_fn(self._forward(params, batch[:-1]), batch[-1])
-        return loss.astype(jnp.float32)
+        inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
+        out, state = self._forward(mode, params, state, inputs)
+        return self._loss_fn(out, *labels).astype(jnp.float32), state
 
-    def _grads(self, params: Any, batch: tuple):
-        amp = self.strategy.amp
-        scale = float(amp.init_loss_scaling) if amp.enable and amp.dtype == "float16" else 1.0
-        loss, grads = jax.value_and_grad(lambda p: self._loss(p, batch) * scale)(params)
-        if scale != 1.0:  # static loss scaling keeps float16 gradients from underflowing
-            loss = loss / scale
-            grads = jax.tree.map(lambda g: g / scale, grads)
-        return loss, grads
+    def _grads(self, params: Any, state: dict, scaler: dict, batch: tuple):
+        """(loss, gradients, new state); with float16, the loss scaled and the gradients unscaled."""
+        def scaled_loss(p):
+            loss, new_state = self._loss("train", p, state, batch)
+            return (loss * scaler["scale"] if scaler else loss), (loss, new_state)
 
-    def _update(self, params, opt_state, grads):
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        (_, (loss, state)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        if scaler:
+            grads = self._scaler.unscale(grads, scaler)
+        return loss, grads, state
 
-    # -- programs -----------------------------------------------------------------------------
-    def _placements(self, tree: Any) -> list:
-        return [x.placements for x in jax.tree.leaves(tree, is_leaf=_is_dt)]
+    def _update(self, params, opt_state, grads, scaler):
+        """The optimizer step; with float16, skipped when a gradient is inf or nan."""
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if not scaler:
+            return new_params, new_opt_state, scaler
+        finite = all_finite(grads)
+        return (keep_if(finite, new_params, params), keep_if(finite, new_opt_state, opt_state),
+                self._scaler.next_state(scaler, finite))
 
-    def _acc_placements(self) -> list:
-        """Gradient accumulators: Partial on every mesh dim the param does not split."""
-        return [[Partial() if isinstance(q, Replicate) else q for q in p.placements]
-                for p in jax.tree.leaves(self.params, is_leaf=_is_dt)]
-
-    def _program(self, name: str):
-        if name in self._programs:
-            return self._programs[name]
-        scalar = [Replicate()] * self.mesh.ndim
-        params_out = self._placements(self.params)
-        state_out = self._placements(self.opt_state) if self.opt_state is not None else []
+    def _step_fn(self, name: str) -> Callable:
+        """The function of (carry, *batch) → (carry, result) that program `name` compiles."""
         if name == "train":
-            def step(params, opt_state, *batch):
-                loss, grads = self._grads(params, batch)
-                params, opt_state = self._update(params, opt_state, grads)
-                return params, opt_state, loss
-            out = params_out + state_out + [scalar]
+            def step(c, *batch):
+                loss, grads, state = self._grads(c["params"], c["state"], c["scaler"], batch)
+                params, opt_state, scaler = self._update(c["params"], c["opt_state"], grads, c["scaler"])
+                return {"params": params, "opt_state": opt_state, "state": state, "scaler": scaler}, loss
         elif name == "accumulate":
-            def step(params, acc, *batch):
-                loss, grads = self._grads(params, batch)
-                return jax.tree.map(jnp.add, acc, grads), loss
-            out = self._acc_placements() + [scalar]
+            def step(c, *batch):
+                loss, grads, state = self._grads(c["params"], c["state"], c["scaler"], batch)
+                return {"state": state, "acc": jax.tree.map(jnp.add, c["acc"], grads)}, loss
         elif name == "merge":
             k, avg = self.k_steps, self.strategy.gradient_merge.avg
 
-            def step(params, opt_state, acc, *batch):
-                loss, grads = self._grads(params, batch)
-                total = jax.tree.map(jnp.add, acc, grads)
+            def step(c, *batch):
+                loss, grads, state = self._grads(c["params"], c["state"], c["scaler"], batch)
+                total = jax.tree.map(jnp.add, c["acc"], grads)
                 if avg:
                     total = jax.tree.map(lambda g: g / k, total)
-                params, opt_state = self._update(params, opt_state, total)
-                return params, opt_state, loss
-            out = params_out + state_out + [scalar]
+                params, opt_state, scaler = self._update(c["params"], c["opt_state"], total, c["scaler"])
+                return {"params": params, "opt_state": opt_state, "state": state, "scaler": scaler}, loss
         elif name == "eval":
-            def step(params, *batch):
-                return self._loss(params, batch)
-            out = [scalar]
+            def step(c, *batch):
+                loss, state = self._loss("eval", c["params"], c["state"], batch)
+                return {"state": state}, loss
         else:
-            def step(params, *batch):
-                return self._forward(params, batch)
-            out = None
-        self._programs[name] = jit(step, out_placements=out)
+            def step(c, *batch):
+                out, state = self._forward("eval", c["params"], c["state"], batch)
+                return {"state": state}, out
+        return step
+
+    # -- programs -----------------------------------------------------------------------------
+    def _carry(self) -> dict[str, Any]:
+        return {"params": self.params, "opt_state": self.opt_state, "state": self.state,
+                "scaler": self.scaler_state or {}, "acc": self._acc if self._acc is not None else {}}
+
+    def _acc_placements(self, batch: tuple) -> list:
+        """Gradient accumulators: the gradient shards at ZeRO-2/3; else Partial on the mesh dims
+        the batch is split over (where each device's gradient is a part of the sum), so they
+        are reduced once per k steps, over those dims only."""
+        stage = self.optimizer.stage if self.optimizer is not None else 0
+        split = {k for x in batch if _is_dt(x) for k, q in enumerate(x.placements)
+                 if not isinstance(q, Replicate)}
+        out = []
+        for p in jax.tree.leaves(self.params, is_leaf=_is_dt):
+            if stage >= 2:
+                out.append(self.optimizer.state_placements(p))
+            else:
+                out.append([Partial() if k in split and isinstance(q, Replicate) else q
+                            for k, q in enumerate(p.placements)])
+        return out
+
+    def _program(self, name: str, args: tuple):
+        """The compiled program `name`; what it returns keeps the placements it was given."""
+        if name in self._programs:
+            return self._programs[name]
+        _, writes = _PROGRAMS[name]
+        returned = {k: args[0][k] for k in writes}
+        out = [x.placements for x in jax.tree.leaves(returned, is_leaf=_is_dt)]
+        # predict's outputs are whatever the model returns: the plan places them.
+        out = None if name == "predict" else out + [[Replicate()] * self.mesh.ndim]
+        self._programs[name] = jit(self._step_fn(name), out_placements=out)
         return self._programs[name]
 
-    def _zero_acc(self):
-        if self._acc is None:
-            self._acc = jax.tree.map(
-                lambda p, pl: shard_tensor(np.zeros(p.shape, p.dtype), self.mesh, pl),
-                self.params, _unflatten_like(self.params, self._acc_placements()),
-                is_leaf=lambda x: _is_dt(x) or isinstance(x, list))
-        return self._acc
+    def program_args(self, name: str, *batch: Any) -> tuple:
+        """The arguments program `name` is called with for this batch (for .plan / .lower)."""
+        batch = self._batch(batch)
+        if name in ("accumulate", "merge") and self._acc is None:
+            self._acc = self._zero_acc(batch)
+        carry = self._carry()
+        reads, _ = _PROGRAMS[name]
+        return ({k: carry[k] for k in reads},) + batch
+
+    def _run(self, name: str, *batch: Any) -> Any:
+        args = self.program_args(name, *batch)
+        carry, result = self._program(name, args)(*args)
+        if name == "predict":  # the plan chose its output layouts: keep the stored ones
+            carry["state"] = self._restore_placements(carry["state"], self.state)
+        for key, value in carry.items():
+            if key == "scaler" and not value:
+                value = None  # no float16 loss scaling
+            setattr(self, _ATTRIBUTES[key], value)
+        self._parts.write_back(self.params, self.state)
+        return result
+
+    def _restore_placements(self, new: Any, old: Any) -> Any:
+        return jax.tree.map(lambda n, o: n if n.placements == o.placements
+                            else reshard(n, o.mesh, o.placements), new, old, is_leaf=_is_dt)
+
+    def _zero_acc(self, batch: tuple) -> Any:
+        return jax.tree.map(
+            lambda p, pl: shard_tensor(np.zeros(p.shape, p.dtype), self.mesh, pl),
+            self.params, _unflatten_like(self.params, self._acc_placements(batch)),
+            is_leaf=lambda x: _is_dt(x) or _is_placements(x))
 
     def _batch(self, batch: tuple) -> tuple:
         if len(batch) == 1 and isinstance(batch[0], (tuple, list)):
             batch = tuple(batch[0])
         if len(batch) == 1 and isinstance(batch[0], dict):
-            raise DistModelError("dict batches: call the model with the inputs and label in "
-                                 "order, e.g. dist_model(batch['x'], batch['y'])")
+            batch = self._ordered(batch[0])
         out = []
         n = self.mesh.get_dim_size(self._dp)
         for x in batch:  # unplaced arrays are split over the data-parallel dim when they can be
@@ -242,25 +327,38 @@ class DistModel:
             out.append(x)
         return tuple(out)
 
+    def _ordered(self, batch: dict) -> tuple:
+        """A dict batch as arguments: the inputs in the batch's order, then the label."""
+        keys = self._input_keys
+        if keys is None:
+            raise DistModelError(
+                "dict batches need an order: pass dist.shard_dataloader(..., input_keys=['x', "
+                "'label']) to to_static, or call dist_model(batch['x'], batch['label'])")
+        if isinstance(keys, dict):  # {key: mesh index} says where, not in which order
+            raise DistModelError(
+                f"a dict batch with input_keys={keys!r} has no argument order: call "
+                f"dist_model(batch[...], ...) with the model's inputs and then the label")
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise DistModelError(f"the batch has no {missing} (its keys are {sorted(batch)}); "
+                                 f"input_keys are {keys}")
+        # As shard_dataloader reads them: the label key last, every other key an input.
+        label = keys[1]
+        return tuple(batch[k] for k in batch if k != label) + (batch[label],)
+
     # -- calls ----------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> DistTensor:
         """train: one step (loss); eval: the loss; predict: the model's outputs."""
-        batch = self._batch(batch)
-        if self._mode == "predict":
-            return self._program("predict")(self.params, *batch)
-        if self._mode == "eval":
-            return self._program("eval")(self.params, *batch)
+        if self._mode in ("predict", "eval"):
+            return self._run(self._mode, *batch)
         if self.optimizer is None:
             raise DistModelError("train mode needs an optimizer: pass one to dist.to_static")
         if self.k_steps == 1:
-            self.params, self.opt_state, loss = self._program("train")(self.params, self.opt_state, *batch)
-            return loss
+            return self._run("train", *batch)
         self._micro += 1
         if self._micro < self.k_steps:
-            self._acc, loss = self._program("accumulate")(self.params, self._zero_acc() if self._acc is None else self._acc, *batch)
-            return loss
-        acc = self._acc if self._acc is not None else self._zero_acc()
-        self.params, self.opt_state, loss = self._program("merge")(self.params, self.opt_state, acc, *batch)
+            return self._run("accumulate", *batch)
+        loss = self._run("merge", *batch)
         self._micro, self._acc = 0, None
         return loss
 
@@ -268,16 +366,16 @@ class DistModel:
         """The train step's plan in a few lines: collectives, bytes, memory per device."""
         from ..reshard.planner import format_bytes
 
-        batch = self._batch(batch)
         name = "train" if self.k_steps == 1 else "merge"
-        args = (self.params, self.opt_state) + ((self._zero_acc(),) if name == "merge" else ())
-        f = self._program(name)
-        plan = f.plan(*args, *batch)
-        memory = f.lower(*args, *batch).compile().memory_analysis()
+        args = self.program_args(name, *batch)
+        f = self._program(name, args)
+        plan = f.plan(*args)
+        memory = f.lower(*args).compile().memory_analysis()
         counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) or "none"
+        amp = self.strategy.amp
         lines = [f"mesh {self.mesh.shape} {self.mesh.dim_names}; strategy: sharding stage "
                  f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
-                 f"amp {'on' if self.strategy.amp.enable else 'off'}, recompute "
+                 f"amp {f'{amp.dtype} {amp.level}' if amp.enable else 'off'}, recompute "
                  f"{'on' if self.strategy.recompute.enable else 'off'}",
                  f"per step: {counts}; {format_bytes(plan.total_bytes)} sent per device",
                  f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
@@ -290,34 +388,44 @@ class DistModel:
         return dict(self._programs)
 
     # -- state --------------------------------------------------------------------------------
+    # state_dict names: param.* (nnx.Param), state.* (other model variables: batch statistics,
+    # RNG counters and key data), opt.* (optimizer state), amp.* (the float16 loss scaler).
+    _GROUPS = (("param", "params", ("all", "param")), ("state", "state", ("all", "param")),
+               ("opt", "opt_state", ("all", "opt")), ("amp", "scaler_state", ("all", "opt")))
+
     def state_dict(self, mode: str = "all") -> dict[str, DistTensor]:
         if mode not in ("all", "param", "opt"):
             raise DistModelError(f"state_dict(mode={mode!r}): mode is 'all', 'param' or 'opt'")
         out: dict[str, DistTensor] = {}
-        if mode in ("all", "param"):
-            out.update(_flat("param", self.params))
-        if mode in ("all", "opt") and self.opt_state is not None:
-            out.update(_flat("opt", self.opt_state))
+        for prefix, attr, modes in self._GROUPS:
+            tree = getattr(self, attr)
+            if mode in modes and tree is not None:
+                out.update(_flat(prefix, tree))
         return out
 
     def set_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for prefix, attr in (("param", "params"), ("opt", "opt_state")):
+        for prefix, attr, _ in self._GROUPS:
             tree = getattr(self, attr)
-            if tree is None:
-                continue
-            names = list(_flat(prefix, tree))
-            leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_dt)
-            new = []
-            for name, leaf in zip(names, leaves):
-                value = state_dict.get(name, leaf)
-                if _is_dt(leaf) and value is not leaf:
-                    if tuple(np.shape(value)) != tuple(leaf.shape):
-                        raise DistModelError(f"set_state_dict: {name!r} has shape "
-                                             f"{tuple(np.shape(value))}, the model's is {leaf.shape}")
-                    value = (reshard(value, leaf.mesh, leaf.placements) if _is_dt(value)
-                             else shard_tensor(np.asarray(value), leaf.mesh, leaf.placements))
-                new.append(value)
-            setattr(self, attr, jax.tree.unflatten(treedef, new))
+            if tree is not None:
+                setattr(self, attr, _load_group(prefix, tree, state_dict))
+        self._parts.write_back(self.params, self.state)
+
+
+def _load_group(prefix: str, tree: Any, state_dict: dict[str, Any]) -> Any:
+    """`tree` with the values state_dict has for its names, placed as the tree's leaves are."""
+    names = list(_flat(prefix, tree))
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_dt)
+    new = []
+    for name, leaf in zip(names, leaves):
+        value = state_dict.get(name, leaf)
+        if _is_dt(leaf) and value is not leaf:
+            if tuple(np.shape(value)) != tuple(leaf.shape):
+                raise DistModelError(f"set_state_dict: {name!r} has shape "
+                                     f"{tuple(np.shape(value))}, the model's is {leaf.shape}")
+            value = (reshard(value, leaf.mesh, leaf.placements) if _is_dt(value)
+                     else shard_tensor(np.asarray(value, leaf.dtype), leaf.mesh, leaf.placements))
+        new.append(value)
+    return jax.tree.unflatten(treedef, new)
 
 
 def _flat(prefix: str, tree: Any) -> dict[str, Any]:

@@ -3,8 +3,10 @@ split along one mesh dim (ZeRO stages 1–3).
 
 Stage 1 splits the optimizer states along `mesh_dim`; stage 2 also reduce-scatters the
 gradients into that split (in one compiled step the compiler does this for stage 1 too: the
-update consumes each gradient where its state shard lives); stage 3 also stores the params
-split and gathers each one where the forward and backward use it (FSDP).
+update consumes each gradient where its state shard lives, so the two compile to the same
+step); stage 3 also stores the params split and gathers each one where the forward and
+backward use it (FSDP). With gradient merge the stages differ in the accumulator (see
+DistModel): stage 1 keeps the whole unreduced gradient, stage 2 and 3 only the local shard.
 """
 from __future__ import annotations
 
@@ -89,6 +91,18 @@ def _is_dt(x: Any) -> bool:
     return isinstance(x, DistTensor)
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """nnx.Optimizer(model, tx, wrt=...) → its optax tx.
+
+    The port of Paddle's `AdamW(parameters=model.parameters())`; the DistModel (or the user's
+    dist.jit step) owns the params and the optimizer state, so only the rule is needed.
+    """
+    tx = getattr(optimizer, "tx", None)
+    if tx is not None and not hasattr(optimizer, "init") and hasattr(tx, "init"):
+        return tx
+    return optimizer
+
+
 class ShardedOptimizer:
     """An optax GradientTransformation plus where its states (and, at stage 3, params) live."""
 
@@ -96,6 +110,7 @@ class ShardedOptimizer:
                  gradient_accumulation_steps: int = 1):
         if isinstance(tx, ShardedOptimizer):
             tx = tx.tx
+        tx = unwrap_optimizer(tx)
         if not hasattr(tx, "init") or not hasattr(tx, "update"):
             raise OptimizerError(f"shard_optimizer needs an optax GradientTransformation, got "
                                  f"{type(tx).__name__}: write dist.shard_optimizer(optax.adamw(1e-3))")

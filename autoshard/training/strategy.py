@@ -13,8 +13,11 @@ class StrategyError(AutoshardError, ValueError):
 _SECTIONS: dict[str, dict[str, Any]] = {
     "sharding": {"enable": False, "stage": 1, "mesh_dim": None, "degree": None},
     "gradient_merge": {"enable": False, "k_steps": 1, "avg": True},
+    # Loss scaling applies to float16 only; the defaults are Paddle's.
     "amp": {"enable": False, "dtype": "bfloat16", "level": "o1", "init_loss_scaling": 32768.0,
-            "use_dynamic_loss_scaling": False},
+            "use_dynamic_loss_scaling": True, "incr_every_n_steps": 1000,
+            "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0, "decr_ratio": 0.8,
+            "custom_white_list": (), "custom_black_list": ()},
     "recompute": {"enable": False, "policy": None},
     "pipeline": {"enable": False, "schedule_mode": "1F1B", "micro_batch_size": 1,
                  "accumulate_steps": 1, "vpp_degree": 1},
@@ -25,6 +28,13 @@ _CHOICES = {
     ("amp", "level"): ("o1", "o2"),
     ("pipeline", "schedule_mode"): ("FThenB", "1F1B", "VPP", "ZBH1"),
 }
+
+
+_POSITIVE_INTS = ("k_steps", "micro_batch_size", "accumulate_steps", "vpp_degree",
+                  "incr_every_n_steps", "decr_every_n_nan_or_inf")
+# Open intervals: a scale that does not grow on growth, or shrink on backoff, never recovers.
+_RANGES = {"init_loss_scaling": (0.0, float("inf")), "incr_ratio": (1.0, float("inf")),
+           "decr_ratio": (0.0, 1.0)}
 
 
 class _Section:
@@ -48,9 +58,12 @@ class _Section:
         allowed = _CHOICES.get((name, key))
         if allowed is not None and value not in allowed:
             raise StrategyError(f"strategy.{name}.{key} = {value!r} is not one of {list(allowed)}")
-        if key in ("k_steps", "micro_batch_size", "accumulate_steps", "vpp_degree") and (
-                not isinstance(value, int) or value < 1):
+        if key in _POSITIVE_INTS and (not isinstance(value, int) or value < 1):
             raise StrategyError(f"strategy.{name}.{key} must be a positive int, got {value!r}")
+        low, high = _RANGES.get(key, (None, None))
+        if low is not None and not (isinstance(value, (int, float)) and low < value < high):
+            raise StrategyError(f"strategy.{name}.{key} = {value!r} must lie strictly between "
+                                f"{low} and {high}")
         self._values[key] = value
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""How to_static sees a model: a pure function of (params, state, inputs) returning the outputs
+and the new state, for flax nnx Modules and (apply_fn, params) pairs.
+
+`state` is everything of an nnx Module that is not an nnx.Param but changes when it runs —
+BatchNorm's running statistics, the counters of nnx.Rngs streams (dropout) — so the compiled
+step takes it in, returns its new value, and the DistModel writes it back into the Module.
+PRNG keys travel as their raw key data (uint32), which a DistTensor can hold; they are wrapped
+into typed keys again inside the program and when written back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ..dtensor import DistTensor
+from ..errors import AutoshardError
+
+# Attributes flax's Module.train() / Module.eval() set, by DistModel mode.
+_MODE_ATTRIBUTES = {
+    "train": {"deterministic": False, "use_running_average": False},
+    "eval": {"deterministic": True, "use_running_average": True},
+}
+
+
+class DistModelError(AutoshardError, ValueError):
+    """A model, batch or mode that to_static cannot work with."""
+
+
+def _is_dt(x: Any) -> bool:
+    return isinstance(x, DistTensor)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def flatten_dict(tree: dict, prefix: tuple = ()) -> dict[tuple, Any]:
+    """{path tuple: leaf} of a nested dict (nnx's pure dicts), stopping at non-dicts."""
+    out: dict[tuple, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten_dict(value, prefix + (key,)))
+        else:
+            out[prefix + (key,)] = value
+    return out
+
+
+def unflatten_dict(flat: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+@dataclass
+class ModelParts:
+    """A model taken apart: `apply(mode, params, state, *inputs) -> (outputs, new_state)`."""
+
+    params: Any
+    state: dict
+    apply: Callable[..., tuple[Any, dict]]
+    write_back: Callable[[Any, dict], None] = lambda params, state: None
+    # The tensor shape of each nnx.Param by module path, to place a state leaf like its params.
+    param_paths: dict[tuple, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ nnx
+class _KeyCodec:
+    """PRNG keys in the state as raw key data (and back), remembering each key's impl."""
+
+    def __init__(self, state: dict):
+        self.impls = {path: jax.random.key_impl(leaf) for path, leaf in flatten_dict(state).items()
+                      if _is_key(leaf)}
+
+    def encode(self, state: dict) -> dict:
+        flat = flatten_dict(state)
+        return unflatten_dict({p: jax.random.key_data(v) if p in self.impls and _is_key(v) else v
+                               for p, v in flat.items()})
+
+    def decode(self, state: dict, to_array: Callable[[Any], Any] = lambda v: v) -> dict:
+        flat = flatten_dict(state)
+        return unflatten_dict({p: jax.random.wrap_key_data(to_array(v), impl=self.impls[p])
+                               if p in self.impls else v for p, v in flat.items()})
+
+
+def _keep_structure(old: dict, new: dict) -> dict:
+    """The new state on the old state's paths and dtypes.
+
+    A step must return what it took (one compiled program, written back leaf by leaf); values
+    a module adds while running (sown intermediates) are not state, and a dtype promoted by
+    mixed precision is cast back to the stored one.
+    """
+    new_flat = flatten_dict(new)
+    out = {}
+    for path, before in flatten_dict(old).items():
+        after = new_flat.get(path, before)
+        if hasattr(after, "dtype") and hasattr(before, "dtype") and after.dtype != before.dtype:
+            after = after.astype(before.dtype)
+        out[path] = after
+    return unflatten_dict(out)
+
+
+def _nnx_parts(model: Any) -> ModelParts:
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rest_pure = nnx.to_pure_dict(rest)
+    codec = _KeyCodec(rest_pure)
+    graphdefs = {mode: nnx.split(nnx.with_attributes(model, raise_if_not_found=False, **attrs),
+                                 nnx.Param, ...)[0]
+                 for mode, attrs in _MODE_ATTRIBUTES.items()}
+
+    def apply(mode: str, params: Any, state: dict, *inputs: Any) -> tuple[Any, dict]:
+        module = nnx.merge(graphdefs.get(mode, graphdef), nnx.State(params),
+                           nnx.State(codec.decode(state)))
+        out = module(*inputs)
+        new_state = codec.encode(nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[2]))
+        return out, _keep_structure(state, new_state)
+
+    # The Module's own Variable objects by path: setting their values is ~100x cheaper than
+    # nnx.update, and write_back runs after every step.
+    variables = {path: node for path, node in nnx.iter_graph(model)
+                 if isinstance(node, nnx.Variable)}
+
+    def write_back(params: Any, state: dict) -> None:
+        for path, value in flatten_dict(params).items():
+            variables[path].set_value(value)
+        for path, value in flatten_dict(state).items():
+            if path in codec.impls:  # a DistTensor cannot hold a key dtype: a typed jax array
+                value = jax.random.wrap_key_data(value.physical if _is_dt(value) else value,
+                                                 impl=codec.impls[path])
+            variables[path].set_value(value)
+
+    param_shapes = {path: np.shape(v) for path, v in flatten_dict(nnx.to_pure_dict(params)).items()}
+    return ModelParts(nnx.to_pure_dict(params), codec.encode(rest_pure), apply, write_back,
+                      param_shapes)
+
+
+# ---------------------------------------------------------------------------------- pairs
+def split_model(model: Any) -> ModelParts:
+    """ModelParts of an nnx Module or an (apply_fn, params) pair (which has no state)."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        nnx = None
+    if nnx is not None and isinstance(model, nnx.Module):
+        return _nnx_parts(model)
+    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
+        apply_fn, params = model
+        return ModelParts(params, {}, lambda mode, p, s, *inputs: (apply_fn(p, *inputs), s))
+    raise DistModelError(
+        f"to_static needs a flax nnx Module or an (apply_fn, params) pair, got "
+        f"{type(model).__name__}: for linen write dist.to_static((module.apply, params), ...)")
+
+
+def sibling_param(param_shapes: dict[tuple, Any], path: tuple, shape: tuple) -> tuple | None:
+    """The path of an nnx.Param in the same module as state `path` with the same shape.
+
+    BatchNorm's running mean and var live next to its scale and bias: they are placed like
+    them, so a feature dim split over a mesh dim stays split in the statistics too.
+    """
+    for candidate, candidate_shape in param_shapes.items():
+        if candidate[:-1] == path[:-1] and tuple(candidate_shape) == tuple(shape):
+            return candidate
+    return None
+
+
+__all__ = ["ModelParts", "DistModelError", "split_model", "sibling_param", "flatten_dict",
+           "unflatten_dict"]

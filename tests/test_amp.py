@@ -1,0 +1,193 @@
+"""Strategy.amp: levels o1 / o2 in bfloat16 and float16, and float16 dynamic loss scaling, each
+against the same low-precision program written by hand on one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard as dist
+from autoshard.training.amp import autocast
+
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+R, S = dist.Replicate, dist.Shard
+F32 = jnp.float32
+TP = {"w0": [R(), S(1)], "b0": [R(), S(0)], "w1": [R(), S(0)]}
+
+
+def apply(p, x):
+    return jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"]
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def _weights(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w0": (rng.normal(size=(16, 32)) * 0.2).astype(np.float32),
+            "b0": (rng.normal(size=(32,)) * 0.1).astype(np.float32),
+            "w1": (rng.normal(size=(32, 8)) * 0.2).astype(np.float32)}
+
+
+def _batches(n):
+    rng = np.random.default_rng(1)
+    return [(rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32))
+            for _ in range(n)]
+
+
+# -- the one-device references, written out by hand ----------------------------------------
+def forward_o1(p, x, dtype):
+    """Matmuls in low precision, everything else (bias add, relu, loss) in float32."""
+    h = (x.astype(dtype) @ p["w0"].astype(dtype)).astype(F32) + p["b0"]
+    return (jax.nn.relu(h).astype(dtype) @ p["w1"].astype(dtype)).astype(F32)
+
+
+def forward_o2(p, x, dtype):
+    """The whole forward in low precision; the loss in float32."""
+    return apply(jax.tree.map(lambda w: w.astype(dtype), p), x.astype(dtype)).astype(F32)
+
+
+def reference(batches, tx, forward, scale=None, incr_every=1000, decr_every=2, decr_ratio=0.8):
+    """Paddle's GradScaler on one device: scale the loss, unscale the gradients, skip an update
+    whose gradients are not finite, grow / shrink the scale."""
+    p = jax.tree.map(jnp.asarray, _weights())
+    state, good, bad, losses = tx.init(p), 0, 0, []
+    for x, y in batches:
+        s = 1.0 if scale is None else scale
+        loss, g = jax.value_and_grad(lambda p: mse(forward(p, x), y) * F32(s))(p)
+        losses.append(float(loss / F32(s)))
+        g = jax.tree.map(lambda a: a / F32(s), g)
+        finite = all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(g))
+        if finite:
+            updates, state = tx.update(g, state, p)
+            p = optax.apply_updates(p, updates)
+        if scale is not None:
+            good, bad = (good + 1, 0) if finite else (0, bad + 1)
+            if good >= incr_every:
+                scale, good = scale * 2.0, 0
+            if bad >= decr_every:
+                scale, bad = max(scale * decr_ratio, 1.0), 0
+    return losses, p, scale
+
+
+def _dist_model(amp, tx=optax.sgd(0.1)):
+    params = {k: dist.shard_tensor(v, MESH24, TP[k]) for k, v in _weights().items()}
+    return dist.to_static((apply, params), None, mse, tx,
+                          dist.Strategy({"amp": {"enable": True, **amp}}))
+
+
+def _low_precision_primitives(m, batch):
+    """Primitives of the compiled train step with a 16-bit floating result."""
+    plan = m.programs()["train"].plan(*m.program_args("train", *batch))
+    return {e.name for e in plan.program.eqns
+            if any(jnp.issubdtype(v.dtype, jnp.floating) and jnp.finfo(v.dtype).bits == 16
+                   for v in e.outputs)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("level", ["o1", "o2"])
+def test_amp_level_trains_like_one_device(level, dtype):
+    batches = _batches(6)
+    amp = {"dtype": dtype, "level": level, "init_loss_scaling": 256.0, "incr_every_n_steps": 2}
+    m = _dist_model(amp)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    forward = {"o1": forward_o1, "o2": forward_o2}[level]
+    fp16 = dtype == "float16"
+    ref_losses, ref_params, ref_scale = reference(
+        batches, optax.sgd(0.1), lambda p, x: forward(p, x, jnp.dtype(dtype)),
+        scale=256.0 if fp16 else None, incr_every=2)
+    tol = 2e-3 if fp16 else 1e-2   # float16 has 3 more mantissa bits than bfloat16
+    np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
+    for name, value in ref_params.items():
+        assert m.params[name].dtype == jnp.float32           # float32 master weights
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=tol, atol=tol)
+    # float16 only: the scale grew once per 2 finite steps, 256 -> 2048, as on one device
+    assert m.loss_scale == (ref_scale if fp16 else None)
+    if fp16:
+        assert ref_scale == 2048.0
+    # What the levels mean: o1 keeps all but the matmuls in float32; o2 runs the adds and the
+    # relu in low precision too.
+    low = _low_precision_primitives(m, batches[0])
+    assert "dot_general" in low
+    if level == "o1":
+        assert low <= {"dot_general", "convert_element_type", "transpose"}, low
+    else:
+        assert {"add", "max"} <= low, low
+
+
+def test_float16_overflow_skips_the_update_and_halves_the_scale():
+    batches = _batches(6)
+    amp = {"dtype": "float16", "level": "o1", "init_loss_scaling": 2.0 ** 24,
+           "decr_every_n_nan_or_inf": 1, "decr_ratio": 0.5}
+    tx = optax.sgd(0.1, momentum=0.9)   # a state that a skipped step must leave alone
+    m = _dist_model(amp, tx)
+    before = {k: v.numpy() for k, v in m.params.items()}
+    def opt_leaves():
+        return jax.tree.leaves(m.opt_state, is_leaf=lambda t: isinstance(t, dist.DistTensor))
+
+    before_state = [v.numpy() for v in opt_leaves()]
+    assert len(before_state) == 3
+    for step, expected_scale in [(0, 2.0 ** 23), (1, 2.0 ** 22)]:
+        # 2**24 (then 2**23) times the loss overflows float16 in the backward pass
+        m(*batches[step])
+        for name, value in before.items():
+            np.testing.assert_array_equal(m.params[name].numpy(), value)   # update skipped
+        assert m.loss_scale == expected_scale
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(opt_leaves(), before_state))
+    sd = m.state_dict("opt")
+    assert float(sd["amp.scale"].numpy()) == 2.0 ** 22 and int(sd["amp.bad_steps"].numpy()) == 0
+
+    # From a safe scale, training goes on from the untouched params, as on one device.
+    m.set_state_dict({"amp.scale": 1024.0})
+    assert m.loss_scale == 1024.0
+    losses = [float(m(x, y).numpy()) for x, y in batches[2:]]
+    ref_losses, ref_params, ref_scale = reference(
+        batches[2:], tx, lambda p, x: forward_o1(p, x, jnp.float16), scale=1024.0,
+        decr_every=1, decr_ratio=0.5)
+    assert m.loss_scale == ref_scale == 1024.0
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-3, atol=2e-3)
+    for name, value in ref_params.items():
+        assert not np.array_equal(value, before[name])
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=2e-3, atol=2e-3)
+
+    # The scaler's state round-trips through the state dict.
+    fresh = _dist_model(amp, tx)
+    fresh.set_state_dict(m.state_dict())
+    assert fresh.loss_scale == m.loss_scale
+
+
+def test_autocast_runs_only_matmuls_in_low_precision_inside_control_flow():
+    p = jax.tree.map(jnp.asarray, _weights())
+    x = jnp.asarray(_batches(1)[0][0])
+
+    def body(h, _):   # matmuls inside a scan are cast too
+        return jnp.tanh(h @ p["w0"][:, :16].T), None
+
+    def f(p, x):
+        h, _ = jax.lax.scan(body, x, None, length=2)
+        return apply(p, h)
+
+    jaxpr = jax.make_jaxpr(autocast(f, jnp.float16))(p, x)
+    dots, others = [], []
+
+    def walk(jx):
+        for e in jx.eqns:
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+            (dots if e.primitive.name == "dot_general" else others).append(e)
+
+    walk(jaxpr.jaxpr)
+    assert len(dots) == 3 and all(v.aval.dtype == jnp.float16 for e in dots for v in e.invars)
+    assert all(v.aval.dtype != jnp.float16 for e in others if e.primitive.name != "convert_element_type"
+               for v in e.outvars)
+    np.testing.assert_allclose(autocast(f, jnp.float16)(p, x), f(p, x), rtol=2e-2, atol=2e-2)
+
+
+def test_amp_settings_are_checked():
+    with pytest.raises(dist.StrategyError, match="decr_ratio = 1.5 must lie strictly between"):
+        dist.Strategy({"amp": {"decr_ratio": 1.5}})
+    with pytest.raises(dist.StrategyError, match="incr_every_n_steps must be a positive int"):
+        dist.Strategy({"amp": {"incr_every_n_steps": 0}})
+    with pytest.raises(dist.StrategyError, match="level = 'o3' is not one of"):
+        dist.Strategy({"amp": {"level": "o3"}})

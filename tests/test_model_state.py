@@ -1,0 +1,173 @@
+"""to_static threads an nnx model's non-Param state (BatchNorm statistics, dropout RNG counters)
+through the compiled step and writes it back: training equals nnx + optax on one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoshard as dist
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+R, S = dist.Replicate, dist.Shard
+STEPS = 4
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, momentum=0.8, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.down = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(jax.nn.relu(self.bn(self.up(x)))))
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def megatron(name, layer, mesh):
+    """up column-parallel, down row-parallel, BatchNorm on the up layer's feature shards."""
+    placements = {"up": {"kernel": [R(), S(1)], "bias": [R(), S(0)]},
+                  "bn": {"scale": [R(), S(0)], "bias": [R(), S(0)]},
+                  "down": {"kernel": [R(), S(0)]}}.get(name, {})
+    for attr, where in placements.items():
+        var = getattr(layer, attr)
+        var.set_value(dist.shard_tensor(var.get_value(), mesh, where))
+
+
+def _batches(n=STEPS + 1):
+    rng = np.random.default_rng(3)
+    return [(rng.normal(size=(8, 16)).astype(np.float32) * 2 + 1,
+             rng.normal(size=(8, 8)).astype(np.float32)) for _ in range(n)]
+
+
+def _one_device(batches, tx):
+    """The same steps written with nnx and optax directly, on one device."""
+    model = Net(nnx.Rngs(0, dropout=1))
+    model.train()
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    losses = []
+    for x, y in batches:
+        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
+        opt.update(model, grads)
+        losses.append(float(loss))
+    return model, losses
+
+
+def _value(v):
+    v = v.get_value() if hasattr(v, "get_value") else v
+    return np.asarray(v.numpy() if isinstance(v, dist.DistTensor) else v)
+
+
+@pytest.mark.parametrize("stage", [0, 3], ids=["dp+tp", "dp+tp+zero3"])
+def test_batchnorm_and_dropout_train_like_nnx_on_one_device(stage):
+    batches = _batches()
+    train, held_out = batches[:STEPS], batches[STEPS]
+    tx = optax.sgd(0.1)
+    ref, ref_losses = _one_device(train, tx)
+
+    model = dist.shard_layer(Net(nnx.Rngs(0, dropout=1)), MESH, megatron)
+    strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+    dist_model = dist.to_static(model, None, mse, tx, strategy)
+    # The statistics are placed like BatchNorm's scale: features split over mp.
+    assert dist_model.state["bn"]["mean"].placements == [R(), S(0)]
+    losses = [float(dist_model(x, y).numpy()) for x, y in train]
+
+    # Same dropout masks (the RNG counter advanced the same way) and same batch statistics.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert int(_value(model.drop.rngs.count)) == int(_value(ref.drop.rngs.count)) == STEPS
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(_value(getattr(model.bn, name)), _value(getattr(ref.bn, name)),
+                                   rtol=1e-5, atol=1e-6)
+        assert not np.allclose(_value(getattr(model.bn, name)), 0.0 if name == "mean" else 1.0)
+    # The user's module holds the trained params (written back, as Paddle's layers are).
+    np.testing.assert_allclose(_value(model.down.kernel), _value(ref.down.kernel), rtol=1e-5, atol=1e-6)
+
+    # eval uses the running statistics and no dropout; predict returns the outputs.
+    ref.eval()
+    x, y = held_out
+    np.testing.assert_allclose(float(dist_model.eval()(x, y).numpy()), float(mse(ref(x), y)),
+                               rtol=1e-5)
+    np.testing.assert_allclose(dist_model.predict()(x).numpy(), np.asarray(ref(x)), rtol=1e-4,
+                               atol=1e-5)
+    assert int(_value(model.drop.rngs.count)) == STEPS   # eval drew no random numbers
+
+
+def test_state_is_in_the_state_dict_and_loads_into_a_fresh_model():
+    batches = _batches()
+    model = dist.shard_layer(Net(nnx.Rngs(0, dropout=1)), MESH, megatron)
+    dist_model = dist.to_static(model, None, mse, optax.sgd(0.1))
+    for x, y in batches[:2]:
+        dist_model(x, y)
+    sd = dist_model.state_dict("param")
+    assert {"state.bn.mean", "state.bn.var", "state.drop.rngs.count", "state.drop.rngs.key"} <= set(sd)
+
+    fresh_model = dist.shard_layer(Net(nnx.Rngs(7, dropout=9)), MESH, megatron)
+    fresh = dist.to_static(fresh_model, None, mse, optax.sgd(0.1))
+    fresh.set_state_dict(dist_model.state_dict())
+    np.testing.assert_array_equal(_value(fresh_model.bn.mean), _value(model.bn.mean))
+    # The next step of both draws the same dropout mask: their losses agree exactly.
+    x, y = batches[2]
+    assert float(fresh(x, y).numpy()) == float(dist_model(x, y).numpy())
+
+
+def test_gradient_merge_threads_state_through_micro_steps():
+    batches = _batches()[:4]
+    model = dist.shard_layer(Net(nnx.Rngs(0, dropout=1)), MESH, megatron)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})
+    dist_model = dist.to_static(model, None, mse, optax.sgd(0.1), strategy)
+    losses = [float(dist_model(x, y).numpy()) for x, y in batches]
+
+    ref = Net(nnx.Rngs(0, dropout=1))
+    graphdef, params, rest = nnx.split(ref, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    tx = optax.sgd(0.1)
+    opt_state, acc, ref_losses = tx.init(params), None, []
+    for i, (x, y) in enumerate(batches):
+        def loss_fn(p, rest=rest):
+            m = nnx.merge(graphdef, nnx.State(p), nnx.State(rest))
+            out = mse(m(x), y)
+            return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2])
+        (loss, rest), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        ref_losses.append(float(loss))
+        acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+        if i % 2 == 1:
+            updates, opt_state = tx.update(jax.tree.map(lambda a: a / 2, acc), opt_state, params)
+            params, acc = optax.apply_updates(params, updates), None
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_value(model.bn.var), np.asarray(rest["bn"]["var"]),
+                               rtol=1e-5)
+
+
+def test_seed_4_5_as_a_user_writes_it(tmp_path):
+    """Seed §4.5 ported: dict batches from shard_dataloader, an nnx.Optimizer passed to
+    shard_optimizer, `for step, inputs in enumerate(dataloader())`; then a checkpoint with the
+    batch statistics, loaded on 4 devices for evaluation."""
+    batches = _batches()
+    tx = optax.sgd(0.1, momentum=0.9)
+    ref, ref_losses = _one_device(batches[:STEPS], tx)
+
+    model = dist.shard_layer(Net(nnx.Rngs(0, dropout=1)), MESH, megatron)
+    dataloader = dist.shard_dataloader([{"x": x, "label": y} for x, y in batches[:STEPS]],
+                                       meshes=MESH, input_keys=["x", "label"], shard_dims="dp")
+    opt = dist.shard_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+    dist_model = dist.to_static(model, dataloader, mse, opt)
+    dist_model.train()
+    losses = []
+    for step, inputs in enumerate(dataloader()):
+        loss = dist_model(inputs)
+        losses.append(float(loss.numpy()))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+    path = str(tmp_path / "ckpt")
+    dist.save_state_dict(dist_model.state_dict("param"), path)
+    mesh4 = dist.ProcessMesh([0, 1, 2, 3], dim_names=["mp"])
+    evaluator = dist.to_static(dist.shard_layer(Net(nnx.Rngs(5, dropout=6)), mesh4), None, mse)
+    evaluator.set_state_dict(dist.load_state_dict(evaluator.state_dict("param"), path))
+    ref.eval()
+    x, y = batches[STEPS]
+    np.testing.assert_allclose(float(evaluator.eval()(x, y).numpy()), float(mse(ref(x), y)), rtol=1e-5)
