@@ -1,64 +1,31 @@
-"""The compiler benchmark: how long our passes take against XLA's compile, and what the
+"""The compiler suite: how long our passes take against XLA's compile, and what the
 partitioned GPT step communicates against plain jax.jit with the same input shardings.
 
     python -m autoshard.bench compiler [--layers 2 12 48] [--scan 12] [--json FILE]
+
+A subset of the full suite (`python -m autoshard.bench`) without step timing, for quick
+looks at compile-time scaling.
 """
 from __future__ import annotations
 
 import json
-import time
 
-import jax
-import optax
-
-from ..compiler.jit import DistributedFunction
-from ..compiler.plan import make_plan
-from ..compiler.trace import build_program
-from ..hlo import collective_bytes, count_collectives
-from . import gpt
-
-
-def _is_dt(x):
-    from ..dtensor import DistTensor
-
-    return isinstance(x, DistTensor)
+from .gpt_workloads import gpt_dp_tp
+from .measure import build, communication
 
 
 def measure(layers: int, form: str) -> dict:
-    import autoshard as dist
-
-    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
-    step, _, args = gpt.workload(mesh, layers, form, optax.sgd(0.1))
-
-    f: DistributedFunction = dist.jit(step)
-    static, leaves, tree = f._split(args, {})
-    from ..compiler.jit import _describe_leaf, _registry
-    described = tuple(_describe_leaf(x) for x in leaves)
-    closed, _ = f._trace(static, tree, described)
-    t0 = time.perf_counter()
-    program = build_program(closed)
-    make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),
-              _registry(), dist.default_cost_model())  # timed alone: trace and compile excluded
-    t_plan = time.perf_counter() - t0
-    entry, phys_leaves = f._entry(args, {})
-    physical = f._physical_inputs(entry, phys_leaves)
-    t0 = time.perf_counter()
-    lowered = entry.fn.lower(*physical)  # traces the local program: our partition pass
-    t_partition = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ours = lowered.compile().as_text()
-    t_compile = time.perf_counter() - t0
-    base_args = jax.tree.map(lambda d: d.physical if _is_dt(d) else d, args, is_leaf=_is_dt)
-    base = jax.jit(step).lower(*base_args).compile().as_text()
-    ob, bb = sum(collective_bytes(ours).values()), sum(collective_bytes(base).values())
+    w = gpt_dp_tp(layers, form)
+    b = build(w)
+    comm = communication(b.ours.as_text(), b.base.as_text(), w)
+    pass_s = b.plan_s + b.partition_s
     return {
-        "workload": f"gpt {form} {layers}L", "equations": len(program.eqns),
-        "plan_s": round(t_plan, 3), "partition_s": round(t_partition, 3),
-        "pass_s": round(t_plan + t_partition, 3), "xla_compile_s": round(t_compile, 3),
-        "s_per_10k_eqns": round((t_plan + t_partition) / len(program.eqns) * 1e4, 3),
-        "bytes": ob, "xla_bytes": bb, "bytes_ratio": round(ob / bb, 3) if bb else None,
-        "collectives": sum(count_collectives(ours).values()),
-        "xla_collectives": sum(count_collectives(base).values()),
+        "workload": f"gpt {form} {layers}L", "equations": b.equations,
+        "plan_s": round(b.plan_s, 3), "partition_s": round(b.partition_s, 3),
+        "pass_s": round(pass_s, 3), "xla_compile_s": round(b.xla_compile_s, 3),
+        "s_per_10k_eqns": round(pass_s / b.equations * 1e4, 3),
+        **{k: comm[k] for k in ("bytes", "xla_bytes", "bytes_ratio", "collectives",
+                                "xla_collectives")},
     }
 
 

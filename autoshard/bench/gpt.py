@@ -41,15 +41,21 @@ def _dropout(x, key):
     return jnp.where(jax.random.bernoulli(key, DROP, x.shape), x / DROP, 0.0)
 
 
-def block(x, p, key):
+def _same(x):
+    return x
+
+
+def block(x, p, key, constrain=_same):
+    """One pre-LN transformer block; `constrain` is applied to the residual stream after each
+    residual add (the sequence-parallel workload annotates it there)."""
     # fused qkv laid out heads-major, as Megatron does: head h owns columns [3*Dh*h, 3*Dh*(h+1))
     h = (_ln(x, p["ln1"]) @ p["qkv"]).reshape(B, T, H, 3 * (D // H))
     q, k, v = (t.transpose(0, 2, 1, 3) for t in jnp.split(h, 3, axis=-1))
     att = (q @ k.transpose(0, 1, 3, 2)) / np.sqrt(D // H)
     att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -1e9)
     o = (jax.nn.softmax(att, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, D)
-    x = x + _dropout(o @ p["proj"], key)
-    return x + jax.nn.gelu(_ln(x, p["ln2"]) @ p["fc"]) @ p["out"]
+    x = constrain(x + _dropout(o @ p["proj"], key))
+    return constrain(x + jax.nn.gelu(_ln(x, p["ln2"]) @ p["fc"]) @ p["out"])
 
 
 def _head_loss(p, x, labels):

@@ -1,0 +1,255 @@
+"""Measuring one workload: autoshard's program against XLA's, built in the same process.
+
+The baseline is plain `jax.jit` of the same unpartitioned step, called on the DistTensors'
+`.physical` arrays, so XLA (Shardy) starts from the same input shardings and chooses every
+collective itself; annotations inside the step (`dist.shard_tensor` / `dist.reshard` on
+tracers) are identities to it. Everything deterministic (collectives, bytes, memory) is read
+from the compiled programs; times are wall-clock on this machine.
+
+Timings and what they include:
+- pass time: our propagation + planning (`make_plan`, timed alone) plus partitioning (tracing
+  the local program under `shard_map` and lowering it to StableHLO: `jit.lower`), excluding
+  `make_jaxpr` and XLA;
+- XLA compile: `lowered.compile()` of our program (what follows our passes);
+- baseline compile: `jax.jit(step).lower(...).compile()`, tracing included;
+- step time: the two compiled executables called alternately on their physical inputs (same
+  dispatch path for both): the median of the per-pair ratios, with their min and max.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+import autoshard as dist
+from autoshard.dtensor import DistTensor
+from autoshard.hlo import collective_bytes, collective_wire_bytes, count_collectives
+
+from .workloads import Workload
+
+
+def _is_dt(x: Any) -> bool:
+    return isinstance(x, DistTensor)
+
+
+def baseline_inputs(args: tuple) -> tuple:
+    """The args as jax sees them: each DistTensor's physical array (its NamedSharding kept)."""
+    def physical(x):
+        if not _is_dt(x):
+            return x
+        if x.layout.partial:
+            raise ValueError("a Partial input has no plain-jax.jit equivalent; benchmark "
+                             "workloads take Replicate/Shard inputs only")
+        return x.physical
+    return jax.tree.map(physical, args, is_leaf=_is_dt)
+
+
+@dataclass
+class Built:
+    """Both programs compiled, their inputs, and how long building them took."""
+
+    ours: Any                  # jax.stages.Compiled of our shard_map program
+    base: Any                  # jax.stages.Compiled of plain jax.jit
+    ours_inputs: list
+    base_inputs: tuple
+    equations: int
+    planned_collectives: int
+    plan_s: float
+    partition_s: float
+    xla_compile_s: float
+    base_compile_s: float
+    call: Callable[[], Any]    # dist.jit's own __call__ (DistTensors in and out)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int]:
+    """Time propagation + planning by themselves, on an already traced program.
+
+    Uses the DistributedFunction's internals (as the compiler benchmark always has): there is
+    no public hook between make_jaxpr and the plan.
+    """
+    from autoshard.compiler.jit import _describe_leaf, _registry
+    from autoshard.compiler.plan import make_plan
+    from autoshard.compiler.trace import build_program
+
+    static, leaves, tree = f._split(args, {})
+    described = tuple(_describe_leaf(x) for x in leaves)
+    closed, _ = f._trace(static, tree, described)
+    t0 = time.perf_counter()
+    program = build_program(closed)
+    make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),
+              _registry(), f._cost_model or dist.default_cost_model())
+    return time.perf_counter() - t0, len(program.eqns)
+
+
+def build(w: Workload) -> Built:
+    f = dist.jit(w.step, out_placements=w.out_placements)
+    plan_s, equations = time_plan(f, w.args, w.mesh)
+    entry, leaves = f._entry(w.args, {})      # traces and plans again (not timed)
+    ours_inputs = f._physical_inputs(entry, leaves)
+    lowered, partition_s = _timed(lambda: entry.fn.lower(*ours_inputs))
+    ours, xla_compile_s = _timed(lowered.compile)
+    base_inputs = baseline_inputs(w.args)
+    base, base_compile_s = _timed(lambda: jax.jit(w.step).lower(*base_inputs).compile())
+    return Built(ours, base, ours_inputs, base_inputs, equations, len(entry.plan.collectives),
+                 plan_s, partition_s, xla_compile_s, base_compile_s, lambda: f(*w.args))
+
+
+# ------------------------------------------------------------------------ deterministic
+def communication(ours_hlo: str, base_hlo: str, w: Workload) -> dict:
+    """Collective bytes (result and wire convention) and counts by kind, with the minimum.
+
+    Per step: a collective inside a scan's loop counts once per iteration.
+    """
+    ob, bb = collective_bytes(ours_hlo, True), collective_bytes(base_hlo, True)
+    ow, bw = collective_wire_bytes(ours_hlo, True), collective_wire_bytes(base_hlo, True)
+    oc, bc = count_collectives(ours_hlo, True), count_collectives(base_hlo, True)
+    row = {
+        "bytes": sum(ob.values()), "xla_bytes": sum(bb.values()),
+        "wire_bytes": round(sum(ow.values())), "xla_wire_bytes": round(sum(bw.values())),
+        "collectives": sum(oc.values()), "xla_collectives": sum(bc.values()),
+        "bytes_by_kind": dict(ob), "xla_bytes_by_kind": dict(bb),
+        "count_by_kind": dict(oc), "xla_count_by_kind": dict(bc),
+    }
+    row["bytes_ratio"] = _ratio(row["bytes"], row["xla_bytes"])
+    row["wire_ratio"] = _ratio(row["wire_bytes"], row["xla_wire_bytes"])
+    m = w.minimum
+    row["min_bytes"] = m.bytes if m else None
+    row["min_wire_bytes"] = round(m.wire_bytes) if m else None
+    row["min_collectives"] = m.count if m else None
+    row["min_bytes_by_kind"] = m.by_kind() if m else None
+    row["vs_min"] = _ratio(row["bytes"], m.bytes) if m else None
+    row["xla_vs_min"] = _ratio(row["xla_bytes"], m.bytes) if m else None
+    return row
+
+
+def memory(ours: Any, base: Any) -> dict:
+    """Per-device bytes from XLA's buffer assignment: arguments, temporaries, outputs, peak.
+
+    Peak is arguments + temporaries + outputs minus what aliases (donated inputs reused as
+    outputs): every buffer live at once, the bound XLA's own reports use.
+    """
+    def stats(c):
+        m = c.memory_analysis()
+        arg, temp, out = m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes
+        alias = getattr(m, "alias_size_in_bytes", 0)
+        return {"argument": arg, "temp": temp, "output": out, "peak": arg + temp + out - alias}
+
+    o, b = stats(ours), stats(base)
+    return {"mem": o, "xla_mem": b, "mem_ratio": _ratio(o["peak"], b["peak"])}
+
+
+def outputs_agree(ours: Any, base: Any, inputs_ours: list, inputs_base: tuple) -> bool:
+    """Whether both programs compute the same values (a guard on the comparison itself).
+
+    Only outputs whose physical shapes match are compared (a Partial output carries an extra
+    leading axis); dropout masks agree because both use the partitionable threefry.
+    """
+    got = jax.tree.leaves(ours(*inputs_ours))
+    want = jax.tree.leaves(base(*inputs_base))
+    for g, r in zip(got, want):
+        if g.shape != r.shape or not jax.numpy.issubdtype(g.dtype, jax.numpy.floating):
+            continue
+        if not np.allclose(np.asarray(g), np.asarray(r), rtol=2e-3, atol=2e-4):
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------ time
+def step_times(ours: Callable[[], Any], base: Callable[[], Any], pairs: int,
+               warmup: int = 2) -> dict:
+    """Interleaved runs (ours, baseline, ours, ...): load on the machine hits both alike.
+
+    The ratio is the median of the per-pair ratios (each pair ran back to back, under the same
+    load), reported with their min and max; the absolute medians are kept alongside.
+    """
+    def once(fn):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        once(ours), once(base)
+    o, b = [], []
+    for _ in range(pairs):
+        o.append(once(ours))
+        b.append(once(base))
+    per_pair = [x / y for x, y in zip(o, b)]
+    return {"step_ms": round(statistics.median(o) * 1e3, 3),
+            "xla_step_ms": round(statistics.median(b) * 1e3, 3),
+            "step_ratio": round(statistics.median(per_pair), 3),
+            "step_ratio_min": round(min(per_pair), 3), "step_ratio_max": round(max(per_pair), 3),
+            "step_pairs": pairs}
+
+
+def call_overhead(call: Callable[[], Any], compiled: Callable[[], Any], runs: int) -> float:
+    """Median ms that dist.jit's __call__ adds over calling its compiled executable."""
+    def med(fn):
+        ts = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = jax.tree.leaves(fn(), is_leaf=_is_dt)
+            jax.block_until_ready([x.physical if _is_dt(x) else x for x in out])
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    return round((med(call) - med(compiled)) * 1e3, 3)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    if not b:
+        return None if a else 1.0
+    r = a / b
+    return round(r, 3) if math.isfinite(r) else None
+
+
+def measure(w: Workload, pairs: int = 20, warmup: int = 2, hlo_dir: str | None = None) -> dict:
+    """Every number of the report for one workload (see the module docstring).
+
+    `hlo_dir`: also save both compiled programs' HLO text there, to read what differs.
+    """
+    built = build(w)
+    if hlo_dir:
+        import os
+
+        os.makedirs(hlo_dir, exist_ok=True)
+        stem = "".join(c if c.isalnum() else "_" for c in w.name)
+        for tag, compiled in (("ours", built.ours), ("xla", built.base)):
+            with open(os.path.join(hlo_dir, f"{stem}.{tag}.hlo.txt"), "w") as fh:
+                fh.write(compiled.as_text())
+    row: dict[str, Any] = {"workload": w.name, "mesh": dict(zip(w.mesh.dim_names, w.mesh.shape)),
+                           "equations": built.equations,
+                           "planned_collectives": built.planned_collectives, **w.info}
+    row.update(communication(built.ours.as_text(), built.base.as_text(), w))
+    row.update(memory(built.ours, built.base))
+    pass_s = built.plan_s + built.partition_s
+    row.update({"plan_s": round(built.plan_s, 3), "partition_s": round(built.partition_s, 3),
+                "pass_s": round(pass_s, 3), "xla_compile_s": round(built.xla_compile_s, 3),
+                "xla_base_compile_s": round(built.base_compile_s, 3),
+                "pass_over_compile": _ratio(pass_s, built.xla_compile_s),
+                "s_per_10k_eqns": round(pass_s / max(built.equations, 1) * 1e4, 3)})
+
+    def ours():
+        return built.ours(*built.ours_inputs)
+
+    def base():
+        return built.base(*built.base_inputs)
+
+    row["outputs_agree"] = outputs_agree(built.ours, built.base, built.ours_inputs,
+                                         built.base_inputs)
+    row.update(step_times(ours, base, pairs, warmup))
+    row["call_overhead_ms"] = call_overhead(built.call, ours, max(3, pairs // 4))
+    row["minimum_rationale"] = w.minimum.rationale if w.minimum else w.notes
+    return row
+
+
+__all__ = ["measure", "build", "time_plan", "communication", "memory", "step_times", "baseline_inputs"]
