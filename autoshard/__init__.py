@@ -27,6 +27,7 @@ from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInp
                               SequenceParallelEnd, parallelize, shard_layer)
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
+from .training.stages import Stage, StageError, StageRunner
 from .training.strategy import Strategy, StrategyError
 
 __version__ = "0.1.0"
@@ -40,7 +41,8 @@ __all__ = [
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
-    "StrategyError", "shard_layer", "parallelize", "ColWiseParallel", "RowWiseParallel",
+    "StrategyError", "Stage", "StageRunner", "StageError", "shard_layer", "parallelize",
+    "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "save_state_dict", "load_state_dict", "CheckpointError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
