@@ -42,6 +42,17 @@ class Layout:
                 f"may mix, being linear); got {', '.join(f'P({t.value}) on {a!r}' for a, t in self.partial)} "
                 "— reshard to reduce one of them first")
 
+    def __hash__(self) -> int:
+        # Layouts key every cached planning decision: hash once, not field by field each time.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dims, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {"dims": self.dims, "partial": self.partial}  # str hashes differ per process
+
     # -- queries ---------------------------------------------------------------------------
     @staticmethod
     def replicated(ndim: int) -> "Layout":
@@ -73,7 +84,7 @@ class Layout:
         return tuple(s // math.prod(axis_sizes[a] for a in axes) for s, axes in zip(shape, self.dims))
 
     def without_partial(self) -> "Layout":
-        return Layout(self.dims)
+        return Layout(self.dims) if self.partial else self
 
     # -- edits used by the planner -------------------------------------------------------
     def with_dim(self, d: int, axes: tuple[str, ...]) -> "Layout":

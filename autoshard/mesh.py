@@ -174,7 +174,11 @@ class ProcessMesh:
 
     # -- identity --------------------------------------------------------------------------
     def _key(self) -> tuple:
-        return (self._ids.shape, tuple(self._ids.flatten().tolist()), self._dim_names)
+        key = self.__dict__.get("_identity")
+        if key is None:  # meshes are immutable; planning hashes them on every cached decision
+            key = (self._ids.shape, tuple(self._ids.flatten().tolist()), self._dim_names)
+            self.__dict__["_identity"] = key
+        return key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProcessMesh) and self._key() == other._key()

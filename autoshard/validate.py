@@ -39,7 +39,9 @@ class Report:
 
 
 def samples() -> list[Sample]:
+    import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax import lax
     from jax._src.ad_util import add_jaxvals_p
 
@@ -57,6 +59,11 @@ def samples() -> list[Sample]:
         add(n, n, getattr(lax, n), f2)
     add("copy", "copy", lambda x: lax.copy_p.bind(x), f2)
     add("stop_gradient", "stop_gradient", lambda x: lax.stop_gradient(x) * 2.0, f2)
+    one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("v",)),
+                                     jax.sharding.PartitionSpec())
+    add("sharding_constraint", "sharding_constraint",
+        lambda x: jax.lax.with_sharding_constraint(x, one) * 2.0, f2)
+    add("reshard", "reshard", lambda x: jax.sharding.reshard(x, one) * 2.0, f2)
     add("integer_pow", "integer_pow", lambda x: lax.integer_pow(x, 3), f2)
     add("reduce_precision", "reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), f2)
     add("convert f32->f16", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.float16), f2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
+from jax._src import pjit as _pjit
 from jax._src.ad_util import add_jaxvals_p
 
 from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
@@ -86,3 +87,15 @@ TABLE = {p: Rule(elementwise_sharding(a)) for p, a in ALGEBRA.items()}
 TABLE.update({p: Rule(elementwise_sharding(_PLAIN)) for p in PLAIN})
 TABLE[lax.convert_element_type_p] = Rule(_convert_sharding)
 TABLE[lax.bitcast_convert_type_p] = Rule(_bitcast_sharding)
+
+
+def _identity_lower(ctx, x, **params):
+    return [x]
+
+
+# jax's own sharding annotations (with_sharding_constraint, jax.reshard, and the reshard jax
+# inserts when it transposes a shard_map) name global shardings that mean nothing on the local
+# blocks of the partitioned program: here they are identities on values, laid out by the plan.
+for _p in (getattr(_pjit, "sharding_constraint_p", None), getattr(_pjit, "reshard_p", None)):
+    if _p is not None:
+        TABLE[_p] = Rule(elementwise_sharding((ALL, ALL, None, (_MAX, _MIN))), _identity_lower)

@@ -109,7 +109,8 @@ def test_tensor_parallel_mlp_forward_has_one_all_reduce():
     w1 = dist.shard_tensor(params["w1"], MESH4, [dist.Shard(0)])
     f = dist.jit(lambda x, w0, w1: jax.nn.relu(x @ w0) @ w1)
     out = f(x, w0, w1)
-    np.testing.assert_allclose(out.numpy(), jax.nn.relu(x @ params["w0"]) @ params["w1"], rtol=1e-5)
+    np.testing.assert_allclose(out.numpy(), jax.nn.relu(x @ params["w0"]) @ params["w1"],
+                               rtol=1e-5, atol=1e-6)  # summation order differs across shards
     assert planned(f, x, w0, w1) == Counter({"all-reduce": 1}) == hlo_counts(f, x, w0, w1)
 
 

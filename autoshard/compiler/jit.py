@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax._src.interpreters import ad
 from jax.sharding import NamedSharding
 
 from ..cost_model import CostModel, default_cost_model
@@ -217,11 +218,28 @@ class DistributedFunction:
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         entry, leaves = self._entry(args, kwargs)
-        outs = entry.fn(*self._physical_inputs(entry, leaves))
+        physical = self._physical_inputs(entry, leaves)
+        outs = entry.fn(*physical)
         plan = entry.plan
         wrapped = [DistTensor(o, plan.mesh, L, v.shape)
                    for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
+        if _differentiated(physical):
+            # Under jax.grad / vjp / jvp from outside, behave as jax.jit does: global arrays
+            # (sharded as planned), so `jax.grad` sees a scalar and the outer transformation
+            # never has to understand a Partial value.
+            self._check_differentiable(entry, leaves)
+            wrapped = [_global_array(d) for d in wrapped]
         return jax.tree.unflatten(entry.out_tree, wrapped)
+
+    def _check_differentiable(self, entry: _Compiled, leaves) -> None:
+        for k, (x, d) in enumerate(zip(leaves, entry.leaves)):
+            if isinstance(x, DistTensor) and d.layout is not None and d.layout.partial \
+                    and _differentiated([x.physical]):
+                raise PlacementTypeError(
+                    f"{self.__name__}: differentiating with respect to input {k}, a DistTensor "
+                    f"with placements {x.placements}: the gradient of a Partial value has no "
+                    f"Partial meaning (every part gets the whole gradient) — reduce it first with "
+                    f"dist.reshard(x, mesh, [Replicate() or Shard(d) ...]) before jax.grad")
 
     def plan(self, *args, **kwargs) -> Plan:
         """The Plan for these arguments: every value's layout, every collective and why."""
@@ -235,6 +253,20 @@ class DistributedFunction:
         """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
         entry, leaves = self._entry(args, kwargs)
         return entry.fn.lower(*self._physical_inputs(entry, leaves))
+
+
+def _differentiated(values) -> bool:
+    """Whether any value is being differentiated by an outer jax transformation."""
+    return any(isinstance(v, (ad.JVPTracer, ad.LinearizeTracer)) for v in values)
+
+
+def _global_array(x: DistTensor):
+    """The logical value as a jax array: non-Partial layouts are their physical array."""
+    if not x.layout.partial:
+        return x.physical
+    from ..reshard.api import reshard
+
+    return reshard(x, x.mesh, x.layout.without_partial().placements(x.mesh)).physical
 
 
 def _is_placements(x) -> bool:

@@ -7,6 +7,7 @@ the bookkeeping jnp does implicitly and check_vma verifies.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,10 @@ from jax import lax
 from ..layout import Layout
 from ..reshard.steps import ensure_varying, varying_axes
 from .control_flow import lower_higher_order
+from .custom_rules import run_region
 from .plan import Plan
 from .trace import hint_p
+from .user_collectives import SHARD_MAP, lower_shard_map
 
 
 @dataclass
@@ -58,6 +61,24 @@ def _localize(params: dict, local_out_shapes: list[tuple[int, ...]]) -> dict:
     return p
 
 
+def _bind(e, ep, ins: list, registry, sizes) -> list:
+    """One equation on local values, with its operands already in the required layouts."""
+    if e.primitive is hint_p:
+        return ins
+    if e.name == SHARD_MAP:
+        return lower_shard_map(e, ins)
+    if ep.sub_plans:
+        return lower_higher_order(e, ep, ins, registry)
+    local_shapes = [L.local_shape(v.shape, sizes) for v, L in zip(e.outputs, ep.results)]
+    rule = None if ep.fallback else registry.lookup(e.primitive)
+    ins = match_vma(ins)
+    if rule is not None and rule.lower is not None:
+        ctx = LowerContext(sizes, ep.required, ep.results, local_shapes)
+        return rule.lower(ctx, *ins, **e.params)
+    outs = e.primitive.bind(*ins, **_localize(e.params, local_shapes))
+    return outs if e.primitive.multiple_results else [outs]
+
+
 def local_function(plan: Plan, registry, *, physical: bool = True):
     """A function of the local input blocks that computes the local output blocks.
 
@@ -67,50 +88,56 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
     program = plan.program
     sizes = plan.mesh.axis_sizes
 
+    regions = {r.start: r for r in program.regions if r.stop > r.start}
+
+    def get(env: dict, moved: dict, v, rp):
+        if rp is None:
+            return env[v]
+        key = (v, rp.dst)
+        if key not in moved:
+            x = env[v]
+            for planned in rp.steps:
+                x = planned.step.run(x, sizes)
+            moved[key] = x
+        return moved[key]
+
+    def run_eqns(env: dict, moved: dict, start: int, stop: int, *, inside: bool = False) -> None:
+        k = start
+        while k < stop:
+            region = None if (inside and k == start) else regions.get(k)
+            if region is not None:
+                outs = run_region(region, plan, registry, [env[v] for v in region.inputs],
+                                  functools.partial(run_region_body, env, region))
+                env.update(zip(region.outputs, outs))
+                k = region.stop
+                continue
+            e, ep = program.eqns[k], plan.eqns[k]
+            plans = dict(ep.reshards)
+            ins = [get(env, moved, v, plans.get(i)) for i, v in enumerate(e.inputs)]
+            env.update(zip(e.outputs, _bind(e, ep, ins, registry, sizes)))
+            k += 1
+
+    def run_region_body(outer: dict, region, *xs) -> list:
+        # A region reads only its inputs and constants (trace.py keeps CSE inside it), so it
+        # runs in a scope of its own: under jax.custom_jvp / custom_vjp it may be traced apart.
+        env = {c: outer[c] for c in program.consts}
+        env.update(zip(region.inputs, xs))
+        run_eqns(env, {}, region.start, region.stop, inside=True)
+        return [env[v] for v in region.outputs]
+
     def run(*local_inputs):
         env: dict = {}
-        moved: dict = {}
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if (L.partial and physical) else x
         for c in program.consts:
             env[c] = (c.const if isinstance(c.const, jax.Array)
                       else jnp.asarray(np.asarray(c.const), dtype=c.dtype))
-
-        def get(v, rp):
-            if rp is None:
-                return env[v]
-            key = (v, rp.dst)
-            if key not in moved:
-                x = env[v]
-                for planned in rp.steps:
-                    x = planned.step.run(x, sizes)
-                moved[key] = x
-            return moved[key]
-
-        for e, ep in zip(program.eqns, plan.eqns):
-            plans = dict(ep.reshards)
-            ins = [get(v, plans.get(i)) for i, v in enumerate(e.inputs)]
-            if e.primitive is hint_p:
-                outs = ins
-            elif ep.sub_plans:
-                outs = lower_higher_order(e, ep, ins, registry)
-            else:
-                local_shapes = [L.local_shape(v.shape, sizes) for v, L in zip(e.outputs, ep.results)]
-                rule = None if ep.fallback else registry.lookup(e.primitive)
-                ins = match_vma(ins)
-                if rule is not None and rule.lower is not None:
-                    ctx = LowerContext(sizes, ep.required, ep.results, local_shapes)
-                    outs = rule.lower(ctx, *ins, **e.params)
-                else:
-                    outs = e.primitive.bind(*ins, **_localize(e.params, local_shapes))
-                    if not e.primitive.multiple_results:
-                        outs = [outs]
-            for v, x in zip(e.outputs, outs):
-                env[v] = x
+        moved: dict = {}
+        run_eqns(env, moved, 0, len(program.eqns))
         reshards = dict(plan.output_reshards)
         results = []
         for k, (v, L) in enumerate(zip(program.outputs, plan.outputs)):
-            x = get(v, reshards.get(k))
+            x = get(env, moved, v, reshards.get(k))
             results.append(x[None] if (L.partial and physical) else x)
         return results
 

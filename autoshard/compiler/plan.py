@@ -21,6 +21,7 @@ from .dtypes import cost_dtype
 from .propagate import propagate, rule_sharding
 from .strategy import choose
 from .trace import Program, Value, hint_p
+from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
 
 
 KEEP = "keep"  # an output target: leave the value as computed, Partial included
@@ -69,6 +70,7 @@ class Plan:
     output_reshards: list[tuple[int, ReshardPlan]]
     collectives: list[PlannedCollective]
     fallbacks: list[tuple[str, str | None]]
+    cost_model: CostModel | None = None  # kept for plans made later, lazily (custom rules)
 
     @property
     def total_bytes(self) -> int:
@@ -103,6 +105,13 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     for v, L in zip(program.outputs, output_targets):
         if isinstance(L, Layout) and v not in fixed and not v.is_const:
             fixed[v] = L
+    for e in program.eqns:
+        if e.name == SHARD_MAP:  # a user's shard_map fixes its layouts; its operands prefer them
+            required, results = plan_shard_map(e, mesh)
+            fixed.update(zip(e.outputs, results))
+            for v, L in zip(e.inputs, required):
+                if v not in fixed and not v.is_const:
+                    fixed[v] = L
     pref = propagate(program, mesh, fixed, registry, cost_model)
 
     actual: dict = {}
@@ -143,6 +152,13 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         if e.primitive is hint_p:
             target = e.params["layout"]
             required, results, strategy, considered, seconds = [target], [target], "annotation", 1, 0.0
+        elif e.name == SHARD_MAP:
+            required, results = plan_shard_map(e, mesh)
+            strategy, considered, seconds = "the user's shard_map (its collectives as written)", 1, 0.0
+            for kind, step, axes, nbytes in body_collectives(e, mesh):
+                collectives.append(PlannedCollective(
+                    kind, step, axes, nbytes, repr(e.outputs[0]) if e.outputs else "-",
+                    f"{e.name} (eqn {e.index})", e.source, "written by the user in a shard_map"))
         elif e.name in HIGHER_ORDER:
             required, results, sub_plans, strategy = plan_higher_order(
                 e, operands, mesh, registry, cost_model)
@@ -205,7 +221,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 f"replicated — results stay correct, but its inputs are gathered. Add a rule "
                 f"with dist.register_rule(<primitive>, rule).", FallbackWarning, stacklevel=4)
     return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards, collectives,
-                fallbacks)
+                fallbacks, cost_model)
 
 
 

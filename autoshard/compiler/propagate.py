@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..cost_model import CostModel
+from ..errors import PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from .strategy import choose
@@ -50,6 +51,23 @@ def refines(old: Layout, new: Layout) -> bool:
     if not set(old.partial) <= set(new.partial):
         return False
     return all(n[:len(o)] == o for o, n in zip(old.dims, new.dims))
+
+
+def with_pending_partial(old: Layout | None, new: Layout) -> Layout:
+    """A consumer's wish `new` for a value its producer proposes as Partial (`old`).
+
+    The consumer needs the value reduced, but the producer may still shard it as wished and
+    stay Partial on its other axes: a gradient accumulated Partial over dp can be built
+    vocab-sharded over mp, so the later reduction moves (and the scatter holds) a shard, not the
+    whole table.
+    """
+    if old is None or not old.partial or new.partial:
+        return new
+    try:
+        both = Layout(new.dims, old.partial)
+    except PlacementError:  # the wish shards an axis the value is Partial over
+        return new
+    return both if refines(old, both) else new
 
 
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
@@ -97,7 +115,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
             if offer(v, L):
                 changed.append(v)
         for v, L in zip(e.inputs, choice.operands):
-            if not v.is_const and offer(v, L.without_partial()):
+            if not v.is_const and offer(v, with_pending_partial(pref.get(v), L.without_partial())):
                 changed.append(v)
         return changed
 
@@ -106,27 +124,42 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         for v in e.inputs + e.outputs:
             neighbours.setdefault(v, []).append(e)
 
-    def settle(allow_trivial: bool) -> bool:
-        """Visit every equation once, then only those next to a value that just changed."""
-        queue = deque(program.eqns)
-        queued = {e.index for e in program.eqns}
-        changed_any = False
+    def settle(allow_trivial: bool, seeds) -> set:
+        """Visit `seeds`, then only equations next to a value that just changed.
+
+        A visit reads only the proposals of its own operands and results, so an equation none
+        of whose values changed since its last visit would propose nothing new: later sweeps
+        start from the neighbours of what the previous sweep changed, not from every equation.
+        """
+        queue = deque(seeds)
+        queued = {e.index for e in queue}
+        changed: set = set()
         while queue:
             e = queue.popleft()
             queued.discard(e.index)
             for v in visit(e, allow_trivial):
-                changed_any = True
+                changed.add(v)
                 for n in neighbours.get(v, ()):
                     if n.index not in queued:
                         queued.add(n.index)
                         queue.append(n)
-        return changed_any
+        return changed
+
+    def around(values: set) -> list:
+        seen: dict = {}
+        for v in values:
+            for n in neighbours.get(v, ()):
+                seen[n.index] = n
+        return [seen[k] for k in sorted(seen)]
 
     # Informative proposals first; then let "replicated" fill the gaps, and go again.
-    for _ in range(max_sweeps):
-        settle(False)
-        if not settle(True):
+    informative = settle(False, program.eqns)
+    filled = settle(True, program.eqns)
+    for _ in range(max_sweeps - 1):
+        if not filled:
             break
+        informative = settle(False, around(filled))
+        filled = settle(True, around(informative | filled))
     return pref
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..cost_model import CostModel
 from ..errors import PlacementError
@@ -164,8 +164,7 @@ def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
                    tuple(preferred), cost_model, single)
 
 
-@dataclass(frozen=True)
-class _Aval:
+class _Aval(NamedTuple):  # a tuple: cheap to build and hash on every call (cache key)
     shape: tuple
     dtype: object
 

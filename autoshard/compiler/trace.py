@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
@@ -107,11 +108,29 @@ class Eqn:
 
 
 @dataclass(eq=False)
+class CustomRegion:
+    """The inlined body of a custom_jvp_call / custom_vjp_call: eqns[start:stop].
+
+    Planning sees the body like any other equations; partitioning re-wraps it in
+    jax.custom_jvp / custom_vjp so that differentiating the partitioned program from outside
+    uses the user's rule, not autodiff of the primal (`custom_rules.py`).
+    """
+
+    primitive: Any
+    params: dict
+    inputs: list[Value]
+    outputs: list[Value]
+    start: int
+    stop: int
+
+
+@dataclass(eq=False)
 class Program:
     inputs: list[Value]
     outputs: list[Value]
     eqns: list[Eqn]
     consts: list[Value]
+    regions: list[CustomRegion] = field(default_factory=list)
 
     def use_counts(self) -> dict:
         """How many times each value is read (by equations and as a program output)."""
@@ -129,6 +148,8 @@ _INLINE_JAXPR_PARAM = {
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }  # checkpoint / remat are kept: their bodies are partitioned and re-wrapped (control_flow.py)
+
+_CUSTOM_RULES = {"custom_jvp_call", "custom_vjp_call"}
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,6 +200,8 @@ def build_program(closed: Any) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
+    regions: list[CustomRegion] = []
+    depth = [0]  # custom-rule nesting: only outermost bodies become regions
 
     def cse_key(eqn, ins):
         if eqn.effects:
@@ -190,6 +213,20 @@ def build_program(closed: Any) -> Program:
         except TypeError:  # params holding jaxprs or arrays: not worth comparing
             return None
         return key
+
+    def own_outputs(outs: list[Value], start: int, source) -> list[Value]:
+        # An output the body passes through (custom_vjp identity with a gradient rule) must be
+        # a value of its own, or wrapping the region would rename the input for every reader.
+        made = {id(v) for e in eqns[start:] for v in e.outputs}
+        fixed = []
+        for v in outs:
+            if id(v) not in made:
+                out = fresh(v.aval)
+                eqns.append(Eqn(lax.copy_p, [v], [out], {}, source))
+                made.add(id(out))
+                v = out
+            fixed.append(v)
+        return fixed
 
     def walk(jaxpr, const_vals, inputs: list[Value], outer_source: str | None = None) -> list[Value]:
         env: dict[Any, Value] = {}
@@ -214,7 +251,22 @@ def build_program(closed: Any) -> Program:
                     inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
                 else:
                     inner_jaxpr, inner_consts = inner, []
+                custom = eqn.primitive.name in _CUSTOM_RULES
+                if custom:
+                    # A region's body must read only its inputs and constants: equations are
+                    # not merged across its boundary.
+                    outer_seen, start = dict(seen), len(eqns)
+                    seen.clear()
+                    depth[0] += 1
                 outs = walk(inner_jaxpr, inner_consts, ins, source)
+                if custom:
+                    depth[0] -= 1
+                    seen.clear()
+                    seen.update(outer_seen)
+                    if depth[0] == 0:
+                        outs = own_outputs(outs, start, source)
+                        regions.append(CustomRegion(eqn.primitive, dict(eqn.params), list(ins),
+                                                    list(outs), start, len(eqns)))
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
@@ -235,8 +287,8 @@ def build_program(closed: Any) -> Program:
     outputs = walk(closed.jaxpr, closed.consts, inputs)
     for i, e in enumerate(eqns):
         e.index = i
-    return Program(inputs, outputs, eqns, consts)
+    return Program(inputs, outputs, eqns, consts, regions)
 
 
 
-__all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "build_program", "source_line"]
+__all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line"]

@@ -1,0 +1,155 @@
+"""Custom derivative rules survive partitioning.
+
+Planning inlines the body of a custom_jvp_call / custom_vjp_call like any other equations.
+Partitioning runs that body wrapped in jax.custom_jvp / jax.custom_vjp on local blocks, so that
+a program differentiated from outside (`jax.grad(dist.jit(f))`) uses the user's rule, as one
+device would — not autodiff of the primal (relu's derivative at 0, a straight-through
+estimator, a clipped gradient). The rule itself is a global-view function: it is traced
+(`jax.jvp` / `jax.vjp` of the original call), planned on the region's layouts and partitioned —
+lazily, only when an outer transformation asks for it.
+
+Tangent and cotangent layouts: a tangent is laid out as its primal. A cotangent is too, except
+over Partial(sum) axes: every part of x = Σ xᵢ receives the whole cotangent, so those axes are
+replicated. A region whose boundary carries another Partial kind (max, min, avg) has no such
+simple cotangent; it runs unwrapped (its primal is differentiated, as before).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ..layout import Layout
+from ..placement import ReduceType
+from ..reshard.steps import ensure_varying, varying_axes
+from .trace import CustomRegion, build_program
+
+
+def _inexact(aval) -> bool:
+    return np.issubdtype(aval.dtype, np.inexact)
+
+
+def _global_call(region: CustomRegion) -> Callable:
+    """The original custom call, bound on global values (so jax applies the user's rule)."""
+    prim, params = region.primitive, region.params
+
+    def call(*args):
+        got = prim.get_bind_params(params)
+        # older jax returns (subfuns, params); newer jax params with 'subfuns' for bind
+        if isinstance(got, tuple):
+            subfuns, bind_params = got
+            return prim.bind(*subfuns, *args, **bind_params)
+        return prim.bind(*args, **got)
+
+    return call
+
+
+def _cotangent_layout(L: Layout) -> Layout:
+    return L.without_partial()
+
+
+def _wrappable(layouts: list[Layout]) -> bool:
+    return all(kind == ReduceType.SUM for L in layouts for _, kind in L.partial)
+
+
+def _sub_plan(fn: Callable, avals: list, plan, in_layouts: list[Layout], targets: list[Layout], registry):
+    from .partition import local_function
+    from .plan import make_plan
+
+    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    sub = make_plan(build_program(closed), plan.mesh, in_layouts, targets, registry,
+                    plan.cost_model, top_level=False)
+    return local_function(sub, registry, physical=False)
+
+
+def _match(values: list, like: list) -> list:
+    """Cast each value to vary over the mesh axes its primal varies over (check_vma)."""
+    return [ensure_varying(v, varying_axes(p)) for v, p in zip(values, like)]
+
+
+def run_region(region: CustomRegion, plan, registry, xs: list, body: Callable) -> list:
+    """The region on local blocks `xs`, differentiable by the user's custom rule."""
+    ins = [v.aval for v in region.inputs]
+    outs = [v.aval for v in region.outputs]
+    in_layouts = [plan.layouts[v] for v in region.inputs]
+    out_layouts = [plan.layouts[v] for v in region.outputs]
+    if not _wrappable(in_layouts + out_layouts):
+        return body(*xs)
+    diff_in = [i for i, a in enumerate(ins) if _inexact(a)]
+    diff_out = [j for j, a in enumerate(outs) if _inexact(a)]
+    call = _global_call(region)
+    if region.primitive.name == "custom_jvp_call":
+        return _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
+                            diff_in, diff_out)
+    return _vjp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
+                        diff_in, diff_out)
+
+
+def _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
+                 diff_in, diff_out) -> list:
+    def global_jvp(*args):
+        primals, given = list(args[:len(ins)]), iter(args[len(ins):])
+        tangents = [next(given) if i in diff_in else np.zeros(a.shape, jax.dtypes.float0)
+                    for i, a in enumerate(ins)]
+        y, ty = jax.jvp(call, primals, tangents)
+        return list(y) + [ty[j] for j in diff_out]
+
+    local_jvp = []  # planned once, when jax first differentiates this region
+
+    @jax.custom_jvp
+    def region_fn(*args):
+        return body(*args)
+
+    @region_fn.defjvp
+    def region_jvp(primals, tangents):
+        if not local_jvp:
+            local_jvp.append(_sub_plan(
+                global_jvp, ins + [ins[i] for i in diff_in], plan,
+                in_layouts + [in_layouts[i] for i in diff_in],
+                out_layouts + [out_layouts[j] for j in diff_out], registry))
+        res = local_jvp[0](*primals, *[tangents[i] for i in diff_in])
+        y = _match(res[:len(outs)], res[:len(outs)])
+        t_given = iter(_match(res[len(outs):], [y[j] for j in diff_out]))
+        ty = [next(t_given) if j in diff_out else np.zeros(np.shape(y[j]), jax.dtypes.float0)
+              for j in range(len(outs))]
+        return y, ty
+
+    return list(region_fn(*xs))
+
+
+def _vjp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
+                 diff_in, diff_out) -> list:
+    def global_vjp(*args):
+        primals, cts = list(args[:len(ins)]), iter(args[len(ins):])
+        y, pullback = jax.vjp(call, *primals)
+        full = [next(cts) if j in diff_out else np.zeros(a.shape, jax.dtypes.float0)
+                for j, a in enumerate(outs)]
+        grads = pullback(full)
+        return [grads[i] for i in diff_in]
+
+    local_vjp = []
+
+    @jax.custom_vjp
+    def region_fn(*args):
+        return body(*args)
+
+    def fwd(*args):
+        # Residuals are the inputs: the backward re-runs the user's fwd inside its own plan.
+        return body(*args), args
+
+    def bwd(res, cts):
+        if not local_vjp:
+            local_vjp.append(_sub_plan(
+                global_vjp, ins + [outs[j] for j in diff_out], plan,
+                in_layouts + [_cotangent_layout(out_layouts[j]) for j in diff_out],
+                [_cotangent_layout(in_layouts[i]) for i in diff_in], registry))
+        grads = iter(_match(local_vjp[0](*res, *[cts[j] for j in diff_out]),
+                            [res[i] for i in diff_in]))
+        return tuple(next(grads) if i in diff_in else None for i in range(len(ins)))
+
+    region_fn.defvjp(fwd, bwd)
+    return list(region_fn(*xs))
+
+
+__all__ = ["run_region"]
