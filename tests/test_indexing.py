@@ -102,6 +102,28 @@ def test_embedding_gradient_stays_vocab_sharded(mesh, table_at, ids_at, vocab_ax
     assert not any(c.value == repr(plan.program.inputs[0]) for c in plan.collectives)
 
 
+@pytest.mark.parametrize("mesh,table_at,ids_at,vocab_axis", EMBEDDING_PLACEMENTS)
+def test_sgd_update_of_a_vocab_sharded_table_scatters_into_its_own_rows(mesh, table_at, ids_at,
+                                                                       vocab_axis):
+    # The gradient is Partial over the batch axes and scaled by the learning rate before the
+    # update needs it reduced: it must still be built as a vocab shard (not a full table per
+    # device that is reduced and then sliced).
+    def update(t, ids):
+        return t - 0.1 * jax.grad(_loss)(t, ids)
+
+    table = dist.shard_tensor(TABLE, mesh, table_at)
+    ids = dist.shard_tensor(IDS, mesh, ids_at)
+    f, plan, new = check(update, (table, ids), rtol=1e-5, atol=1e-5, out_placements=[table_at])
+    assert new.placements == table_at
+    assert eqn(plan, "scatter-add").results[0].dims[0] == (vocab_axis,)
+    shard = TABLE.nbytes // mesh.get_dim_size(vocab_axis)
+    reduced = [c for c in plan.collectives if c.consumer.startswith("sub")]
+    assert all(c.bytes_per_device <= shard for c in reduced), plan.collectives
+    ours = f.lower(table, ids).compile().memory_analysis()
+    base = jax.jit(update).lower(table.physical, ids.physical).compile().memory_analysis()
+    assert ours.temp_size_in_bytes <= base.temp_size_in_bytes + shard
+
+
 def test_embedding_gradient_with_free_output_placement():
     table = dist.shard_tensor(TABLE, MESH24, [R, S(0)])
     ids = dist.shard_tensor(IDS, MESH24, [S(0), R])
