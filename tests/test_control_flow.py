@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import autoshard as dist
-from autoshard.hlo import count_collectives
+from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 
@@ -86,3 +86,54 @@ def test_checkpoint_is_partitioned_inside_and_keeps_its_policy():
     np.testing.assert_allclose(g.numpy(), ref_g, rtol=1e-4, atol=1e-6)
     kept = [ep for ep in f.plan(dx, dw).eqns if ep.sub_plans and "checkpoint" in ep.strategy]
     assert kept and all("nothing_saveable" in ep.strategy for ep in kept)
+
+
+# ------------------------------------------------------------------ ZeRO-3 under jax.checkpoint
+MESH8 = dist.ProcessMesh(list(range(8)), ["dp"])
+
+
+def _zero3_loss(remat: bool):
+    """Params stored Shard(0) over 8 devices, gathered where used (ZeRO-3)."""
+    def block(x, w):
+        return jnp.tanh(x @ dist.reshard(w, MESH8, [dist.Replicate()]))
+
+    step = jax.checkpoint(block) if remat else block
+
+    def loss(ws, x):
+        for w in ws.values():
+            x = step(x, w)
+        return (x ** 2).mean()
+    return loss
+
+
+def test_zero3_checkpoint_gathers_params_again_in_the_backward():
+    """The backward recomputation of a checkpointed block gathers its params again instead of
+    XLA merging those gathers into the forward's (which would keep every gathered param alive
+    through the backward): all-gathers = forward + backward, exactly, values as one device."""
+    from autoshard.bench.workloads import keep_placements
+
+    layers, d = 3, 128
+    rng = np.random.default_rng(0)
+    ws = {f"w{i}": (rng.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32) for i in range(layers)}
+    x = rng.normal(size=(16, d)).astype(np.float32)
+    dws = {k: dist.shard_tensor(v, MESH8, [dist.Shard(0)]) for k, v in ws.items()}
+    dx = dist.shard_tensor(x, MESH8, [dist.Shard(0)])
+    temps = {}
+    for remat in (True, False):
+        step = jax.value_and_grad(_zero3_loss(remat))
+        f = dist.jit(step, out_placements=keep_placements([dist.Replicate()], dws))
+        value, grads = f(dws, dx)
+        ref_value, ref_grads = jax.jit(step)(ws, x)
+        np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
+        for k in ws:
+            np.testing.assert_allclose(grads[k].numpy(), ref_grads[k], rtol=1e-4, atol=1e-6)
+        compiled = f.lower(dws, dx).compile()
+        hlo = compiled.as_text()
+        gathers = layers * (2 if remat else 1)   # forward, and again in the backward
+        assert count_collectives(hlo) == Counter(
+            {"all-gather": gathers, "reduce-scatter": layers, "all-reduce": 1})
+        assert collective_bytes(hlo)["all-gather"] == gathers * d * d * 4
+        assert collective_bytes(hlo)["reduce-scatter"] == layers * d * d * 4 // 8
+        temps[remat] = compiled.memory_analysis().temp_size_in_bytes
+    # recomputing costs no memory over keeping the gathered params as residuals
+    assert temps[True] <= temps[False]

@@ -8,13 +8,18 @@ Each body is planned with the engine itself (a sub-Plan on the same mesh):
 - cond: every branch is planned on the same operand layouts; if their results disagree, all
   branches are re-planned to the first branch's result layouts (the join).
 - checkpoint (jax.checkpoint / remat): the body is partitioned and re-wrapped in
-  jax.checkpoint with the same policy, so the rematerialisation survives partitioning.
+  jax.checkpoint with the same policy, so the rematerialisation survives partitioning; an
+  already-differentiated one (the backward recomputation) keeps jax's optimization barrier on
+  its operands, and the operands it gathers from are kept distinct from the forward's even
+  where XLA drops that barrier (CPU), so that e.g. ZeRO-3's params are gathered again in the
+  backward instead of staying gathered from the forward.
 Collectives inside a body appear once in the plan (and once in the HLO), whatever the trip
 count; their reason says which loop they belong to.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
@@ -140,9 +145,135 @@ def lower_higher_order(e, ep, ins, registry):
         index, ops = ins[0], ins[1:]
         layouts = ep.results
         return list(lax.switch(index, [lambda *a, f=f: _vary_to(f(*a), layouts) for f in fns], *ops))
-    body = fns[0]
-    return list(jax.checkpoint(lambda *a: body(*a), prevent_cse=p.get("prevent_cse", True),
+    gathered = _gathered_inputs(ep.sub_plans[0])
+    return _rematerialised(fns[0], list(ins), p, ep.required, gathered)
+
+
+def _rematerialised(body, ins: list, p: dict, layouts: list[Layout],
+                    gathered: list[bool]) -> list:
+    """`body(*ins)` re-wrapped in jax.checkpoint with the equation's policy and prevent_cse.
+
+    A checkpoint that jax has already differentiated (`differentiated=True`: the backward
+    recomputation that partial evaluation stages out) is lowered by jax with an optimization
+    barrier over its prevent_cse operands, so that XLA neither CSEs the recomputation with
+    the forward nor schedules it there (it waits for the cotangents among the operands).
+    jax.checkpoint always binds `differentiated=False`: a plain re-wrap drops the barrier, so
+    it is placed here, as jax places it.
+
+    That is not enough on XLA's CPU backend, which removes optimization barriers
+    (cse_barrier_expander) before its last CSE pass; plain jax shard_map code has the same
+    problem. There, since shard_map lowers every collective with the same channel id, the
+    recomputation's all-gathers merge with the forward's: ZeRO-3's re-gathered params would
+    stay alive from the forward through the whole backward. (jax.jit's own SPMD partitioner
+    numbers its collectives apart, so its re-gathers survive.) The operands the recomputation
+    gathers from (`gathered`) are therefore also made distinct from the forward's values in
+    a way XLA keeps (`_held_back`). The rest of the recomputation is left to XLA, as for
+    jax.jit.
+
+    Operands held as Partial stay out of the barrier: such a residual is a value the forward
+    reduced right after computing it (the plan saved it unreduced), and XLA merging its
+    re-reduction with the forward's is what saving the reduced value would do, at the same
+    size and without a second collective.
+    """
+    prevent_cse = p.get("prevent_cse", True)
+    if p.get("differentiated", False):
+        read = _cse_flags(prevent_cse, len(ins))
+        barred = [f and not L.partial for f, L in zip(read, layouts)]
+        distinct = [b and g for b, g in zip(barred, gathered)]
+        ins = _held_back(ins, barred, distinct, read)
+    return list(jax.checkpoint(lambda *a: body(*a), prevent_cse=prevent_cse,
                                policy=p.get("policy"))(*ins))
+
+
+def _cse_flags(prevent_cse, n: int) -> list[bool]:
+    """prevent_cse (one bool, or one per operand) as one flag per operand."""
+    if isinstance(prevent_cse, bool):
+        return [prevent_cse] * n
+    return [bool(f) for f in prevent_cse]
+
+
+def _gathered_inputs(plan) -> list[bool]:
+    """Per input of a sub-plan's program: whether a value the body all-gathers is computed
+    from it (a nested body that gathers anything counts for all its operands)."""
+    program = plan.program
+    wanted: set = set()
+    for e, ep in zip(program.eqns, plan.eqns):
+        wanted.update(e.inputs[i] for i, rp in ep.reshards if _gathers(rp))
+        if any(_plan_gathers(sub) for sub in ep.sub_plans):
+            wanted.update(e.inputs)
+    wanted.update(program.outputs[k] for k, rp in plan.output_reshards if _gathers(rp))
+    for e in reversed(program.eqns):
+        if any(v in wanted for v in e.outputs):
+            wanted.update(e.inputs)
+    return [v in wanted for v in program.inputs]
+
+
+def _gathers(rp) -> bool:
+    return any(s.step.kind == "all_gather" for s in rp.steps)
+
+
+def _plan_gathers(plan) -> bool:
+    return (any(_gathers(rp) for ep in plan.eqns for _, rp in ep.reshards)
+            or any(_gathers(rp) for _, rp in plan.output_reshards)
+            or any(_plan_gathers(sub) for ep in plan.eqns for sub in ep.sub_plans))
+
+
+def _held_back(ins: list, barred: list[bool], distinct: list[bool], read: list[bool]) -> list:
+    """The `barred` operands behind an optimization barrier over the `read` ones; the floating
+    `distinct` ones then as `select(ready, rounded(x), x)`.
+
+    The select is x bit for bit: `rounded` rounds x to its dtype's own precision (no bit
+    changes, NaN payloads included), an op XLA does not fold, so the two branches stay
+    distinct and the select stays; `ready` is `s == s` over one element s of each operand
+    read, whose value does not matter (a NaN just picks the other, equal branch). What it
+    buys where XLA drops the barrier: x is a value XLA has not computed in the forward (no
+    CSE), and it depends on the operands read, the cotangents among them (not hoisted into
+    the forward).
+
+    Under check_vma both ops type their results as varying over every input's mesh axes
+    (optimization_barrier unifies them), which must not change an operand's type: so the
+    barred operands are taken in groups of equal varying axes, each group behind a barrier
+    over the operands read that vary over no other axes.
+    """
+    from ..reshard.steps import varying_axes
+
+    axes = {i: varying_axes(x) for i, (x, r) in enumerate(zip(ins, read)) if r}
+    out = list(ins)
+    for group in dict.fromkeys(axes[i] for i, b in enumerate(barred) if b):
+        readable = [i for i in axes if axes[i] <= group]
+        held = dict(zip(readable, lax.optimization_barrier([ins[i] for i in readable])))
+        own = [i for i in readable if barred[i] and axes[i] == group]
+        kept = [i for i in own if distinct[i] and _is_float(held[i])]
+        ready = _all_read([held[i] for i in readable if _is_float(held[i])]) if kept else None
+        for i in own:
+            out[i] = _rounded_select(ready, held[i]) if i in kept else held[i]
+    return out
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jax.typeof(x).dtype, jnp.floating)
+
+
+def _rounded_select(ready, x):
+    """x, as select(ready, x rounded to its own precision, x): see `_held_back`."""
+    info = jnp.finfo(x.dtype)
+    return lax.select(ready, lax.reduce_precision(x, exponent_bits=info.nexp,
+                                                  mantissa_bits=info.nmant), x)
+
+
+def _all_read(values: list):
+    """A boolean scalar that reads one element of each value (True unless one is NaN)."""
+    out = jnp.asarray(True)
+    for v in values:
+        if v.size:
+            s = _first(v)
+            out = out & (s == s)
+    return out
+
+
+def _first(x):
+    """The first element of `x`, as a scalar (a one-element slice: no copy of x)."""
+    return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(()) if x.ndim else x
 
 
 def _vary_to(values, layouts):
