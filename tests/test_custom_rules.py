@@ -134,3 +134,14 @@ def test_differentiating_a_partial_input_is_a_clear_error():
     f = dist.jit(lambda a: jnp.sum(a * 2.0))
     with pytest.raises(PlacementTypeError, match="Partial"):
         jax.grad(f)(partial)
+
+
+def test_eager_ops_under_an_outer_grad():
+    """A notebook user differentiates eager DistTensor ops: each op's program reduces its own
+    Partial outputs, so jax.grad never sees a Partial value."""
+    mesh, w_pl, x_pl = PLACEMENTS["contracting-split"]
+    w, x = _data(5)
+    wd, xd = dist.shard_tensor(w, mesh, w_pl), dist.shard_tensor(x, mesh, x_pl)
+    g = jax.grad(lambda a: (xd @ a).sum())(wd)  # x @ w contracts the split dim: Partial
+    np.testing.assert_allclose(np.asarray(g.numpy() if hasattr(g, "numpy") else g),
+                               jax.grad(lambda a: (x @ a).sum())(w), rtol=1e-5, atol=1e-5)

@@ -54,7 +54,8 @@ class _Leaf:
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
         return _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout)
-    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1:
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # tracers: no .sharding
+            and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1):
         mesh = as_process_mesh(x.sharding.mesh)
         return _Leaf(tuple(x.shape), normalize(x.dtype), mesh, _layout_of_named(x.sharding, x.ndim))
     arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
@@ -100,17 +101,17 @@ class DistributedFunction:
             args.append(next(it) if i in self._static else next(dyn))
         return args
 
-    def _entry(self, args, kwargs) -> tuple[_Compiled, list]:
+    def _entry(self, args, kwargs, reduced: bool = False) -> tuple[_Compiled, list]:
         static, leaves, tree = self._split(args, kwargs)
         described = tuple(_describe_leaf(x) for x in leaves)
         try:
-            key = (tree, static, described)
+            key = (tree, static, described, reduced)
             hash(key)
         except TypeError as exc:
             raise PlacementTypeError(f"dist.jit: static arguments must be hashable ({exc})") from None
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._compile(static, tree, described)
+            entry = self._compile(static, tree, described, reduced)
             self._cache[key] = entry
         return entry, leaves
 
@@ -172,7 +173,8 @@ class DistributedFunction:
         return [None if p is None else layout_from_placements(p, mesh, v.shape, what=f"output {k}")
                 for k, (v, p) in enumerate(zip(program.outputs, per_output))]
 
-    def _compile(self, static, tree, described) -> _Compiled:
+    def _compile(self, static, tree, described, reduced: bool = False) -> _Compiled:
+        """`reduced`: no output stays Partial (for an outer jax transformation)."""
         closed, out_tree = self._trace(static, tree, described)
         program = build_program(closed)
         mesh = self._mesh(program, described)
@@ -180,8 +182,11 @@ class DistributedFunction:
             if d.mesh is not None and d.mesh != mesh:
                 raise MeshMismatchError(f"inputs are on different meshes: {d.mesh!r} and {mesh!r}")
         cost_model = self._cost_model or default_cost_model()
-        plan = make_plan(program, mesh, [d.layout for d in described],
-                         self._out_targets(program, mesh), _registry(), cost_model)
+        targets = self._out_targets(program, mesh)
+        if reduced:
+            targets = [None if isinstance(t, str) and t == KEEP else t for t in targets]
+        plan = make_plan(program, mesh, [d.layout for d in described], targets, _registry(),
+                         cost_model)
         local = local_function(plan, _registry())
         in_specs = tuple(physical_spec(L, mesh) for L in plan.inputs)
         out_specs = [physical_spec(L, mesh) for L in plan.outputs]
@@ -217,13 +222,17 @@ class DistributedFunction:
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        entry, leaves = self._entry(args, kwargs)
+        _, leaves, _ = self._split(args, kwargs)
+        # Under jax.grad / vjp / jvp from outside, outputs are reduced inside the program: the
+        # outer transformation sees plain arrays, never a Partial value it cannot reduce.
+        outer = _differentiated([x.physical if isinstance(x, DistTensor) else x for x in leaves])
+        entry, leaves = self._entry(args, kwargs, reduced=outer)
         physical = self._physical_inputs(entry, leaves)
         outs = entry.fn(*physical)
         plan = entry.plan
         wrapped = [DistTensor(o, plan.mesh, L, v.shape)
                    for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
-        if _differentiated(physical):
+        if outer:
             # Under jax.grad / vjp / jvp from outside, behave as jax.jit does: global arrays
             # (sharded as planned), so `jax.grad` sees a scalar and the outer transformation
             # never has to understand a Partial value.

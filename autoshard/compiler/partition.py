@@ -16,9 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..cost_model import default_cost_model
 from ..layout import Layout
+from ..reshard.api import plan_layouts
 from ..reshard.steps import ensure_varying, varying_axes
 from .control_flow import lower_higher_order
+from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .plan import Plan
 from .trace import hint_p
@@ -95,7 +98,15 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             return env[v]
         key = (v, rp.dst)
         if key not in moved:
-            x = env[v]
+            own = plan.layouts[v]
+            if rp.src == own:
+                x = env[v]
+            elif (v, rp.src) in moved:  # the planner starts from a copy made for an earlier use
+                x = moved[(v, rp.src)]
+            else:  # that copy lives in another scope (a custom rule's body): start afresh
+                x = env[v]
+                rp = plan_layouts(tuple(v.shape), cost_dtype(v.dtype), plan.mesh, own,
+                                  plan.mesh, rp.dst, plan.cost_model or default_cost_model())
             for planned in rp.steps:
                 x = planned.step.run(x, sizes)
             moved[key] = x

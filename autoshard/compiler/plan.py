@@ -125,20 +125,29 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         actual[c] = Layout.replicated(len(c.shape))
 
     collectives: list[PlannedCollective] = []
-    done: set = set()
+    done: dict = {}  # (value, layout) → the plan that moved it there
+    moved_to: dict = {}  # value → layouts it has been moved to (the copies partitioning reuses)
     fallbacks: list[tuple[str, str | None]] = []
 
     def reshard(value: Value, dst: Layout, consumer: str, source) -> ReshardPlan:
-        src = actual[value]
-        rp = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh, dst,
-                          cost_model)
-        if (value, dst) not in done:  # a value resharded twice the same way is moved once
-            done.add((value, dst))
-            for s in rp.steps:
-                if s.step.hlo:
-                    collectives.append(PlannedCollective(
-                        s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
-                        repr(value), consumer, source, _reason(consumer, value, src, dst, mesh)))
+        if (value, dst) in done:  # a value resharded twice the same way is moved once
+            return done[(value, dst)]
+        # Start from the cheapest copy: the value itself or one it was already moved to (the
+        # all-to-all an earlier consumer paid for is not paid again on the way to a gather).
+        rp, best = None, 0.0
+        for src in [actual[value], *sorted(moved_to.get(value, ()), key=repr)]:
+            cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
+                                dst, cost_model)
+            seconds = sum(s.seconds for s in cand.steps)
+            if rp is None or seconds < best - 1e-15:
+                rp, best = cand, seconds
+        done[(value, dst)] = rp
+        moved_to[value] = moved_to.get(value, frozenset()) | {dst}
+        for s in rp.steps:
+            if s.step.hlo:
+                collectives.append(PlannedCollective(
+                    s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
+                    repr(value), consumer, source, _reason(consumer, value, rp.src, dst, mesh)))
         return rp
 
     uses = program.use_counts()
@@ -178,7 +187,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             else:
                 choice = choose(opsh, mesh, in_avals, out_avals, operands,
                                 [pref.get(v) for v in e.outputs], cost_model,
-                                [uses.get(v, 0) <= 1 for v in e.inputs])
+                                [uses.get(v, 0) <= 1 for v in e.inputs],
+                                [moved_to.get(v, frozenset()) for v in e.inputs])
                 required, results = choice.operands, choice.results
                 strategy = choice.strategy.describe(opsh)
                 considered, seconds = choice.considered, choice.seconds

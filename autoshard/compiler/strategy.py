@@ -112,8 +112,10 @@ def _merge(seeds) -> Strategy:
 
 def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                preferred: Sequence[Layout | None],
-               single_use: Sequence[bool] | None = None) -> list[Strategy]:
+               single_use: Sequence[bool] | None = None,
+               available: Sequence[frozenset] = ()) -> list[Strategy]:
     """`single_use[i]`: operand i has no other consumer, so its Partial may flow through here.
+    `available[i]`: layouts operand i was already moved to: each also seeds a strategy.
 
     A Partial with several consumers is reduced once, where it is first needed, and every
     consumer reads the reduced value — else each branch would reduce its own view of it.
@@ -123,8 +125,10 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
              for i, L in enumerate(actual) if L is not None]
     seeds += [_seed_from(opsh.results[j], L, opsh, None) for j, L in enumerate(preferred)
               if L is not None]
+    extra = [_seed_from(opsh.operands[i], L, opsh, i, single_use[i])
+             for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
-    out += [_merge([s]) for s in seeds]
+    out += [_merge([s]) for s in seeds + extra]
     out.append(Strategy())
     unique: list[Strategy] = []
     for s in out:
@@ -141,6 +145,25 @@ def reshard_seconds(mesh: ProcessMesh, src: Layout, dst: Layout, shape, dtype,
                                                 cost_model))
 
 
+def deferred_reduction_seconds(mesh: ProcessMesh, result: Layout, preferred: Layout | None,
+                               aval, cost_model: CostModel) -> float:
+    """The price of a Partial the result leaves pending (the preferred layout keeps it).
+
+    A pending Partial is reduced later — perhaps merged with others first, perhaps
+    reduce-scattered — so it is priced at half an all-reduce of the result as it is now. Not
+    pricing it lets a strategy look free that contracts a dim sharded on a large axis and leaves
+    a full-size weight gradient to reduce over every axis (sequence parallelism's backward).
+    """
+    if not result.partial:
+        return 0.0
+    kept = set(preferred.partial) if preferred is not None else set(result.partial)
+    pending = [p for p in result.partial if p in kept]
+    if not pending:
+        return 0.0  # reduced on the way to the preferred layout: already in the reshard cost
+    done = Layout(result.dims, tuple(p for p in result.partial if p not in pending))
+    return 0.5 * reshard_seconds(mesh, result, done, aval.shape, aval.dtype, cost_model)
+
+
 @dataclass(frozen=True)
 class Choice:
     strategy: Strategy
@@ -152,16 +175,21 @@ class Choice:
 
 def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
            actual: Sequence[Layout | None], preferred: Sequence[Layout | None],
-           cost_model: CostModel, single_use: Sequence[bool] | None = None) -> Choice:
+           cost_model: CostModel, single_use: Sequence[bool] | None = None,
+           available: Sequence[frozenset] | None = None) -> Choice:
     """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing).
+
+    `available[i]`: layouts operand i has already been moved to for an earlier consumer; the
+    partitioned program reuses that copy, so asking for one of them costs nothing more.
 
     A pure function of its arguments, memoised: the layers of a model repeat the same
     decisions, so most equations of a deep network are answered from the cache.
     """
     single = tuple(single_use) if single_use is not None else (True,) * len(actual)
+    avail = tuple(available) if available is not None else (frozenset(),) * len(actual)
     return _choose(opsh, mesh, tuple(_Aval(tuple(a.shape), a.dtype) for a in in_avals),
                    tuple(_Aval(tuple(a.shape), a.dtype) for a in out_avals), tuple(actual),
-                   tuple(preferred), cost_model, single)
+                   tuple(preferred), cost_model, single, avail)
 
 
 class _Aval(NamedTuple):  # a tuple: cheap to build and hash on every call (cache key)
@@ -171,24 +199,25 @@ class _Aval(NamedTuple):  # a tuple: cheap to build and hash on every call (cach
 
 @functools.lru_cache(maxsize=65536)
 def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, preferred,
-            cost_model: CostModel, single_use) -> Choice:
+            cost_model: CostModel, single_use, available) -> Choice:
     sizes = mesh.axis_sizes
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
-    cands = candidates(opsh, actual, preferred, single_use)
+    cands = candidates(opsh, actual, preferred, single_use, available)
     for s in cands:
         implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
         if implied is None:
             continue
         ins, outs = implied
         cost = 0.0
-        for L, R, aval in zip(actual, ins, in_avals):
-            if L is not None:
+        for L, R, aval, moved in zip(actual, ins, in_avals, available):
+            if L is not None and R not in moved:
                 cost += reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
         for R, P, aval in zip(outs, preferred, out_avals):
             if P is not None:
                 cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
+            cost += deferred_reduction_seconds(mesh, R, P, aval, cost_model)
             local = math.prod(R.local_shape(aval.shape, sizes)) * itemsize(aval.dtype)
             cost += cost_model.local(local)
         if best is None or cost < best.seconds - 1e-15:
