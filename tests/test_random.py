@@ -91,7 +91,7 @@ def test_dropout_bits_are_drawn_once_per_mask_like_jax_jit():
     "dropout select and the bits->mask conversion into every consumer fusion, the backward's "
     "cross-layer residual-gradient fusions included (O(layers^2)). Threefry itself runs once "
     "per draw (test above). Fix belongs to the plan: for add(Replicate, Partial) reduce the "
-    "Partial operand and then add (same bytes), so x meets the all-reduce directly."))
+    "Partial operand and then add (same bytes), so x meets the all-reduce directly. Issue 6."))
 def test_gpt_dropout_mask_conversions_no_more_than_jax_jit():
     from autoshard.bench import gpt_workloads
 
