@@ -18,7 +18,7 @@ import numpy as np
 
 import autoshard as dist
 
-from .analytic import Minimum, all_reduce, nbytes
+from .analytic import Minimum, all_gather, all_reduce, nbytes
 
 R, S = dist.Replicate(), dist.Shard
 LR = 0.1
@@ -155,15 +155,23 @@ def vocab_ce(quick: bool = False) -> Workload:
         return sgd(p, grads), value
 
     act, rows = nbytes((b // dp, t, d)), nbytes((b // dp, t))
+    # The table gradient: all-reduce its vocab shard over dp, or all-gather the batch's updates
+    # (and ids) over dp and scatter them locally — whichever moves fewer bytes.
+    table_grad = min(
+        [(all_reduce(nbytes((v // mp, d)), dp, "grad wte: all-reduce the vocab shard"),),
+         (all_gather(nbytes((b, t, d)), dp, "grad wte: all-gather the updates"),
+          all_gather(nbytes((b, t), np.int32), dp, "grad wte: all-gather the ids"))],
+        key=lambda terms: sum(c.result_bytes for c in terms))
     minimum = Minimum(
         (all_reduce(act, mp, "forward: lookup partial sum"),
          all_reduce(rows, mp, "softmax row max"), all_reduce(rows, mp, "softmax row sum"),
          all_reduce(rows, mp, "backward: row sum of the log-softmax cotangent"),
          all_reduce(4, dp * mp, "loss (target logits stay partial into the mean)"),
          all_reduce(act, mp, "backward: head input gradient"),
-         all_reduce(nbytes((v // mp, d)), dp, "grad wte"),
+         *table_grad,
          all_reduce(nbytes((d, v // mp)), dp, "grad head")),
-        "lookup all-reduce, three per-row softmax reductions, head input gradient, dp gradients")
+        "lookup all-reduce, three per-row softmax reductions, head input gradient, dp gradients "
+        "(the table's by the cheaper of reducing it and gathering the updates)")
     placed = _place(params, mesh, {"wte": [R, S(0)], "head": [R, S(1)]})
     return Workload(
         "vocab-parallel ce", step,
