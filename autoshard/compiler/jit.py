@@ -101,8 +101,8 @@ class DistributedFunction:
             args.append(next(it) if i in self._static else next(dyn))
         return args
 
-    def _entry(self, args, kwargs, reduced: bool = False) -> tuple[_Compiled, list]:
-        static, leaves, tree = self._split(args, kwargs)
+    def _entry(self, args, kwargs, reduced: bool = False, split=None) -> tuple[_Compiled, list]:
+        static, leaves, tree = split or self._split(args, kwargs)
         described = tuple(_describe_leaf(x) for x in leaves)
         try:
             key = (tree, static, described, reduced)
@@ -222,11 +222,9 @@ class DistributedFunction:
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        _, leaves, _ = self._split(args, kwargs)
-        # Under jax.grad / vjp / jvp from outside, outputs are reduced inside the program: the
-        # outer transformation sees plain arrays, never a Partial value it cannot reduce.
-        outer = _differentiated([x.physical if isinstance(x, DistTensor) else x for x in leaves])
-        entry, leaves = self._entry(args, kwargs, reduced=outer)
+        split = self._split(args, kwargs)
+        outer = _differentiated([x.physical if isinstance(x, DistTensor) else x for x in split[1]])
+        entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)
         physical = self._physical_inputs(entry, leaves)
         outs = entry.fn(*physical)
         plan = entry.plan
@@ -234,8 +232,8 @@ class DistributedFunction:
                    for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
         if outer:
             # Under jax.grad / vjp / jvp from outside, behave as jax.jit does: global arrays
-            # (sharded as planned), so `jax.grad` sees a scalar and the outer transformation
-            # never has to understand a Partial value.
+            # (sharded as planned; Partial outputs were reduced inside the program), so the
+            # outer transformation never has to understand a Partial value.
             self._check_differentiable(entry, leaves)
             wrapped = [_global_array(d) for d in wrapped]
         return jax.tree.unflatten(entry.out_tree, wrapped)
