@@ -159,7 +159,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         if not filled:
             break
         informative = settle(False, around(filled))
-        filled = settle(True, around(informative | filled))
+        filled = settle(True, around(informative))  # `filled` neighbours were queued already
     return pref
 
 
