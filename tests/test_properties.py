@@ -6,6 +6,7 @@ dist.jit): a wrong Partial can leave the loss exact but not the gradients.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import autoshard as dist
@@ -66,10 +67,30 @@ def _program(ops):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_random_programs_values_and_gradients(case):
-    mesh, ops, px, pw, seed = case
+    _check_random_program(*case, ties=False)
+
+
+def _data(rng, ties: bool) -> np.ndarray:
+    v = rng.integers(-3, 4, size=(8, 8)).astype(np.float32) * 0.25
+    # Distinct values unless ties are asked for: the gradient of a max with tied maxima across
+    # shards is the known bug pinned below (issue 4), not what this property samples.
+    return v if ties else v + rng.permutation(64).reshape(8, 8).astype(np.float32) * 1e-3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Issue 4: the gradient of rowmax when equal maxima sit in different shards differs from one "
+    "device (jax splits the gradient evenly among all tied positions); found by this property "
+    "with integer-valued data, present since before stop 9"))
+def test_gradient_of_a_max_with_ties_across_shards():
+    mesh = dist.ProcessMesh(list(range(8)), dim_names=["a"])
+    _check_random_program(mesh, ("cumsum", "rowmax", "transpose", "rowmax", "add"), ["R"],
+                          ["S(0)"], 0, ties=True)
+
+
+def _check_random_program(mesh, ops, px, pw, seed, *, ties: bool):
     rng = np.random.default_rng(seed)
-    x = rng.integers(-3, 4, size=(8, 8)).astype(np.float32) * 0.25
-    w = rng.integers(-3, 4, size=(8, 8)).astype(np.float32) * 0.25
+    x = _data(rng, ties)
+    w = _data(rng, ties)
     dx = make_tensor(x, mesh, px, seed=seed)
     dw = make_tensor(w, mesh, pw, seed=seed + 1)
     fn = jax.value_and_grad(_program(ops), argnums=(0, 1), has_aux=True)
