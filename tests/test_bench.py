@@ -13,8 +13,10 @@ ROW_KEYS = {"workload", "key", "mesh", "equations", "bytes", "xla_bytes", "wire_
             "wire_ratio", "min_bytes", "vs_min", "mem", "xla_mem", "mem_ratio", "plan_s",
             "partition_s", "pass_s", "xla_compile_s", "xla_base_compile_s", "pass_over_compile",
             "step_ms", "xla_step_ms", "step_ratio", "step_ratio_min", "step_ratio_max",
-            "outputs_agree"}
-RATIOS = ("bytes_ratio", "wire_ratio", "mem_ratio", "step_ratio", "pass_over_compile")
+            "outputs_agree", "flops", "xla_flops", "flops_ratio", "bytes_accessed",
+            "xla_bytes_accessed", "bytes_accessed_ratio"}
+RATIOS = ("bytes_ratio", "wire_ratio", "mem_ratio", "step_ratio", "pass_over_compile",
+          "flops_ratio", "bytes_accessed_ratio")
 
 
 def test_quick_suite_writes_tables_json_and_plot(tmp_path, capsys):
@@ -43,6 +45,8 @@ def test_quick_suite_writes_tables_json_and_plot(tmp_path, capsys):
     # into the forward's gathers)
     for key in ("dp-mlp", "tp-mlp", "zero3"):
         assert rows[key]["vs_min"] == 1.0 and rows[key]["bytes"] == rows[key]["min_bytes"]
+    # deterministic: the GPT step asks for no more arithmetic than jax.jit's (cost analysis)
+    assert rows["gpt"]["flops_ratio"] <= 1.0
     assert all(isinstance(t["met"], bool) for t in doc["targets"])
     assert png.stat().st_size > 10_000
 

@@ -149,6 +149,23 @@ def memory(ours: Any, base: Any) -> dict:
     return {"mem": o, "xla_mem": b, "mem_ratio": _ratio(o["peak"], b["peak"])}
 
 
+def work(ours: Any, base: Any) -> dict:
+    """Arithmetic and memory traffic per device from XLA's cost analysis (deterministic).
+
+    The step-time ratio on a loaded CPU is noisy; these say whether our program asks the
+    hardware for more work than the baseline (e.g. a value recomputed in many fusions).
+    """
+    def stats(c):
+        d = c.cost_analysis()
+        d = d[0] if isinstance(d, (list, tuple)) else d
+        return float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0))
+
+    (of, ob), (bf, bb) = stats(ours), stats(base)
+    return {"flops": of, "xla_flops": bf, "flops_ratio": _ratio(of, bf),
+            "bytes_accessed": ob, "xla_bytes_accessed": bb,
+            "bytes_accessed_ratio": _ratio(ob, bb)}
+
+
 def outputs_agree(ours: Any, base: Any, inputs_ours: list, inputs_base: tuple) -> bool:
     """Whether both programs compute the same values (a guard on the comparison itself).
 
@@ -231,6 +248,7 @@ def measure(w: Workload, pairs: int = 20, warmup: int = 2, hlo_dir: str | None =
                            "planned_collectives": built.planned_collectives, **w.info}
     row.update(communication(built.ours.as_text(), built.base.as_text(), w))
     row.update(memory(built.ours, built.base))
+    row.update(work(built.ours, built.base))
     pass_s = built.plan_s + built.partition_s
     row.update({"plan_s": round(built.plan_s, 3), "partition_s": round(built.partition_s, 3),
                 "pass_s": round(pass_s, 3), "xla_compile_s": round(built.xla_compile_s, 3),
@@ -252,4 +270,4 @@ def measure(w: Workload, pairs: int = 20, warmup: int = 2, hlo_dir: str | None =
     return row
 
 
-__all__ = ["measure", "build", "time_plan", "communication", "memory", "step_times", "baseline_inputs"]
+__all__ = ["measure", "build", "time_plan", "communication", "memory", "work", "step_times", "baseline_inputs"]

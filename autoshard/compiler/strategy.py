@@ -164,6 +164,22 @@ def deferred_reduction_seconds(mesh: ProcessMesh, result: Layout, preferred: Lay
     return 0.5 * reshard_seconds(mesh, result, done, aval.shape, aval.dtype, cost_model)
 
 
+def made_partial_seconds(mesh: ProcessMesh, actual: Layout, required: Layout, aval,
+                         cost_model: CostModel) -> float:
+    """The price of making a complete operand Partial so a Partial can pass through.
+
+    The Partial it joins is reduced later anyway, but the operand then travels in that
+    reduction instead of being added after it; the residual stream of a Megatron block made
+    Partial this way also leaves XLA recomputing it in every consumer fusion. Priced like a
+    pending Partial of the operand itself, it wins only where the reduction is really saved.
+    """
+    made = [a for a in required.partial if a not in actual.partial]
+    if not made:
+        return 0.0
+    done = Layout(required.dims, tuple(p for p in required.partial if p not in made))
+    return 0.5 * reshard_seconds(mesh, required, done, aval.shape, aval.dtype, cost_model)
+
+
 @dataclass(frozen=True)
 class Choice:
     strategy: Strategy
@@ -214,6 +230,7 @@ def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, pr
         for L, R, aval, moved in zip(actual, ins, in_avals, available):
             if L is not None and R not in moved:
                 cost += reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
+                cost += made_partial_seconds(mesh, L, R, aval, cost_model)
         for R, P, aval in zip(outs, preferred, out_avals):
             if P is not None:
                 cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
