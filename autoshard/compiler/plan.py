@@ -151,6 +151,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         return rp
 
     uses = program.use_counts()
+    parameters = {*program.inputs, *program.consts}
     eqn_plans = []
     for e in program.eqns:
         operands = [actual[v] for v in e.inputs]
@@ -188,7 +189,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 choice = choose(opsh, mesh, in_avals, out_avals, operands,
                                 [pref.get(v) for v in e.outputs], cost_model,
                                 [uses.get(v, 0) <= 1 for v in e.inputs],
-                                [moved_to.get(v, frozenset()) for v in e.inputs])
+                                [moved_to.get(v, frozenset()) for v in e.inputs],
+                                [v in parameters for v in e.inputs])
                 required, results = choice.operands, choice.results
                 strategy = choice.strategy.describe(opsh)
                 considered, seconds = choice.considered, choice.seconds

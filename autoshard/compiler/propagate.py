@@ -80,6 +80,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                  if e.primitive is not hint_p}
 
     uses = program.use_counts()
+    parameters = {*program.inputs, *program.consts}
     pinned = set(fixed) | set(program.consts)
 
     def offer(v, L) -> bool:
@@ -108,7 +109,8 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         if opsh is None:
             return []
         choice = choose(opsh, mesh, [v.aval for v in e.inputs], [v.aval for v in e.outputs],
-                        known_in, known_out, cost_model, [uses.get(v, 0) <= 1 for v in e.inputs])
+                        known_in, known_out, cost_model, [uses.get(v, 0) <= 1 for v in e.inputs],
+                        parameters=[v in parameters for v in e.inputs])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):

@@ -169,9 +169,10 @@ def made_partial_seconds(mesh: ProcessMesh, actual: Layout, required: Layout, av
     """The price of making a complete operand Partial so a Partial can pass through.
 
     The Partial it joins is reduced later anyway, but the operand then travels in that
-    reduction instead of being added after it; the residual stream of a Megatron block made
-    Partial this way also leaves XLA recomputing it in every consumer fusion. Priced like a
-    pending Partial of the operand itself, it wins only where the reduction is really saved.
+    reduction instead of being added after it, and a computed operand made Partial is
+    recomputed by XLA in every consumer fusion (the residual stream of a Megatron block, with
+    its dropout mask: O(layers²) work in the backward). Priced like a pending Partial of the
+    operand itself, it wins only where a reduction is really saved.
     """
     made = [a for a in required.partial if a not in actual.partial]
     if not made:
@@ -192,20 +193,24 @@ class Choice:
 def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
            actual: Sequence[Layout | None], preferred: Sequence[Layout | None],
            cost_model: CostModel, single_use: Sequence[bool] | None = None,
-           available: Sequence[frozenset] | None = None) -> Choice:
+           available: Sequence[frozenset] | None = None,
+           parameters: Sequence[bool] | None = None) -> Choice:
     """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing).
 
     `available[i]`: layouts operand i has already been moved to for an earlier consumer; the
     partitioned program reuses that copy, so asking for one of them costs nothing more.
+    `parameters[i]`: operand i is an input or constant of the program (a loop body's carry
+    included): made Partial, it is not recomputed anywhere, so that costs nothing either.
 
     A pure function of its arguments, memoised: the layers of a model repeat the same
     decisions, so most equations of a deep network are answered from the cache.
     """
     single = tuple(single_use) if single_use is not None else (True,) * len(actual)
     avail = tuple(available) if available is not None else (frozenset(),) * len(actual)
+    params = tuple(parameters) if parameters is not None else (False,) * len(actual)
     return _choose(opsh, mesh, tuple(_Aval(tuple(a.shape), a.dtype) for a in in_avals),
                    tuple(_Aval(tuple(a.shape), a.dtype) for a in out_avals), tuple(actual),
-                   tuple(preferred), cost_model, single, avail)
+                   tuple(preferred), cost_model, single, avail, params)
 
 
 class _Aval(NamedTuple):  # a tuple: cheap to build and hash on every call (cache key)
@@ -215,7 +220,7 @@ class _Aval(NamedTuple):  # a tuple: cheap to build and hash on every call (cach
 
 @functools.lru_cache(maxsize=65536)
 def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, preferred,
-            cost_model: CostModel, single_use, available) -> Choice:
+            cost_model: CostModel, single_use, available, parameters) -> Choice:
     sizes = mesh.axis_sizes
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
@@ -227,10 +232,11 @@ def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, pr
             continue
         ins, outs = implied
         cost = 0.0
-        for L, R, aval, moved in zip(actual, ins, in_avals, available):
+        for L, R, aval, moved, param in zip(actual, ins, in_avals, available, parameters):
             if L is not None and R not in moved:
                 cost += reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
-                cost += made_partial_seconds(mesh, L, R, aval, cost_model)
+                if not param:
+                    cost += made_partial_seconds(mesh, L, R, aval, cost_model)
         for R, P, aval in zip(outs, preferred, out_avals):
             if P is not None:
                 cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
