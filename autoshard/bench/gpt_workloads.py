@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import autoshard as dist
 
@@ -115,22 +116,32 @@ def gpt_zero3(layers: int) -> Workload:
 
 
 def gpt_sequence_parallel(layers: int) -> Workload:
-    """DP x TP GPT with the residual stream split along the sequence over mp (Megatron-SP)."""
+    """DP x TP GPT with the residual stream split along the sequence over mp (Megatron-SP).
+
+    The baseline runs the same function with the residual constraint written for jax
+    (with_sharding_constraint to P(dp, mp)), so XLA is asked for sequence parallelism too.
+    """
     mesh = mesh_2x4()
     params = gpt.init(jax.random.key(0), layers)
+    seq_split = NamedSharding(mesh.to_jax(), PartitionSpec("dp", "mp"))
 
-    def constrain(x):
+    def ours(x):
         return dist.shard_tensor(x, mesh, [S(0), S(1)])
 
-    def loss(p, ids, labels, key):
-        x = constrain(p["wte"][ids] + p["wpe"][None])
-        for i, bp in enumerate(p["blocks"]):
-            x = gpt.block(x, bp, jax.random.fold_in(key, i), constrain)
-        return gpt._head_loss(p, x, labels)
+    def xla(x):
+        return jax.lax.with_sharding_constraint(x, seq_split)
 
-    def step(p, ids, labels, key):
-        value, grads = jax.value_and_grad(loss)(p, ids, labels, key)
-        return sgd(p, grads), value
+    def make_step(constrain):
+        def loss(p, ids, labels, key):
+            x = constrain(p["wte"][ids] + p["wpe"][None])
+            for i, bp in enumerate(p["blocks"]):
+                x = gpt.block(x, bp, jax.random.fold_in(key, i), constrain)
+            return gpt._head_loss(p, x, labels)
+
+        def step(p, ids, labels, key):
+            value, grads = jax.value_and_grad(loss)(p, ids, labels, key)
+            return sgd(p, grads), value
+        return step
 
     dparams = jax.tree_util.tree_map_with_path(
         lambda path, x: dist.shard_tensor(x, mesh, gpt.megatron_placements(path, x, False)), params)
@@ -138,10 +149,10 @@ def gpt_sequence_parallel(layers: int) -> Workload:
     split = [S(0), R]
     args = (dparams, dist.shard_tensor(ids, mesh, split), dist.shard_tensor(labels, mesh, split),
             jax.random.key(7))
-    return Workload(f"gpt seq-parallel {layers}L", step, args, mesh, None,
+    return Workload(f"gpt seq-parallel {layers}L", make_step(ours), args, mesh, None,
                     keep_placements(dparams, [R, R]),
                     notes="no closed-form minimum claimed; compare wire bytes with the baseline",
-                    info={"layers": layers})
+                    info={"layers": layers}, baseline_step=make_step(xla))
 
 
 __all__ = ["gpt_dp_tp", "gpt_zero3", "gpt_sequence_parallel", "megatron_minimum"]

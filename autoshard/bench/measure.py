@@ -100,7 +100,7 @@ def build(w: Workload) -> Built:
     lowered, partition_s = _timed(lambda: entry.fn.lower(*ours_inputs))
     ours, xla_compile_s = _timed(lowered.compile)
     base_inputs = baseline_inputs(w.args)
-    base, base_compile_s = _timed(lambda: jax.jit(w.step).lower(*base_inputs).compile())
+    base, base_compile_s = _timed(lambda: jax.jit(w.baseline_step or w.step).lower(*base_inputs).compile())
     return Built(ours, base, ours_inputs, base_inputs, equations, len(entry.plan.collectives),
                  plan_s, partition_s, xla_compile_s, base_compile_s, lambda: f(*w.args))
 

@@ -36,6 +36,10 @@ class Workload:
     out_placements: Any = None            # passed to dist.jit (e.g. ZeRO-3 keeps params split)
     notes: str = ""
     info: dict = field(default_factory=dict)   # sizes, for the JSON
+    # The baseline's step where the function carries placement annotations: the same function
+    # with them written as jax sharding constraints, which plain jax.jit honours (our hints are
+    # identities outside dist.jit).
+    baseline_step: Callable | None = None
 
 
 def mesh_1d(name: str) -> dist.ProcessMesh:
