@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import flax.linen as linen
 from flax import nnx
 
 import autoshard as dist
@@ -171,3 +172,61 @@ def test_seed_4_5_as_a_user_writes_it(tmp_path):
     ref.eval()
     x, y = batches[STEPS]
     np.testing.assert_allclose(float(evaluator.eval()(x, y).numpy()), float(mse(ref(x), y)), rtol=1e-5)
+
+
+class LinenNet(linen.Module):
+    """Dense → BatchNorm → relu → Dense, switched between training and inference by `train`."""
+
+    @linen.compact
+    def __call__(self, x, train: bool = True):
+        x = linen.Dense(32)(x)
+        x = linen.BatchNorm(use_running_average=not train, momentum=0.8)(x)
+        return linen.Dense(8)(jax.nn.relu(x))
+
+
+@pytest.mark.parametrize("form", ["module", "bound_apply"])
+def test_linen_batch_stats_train_like_one_device(form):
+    """A linen model's non-params collections are the state: mutable in training, read in eval."""
+    batches = _batches()
+    train, held_out = batches[:STEPS], batches[STEPS]
+    net = LinenNet()
+    variables = net.init(jax.random.key(0), train[0][0], train=False)
+    tx = optax.sgd(0.1)
+
+    # one device: flax's own idiom
+    params, stats, opt_state, ref_losses = variables["params"], variables["batch_stats"], None, []
+    opt_state = tx.init(params)
+    for x, y in train:
+        def loss_fn(p):
+            out, new = net.apply({"params": p, "batch_stats": stats}, x, train=True,
+                                 mutable=["batch_stats"])
+            return mse(out, y), new["batch_stats"]
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ref_losses.append(float(loss))
+
+    placed = {"params": dist.shard_layer(variables["params"], MESH, lambda name, layer, mesh: {
+        "Dense_0": {"kernel": [R(), S(1)], "bias": [R(), S(0)]},
+        "BatchNorm_0": {"scale": [R(), S(0)], "bias": [R(), S(0)]},
+        "Dense_1": {"kernel": [R(), S(0)]}}.get(name)), "batch_stats": variables["batch_stats"]}
+    model = (net if form == "module" else net.apply, placed)
+    dist_model = dist.to_static(model, None, mse, tx)
+    # the statistics are placed like BatchNorm's scale (features split over mp)
+    assert dist_model.state["batch_stats"]["BatchNorm_0"]["mean"].placements == [R(), S(0)]
+    losses = [float(dist_model(x, y).numpy()) for x, y in train]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for name in ("mean", "var"):
+        got = dist_model.state["batch_stats"]["BatchNorm_0"][name].numpy()
+        np.testing.assert_allclose(got, stats["BatchNorm_0"][name], rtol=1e-5, atol=1e-6)
+    # eval reads the running statistics (train=False) and leaves them as they are
+    x, y = held_out
+    want = mse(net.apply({"params": params, "batch_stats": stats}, x, train=False), y)
+    np.testing.assert_allclose(float(dist_model.eval()(x, y).numpy()), float(want), rtol=1e-5)
+    np.testing.assert_allclose(dist_model.state["batch_stats"]["BatchNorm_0"]["mean"].numpy(),
+                               stats["BatchNorm_0"]["mean"], rtol=1e-6)
+
+
+def test_linen_variables_without_params_is_a_clear_error():
+    with pytest.raises(dist.AutoshardError, match="'params' collection"):
+        dist.to_static((LinenNet(), {"batch_stats": {}}), None, mse, optax.sgd(0.1))

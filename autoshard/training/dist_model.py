@@ -118,7 +118,7 @@ class DistModel:
                 placed[path] = value
                 continue
             sibling = sibling_param(self._parts.param_paths, path, np.shape(value))
-            placements = compute.get(sibling) if sibling is not None else None
+            placements = compute.get(self._parts.param_of(sibling)) if sibling is not None else None
             placed[path] = (shard_tensor(np.asarray(value), self.mesh, placements)
                             if placements is not None else self._replicated(value))
         return unflatten_dict(placed)

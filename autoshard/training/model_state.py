@@ -1,5 +1,6 @@
 """How to_static sees a model: a pure function of (params, state, inputs) returning the outputs
-and the new state, for flax nnx Modules and (apply_fn, params) pairs.
+and the new state, for flax nnx Modules, linen (Module or module.apply, variables) pairs and
+(apply_fn, params) pairs.
 
 `state` is everything of an nnx Module that is not an nnx.Param but changes when it runs —
 BatchNorm's running statistics, the counters of nnx.Rngs streams (dropout) — so the compiled
@@ -66,8 +67,10 @@ class ModelParts:
     state: dict
     apply: Callable[..., tuple[Any, dict]]
     write_back: Callable[[Any, dict], None] = lambda params, state: None
-    # The tensor shape of each nnx.Param by module path, to place a state leaf like its params.
+    # The tensor shape of each param by a path comparable with the state's (sibling_param), to
+    # place a state leaf like its params; `param_of` maps such a path to the param's own path.
     param_paths: dict[tuple, Any] = field(default_factory=dict)
+    param_of: Callable[[tuple], tuple] = lambda path: path
 
 
 # ------------------------------------------------------------------------------------ nnx
@@ -142,21 +145,85 @@ def _nnx_parts(model: Any) -> ModelParts:
                       param_shapes)
 
 
+# ---------------------------------------------------------------------------------- linen
+# The call arguments by which linen modules conventionally switch between training and
+# inference, and the value each takes in training.
+_LINEN_MODE_ARGUMENTS = {"train": True, "training": True, "deterministic": False,
+                         "use_running_average": False}
+
+
+def _linen_module(model: Any) -> Any:
+    """The linen Module of `(module, variables)` or `(module.apply, variables)`, else None."""
+    try:
+        from flax import linen
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return None
+    head = model[0]
+    owner = getattr(head, "__self__", None)  # a bound `module.apply`
+    if isinstance(head, linen.Module):
+        return head
+    # `module.apply` with only params keeps the plain pair's meaning (apply_fn(variables, x)):
+    # its params tree, and so its state_dict names, stay what they were.
+    has_state = isinstance(model[1], dict) and bool(set(model[1]) - {"params"})
+    if isinstance(owner, linen.Module) and getattr(head, "__name__", "") == "apply" and has_state:
+        return owner
+    return None
+
+
+def _linen_parts(module: Any, variables: Any) -> ModelParts:
+    """params = variables['params']; state = every other collection (batch_stats, ...).
+
+    In training the step runs with the state collections mutable and returns their new value;
+    in eval and predict they are read only. A mode argument of the module's __call__ (`train`,
+    `deterministic`, `use_running_average`) is set by the DistModel's mode unless given.
+    """
+    import inspect
+
+    if not isinstance(variables, dict) or "params" not in variables:
+        raise DistModelError(
+            f"to_static((module, variables)): variables must be the dict model.init returns, "
+            f"with a 'params' collection; got {type(variables).__name__} with keys "
+            f"{sorted(variables) if isinstance(variables, dict) else '-'}")
+    state = {k: v for k, v in variables.items() if k != "params"}
+    accepted = inspect.signature(type(module).__call__).parameters
+    flags = {name: train for name, train in _LINEN_MODE_ARGUMENTS.items() if name in accepted}
+
+    def apply(mode: str, params: Any, state: dict, *inputs: Any) -> tuple[Any, dict]:
+        training = mode == "train"
+        kwargs = {name: (train if training else not train) for name, train in flags.items()}
+        if training and state:
+            out, new = module.apply({"params": params, **state}, *inputs, mutable=list(state),
+                                    **kwargs)
+            return out, _keep_structure(state, dict(new))
+        return module.apply({"params": params, **state}, *inputs, **kwargs), state
+
+    # A collection's leaf is placed like the param of the same module and shape (BatchNorm's
+    # mean beside its scale): state paths start with the collection's name, params' do not.
+    params_flat = flatten_dict(variables["params"])
+    param_paths = {(col, *path): np.shape(v) for col in state for path, v in params_flat.items()}
+    return ModelParts(variables["params"], state, apply, param_paths=param_paths,
+                      param_of=lambda path: path[1:])
+
+
 # ---------------------------------------------------------------------------------- pairs
 def split_model(model: Any) -> ModelParts:
-    """ModelParts of an nnx Module or an (apply_fn, params) pair (which has no state)."""
+    """ModelParts of an nnx Module, a linen (module, variables) pair or an (apply_fn, params) pair."""
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         nnx = None
     if nnx is not None and isinstance(model, nnx.Module):
         return _nnx_parts(model)
+    if isinstance(model, tuple) and len(model) == 2:
+        module = _linen_module(model)
+        if module is not None:
+            return _linen_parts(module, model[1])
     if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
         apply_fn, params = model
         return ModelParts(params, {}, lambda mode, p, s, *inputs: (apply_fn(p, *inputs), s))
     raise DistModelError(
         f"to_static needs a flax nnx Module or an (apply_fn, params) pair, got "
-        f"{type(model).__name__}: for linen write dist.to_static((module.apply, params), ...)")
+        f"{type(model).__name__}: for linen write dist.to_static((module, variables), ...)")
 
 
 def sibling_param(param_shapes: dict[tuple, Any], path: tuple, shape: tuple) -> tuple | None:
