@@ -25,6 +25,9 @@ class RuleRegistry:
 
     def __init__(self) -> None:
         self._rules: dict[Any, Rule] = {}
+        # The rules' answers per equation shape (autoshard.compiler.propagate.rule_signature):
+        # rules are pure, so only a change of rule makes an answer stale.
+        self.memo: dict = {}
 
     def register(self, primitive: Any, rule: Rule | Callable[..., Any],
                  lower: Callable[..., Any] | None = None) -> None:
@@ -37,6 +40,7 @@ class RuleRegistry:
         if not isinstance(rule, Rule):
             rule = Rule(rule, lower)
         self._rules[primitive] = rule
+        self.memo.clear()
 
     def register_table(self, table: dict[Any, Rule]) -> None:
         for primitive, rule in table.items():

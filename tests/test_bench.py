@@ -11,7 +11,7 @@ ROW_KEYS = {"workload", "key", "mesh", "equations", "bytes", "xla_bytes", "wire_
             "xla_wire_bytes", "collectives", "xla_collectives", "bytes_by_kind",
             "xla_bytes_by_kind", "count_by_kind", "xla_count_by_kind", "bytes_ratio",
             "wire_ratio", "min_bytes", "vs_min", "mem", "xla_mem", "mem_ratio", "plan_s",
-            "partition_s", "pass_s", "xla_compile_s", "xla_base_compile_s", "pass_over_compile",
+            "partition_s", "lower_s", "pass_s", "xla_compile_s", "xla_base_compile_s", "pass_over_compile",
             "step_ms", "xla_step_ms", "step_ratio", "step_ratio_min", "step_ratio_max",
             "outputs_agree", "flops", "xla_flops", "flops_ratio", "bytes_accessed",
             "xla_bytes_accessed", "bytes_accessed_ratio"}

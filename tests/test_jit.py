@@ -328,3 +328,30 @@ def test_conflicting_contracting_shardings_are_decided_by_cost_deterministically
     again = dist.jit(matmul)
     assert str(again.explain(a, b)) == str(f.explain(a, b))  # same inputs, same plan
     assert hlo_counts(f, a, b) == planned(f, a, b)
+
+
+def test_rule_answers_are_shared_by_equal_equations_until_a_rule_changes():
+    # the planner asks a rule once per distinct equation (layers repeat theirs) and shares the
+    # answer; registering a rule again must not leave the old answer in use
+    from autoshard.compiler.factors import einsum
+    from autoshard.compiler.propagate import rule_signature
+    from autoshard.compiler.trace import build_program
+    from rules.registry import RuleRegistry
+
+    calls = []
+
+    def rule(spec):
+        def sharding(ins, outs, **params):
+            calls.append(spec)
+            return einsum(spec, [ins[0].shape], [outs[0].shape])
+        return sharding
+
+    registry = RuleRegistry()
+    registry.register(jax.lax.sin_p, rule("ij->ij"))
+    program = build_program(jax.make_jaxpr(lambda a: jnp.sin(jnp.sin(a)))(jnp.ones((8, 4))))
+    first, second = (rule_signature(e, registry) for e in program.eqns)
+    assert first is second and calls == ["ij->ij"]
+    registry.register(jax.lax.sin_p, rule("i.->i."))
+    program = build_program(jax.make_jaxpr(lambda a: jnp.sin(a))(jnp.ones((8, 4))))
+    assert rule_signature(program.eqns[0], registry).opsh.operands == ((0, None),)
+    assert calls == ["ij->ij", "i.->i."]

@@ -1,6 +1,10 @@
 """The compiler suite: how long our passes take against XLA's compile, and what the
 partitioned GPT step communicates against plain jax.jit with the same input shardings.
 
+Pass time is plan (build_program + propagate + plan) + partition (tracing our local program
+under shard_map); jax's lowering of it to StableHLO is the `lower_s` column, apart, and
+`s_per_10k_eqns_with_lower` counts it in (see `measure.py`).
+
     python -m autoshard.bench compiler [--layers 2 12 48] [--scan 12] [--json FILE]
 
 A subset of the full suite (`python -m autoshard.bench`) without step timing, for quick
@@ -11,19 +15,16 @@ from __future__ import annotations
 import json
 
 from .gpt_workloads import gpt_dp_tp
-from .measure import build, communication
+from .measure import build, communication, pass_times
 
 
 def measure(layers: int, form: str) -> dict:
     w = gpt_dp_tp(layers, form)
     b = build(w)
     comm = communication(b.ours.as_text(), b.base.as_text(), w)
-    pass_s = b.plan_s + b.partition_s
     return {
-        "workload": f"gpt {form} {layers}L", "equations": b.equations,
-        "plan_s": round(b.plan_s, 3), "partition_s": round(b.partition_s, 3),
-        "pass_s": round(pass_s, 3), "xla_compile_s": round(b.xla_compile_s, 3),
-        "s_per_10k_eqns": round(pass_s / b.equations * 1e4, 3),
+        "workload": f"gpt {form} {layers}L", "equations": b.equations, **pass_times(b),
+        "xla_compile_s": round(b.xla_compile_s, 3),
         **{k: comm[k] for k in ("bytes", "xla_bytes", "bytes_ratio", "collectives",
                                 "xla_collectives")},
     }
@@ -31,8 +32,9 @@ def measure(layers: int, form: str) -> dict:
 
 def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[dict]:
     rows = [measure(n, "unrolled") for n in layers] + [measure(n, "scan") for n in scan]
-    cols = ["workload", "equations", "plan_s", "partition_s", "s_per_10k_eqns", "xla_compile_s",
-            "bytes", "xla_bytes", "bytes_ratio", "collectives", "xla_collectives"]
+    cols = ["workload", "equations", "plan_s", "partition_s", "lower_s", "s_per_10k_eqns",
+            "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes", "xla_bytes", "bytes_ratio",
+            "collectives", "xla_collectives"]
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print("  ".join(f"{str(r[c]):>14}" for c in cols))

@@ -19,7 +19,7 @@ from jax import lax
 from ..cost_model import default_cost_model
 from ..layout import Layout
 from ..reshard.api import plan_layouts
-from ..reshard.steps import ensure_varying, varying_axes
+from ..reshard.steps import varying_axes
 from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
@@ -46,10 +46,13 @@ class LowerContext:
 
 
 def match_vma(values: list[Any]) -> list[Any]:
-    axes: set = set()
-    for x in values:
-        axes |= varying_axes(x)
-    return [ensure_varying(x, axes) for x in values]
+    """`values` cast to vary over the union of their varying axes (what check_vma expects)."""
+    if len(values) < 2:
+        return list(values)  # one value always agrees with itself
+    vmas = [varying_axes(x) for x in values]
+    axes = frozenset().union(*vmas)
+    return [x if v == axes else lax.pcast(x, tuple(sorted(axes - v)), to="varying")
+            for x, v in zip(values, vmas)]
 
 
 def _localize(params: dict, local_out_shapes: list[tuple[int, ...]]) -> dict:
@@ -80,6 +83,21 @@ def _bind(e, ep, ins: list, registry, sizes) -> list:
         return rule.lower(ctx, *ins, **e.params)
     outs = e.primitive.bind(*ins, **_localize(e.params, local_shapes))
     return outs if e.primitive.multiple_results else [outs]
+
+
+def _device_const(c, scalars: dict):
+    """Program constant `c` as a jax array; equal scalars (one per literal in the user's
+    program) are put on the device once. A scalar enters the traced program as a literal of
+    its value, whichever array object holds it, so sharing one changes nothing there."""
+    if isinstance(c.const, jax.Array):
+        return c.const
+    value = np.asarray(c.const)
+    if value.ndim:
+        return jnp.asarray(value, dtype=c.dtype)
+    key = (value.dtype, value.tobytes(), np.dtype(c.dtype))
+    if key not in scalars:
+        scalars[key] = jnp.asarray(value, dtype=c.dtype)
+    return scalars[key]
 
 
 def local_function(plan: Plan, registry, *, physical: bool = True):
@@ -140,9 +158,9 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         env: dict = {}
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if (L.partial and physical) else x
+        scalars: dict = {}
         for c in program.consts:
-            env[c] = (c.const if isinstance(c.const, jax.Array)
-                      else jnp.asarray(np.asarray(c.const), dtype=c.dtype))
+            env[c] = _device_const(c, scalars)
         moved: dict = {}
         run_eqns(env, moved, 0, len(program.eqns))
         reshards = dict(plan.output_reshards)

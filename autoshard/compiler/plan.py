@@ -18,7 +18,7 @@ from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
 from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
-from .propagate import propagate, rule_sharding
+from .propagate import propagate, rule_signature
 from .strategy import choose
 from .trace import Program, Value, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
@@ -178,21 +178,20 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     collectives.append(replace(c, reason=f"{c.reason} (inside {strategy})"))
                 fallbacks.extend(sub.fallbacks)
         else:
-            opsh = rule_sharding(e, registry)
-            if opsh is None:
+            sig = rule_signature(e, registry)
+            if sig is None:
                 fallback = True
                 fallbacks.append((e.name, e.source))
                 required = [Layout.replicated(len(a.shape)) for a in in_avals]
                 results = [Layout.replicated(len(a.shape)) for a in out_avals]
                 strategy, considered, seconds = "replicated (no rule)", 1, 0.0
             else:
-                choice = choose(opsh, mesh, in_avals, out_avals, operands,
-                                [pref.get(v) for v in e.outputs], cost_model,
-                                [uses.get(v, 0) <= 1 for v in e.inputs],
-                                [moved_to.get(v, frozenset()) for v in e.inputs],
-                                [v in parameters for v in e.inputs])
+                choice = choose(sig, mesh, tuple(operands), tuple(map(pref.get, e.outputs)),
+                                cost_model, tuple(uses.get(v, 0) <= 1 for v in e.inputs),
+                                tuple(moved_to.get(v, frozenset()) for v in e.inputs),
+                                tuple(v in parameters for v in e.inputs))
                 required, results = choice.operands, choice.results
-                strategy = choice.strategy.describe(opsh)
+                strategy = choice.strategy.describe(sig.opsh)
                 considered, seconds = choice.considered, choice.seconds
                 rule = registry.lookup(e.primitive)
                 if rule is not None and rule.comm is not None:

@@ -20,33 +20,56 @@ from ..cost_model import CostModel
 from ..errors import PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from .strategy import choose
+from .strategy import Signature, choose, signature
 from .trace import Eqn, Program, hint_p
 
 
 _UNSET = object()
+_MAX_MEMO = 65536  # distinct equation shapes remembered per registry before starting over
 
 
-def rule_sharding(eqn: Eqn, registry):
-    """The rule's description of `eqn` (computed once per equation and registry)."""
+def rule_signature(eqn: Eqn, registry) -> Signature | None:
+    """The rule's description of `eqn` with its avals (None: no rule, it runs replicated).
+
+    Computed once per equation and registry; and since a rule is a pure function of avals and
+    params, equal equations (every layer of a model) share the answer through the registry's
+    memo (which registering a rule clears).
+    """
     cached = eqn.sharding_cache.get(id(registry), _UNSET)
     if cached is not _UNSET:
         return cached
-    rule = registry.lookup(eqn.primitive)
-    result = None
-    if rule is not None:
-        try:
-            result = rule.sharding([v.aval for v in eqn.inputs], [v.aval for v in eqn.outputs],
-                                   **eqn.params)
-        except (TypeError, ValueError, KeyError, IndexError, AssertionError):
-            result = None  # an instance the rule does not describe runs replicated
+    in_avals = [v.aval for v in eqn.inputs]
+    out_avals = [v.aval for v in eqn.outputs]
+    key = None
+    if eqn.params_key is not None:
+        key = (eqn.primitive, tuple(in_avals), tuple(out_avals), eqn.params_key)
+    result = registry.memo.get(key, _UNSET) if key is not None else _UNSET
+    if result is _UNSET:
+        result = None
+        rule = registry.lookup(eqn.primitive)
+        if rule is not None:
+            try:
+                opsh = rule.sharding(in_avals, out_avals, **eqn.params)
+            except (TypeError, ValueError, KeyError, IndexError, AssertionError):
+                opsh = None  # an instance the rule does not describe runs replicated
+            result = None if opsh is None else signature(opsh, in_avals, out_avals)
+        if key is not None:
+            if len(registry.memo) >= _MAX_MEMO:
+                registry.memo.clear()
+            registry.memo[key] = result
     eqn.sharding_cache[id(registry)] = result
     return result
 
 
+def rule_sharding(eqn: Eqn, registry):
+    """The rule's description of `eqn` (None: no rule, it runs replicated)."""
+    sig = rule_signature(eqn, registry)
+    return None if sig is None else sig.opsh
+
+
 def refines(old: Layout, new: Layout) -> bool:
     """`new` keeps every sharding and partial axis of `old` and adds more (a strict refinement)."""
-    if new == old or len(new.dims) != len(old.dims):
+    if new is old or new == old or len(new.dims) != len(old.dims):
         return False
     if not set(old.partial) <= set(new.partial):
         return False
@@ -76,12 +99,13 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     pref: dict = dict(fixed)
     for c in program.consts:
         pref[c] = Layout.replicated(len(c.shape))
-    shardings = {e.index: rule_sharding(e, registry) for e in program.eqns
-                 if e.primitive is not hint_p}
-
     uses = program.use_counts()
     parameters = {*program.inputs, *program.consts}
     pinned = set(fixed) | set(program.consts)
+    # Per equation, what every visit passes to `choose` besides layouts (computed once).
+    sigs = [None if e.primitive is hint_p else rule_signature(e, registry) for e in program.eqns]
+    single_use = [tuple(uses.get(v, 0) <= 1 for v in e.inputs) for e in program.eqns]
+    is_parameter = [tuple(v in parameters for v in e.inputs) for e in program.eqns]
 
     def offer(v, L) -> bool:
         """Record a proposal: first one wins, but a free value may be refined later."""
@@ -91,9 +115,9 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         return False
 
     def visit(e: Eqn, allow_trivial: bool) -> list:
-        known_in = [pref.get(v) for v in e.inputs]
-        known_out = [pref.get(v) for v in e.outputs]
-        if not any(L is not None for L in known_in + known_out):
+        known_in = tuple(map(pref.get, e.inputs))
+        known_out = tuple(map(pref.get, e.outputs))
+        if all(L is None for L in known_in) and all(L is None for L in known_out):
             return []
         changed: list = []
         if e.primitive is hint_p:
@@ -105,12 +129,11 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 if not v.is_const and offer(v, target.without_partial()):
                     changed.append(v)
             return changed
-        opsh = shardings.get(e.index)
-        if opsh is None:
+        sig = sigs[e.index]
+        if sig is None:
             return []
-        choice = choose(opsh, mesh, [v.aval for v in e.inputs], [v.aval for v in e.outputs],
-                        known_in, known_out, cost_model, [uses.get(v, 0) <= 1 for v in e.inputs],
-                        parameters=[v in parameters for v in e.inputs])
+        choice = choose(sig, mesh, known_in, known_out, cost_model, single_use[e.index],
+                        (frozenset(),) * len(known_in), is_parameter[e.index])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):
@@ -165,4 +188,4 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     return pref
 
 
-__all__ = ["propagate", "rule_sharding"]
+__all__ = ["propagate", "rule_sharding", "rule_signature"]

@@ -190,37 +190,63 @@ class Choice:
     considered: int
 
 
-def choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals,
-           actual: Sequence[Layout | None], preferred: Sequence[Layout | None],
-           cost_model: CostModel, single_use: Sequence[bool] | None = None,
-           available: Sequence[frozenset] | None = None,
-           parameters: Sequence[bool] | None = None) -> Choice:
-    """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing).
-
-    `available[i]`: layouts operand i has already been moved to for an earlier consumer; the
-    partitioned program reuses that copy, so asking for one of them costs nothing more.
-    `parameters[i]`: operand i is an input or constant of the program (a loop body's carry
-    included): made Partial, it is not recomputed anywhere, so that costs nothing either.
-
-    A pure function of its arguments, memoised: the layers of a model repeat the same
-    decisions, so most equations of a deep network are answered from the cache.
-    """
-    single = tuple(single_use) if single_use is not None else (True,) * len(actual)
-    avail = tuple(available) if available is not None else (frozenset(),) * len(actual)
-    params = tuple(parameters) if parameters is not None else (False,) * len(actual)
-    return _choose(opsh, mesh, tuple(_Aval(tuple(a.shape), a.dtype) for a in in_avals),
-                   tuple(_Aval(tuple(a.shape), a.dtype) for a in out_avals), tuple(actual),
-                   tuple(preferred), cost_model, single, avail, params)
-
-
-class _Aval(NamedTuple):  # a tuple: cheap to build and hash on every call (cache key)
+class _Aval(NamedTuple):  # a tuple: cheap to build, hash and compare
     shape: tuple
     dtype: object
 
 
+class Signature:
+    """What planning needs of one equation besides layouts: its rule description and avals.
+
+    Interned (`signature`): structurally equal equations — every layer of a model repeats
+    them — share one object, so the memoised `choose` hashes and compares it by identity, not
+    the OpSharding and avals field by field on every decision.
+    """
+
+    __slots__ = ("opsh", "in_avals", "out_avals")
+
+    def __init__(self, opsh: OpSharding, in_avals: tuple[_Aval, ...], out_avals: tuple[_Aval, ...]):
+        self.opsh, self.in_avals, self.out_avals = opsh, in_avals, out_avals
+
+
+_SIGNATURES: dict = {}
+_MAX_SIGNATURES = 65536  # past this the table starts over (old entries only miss, never lie)
+
+
+def signature(opsh: OpSharding, in_avals, out_avals) -> Signature:
+    key = (opsh, tuple(_Aval(tuple(a.shape), a.dtype) for a in in_avals),
+           tuple(_Aval(tuple(a.shape), a.dtype) for a in out_avals))
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        if len(_SIGNATURES) >= _MAX_SIGNATURES:
+            _SIGNATURES.clear()
+        sig = _SIGNATURES[key] = Signature(*key)
+    return sig
+
+
+def choose(sig: Signature, mesh: ProcessMesh, actual: tuple[Layout | None, ...],
+           preferred: tuple[Layout | None, ...], cost_model: CostModel,
+           single_use: tuple[bool, ...], available: tuple[frozenset, ...],
+           parameters: tuple[bool, ...]) -> Choice:
+    """The cheapest valid strategy; `actual[i]` None means the operand is free (costs nothing).
+
+    `single_use[i]`: operand i has no other consumer (see `candidates`). `available[i]`:
+    layouts operand i has already been moved to for an earlier consumer; the partitioned
+    program reuses that copy, so asking for one of them costs nothing more. `parameters[i]`:
+    operand i is an input or constant of the program (a loop body's carry included): made
+    Partial, it is not recomputed anywhere, so that costs nothing either.
+
+    A pure function of its arguments (all tuples: they are the cache key), memoised: the
+    layers of a model repeat the same decisions, so most equations of a deep network are
+    answered from the cache.
+    """
+    return _choose(sig, mesh, actual, preferred, cost_model, single_use, available, parameters)
+
+
 @functools.lru_cache(maxsize=65536)
-def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, preferred,
-            cost_model: CostModel, single_use, available, parameters) -> Choice:
+def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: CostModel,
+            single_use, available, parameters) -> Choice:
+    opsh, in_avals, out_avals = sig.opsh, sig.in_avals, sig.out_avals
     sizes = mesh.axis_sizes
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
@@ -249,4 +275,4 @@ def _choose(opsh: OpSharding, mesh: ProcessMesh, in_avals, out_avals, actual, pr
     return best
 
 
-__all__ = ["Strategy", "Choice", "choose", "candidates", "layouts", "reshard_seconds", "NONE"]
+__all__ = ["Strategy", "Choice", "Signature", "signature", "choose", "candidates", "layouts", "reshard_seconds", "NONE"]

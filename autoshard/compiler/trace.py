@@ -101,6 +101,7 @@ class Eqn:
     source: str | None
     index: int = 0
     sharding_cache: dict = field(default_factory=dict)
+    params_key: tuple | None = None  # `params_key(params)`, set by build_program
 
     @property
     def name(self) -> str:
@@ -161,17 +162,56 @@ def source_line(source_info) -> str | None:
     """`file:line` of the user's code that produced an equation.
 
     Frames inside installed libraries (optax, flax) and autoshard itself are skipped, so an
-    optimizer update is attributed to the user's line that called it.
+    optimizer update is attributed to the user's line that called it; with no such frame, the
+    innermost of jax's user frames. Walks the raw frames (what `source_info_util.user_frames`
+    filters) and resolves the line of the chosen frame only: this runs once per equation.
     """
-    if not source_info:
+    if not source_info or not source_info.traceback:
         return None
-    frames = list(source_info_util.user_frames(source_info.traceback))
-    mine = [f for f in frames if not f.file_name.startswith(_PKG)
-            and not any(m in f.file_name for m in _LIBRARY_MARKERS)]
-    frame = (mine or frames or [None])[0]
-    if frame is None:
+    first = None
+    for code, lasti in zip(*source_info.traceback.raw_frames()):
+        if not source_info_util.is_user_filename(code.co_filename):
+            continue  # jax's own frames
+        if not _library_file(code.co_filename):
+            return _frame_line(code, lasti)
+        if first is None:
+            first = (code, lasti)
+    return None if first is None else _frame_line(*first)
+
+
+_LIBRARY_FILES: dict[str, bool] = {}
+_FRAME_LINES: dict = {}
+
+
+def _library_file(file_name: str) -> bool:
+    """Whether frames of this file are autoshard's or an installed library's (memoised)."""
+    known = _LIBRARY_FILES.get(file_name)
+    if known is None:
+        known = file_name.startswith(_PKG) or any(m in file_name for m in _LIBRARY_MARKERS)
+        _LIBRARY_FILES[file_name] = known
+    return known
+
+
+def _frame_line(code, lasti: int) -> str:
+    """`file:line` of one raw frame (memoised: a layer's equations come from the same lines)."""
+    line = _FRAME_LINES.get((code, lasti))
+    if line is None:
+        frame = source_info_util.raw_frame_to_frame(code, lasti)
+        line = f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+        if len(_FRAME_LINES) >= 65536:
+            _FRAME_LINES.clear()
+        _FRAME_LINES[(code, lasti)] = line
+    return line
+
+
+def params_key(params: dict) -> tuple | None:
+    """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
+    try:
+        key = tuple(sorted(params.items()))
+        hash(key)
+    except TypeError:
         return None
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+    return key
 
 
 def _names():
@@ -203,16 +243,10 @@ def build_program(closed: Any) -> Program:
     regions: list[CustomRegion] = []
     depth = [0]  # custom-rule nesting: only outermost bodies become regions
 
-    def cse_key(eqn, ins):
-        if eqn.effects:
+    def cse_key(eqn, ins, params):
+        if eqn.effects or params is None:  # params holding arrays: not worth comparing
             return None
-        try:
-            key = (eqn.primitive, tuple(v.id for v in ins),
-                   tuple(sorted((k, v) for k, v in eqn.params.items())))
-            hash(key)
-        except TypeError:  # params holding jaxprs or arrays: not worth comparing
-            return None
-        return key
+        return (eqn.primitive, tuple(v.id for v in ins), params)
 
     def own_outputs(outs: list[Value], start: int, source) -> list[Value]:
         # An output the body passes through (custom_vjp identity with a gradient rule) must be
@@ -222,7 +256,7 @@ def build_program(closed: Any) -> Program:
         for v in outs:
             if id(v) not in made:
                 out = fresh(v.aval)
-                eqns.append(Eqn(lax.copy_p, [v], [out], {}, source))
+                eqns.append(Eqn(lax.copy_p, [v], [out], {}, source, params_key=()))
                 made.add(id(out))
                 v = out
             fixed.append(v)
@@ -270,7 +304,8 @@ def build_program(closed: Any) -> Program:
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
-            key = cse_key(eqn, ins)
+            params = params_key(eqn.params)
+            key = cse_key(eqn, ins, params)
             if key is not None and key in seen:
                 for var, v in zip(eqn.outvars, seen[key]):
                     env[var] = v
@@ -278,7 +313,7 @@ def build_program(closed: Any) -> Program:
             outs = [fresh(v.aval) for v in eqn.outvars]
             if key is not None:
                 seen[key] = outs
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source))
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             for var, v in zip(eqn.outvars, outs):
                 env[var] = v
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
