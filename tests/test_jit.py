@@ -355,3 +355,37 @@ def test_rule_answers_are_shared_by_equal_equations_until_a_rule_changes():
     program = build_program(jax.make_jaxpr(lambda a: jnp.sin(a))(jnp.ones((8, 4))))
     assert rule_signature(program.eqns[0], registry).opsh.operands == ((0, None),)
     assert calls == ["ij->ij", "i.->i."]
+
+
+# -- the passes pause cyclic garbage collection and always give the setting back ----------------
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_compiling_restores_the_garbage_collector_setting(enabled_before):
+    import gc
+
+    from autoshard.compiler.gc_pause import gc_paused
+    x = dist.shard_tensor(np.arange(16, dtype=np.float32).reshape(4, 4), MESH4,
+                          [dist.Shard(0)])
+    seen = []
+
+    @gc_paused
+    def failing_pass():
+        assert not gc.isenabled()
+        return 1 / 0
+
+    def f(a):
+        seen.append(gc.isenabled())  # runs while the program is traced, before the passes
+        return jnp.tanh(a) @ a.T
+
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        out = dist.jit(f)(x)
+        assert gc.isenabled() is enabled_before
+        with pytest.raises(ZeroDivisionError):
+            failing_pass()
+        assert gc.isenabled() is enabled_before
+    finally:
+        gc.enable()
+    assert seen[0] is enabled_before
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    np.testing.assert_allclose(np.asarray(out.numpy()), np.tanh(a) @ a.T, rtol=1e-5)

@@ -23,6 +23,7 @@ from ..reshard.steps import varying_axes
 from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
+from .gc_pause import gc_paused
 from .plan import Plan
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
@@ -154,6 +155,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         run_eqns(env, {}, region.start, region.stop, inside=True)
         return [env[v] for v in region.outputs]
 
+    @gc_paused
     def run(*local_inputs):
         env: dict = {}
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):

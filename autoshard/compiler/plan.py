@@ -18,6 +18,7 @@ from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
 from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
+from .gc_pause import gc_paused
 from .propagate import propagate, rule_signature
 from .strategy import choose
 from .trace import Program, Value, hint_p
@@ -95,6 +96,7 @@ def _reason(consumer: str, value: Value, src: Layout, dst: Layout, mesh: Process
     return (f"{consumer} needs {value!r} as {dst.describe(mesh)}, it is {src.describe(mesh)}")
 
 
+@gc_paused
 def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
               output_targets: list, registry, cost_model: CostModel, *,
               top_level: bool = True) -> Plan:

@@ -20,6 +20,7 @@ from jax.extend import core as jex_core
 
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .gc_pause import gc_paused
 
 # --------------------------------------------------------------------------------- hint primitive
 hint_p = jex_core.Primitive("autoshard_hint")
@@ -225,6 +226,7 @@ def _names():
         yield s
 
 
+@gc_paused
 def build_program(closed: Any) -> Program:
     """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls."""
     names = _names()
