@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import autoshard as dist
-from autoshard.hlo import count_collectives
+from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
 S, R = dist.Shard, dist.Replicate
@@ -48,3 +48,35 @@ def test_weight_gradient_is_never_reduced_at_full_size_over_every_axis(d):
     assert all(c.bytes_per_device < full for c in plan.collectives), plan.collectives
     assert count_collectives(f.lower(wd, xd).compile().as_text()) == \
         Counter(c.kind for c in plan.collectives)
+
+
+def _dot_step(w, x):
+    return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+
+@pytest.mark.parametrize("w_placements", [[R(), S(1)], [R(), S(0)], [R(), R()]],
+                         ids=["column-parallel", "row-parallel", "replicated"])
+def test_weight_gradient_is_reduced_before_jaxs_transpose(w_placements):
+    # jax's gradient of `x @ w` is a dot_general then a transpose; with the batch over dp the
+    # dot's result is Partial. Reduced after the transpose, XLA folds the transpose into the
+    # dot (a non-canonical dot); reduced before it, as jax.jit does, the dot stays canonical.
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(64, 128)) * 0.1).astype(np.float32)
+    x = rng.normal(size=(8, 16, 64)).astype(np.float32)
+    wd = dist.shard_tensor(w, MESH, w_placements)
+    xd = dist.shard_tensor(x, MESH, [S(0), R()])
+    f = dist.jit(_dot_step, out_placements=[w_placements])
+    np.testing.assert_allclose(f(wd, xd).numpy(), _dot_step(w, x), rtol=1e-4, atol=1e-5)
+
+    plan = f.plan(wd, xd)
+    grads = [ep for ep in plan.eqns if ep.primitive == "transpose" and ep.operands[0].partial]
+    assert grads, "the gradient's transpose should read the Partial dot result"
+    assert all(not ep.results[0].partial and ep.reshards for ep in grads)
+    hlo = f.lower(wd, xd).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    folded = [line for line in entry.splitlines()
+              if " dot(" in line and 'op_name="' in line and '/transpose"' in line]
+    assert not folded, folded
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    base = jax.jit(_dot_step).lower(wd.physical, xd.physical).compile().as_text()
+    assert sum(collective_bytes(hlo).values()) <= sum(collective_bytes(base).values())

@@ -16,6 +16,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
+from .commute import hoist_reductions
 from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
@@ -224,6 +225,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         if actual[v] != dst:
             output_reshards.append((k, reshard(v, dst, f"output {k}", producer.get(v))))
         outputs.append(dst)
+    hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)
 
     if fallbacks and top_level:
         names = sorted({n for n, _ in fallbacks})
