@@ -5,7 +5,8 @@ block, the shard totals are all-gathered (small), and each device combines its b
 exclusive scan of the totals of the shards before it (after it, for reverse) — instead of
 gathering the whole axis. argmax / argmin over a sharded axis: each device finds its local best
 value and global index, the candidates are all-gathered, and the first best wins, as on one
-device. sort and top_k keep the sorted axis whole; every other dim stays sharded.
+device. top_k over a sharded axis does the same with each device's best k. sort keeps the
+sorted axis whole; every other dim stays sharded.
 """
 from __future__ import annotations
 
@@ -144,8 +145,56 @@ def top_k_sharding(in_avals, out_avals, *, k, axis=-1, **params):
     shape = in_avals[0].shape
     term = LETTERS[:len(shape)]
     axis = axis % len(shape)
-    return einsum(f"{term}->{term},{term}", [shape], [a.shape for a in out_avals],
-                  replicate=term[axis])
+    # the k dim of the results is never split; the searched dim may be (combined candidates)
+    out = term[:axis] + "." + term[axis + 1:]
+    return einsum(f"{term}->{out},{out}", [shape], [a.shape for a in out_avals],
+                  combine=term[axis])
+
+
+def _candidates_cost_more(block: int, k: int, value_dtype, index_dtype) -> bool:
+    """Each device's best k (values and indices) would outweigh its whole block."""
+    kk = min(k, block)
+    return kk * (np.dtype(value_dtype).itemsize + np.dtype(index_dtype).itemsize) \
+        >= block * np.dtype(value_dtype).itemsize
+
+
+def top_k_lower(ctx, x, *, k, axis=-1, **params):
+    axis = axis % x.ndim
+    mesh_axes = ctx.in_layouts[0].dims[axis]
+    name = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+    if mesh_axes and _candidates_cost_more(x.shape[axis], k, x.dtype, np.int32):
+        x = lax.all_gather(x, name, axis=axis, tiled=True, to="invarying")
+        mesh_axes = ()
+    if not mesh_axes:
+        return list(lax.top_k(x, k, axis=axis))
+    # Each device's best min(k, block) along the axis, with their global indices; the n·kk
+    # candidates (shard-major, so equal values keep one device's lowest-index-first order)
+    # are gathered and searched again.
+    kk = min(k, x.shape[axis])
+    values, local = lax.top_k(x, kk, axis=axis)
+    index = local + (ctx.block_index(mesh_axes) * x.shape[axis]).astype(local.dtype)
+    values = lax.all_gather(values, name, axis=axis, tiled=True, to="invarying")
+    index = lax.all_gather(index, name, axis=axis, tiled=True, to="invarying")
+    best, where = lax.top_k(values, k, axis=axis)
+    return [best, jnp.take_along_axis(index, where, axis=axis)]
+
+
+def top_k_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, k, axis=-1, **params):
+    axis = axis % len(in_avals[0].shape)
+    axes = in_layouts[0].dims[axis]
+    if not axes:
+        return []
+    n = math.prod(sizes[a] for a in axes)
+    local = list(in_layouts[0].local_shape(in_avals[0].shape, sizes))
+    name = ",".join(axes)
+    if _candidates_cost_more(local[axis], k, in_avals[0].dtype, out_avals[1].dtype):
+        return [("all-gather", f"all_gather({name}) the searched dim (smaller than k candidates)",
+                 axes, _nbytes(local, in_avals[0].dtype) * (n - 1))]
+    local[axis] = min(k, local[axis])
+    return [("all-gather", f"all_gather({name}) local top-k values", axes,
+             _nbytes(local, in_avals[0].dtype) * (n - 1)),
+            ("all-gather", f"all_gather({name}) local top-k indices", axes,
+             _nbytes(local, out_avals[1].dtype) * (n - 1))]
 
 
 TABLE = {p: Rule(cumulative_sharding, cumulative_lower(p), cumulative_comm) for p in _COMBINE}
@@ -153,7 +202,7 @@ TABLE.update({
     lax.argmax_p: Rule(arg_sharding, arg_lower(True), arg_comm),
     lax.argmin_p: Rule(arg_sharding, arg_lower(False), arg_comm),
     lax.sort_p: Rule(sort_sharding),
-    lax.top_k_p: Rule(top_k_sharding),
+    lax.top_k_p: Rule(top_k_sharding, top_k_lower, top_k_comm),
 })
 
 
@@ -177,6 +226,8 @@ def validation_samples() -> list:
     out.append(("sort axis=1 with values", "sort",
                 lambda x, y: lax.sort((x, y), dimension=1, num_keys=1)[1], (f2, f2)))
     out.append(("top_k", "top_k", lambda x: lax.top_k(x, 3)[0] + lax.top_k(x, 3)[1], (f2,)))
+    out.append(("top_k k > block", "top_k", lambda x: lax.top_k(x, 6)[0] * lax.top_k(x, 6)[1], (f2,)))
+    out.append(("top_k axis=0", "top_k", lambda x: lax.top_k(x, 3, axis=0)[1], (f2,)))
     return out
 
 

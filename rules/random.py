@@ -28,32 +28,44 @@ def _is_threefry(aval) -> bool:
 
 def random_bits_sharding(in_avals, out_avals, *, bit_width, shape):
     key = in_avals[0]
-    if (key.shape != () or not _is_threefry(key) or bit_width not in (8, 16, 32)
+    if (not _is_threefry(key) or bit_width not in (8, 16, 32)
             or not jax.config.jax_threefry_partitionable or math.prod(shape) >= 2 ** 32):
-        return None  # batched keys, other generators, huge draws: run replicated
-    # one scalar operand (the key, never sharded); every result dim passes
-    return einsum(f"->{LETTERS[:len(shape)]}", [()], [shape])
+        return None  # other generators, huge draws: run replicated
+    # A batch of keys (split keys under vmap) draws one block per key: the result is
+    # (*key dims, *shape), and a key dim may be split along with the draws that use it.
+    batch = LETTERS[:key.ndim]
+    inner = LETTERS[key.ndim:key.ndim + len(shape)]
+    return einsum(f"{batch}->{batch}{inner}", [key.shape], [tuple(key.shape) + tuple(shape)])
 
 
-def random_bits_lower(ctx, key, *, bit_width, shape):
+def _bits_for_one_key(key, index, bit_width):
+    """threefry(key, i) at the global element indices `index` (one scalar key)."""
     from autoshard.compiler.partition import match_vma
 
-    local = ctx.local_out_shapes[0]
-    layout = ctx.out_layouts[0]
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    index = lax.full(local, 0, np.uint32)
-    for d, axes in enumerate(layout.dims):
-        g = lax.broadcasted_iota(np.uint32, local, d)
-        if axes:  # this block starts at block_index * local size along d
-            g = g + (ctx.block_index(axes) * local[d]).astype(np.uint32)
-        index = index + g * np.uint32(strides[d])
     data = jax.random.key_data(key)
-    k1, k2, hi, lo = match_vma([data[0], data[1], lax.full(local, 0, np.uint32), index])
+    k1, k2, hi, lo = match_vma([data[0], data[1], lax.full(index.shape, 0, np.uint32), index])
     bits1, bits2 = threefry.threefry2x32_p.bind(k1, k2, hi, lo)
     bits = bits1 ^ bits2
     if bit_width != 32:
         bits = lax.convert_element_type(bits, prng.UINT_DTYPES[bit_width])
-    return [bits]
+    return bits
+
+
+def random_bits_lower(ctx, key, *, bit_width, shape):
+    nb = key.ndim
+    local = ctx.local_out_shapes[0][nb:]  # this device's block of one key's draw
+    dims = ctx.out_layouts[0].dims[nb:]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    index = lax.full(local, 0, np.uint32)
+    for d, axes in enumerate(dims):
+        g = lax.broadcasted_iota(np.uint32, local, d)
+        if axes:  # this block starts at block_index * local size along d
+            g = g + (ctx.block_index(axes) * local[d]).astype(np.uint32)
+        index = index + g * np.uint32(strides[d])
+    draw = lambda k: _bits_for_one_key(k, index, bit_width)  # noqa: E731
+    for _ in range(nb):  # one draw per local key, as jax batches random_bits
+        draw = jax.vmap(draw)
+    return [draw(key)]
 
 
 def replicated_sharding(in_avals, out_avals, **params):

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 import autoshard as dist
-from autoshard.hlo import count_collectives
+from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 X = (np.arange(16 * 32, dtype=np.float32).reshape(16, 32) % 7 - 3) / 4
@@ -36,3 +36,41 @@ def test_sort_keeps_the_other_dims_sharded():
     out = f(x)
     np.testing.assert_array_equal(out.numpy(), np.sort(X, axis=1))
     assert out.placements[0] == dist.Shard(0)  # rows stay split over dp
+
+
+# Integer-valued logits: many equal values sit in different shards, so the order among ties
+# (lowest index first, as on one device) is exercised.
+LOGITS = (np.arange(16 * 256, dtype=np.float32).reshape(16, 256) * 37 % 23)
+
+
+@pytest.mark.parametrize("placements", [["S(0)", "S(1)"], ["R", "S(1)"], ["S(1)", "S(0)"]])
+@pytest.mark.parametrize("k, combined", [(4, True), (100, False)], ids=["k4-candidates", "k100-gathered"])
+def test_top_k_over_sharded_vocab(placements, k, combined):
+    """top-k of vocab-parallel logits: each device's best k travel, not the logits (unless the
+    candidates would weigh more than the block)."""
+    x = dist.shard_tensor(LOGITS, MESH, placements)
+    fn = lambda x: lax.top_k(x, k)  # noqa: E731
+    f = dist.jit(fn)
+    values, indices = f(x)
+    want_values, want_indices = jax.jit(fn)(LOGITS)
+    np.testing.assert_array_equal(values.numpy(), np.asarray(want_values))
+    np.testing.assert_array_equal(indices.numpy(), np.asarray(want_indices))
+    grad = lambda x: jax.grad(lambda x: (lax.top_k(x, k)[0] ** 2).sum())(x)  # noqa: E731
+    np.testing.assert_array_equal(dist.jit(grad)(x).numpy(), np.asarray(jax.jit(grad)(LOGITS)))
+
+    vocab_dim = placements.index("S(1)")                  # the mesh dim splitting the vocab
+    n, axis = MESH.shape[vocab_dim], MESH.dim_names[vocab_dim]
+    rows = 16 // (MESH.shape[placements.index("S(0)")] if "S(0)" in placements else 1)
+    block = 256 // n
+    plan = f.plan(x)
+    assert all(c.axes == (axis,) for c in plan.collectives)
+    moved = sum(c.bytes_per_device for c in plan.collectives)
+    if combined:  # k f32 values + k i32 indices from each of the other n - 1 devices
+        assert len(plan.collectives) == 2 and moved == rows * k * 8 * (n - 1)
+    else:  # the block itself is smaller than k candidates
+        assert len(plan.collectives) == 1 and moved == rows * block * 4 * (n - 1)
+    hlo = f.lower(x).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    # what the compiled all-gathers produce: n·k candidates per row, or the whole vocab row
+    gathered = rows * n * k * 8 if combined else rows * 256 * 4
+    assert collective_bytes(hlo) == Counter({"all-gather": gathered})

@@ -43,6 +43,54 @@ def test_dropout_mask_is_the_single_device_mask(mesh_name, placements):
     assert bits.results[0] == xs.layout
 
 
+def per_row_noise(x, key):
+    """One key per row (split, then vmap): random_bits on a batch of keys."""
+    rows = jax.random.split(key, x.shape[0] * x.shape[1]).reshape(x.shape[:2])
+    draw = jax.vmap(jax.vmap(lambda k: jax.random.bernoulli(k, 0.6, x.shape[2:])))
+    return jnp.where(draw(rows), x, 0.0)
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("placements", [("S(0)", "S(2)"), ("S(1)", "S(0)"), ("S(2)",), ("R", "S(1)", "S(0)")])
+def test_batched_keys_draw_on_their_own_shard(mesh_name, placements):
+    mesh = MESHES[mesh_name]
+    placements = list(placements)[:mesh.ndim] + ["R"] * (mesh.ndim - len(placements))
+    x = np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16)
+    xs = dist.shard_tensor(x, mesh, placements)
+    key = jax.random.key(99)
+    f = dist.jit(per_row_noise)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(xs, key)
+    np.testing.assert_array_equal(out.numpy(), np.asarray(jax.jit(per_row_noise)(x, key)))
+    plan = f.plan(xs, key)
+    assert not plan.collectives
+    bits = next(ep for ep in plan.eqns if ep.primitive == "random_bits")
+    assert bits.results[0] == xs.layout  # key dims and draw dims split like x
+
+
+def test_raw_key_data_and_legacy_keys_match_one_device():
+    mesh = MESHES["2x4"]
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    xs = dist.shard_tensor(x, mesh, ["S(0)", "S(1)"])
+
+    def f(x, raw):
+        key = jax.random.wrap_key_data(raw)
+        legacy = jax.random.PRNGKey(5)  # uint32[2] keys, as older code writes them
+        a, b = jax.random.split(key)
+        y = x + jax.random.normal(a, x.shape) + jax.random.uniform(legacy, x.shape)
+        return y, jax.random.key_data(b)
+
+    raw = jax.random.key_data(jax.random.key(11))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        y, k = dist.jit(f)(xs, raw)
+    want_y, want_k = jax.jit(f)(x, raw)
+    np.testing.assert_array_equal(y.numpy(), np.asarray(want_y))
+    np.testing.assert_array_equal(k.numpy(), np.asarray(want_k))
+    assert not dist.jit(f).plan(xs, raw).collectives
+
+
 def test_random_init_with_dtensor_from_fn_matches_one_device():
     mesh = MESHES["2x4"]
     key = jax.random.key(0)
