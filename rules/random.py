@@ -98,6 +98,9 @@ def validation_samples() -> list:
          lambda x: x * jax.random.uniform(jax.random.key(3), x.shape), (f2,)),
         ("bernoulli dropout", "random_bits",
          lambda x: jax.numpy.where(jax.random.bernoulli(jax.random.key(7), 0.7, x.shape), x / 0.7, 0.0), (f2,)),
+        ("per-row keys (vmap)", "random_bits",
+         lambda x: x * jax.vmap(lambda k: jax.random.normal(k, x.shape[1:]))(
+             jax.random.split(jax.random.key(8), x.shape[0])), (f2,)),
         ("bits 8", "random_bits",
          lambda x: x + jax.random.bits(jax.random.key(1), x.shape, dtype=np.uint8).astype(np.float32), (f2,)),
         ("split + fold_in", "random_split",
