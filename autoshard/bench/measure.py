@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 import autoshard as dist
+from autoshard.compiler.gc_pause import gc_paused
 from autoshard.dtensor import DistTensor
 from autoshard.hlo import collective_bytes, collective_wire_bytes, count_collectives
 
@@ -101,8 +102,9 @@ def build(w: Workload) -> Built:
     plan_s, equations = time_plan(f, w.args, w.mesh)
     entry, leaves = f._entry(w.args, {})      # traces and plans again (not timed)
     ours_inputs = f._physical_inputs(entry, leaves)
-    traced, partition_s = _timed(lambda: entry.fn.trace(*ours_inputs))
-    lowered, lower_s = _timed(traced.lower)
+    # as dist.jit's first call does: tracing and lowering with cyclic collection paused
+    traced, partition_s = _timed(lambda: gc_paused(entry.fn.trace)(*ours_inputs))
+    lowered, lower_s = _timed(gc_paused(traced.lower))
     ours, xla_compile_s = _timed(lowered.compile)
     base_inputs = baseline_inputs(w.args)
     base, base_compile_s = _timed(lambda: jax.jit(w.baseline_step or w.step).lower(*base_inputs).compile())

@@ -19,6 +19,7 @@ from ..physical import physical_sharding, physical_spec
 from ..placement import Placement
 from .dtypes import is_extended, normalize
 from .explain import Explanation
+from .gc_pause import gc_paused
 from .partition import local_function
 from .plan import KEEP, Plan, make_plan
 from .trace import build_program, hint_p
@@ -69,6 +70,15 @@ class _Compiled:
     fn: Callable
     out_tree: Any
     leaves: tuple[_Leaf, ...]
+    traced: bool = False  # jax has traced `fn` (its first call traces, lowers and compiles)
+
+    def call(self, *physical):
+        if self.traced:
+            return self.fn(*physical)
+        self.traced = True
+        # the first call builds the local program (one jax trace of every equation): a pass
+        # like planning, run with cyclic collection paused for the same reason (gc_pause.py)
+        return gc_paused(self.fn)(*physical)
 
 
 class DistributedFunction:
@@ -226,7 +236,7 @@ class DistributedFunction:
         outer = _differentiated([x.physical if isinstance(x, DistTensor) else x for x in split[1]])
         entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)
         physical = self._physical_inputs(entry, leaves)
-        outs = entry.fn(*physical)
+        outs = entry.call(*physical)
         plan = entry.plan
         wrapped = [DistTensor(o, plan.mesh, L, v.shape)
                    for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
@@ -259,7 +269,7 @@ class DistributedFunction:
     def lower(self, *args, **kwargs):
         """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
         entry, leaves = self._entry(args, kwargs)
-        return entry.fn.lower(*self._physical_inputs(entry, leaves))
+        return gc_paused(entry.fn.lower)(*self._physical_inputs(entry, leaves))
 
 
 def _differentiated(values) -> bool:

@@ -25,6 +25,7 @@ from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .gc_pause import gc_paused
 from .plan import Plan
+from .replay import Replayer
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
 
@@ -86,6 +87,14 @@ def _bind(e, ep, ins: list, registry, sizes) -> list:
     return outs if e.primitive.multiple_results else [outs]
 
 
+def _replay_key(e, ep) -> tuple | None:
+    """What `_bind` depends on besides its operands' types (None: always bind afresh)."""
+    if e.params_key is None or ep.sub_plans or e.primitive is hint_p or e.name == SHARD_MAP:
+        return None
+    return (e.primitive, e.params_key, tuple(v.aval for v in e.inputs),
+            tuple(v.aval for v in e.outputs), tuple(ep.required), tuple(ep.results), ep.fallback)
+
+
 def _device_const(c, scalars: dict):
     """Program constant `c` as a jax array; equal scalars (one per literal in the user's
     program) are put on the device once. A scalar enters the traced program as a literal of
@@ -132,6 +141,9 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         return moved[key]
 
     def run_eqns(env: dict, moved: dict, start: int, stop: int, *, inside: bool = False) -> None:
+        # equal equations (every layer of a model) are lowered once, then replayed; one
+        # replayer per trace, so that nothing of a finished trace is kept alive
+        replayer = Replayer()
         k = start
         while k < stop:
             region = None if (inside and k == start) else regions.get(k)
@@ -144,7 +156,9 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             e, ep = program.eqns[k], plan.eqns[k]
             plans = dict(ep.reshards)
             ins = [get(env, moved, v, plans.get(i)) for i, v in enumerate(e.inputs)]
-            env.update(zip(e.outputs, _bind(e, ep, ins, registry, sizes)))
+            outs = replayer.run(_replay_key(e, ep), ins,
+                                functools.partial(_bind, e, ep, ins, registry, sizes))
+            env.update(zip(e.outputs, outs))
             k += 1
 
     def run_region_body(outer: dict, region, *xs) -> list:

@@ -1,0 +1,149 @@
+"""Replay: a lowering traced once is emitted again for every equal equation.
+
+Binding one primitive through jax's tracer costs tens of microseconds of Python (dispatch,
+abstract evaluation, tracer bookkeeping), and our lowering adds check_vma casts and rule code on
+top. A deep model repeats the same equations with the same layouts layer after layer, so the
+equations the first one emitted into jax's trace frame are recorded, and for every later equal
+equation (same primitive, params, layouts, local input types and aliasing) they are emitted
+again with its inputs substituted: no dispatch, no abstract evaluation, no rule code.
+
+This reads jax's tracing internals (`DynamicJaxprTrace.emit_eqn`, the frame's equation list).
+Whatever does not look as expected — another kind of trace, an equation with effects (other
+than naming a mesh axis), inputs
+that are not tracers of the current trace — is not recorded, and that equation is bound as
+before: replay only ever skips work, it never decides anything.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+from jax._src import core as jcore
+from jax._src.interpreters import partial_eval as pe
+
+_IN, _MADE, _FIXED = 0, 1, 2  # where an emitted equation's operand comes from
+
+_SUPPORTED = (hasattr(pe, "DynamicJaxprTrace") and hasattr(pe.DynamicJaxprTrace, "emit_eqn")
+              and hasattr(pe, "TracingEqn") and hasattr(pe, "DynamicJaxprTracer")
+              and "tracing_eqns" in getattr(pe.JaxprStackFrame, "__slots__", ()))
+
+
+_NAMED_AXIS = getattr(jcore, "NamedAxisEffect", None)
+
+
+class _Template:
+    __slots__ = ("trace", "steps", "outs")
+
+    def __init__(self, trace, steps, outs):
+        self.trace, self.steps, self.outs = trace, steps, outs
+
+
+def _axis_effects_only(effects) -> bool:
+    """No effects but naming a mesh axis (axis_index, collectives): those depend on nothing
+    but the equation itself, so emitting it again is the same as binding it again."""
+    return all(type(e) is _NAMED_AXIS for e in effects)
+
+
+def _ref(var_pos: dict, tracer) -> tuple:
+    return var_pos.get(id(tracer.val)) or (_FIXED, tracer)
+
+
+def _record(trace, entries: list, ins: list, outs: list) -> _Template | None:
+    """The equations one lowering emitted, with operands as references (None: not replayable)."""
+    var_pos: dict[int, tuple] = {}
+    for i, x in enumerate(ins):
+        var_pos.setdefault(id(x.val), (_IN, i))
+    steps = []
+    for entry in entries:
+        eqn = entry() if isinstance(entry, weakref.ReferenceType) else entry
+        if eqn is None:
+            continue  # nothing reads its results: jax drops it too
+        if not isinstance(eqn, pe.TracingEqn) or not _axis_effects_only(eqn.effects):
+            return None
+        refs = tuple(_ref(var_pos, t) for t in eqn.in_tracers)
+        for k, v in enumerate(eqn.outvars):
+            var_pos[id(v)] = (_MADE, len(steps), k)
+        steps.append((refs, [v.aval for v in eqn.outvars], eqn.primitive, eqn.params,
+                      eqn.effects, eqn.source_info, eqn.ctx))
+    out_refs = []
+    for o in outs:
+        if not isinstance(o, pe.DynamicJaxprTracer) or o._trace is not trace:
+            return None
+        out_refs.append(_ref(var_pos, o))
+    return _Template(trace, steps, out_refs)
+
+
+def _replay(t: _Template, ins: list) -> list:
+    made: list[list] = []
+
+    def get(r):
+        kind = r[0]
+        return ins[r[1]] if kind == _IN else made[r[1]][r[2]] if kind == _MADE else r[1]
+
+    emit = t.trace.emit_eqn
+    for refs, out_avals, primitive, params, effects, source, ctx in t.steps:
+        made.append(emit([get(r) for r in refs], out_avals, primitive, params, effects, source, ctx))
+    return [get(r) for r in t.outs]
+
+
+def _bound(bind: Callable[[], list]) -> list:
+    STATS["bound"] += 1
+    return bind()
+
+
+def _literal_value(lit) -> tuple | None:
+    """A hashable stand-in for a scalar literal's value (None: not a scalar literal)."""
+    if not isinstance(lit, jcore.Literal):
+        return None
+    value = np.asarray(lit.val)
+    if value.ndim:
+        return None
+    return (value.dtype.str, value.tobytes())
+
+
+ENABLED = True  # off: every equation is bound afresh (the tests compare both programs)
+STATS = {"replayed": 0, "bound": 0}  # equations re-emitted / bound, over the process
+
+
+class Replayer:
+    """Per trace of a partitioned program: records each distinct lowering once, replays the
+    rest."""
+
+    def __init__(self) -> None:
+        self._templates: dict = {}
+
+    def run(self, key: Any, ins: list, bind: Callable[[], list]) -> list:
+        """`bind()` the equation the first time its `key` is seen (with these operand types);
+        re-emit what it emitted every later time. `key` None: always bind."""
+        trace = jcore.trace_ctx.trace
+        if key is None or not (_SUPPORTED and ENABLED) or type(trace) is not pe.DynamicJaxprTrace:
+            return _bound(bind)
+        literals = []
+        for x in ins:
+            if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
+                return _bound(bind)
+            if not isinstance(x.val, jcore.Var):
+                value = _literal_value(x.val)
+                if value is None:
+                    return _bound(bind)
+                literals.append(value)
+        # the operand types (local shape, dtype, varying axes), which operands are one value,
+        # and the values of literal operands (a lowering may fold them)
+        first: dict[int, int] = {}
+        aliasing = tuple(first.setdefault(id(x.val), i) for i, x in enumerate(ins))
+        full = (key, tuple(x.aval for x in ins), aliasing, tuple(literals))
+        t = self._templates.get(full, self)
+        if t is None:  # recorded before and found not replayable
+            return _bound(bind)
+        if t is not self and t.trace is trace:
+            STATS["replayed"] += 1
+            return _replay(t, ins)
+        frame = trace.frame
+        start = len(frame.tracing_eqns)
+        outs = _bound(bind)
+        self._templates[full] = _record(trace, frame.tracing_eqns[start:], ins, outs)
+        return outs
+
+
+__all__ = ["Replayer"]
