@@ -72,6 +72,10 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
     for k, v in enumerate(program.outputs):
         out_readers.setdefault(v, []).append(k)
     out_plans = dict(output_reshards)
+    # collectives of values whose reduction moved: dropped once at the end (one pass over the
+    # list, not one per transpose), except the moves planned here
+    dropped: set[str] = set()
+    planned_here: set[int] = set()
 
     for j0, (e, ep) in enumerate(zip(program.eqns, eqn_plans)):
         if e.name != "transpose" or ep.fallback or not ep.required[0].partial:
@@ -92,11 +96,12 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             continue  # a reduce-scatter split into an all-reduce and a slice would cost more
         ends = dst if not chain else Layout(now.dims, dst.partial)
         target = _before(ends, e.params["permutation"])
-        gone = {repr(x), repr(last)}
-        collectives[:] = [c for c in collectives if c.value not in gone]
+        dropped.update((repr(x), repr(last)))
         ep.reshards = [(i, rp) for i, rp in ep.reshards if i != 0]
         if actual[x] != target:  # before the layouts change: `reshard` reads actual[x]
+            n = len(collectives)
             ep.reshards.append((0, reshard(x, target, f"{e.name} (eqn {e.index})", e.source)))
+            planned_here.update(id(c) for c in collectives[n:])
         _layout_in_plan(eqn_plans, j0, operand=0, required=target, result=ends)
         eqn_plans[j0].strategy += "; reduced before the transpose (they commute; the dot stays canonical)"
         actual[v] = ends
@@ -111,6 +116,9 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             rp.reshards = [(n, p) for n, p in rp.reshards if n != i]
         ks = set(out_readers.get(last, ()))
         output_reshards[:] = [(k, p) for k, p in output_reshards if k not in ks]
+    if dropped:
+        collectives[:] = [c for c in collectives
+                          if c.value not in dropped or id(c) in planned_here]
 
 
 __all__ = ["hoist_reductions"]
