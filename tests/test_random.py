@@ -23,24 +23,28 @@ def dropout(x, key):
     return jnp.where(keep, x / 0.7, 0.0) + 0.01 * noise
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("placements", [("S(0)",), ("S(1)",), ("S(0)", "S(1)"), ("R",), ("S(1)", "S(0)")])
-def test_dropout_mask_is_the_single_device_mask(mesh_name, placements):
+def assert_draws_on_own_shard(fn, x, mesh_name, placements, key):
+    """`fn(x, key)` equals one device's, with no fallback, no collective, and the random bits
+    sharded like x (each device draws only its own block)."""
     mesh = MESHES[mesh_name]
     placements = list(placements)[:mesh.ndim] + ["R"] * (mesh.ndim - len(placements))
-    x = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
     xs = dist.shard_tensor(x, mesh, placements)
-    key = jax.random.key(1234)
-    f = dist.jit(dropout)
+    f = dist.jit(fn)
     with warnings.catch_warnings():
         warnings.simplefilter("error", dist.FallbackWarning)
         out = f(xs, key)
-    np.testing.assert_array_equal(out.numpy(), np.asarray(jax.jit(dropout)(x, key)))
+    np.testing.assert_array_equal(out.numpy(), np.asarray(jax.jit(fn)(x, key)))
     plan = f.plan(xs, key)
     assert not plan.collectives
-    # each device draws only its own block: the random bits are sharded like x
     bits = next(ep for ep in plan.eqns if ep.primitive == "random_bits")
     assert bits.results[0] == xs.layout
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("placements", [("S(0)",), ("S(1)",), ("S(0)", "S(1)"), ("R",), ("S(1)", "S(0)")])
+def test_dropout_mask_is_the_single_device_mask(mesh_name, placements):
+    x = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    assert_draws_on_own_shard(dropout, x, mesh_name, placements, jax.random.key(1234))
 
 
 def per_row_noise(x, key):
@@ -53,20 +57,8 @@ def per_row_noise(x, key):
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("placements", [("S(0)", "S(2)"), ("S(1)", "S(0)"), ("S(2)",), ("R", "S(1)", "S(0)")])
 def test_batched_keys_draw_on_their_own_shard(mesh_name, placements):
-    mesh = MESHES[mesh_name]
-    placements = list(placements)[:mesh.ndim] + ["R"] * (mesh.ndim - len(placements))
-    x = np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16)
-    xs = dist.shard_tensor(x, mesh, placements)
-    key = jax.random.key(99)
-    f = dist.jit(per_row_noise)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", dist.FallbackWarning)
-        out = f(xs, key)
-    np.testing.assert_array_equal(out.numpy(), np.asarray(jax.jit(per_row_noise)(x, key)))
-    plan = f.plan(xs, key)
-    assert not plan.collectives
-    bits = next(ep for ep in plan.eqns if ep.primitive == "random_bits")
-    assert bits.results[0] == xs.layout  # key dims and draw dims split like x
+    x = np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16)  # key dims split like x's
+    assert_draws_on_own_shard(per_row_noise, x, mesh_name, placements, jax.random.key(99))
 
 
 def test_raw_key_data_and_legacy_keys_match_one_device():

@@ -38,8 +38,9 @@ def test_replayed_program_is_the_bound_program(form, monkeypatch):
     assert replayed == bound
 
 
-def test_replay_keeps_aliasing_and_literals_apart():
-    """x*x and x*y are different lowerings even with equal types; so are x*2 and x*3."""
+def test_replay_keeps_aliased_operands_apart():
+    """x*x and x*y are different lowerings even with equal operand types. (Literal operands
+    are keyed by value; the program comparison above fails without that.)"""
     def f(x, y):
         a = x * x
         b = x * y

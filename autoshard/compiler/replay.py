@@ -9,9 +9,8 @@ again with its inputs substituted: no dispatch, no abstract evaluation, no rule 
 
 This reads jax's tracing internals (`DynamicJaxprTrace.emit_eqn`, the frame's equation list).
 Whatever does not look as expected — another kind of trace, an equation with effects (other
-than naming a mesh axis), inputs
-that are not tracers of the current trace — is not recorded, and that equation is bound as
-before: replay only ever skips work, it never decides anything.
+than naming a mesh axis), inputs that are not tracers of the current trace — is not recorded,
+and that equation is bound as before: replay only ever skips work, it never decides anything.
 """
 from __future__ import annotations
 
