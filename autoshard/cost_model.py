@@ -41,6 +41,15 @@ class CostModel:
         object.__setattr__(self, "latency", _frozen(self.latency))
         object.__setattr__(self, "bandwidth", _frozen(self.bandwidth))
 
+    def __hash__(self) -> int:
+        # Every memoised planning decision hashes the model: hash its fields once.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.default_latency, self.default_bandwidth, self.local_bandwidth,
+                      self.transfer_bandwidth, self.latency, self.bandwidth))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def axis_latency(self, axis: str) -> float:
         return dict(self.latency).get(axis, self.default_latency)
 

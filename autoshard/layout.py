@@ -6,6 +6,7 @@ both ways; co-sharding one dim over several mesh dims orders them as the mesh do
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -56,7 +57,7 @@ class Layout:
     # -- queries ---------------------------------------------------------------------------
     @staticmethod
     def replicated(ndim: int) -> "Layout":
-        return Layout(((),) * ndim)
+        return _replicated(ndim)
 
     @property
     def ndim(self) -> int:
@@ -84,7 +85,13 @@ class Layout:
         return tuple(s // math.prod(axis_sizes[a] for a in axes) for s, axes in zip(shape, self.dims))
 
     def without_partial(self) -> "Layout":
-        return Layout(self.dims) if self.partial else self
+        if not self.partial:
+            return self
+        reduced = self.__dict__.get("_reduced")  # asked for on every visit of a Partial value
+        if reduced is None:
+            reduced = Layout(self.dims)
+            object.__setattr__(self, "_reduced", reduced)
+        return reduced
 
     # -- edits used by the planner -------------------------------------------------------
     def with_dim(self, d: int, axes: tuple[str, ...]) -> "Layout":
@@ -117,6 +124,11 @@ class Layout:
 
     def describe(self, mesh: ProcessMesh) -> str:
         return "[" + ", ".join(repr(p) for p in self.placements(mesh)) + "]"
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated(ndim: int) -> Layout:
+    return Layout(((),) * ndim)  # one object per rank: equal layouts compare by identity first
 
 
 def layout_from_placements(placements: Sequence[Placement | str], mesh: ProcessMesh,

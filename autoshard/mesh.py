@@ -184,7 +184,10 @@ class ProcessMesh:
         return isinstance(other, ProcessMesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(self._key())
+        return h
 
     def __contains__(self, device_id: int) -> bool:
         return bool((self._ids == device_id).any())

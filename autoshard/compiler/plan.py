@@ -20,9 +20,9 @@ from .commute import hoist_reductions
 from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
-from .propagate import propagate, rule_signature
+from .propagate import eqn_facts, propagate
 from .strategy import choose
-from .trace import Program, Value, hint_p
+from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
 
 
@@ -49,7 +49,7 @@ class PlannedCollective:
 class EqnPlan:
     index: int
     primitive: str
-    source: str | None
+    where: Where | None  # the user's line, resolved when read (`source`)
     operands: list[Layout]
     required: list[Layout]
     results: list[Layout]
@@ -59,6 +59,10 @@ class EqnPlan:
     fallback: bool = False
     reshards: list[tuple[int, ReshardPlan]] = field(default_factory=list)
     sub_plans: list = field(default_factory=list)  # bodies of scan / while / cond / checkpoint
+
+    @property
+    def source(self) -> str | None:
+        return None if self.where is None else self.where.line
 
 
 @dataclass
@@ -115,7 +119,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             for v, L in zip(e.inputs, required):
                 if v not in fixed and not v.is_const:
                     fixed[v] = L
-    pref = propagate(program, mesh, fixed, registry, cost_model)
+    facts = eqn_facts(program, registry)
+    pref = propagate(program, mesh, fixed, registry, cost_model, facts=facts)
 
     actual: dict = {}
     inputs = []
@@ -153,13 +158,10 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     repr(value), consumer, source, _reason(consumer, value, rp.src, dst, mesh)))
         return rp
 
-    uses = program.use_counts()
-    parameters = {*program.inputs, *program.consts}
+    no_moves: dict = {}  # arity → (frozenset(),) * arity
     eqn_plans = []
     for e in program.eqns:
         operands = [actual[v] for v in e.inputs]
-        in_avals = [v.aval for v in e.inputs]
-        out_avals = [v.aval for v in e.outputs]
         fallback = False
         sub_plans: list = []
         if e.primitive is hint_p:
@@ -181,30 +183,37 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     collectives.append(replace(c, reason=f"{c.reason} (inside {strategy})"))
                 fallbacks.extend(sub.fallbacks)
         else:
-            sig = rule_signature(e, registry)
+            sig = facts.signatures[e.index]
             if sig is None:
                 fallback = True
                 fallbacks.append((e.name, e.source))
-                required = [Layout.replicated(len(a.shape)) for a in in_avals]
-                results = [Layout.replicated(len(a.shape)) for a in out_avals]
+                required = [Layout.replicated(len(v.shape)) for v in e.inputs]
+                results = [Layout.replicated(len(v.shape)) for v in e.outputs]
                 strategy, considered, seconds = "replicated (no rule)", 1, 0.0
             else:
+                if any(v in moved_to for v in e.inputs):
+                    moved = tuple(moved_to.get(v, frozenset()) for v in e.inputs)
+                else:
+                    moved = no_moves.get(len(e.inputs))
+                    if moved is None:
+                        moved = no_moves[len(e.inputs)] = (frozenset(),) * len(e.inputs)
                 choice = choose(sig, mesh, tuple(operands), tuple(map(pref.get, e.outputs)),
-                                cost_model, tuple(uses.get(v, 0) <= 1 for v in e.inputs),
-                                tuple(moved_to.get(v, frozenset()) for v in e.inputs),
-                                tuple(v in parameters for v in e.inputs))
+                                cost_model, facts.single_use[e.index], moved,
+                                facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
-                strategy = choice.strategy.describe(sig.opsh)
+                strategy = choice.description
                 considered, seconds = choice.considered, choice.seconds
                 rule = registry.lookup(e.primitive)
                 if rule is not None and rule.comm is not None:
+                    in_avals = [v.aval for v in e.inputs]
+                    out_avals = [v.aval for v in e.outputs]
                     for kind, step, axes, nbytes in rule.comm(required, results, in_avals, out_avals,
                                                               mesh.axis_sizes, **e.params):
                         collectives.append(PlannedCollective(
                             kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
                             f"{e.name} (eqn {e.index})", e.source,
                             f"{e.name} combines its shards across {', '.join(axes)}"))
-        ep = EqnPlan(e.index, e.name, e.source, operands, required, results, strategy,
+        ep = EqnPlan(e.index, e.name, e.where, operands, required, results, strategy,
                      considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
             if src != dst:
@@ -213,7 +222,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             actual[v] = L
         eqn_plans.append(ep)
 
-    producer = {v: e.source for e in program.eqns for v in e.outputs}
+    producer = {v: e for e in program.eqns for v in e.outputs}
     outputs, output_reshards = [], []
     for k, (v, target) in enumerate(zip(program.outputs, output_targets)):
         if target is None:
@@ -223,7 +232,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         else:
             dst = target
         if actual[v] != dst:
-            output_reshards.append((k, reshard(v, dst, f"output {k}", producer.get(v))))
+            output_reshards.append((k, reshard(v, dst, f"output {k}",
+                                                           producer[v].source if v in producer else None)))
         outputs.append(dst)
     hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)
 

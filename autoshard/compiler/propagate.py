@@ -15,6 +15,7 @@ preferences as the look-ahead.
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from ..cost_model import CostModel
 from ..errors import PlacementError
@@ -69,11 +70,13 @@ def rule_sharding(eqn: Eqn, registry):
 
 def refines(old: Layout, new: Layout) -> bool:
     """`new` keeps every sharding and partial axis of `old` and adds more (a strict refinement)."""
-    if new is old or new == old or len(new.dims) != len(old.dims):
+    old_dims, new_dims = old.dims, new.dims  # fields compared directly: called per proposal
+    if new is old or len(new_dims) != len(old_dims) or (
+            new_dims == old_dims and new.partial == old.partial):
         return False
     if not set(old.partial) <= set(new.partial):
         return False
-    return all(n[:len(o)] == o for o, n in zip(old.dims, new.dims))
+    return all(n[:len(o)] == o for o, n in zip(old_dims, new_dims))
 
 
 def with_pending_partial(old: Layout | None, new: Layout) -> Layout:
@@ -93,19 +96,33 @@ def with_pending_partial(old: Layout | None, new: Layout) -> Layout:
     return both if refines(old, both) else new
 
 
+class EqnFacts(NamedTuple):
+    """Per equation (by index), what every decision about it passes to `choose` besides
+    layouts — computed once and shared by propagation and the plan."""
+
+    signatures: list      # Signature, or None (a hint, or no rule)
+    single_use: list      # per operand: no other reader
+    is_parameter: list    # per operand: a program input or constant
+
+
+def eqn_facts(program: Program, registry) -> EqnFacts:
+    uses = program.use_counts()
+    parameters = {*program.inputs, *program.consts}
+    eqns = program.eqns
+    return EqnFacts(
+        [None if e.primitive is hint_p else rule_signature(e, registry) for e in eqns],
+        [tuple(uses.get(v, 0) <= 1 for v in e.inputs) for e in eqns],
+        [tuple(v in parameters for v in e.inputs) for e in eqns])
+
+
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
-              cost_model: CostModel, max_sweeps: int = 4) -> dict:
+              cost_model: CostModel, max_sweeps: int = 4, facts: EqnFacts | None = None) -> dict:
     """Preferred Layout of every value (fixed ones included); consts are replicated."""
     pref: dict = dict(fixed)
     for c in program.consts:
         pref[c] = Layout.replicated(len(c.shape))
-    uses = program.use_counts()
-    parameters = {*program.inputs, *program.consts}
     pinned = set(fixed) | set(program.consts)
-    # Per equation, what every visit passes to `choose` besides layouts (computed once).
-    sigs = [None if e.primitive is hint_p else rule_signature(e, registry) for e in program.eqns]
-    single_use = [tuple(uses.get(v, 0) <= 1 for v in e.inputs) for e in program.eqns]
-    is_parameter = [tuple(v in parameters for v in e.inputs) for e in program.eqns]
+    sigs, single_use, is_parameter = facts or eqn_facts(program, registry)
 
     def offer(v, L) -> bool:
         """Record a proposal: first one wins, but a free value may be refined later."""
@@ -149,22 +166,29 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         for v in e.inputs + e.outputs:
             neighbours.setdefault(v, []).append(e)
 
-    def settle(allow_trivial: bool, seeds) -> set:
+    def settle(allow_trivial: bool, seeds, settled: frozenset = frozenset()) -> set:
         """Visit `seeds`, then only equations next to a value that just changed.
 
         A visit reads only the proposals of its own operands and results, so an equation none
         of whose values changed since its last visit would propose nothing new: later sweeps
         start from the neighbours of what the previous sweep changed, not from every equation.
+        `settled`: seeds known to propose nothing new unless a value of theirs changes first;
+        they keep their place in the queue (the order decides which proposal wins) but are
+        only visited once touched.
         """
         queue = deque(seeds)
         queued = {e.index for e in queue}
+        touched: set = set()
         changed: set = set()
         while queue:
             e = queue.popleft()
             queued.discard(e.index)
+            if e.index in settled and e.index not in touched:
+                continue
             for v in visit(e, allow_trivial):
                 changed.add(v)
                 for n in neighbours.get(v, ()):
+                    touched.add(n.index)
                     if n.index not in queued:
                         queued.add(n.index)
                         queue.append(n)
@@ -179,7 +203,12 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
 
     # Informative proposals first; then let "replicated" fill the gaps, and go again.
     informative = settle(False, program.eqns)
-    filled = settle(True, program.eqns)
+    # An equation whose every value is already placed was last visited with these very
+    # layouts (the sweep ran to its fixpoint): its choice is the same, and allowing a trivial
+    # one only adds "replicated" proposals, which never refine a placed value.
+    complete = frozenset(e.index for e in program.eqns
+                         if all(v in pref for v in e.inputs) and all(v in pref for v in e.outputs))
+    filled = settle(True, program.eqns, complete)
     for _ in range(max_sweeps - 1):
         if not filled:
             break
@@ -188,4 +217,4 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     return pref
 
 
-__all__ = ["propagate", "rule_sharding", "rule_signature"]
+__all__ = ["propagate", "eqn_facts", "EqnFacts", "rule_sharding", "rule_signature"]

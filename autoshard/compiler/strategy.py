@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
 
 from ..cost_model import CostModel
@@ -188,6 +188,7 @@ class Choice:
     results: list[Layout]
     seconds: float
     considered: int
+    description: str = ""  # `strategy.describe(opsh)`: made once per memoised decision
 
 
 class _Aval(NamedTuple):  # a tuple: cheap to build, hash and compare
@@ -272,7 +273,7 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
         if best is None or cost < best.seconds - 1e-15:
             best = Choice(s, ins, outs, cost, len(cands))
     assert best is not None  # the replicated strategy is always valid
-    return best
+    return replace(best, description=best.strategy.describe(opsh))
 
 
 __all__ = ["Strategy", "Choice", "Signature", "signature", "choose", "candidates", "layouts", "reshard_seconds", "NONE"]

@@ -93,13 +93,35 @@ class Value:
         return self.name or f"v{self.id}"
 
 
+class Where:
+    """The user's `file:line` of an equation, resolved when first read.
+
+    Only explanations, warnings, errors and planned collectives read it — a few hundred of a
+    deep model's ten thousand equations — so walking every equation's traceback while flattening
+    the program would be wasted. Falls back to the enclosing call's line (`outer`): library
+    internals such as jax.nn.relu's body report no user frame.
+    """
+
+    __slots__ = ("_info", "_outer", "_line")
+
+    def __init__(self, info: Any, outer: "Where | None" = None):
+        self._info, self._outer, self._line = info, outer, None
+
+    @property
+    def line(self) -> str | None:
+        if self._info is not None or self._outer is not None:
+            self._line = source_line(self._info) or (self._outer.line if self._outer else None)
+            self._info = self._outer = None
+        return self._line
+
+
 @dataclass(eq=False)
 class Eqn:
     primitive: Any
     inputs: list[Value]
     outputs: list[Value]
     params: dict
-    source: str | None
+    where: Where | None
     index: int = 0
     sharding_cache: dict = field(default_factory=dict)
     params_key: tuple | None = None  # `params_key(params)`, set by build_program
@@ -107,6 +129,11 @@ class Eqn:
     @property
     def name(self) -> str:
         return self.primitive.name
+
+    @property
+    def source(self) -> str | None:
+        """The user's `file:line` that produced this equation (None if unknown)."""
+        return None if self.where is None else self.where.line
 
 
 @dataclass(eq=False)
@@ -250,7 +277,7 @@ def build_program(closed: Any) -> Program:
             return None
         return (eqn.primitive, tuple(v.id for v in ins), params)
 
-    def own_outputs(outs: list[Value], start: int, source) -> list[Value]:
+    def own_outputs(outs: list[Value], start: int, source: Where) -> list[Value]:
         # An output the body passes through (custom_vjp identity with a gradient rule) must be
         # a value of its own, or wrapping the region would rename the input for every reader.
         made = {id(v) for e in eqns[start:] for v in e.outputs}
@@ -264,7 +291,7 @@ def build_program(closed: Any) -> Program:
             fixed.append(v)
         return fixed
 
-    def walk(jaxpr, const_vals, inputs: list[Value], outer_source: str | None = None) -> list[Value]:
+    def walk(jaxpr, const_vals, inputs: list[Value], outer: Where | None = None) -> list[Value]:
         env: dict[Any, Value] = {}
         for var, val in zip(jaxpr.constvars, const_vals):
             env[var] = const_value(val, var.aval)
@@ -278,8 +305,7 @@ def build_program(closed: Any) -> Program:
 
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
-            # Library internals (jax.nn.relu's body) report no user frame: use the call site.
-            source = source_line(eqn.source_info) or outer_source
+            source = Where(eqn.source_info, outer)
             key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
             inner = eqn.params.get(key) if key else None
             if inner is not None:
@@ -328,4 +354,4 @@ def build_program(closed: Any) -> Program:
 
 
 
-__all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line"]
+__all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line", "Where"]
