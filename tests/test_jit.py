@@ -389,3 +389,26 @@ def test_compiling_restores_the_garbage_collector_setting(enabled_before):
     assert seen[0] is enabled_before
     a = np.arange(16, dtype=np.float32).reshape(4, 4)
     np.testing.assert_allclose(np.asarray(out.numpy()), np.tanh(a) @ a.T, rtol=1e-5)
+
+
+def test_every_equation_is_attributed_to_the_users_line():
+    # gelu's and optax's bodies are library code: their equations report the line that called
+    # them (source lines are resolved only when read, e.g. by explain).
+    import inspect
+
+    X = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    x = dist.shard_tensor(X, MESH24, [dist.Shard(0), dist.Replicate()])
+    w = dist.shard_tensor(X.T.copy(), MESH24, [dist.Replicate(), dist.Shard(1)])
+    tx = optax.sgd(0.1)
+
+    def step(x, w):
+        g = jax.grad(lambda w: jnp.sum(jax.nn.gelu(x @ w)))(w)
+        updates, _ = tx.update(g, tx.init(w))
+        return optax.apply_updates(w, updates)
+
+    first = inspect.getsourcelines(step)[1]
+    lines = {f"test_jit.py:{first + k}" for k in (1, 2, 3)}
+    plan = dist.jit(step).plan(x, w)
+    assert {ep.source for ep in plan.eqns} <= lines
+    assert {ep.source for ep in plan.eqns} >= {f"test_jit.py:{first + 1}"}
+    assert all(c.source in lines for c in plan.collectives)

@@ -120,6 +120,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
     sizes = plan.mesh.axis_sizes
 
     regions = {r.start: r for r in program.regions if r.stop > r.start}
+    keys: list = []  # each equation's replay key, made on the first trace (the plan is fixed)
 
     def get(env: dict, moved: dict, v, rp):
         if rp is None:
@@ -144,6 +145,8 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         # equal equations (every layer of a model) are lowered once, then replayed; one
         # replayer per trace, so that nothing of a finished trace is kept alive
         replayer = Replayer()
+        if not keys:
+            keys.extend(_replay_key(e, ep) for e, ep in zip(program.eqns, plan.eqns))
         k = start
         while k < stop:
             region = None if (inside and k == start) else regions.get(k)
@@ -156,7 +159,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             e, ep = program.eqns[k], plan.eqns[k]
             plans = dict(ep.reshards)
             ins = [get(env, moved, v, plans.get(i)) for i, v in enumerate(e.inputs)]
-            outs = replayer.run(_replay_key(e, ep), ins,
+            outs = replayer.run(keys[k], ins,
                                 functools.partial(_bind, e, ep, ins, registry, sizes))
             env.update(zip(e.outputs, outs))
             k += 1

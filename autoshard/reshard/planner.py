@@ -152,18 +152,26 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
     best: dict[Layout, float] = {src: 0.0}
     back: dict[Layout, tuple[Layout, PlannedStep]] = {}
     heap = [(0.0, next(counter), src)]
+    local_bytes: dict[Layout, int] = {}  # many steps lead to the same few layouts
+
+    def nbytes(layout: Layout) -> int:
+        n = local_bytes.get(layout)
+        if n is None:
+            n = local_bytes[layout] = _local_bytes(layout, shape, sizes, itemsize)
+        return n
+
     while heap:
         cost, _, layout = heapq.heappop(heap)
         if layout == dst:
             break
         if cost > best.get(layout, math.inf):
             continue
-        in_bytes = _local_bytes(layout, shape, sizes, itemsize)
+        in_bytes = nbytes(layout)
         for step in _candidate_steps(layout, dst, len(shape), axis_names):
             nxt = step.after(layout, shape, sizes)
             if nxt is None:
                 continue
-            out_bytes = _local_bytes(nxt, shape, sizes, itemsize)
+            out_bytes = nbytes(nxt)
             wire = step.wire_bytes(in_bytes, out_bytes, sizes)
             seconds = (cost_model.collective(step.axes, wire) if step.is_collective
                        else cost_model.local(out_bytes))
