@@ -188,6 +188,10 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
             for v in visit(e, allow_trivial):
                 changed.add(v)
                 for n in neighbours.get(v, ()):
+                    if n is e:
+                        # Re-deciding it from its own proposals finds the strategy that made
+                        # them (they cost nothing under it): not worth a second visit each.
+                        continue
                     touched.add(n.index)
                     if n.index not in queued:
                         queued.add(n.index)
