@@ -164,17 +164,18 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         operands = [actual[v] for v in e.inputs]
         fallback = False
         sub_plans: list = []
+        name = e.primitive.name
         if e.primitive is hint_p:
             target = e.params["layout"]
             required, results, strategy, considered, seconds = [target], [target], "annotation", 1, 0.0
-        elif e.name == SHARD_MAP:
+        elif name == SHARD_MAP:
             required, results = plan_shard_map(e, mesh)
             strategy, considered, seconds = "the user's shard_map (its collectives as written)", 1, 0.0
             for kind, step, axes, nbytes in body_collectives(e, mesh):
                 collectives.append(PlannedCollective(
                     kind, step, axes, nbytes, repr(e.outputs[0]) if e.outputs else "-",
                     f"{e.name} (eqn {e.index})", e.source, "written by the user in a shard_map"))
-        elif e.name in HIGHER_ORDER:
+        elif name in HIGHER_ORDER:
             required, results, sub_plans, strategy = plan_higher_order(
                 e, operands, mesh, registry, cost_model)
             considered, seconds = 1, 0.0
@@ -213,10 +214,10 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                             kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
                             f"{e.name} (eqn {e.index})", e.source,
                             f"{e.name} combines its shards across {', '.join(axes)}"))
-        ep = EqnPlan(e.index, e.name, e.where, operands, required, results, strategy,
+        ep = EqnPlan(e.index, name, e.where, operands, required, results, strategy,
                      considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
-            if src != dst:
+            if src is not dst and src != dst:  # memoised choices share layout objects
                 ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.source)))
         for v, L in zip(e.outputs, results):
             actual[v] = L
