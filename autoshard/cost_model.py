@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from .hashing import hash_once
+
 DEFAULT_LATENCY_S = 5e-6          # alpha: fixed cost of launching one collective
 DEFAULT_BANDWIDTH = 50e9          # beta = 1 / this: bytes per second each device sends
 DEFAULT_LOCAL_BANDWIDTH = 500e9   # bytes per second of local memory traffic
@@ -42,13 +44,9 @@ class CostModel:
         object.__setattr__(self, "bandwidth", _frozen(self.bandwidth))
 
     def __hash__(self) -> int:
-        # Every memoised planning decision hashes the model: hash its fields once.
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.default_latency, self.default_bandwidth, self.local_bandwidth,
-                      self.transfer_bandwidth, self.latency, self.bandwidth))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return hash_once(self, lambda: (self.default_latency, self.default_bandwidth,
+                                        self.local_bandwidth, self.transfer_bandwidth,
+                                        self.latency, self.bandwidth))
 
     def axis_latency(self, axis: str) -> float:
         return dict(self.latency).get(axis, self.default_latency)

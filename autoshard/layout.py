@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .errors import PlacementError, ShardingError
+from .hashing import hash_once
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, normalize_placements
 
@@ -44,12 +45,7 @@ class Layout:
                 "— reshard to reduce one of them first")
 
     def __hash__(self) -> int:
-        # Layouts key every cached planning decision: hash once, not field by field each time.
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.dims, self.partial))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return hash_once(self, lambda: (self.dims, self.partial))
 
     def __getstate__(self) -> dict:
         return {"dims": self.dims, "partial": self.partial}  # str hashes differ per process

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import DeviceNotFoundError, MeshError
+from .hashing import hash_once
 
 
 def _to_id_array(mesh: Any) -> np.ndarray:
@@ -184,10 +185,7 @@ class ProcessMesh:
         return isinstance(other, ProcessMesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash(self._key())
-        return h
+        return hash_once(self, self._key)
 
     def __contains__(self, device_id: int) -> bool:
         return bool((self._ids == device_id).any())

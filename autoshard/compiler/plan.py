@@ -26,6 +26,8 @@ from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
 
 
+_NOT_MOVED: frozenset = frozenset()  # an operand no earlier consumer moved
+
 KEEP = "keep"  # an output target: leave the value as computed, Partial included
 
 
@@ -158,7 +160,6 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     repr(value), consumer, source, _reason(consumer, value, rp.src, dst, mesh)))
         return rp
 
-    no_moves: dict = {}  # arity → (frozenset(),) * arity
     eqn_plans = []
     for e in program.eqns:
         operands = [actual[v] for v in e.inputs]
@@ -192,14 +193,9 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 results = [Layout.replicated(len(v.shape)) for v in e.outputs]
                 strategy, considered, seconds = "replicated (no rule)", 1, 0.0
             else:
-                if any(v in moved_to for v in e.inputs):
-                    moved = tuple(moved_to.get(v, frozenset()) for v in e.inputs)
-                else:
-                    moved = no_moves.get(len(e.inputs))
-                    if moved is None:
-                        moved = no_moves[len(e.inputs)] = (frozenset(),) * len(e.inputs)
                 choice = choose(sig, mesh, tuple(operands), tuple(map(pref.get, e.outputs)),
-                                cost_model, facts.single_use[e.index], moved,
+                                cost_model, facts.single_use[e.index],
+                                tuple(moved_to.get(v, _NOT_MOVED) for v in e.inputs),
                                 facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
                 strategy = choice.description
@@ -233,8 +229,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         else:
             dst = target
         if actual[v] != dst:
-            output_reshards.append((k, reshard(v, dst, f"output {k}",
-                                                           producer[v].source if v in producer else None)))
+            source = producer[v].source if v in producer else None
+            output_reshards.append((k, reshard(v, dst, f"output {k}", source)))
         outputs.append(dst)
     hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)
 
