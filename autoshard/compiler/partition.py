@@ -8,7 +8,7 @@ the bookkeeping jnp does implicitly and check_vma verifies.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .gc_pause import gc_paused
+from . import outline
 from .plan import Plan
 from .replay import Replayer
 from .trace import hint_p
@@ -87,6 +88,12 @@ def _bind(e, ep, ins: list, registry, sizes) -> list:
     return outs if e.primitive.multiple_results else [outs]
 
 
+@dataclass
+class _BlockCall:
+    jitted: Any
+    copies: list = field(default_factory=list)  # (kind, where, layout) of each copy handed back
+
+
 def _replay_key(e, ep) -> tuple | None:
     """What `_bind` depends on besides its operands' types (None: always bind afresh)."""
     if e.params_key is None or ep.sub_plans or e.primitive is hint_p or e.name == SHARD_MAP:
@@ -99,14 +106,13 @@ def _device_const(c, scalars: dict):
     """Program constant `c` as a jax array; equal scalars (one per literal in the user's
     program) are put on the device once. A scalar enters the traced program as a literal of
     its value, whichever array object holds it, so sharing one changes nothing there."""
-    if isinstance(c.const, jax.Array):
+    key = outline.const_key(c)
+    if key is c and isinstance(c.const, jax.Array):
         return c.const
-    value = np.asarray(c.const)
-    if value.ndim:
-        return jnp.asarray(value, dtype=c.dtype)
-    key = (value.dtype, value.tobytes(), np.dtype(c.dtype))
+    if key is c:
+        return jnp.asarray(np.asarray(c.const), dtype=c.dtype)
     if key not in scalars:
-        scalars[key] = jnp.asarray(value, dtype=c.dtype)
+        scalars[key] = jnp.asarray(np.asarray(c.const), dtype=c.dtype)
     return scalars[key]
 
 
@@ -141,14 +147,27 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             moved[key] = x
         return moved[key]
 
-    def run_eqns(env: dict, moved: dict, start: int, stop: int, *, inside: bool = False) -> None:
+    blocks: list = []  # [{start: outline.Instance}], found on the first trace
+
+    def run_eqns(env: dict, moved: dict, start: int, stop: int, *, inside: bool = False,
+                 calls: dict | None = None) -> None:
         # equal equations (every layer of a model) are lowered once, then replayed; one
         # replayer per trace, so that nothing of a finished trace is kept alive
         replayer = Replayer()
         if not keys:
             keys.extend(_replay_key(e, ep) for e, ep in zip(program.eqns, plan.eqns))
+        instances = {}
+        if calls is not None:  # the top level of a trace: repeated blocks become calls
+            if not blocks:
+                blocks.append(outline.find_instances(program, plan, keys))
+            instances = blocks[0]
         k = start
         while k < stop:
+            inst = instances.get(k)
+            if inst is not None and inst.stop <= stop:
+                call_block(env, moved, inst, calls)
+                k = inst.stop
+                continue
             region = None if (inside and k == start) else regions.get(k)
             if region is not None:
                 outs = run_region(region, plan, registry, [env[v] for v in region.inputs],
@@ -163,6 +182,49 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
                                 functools.partial(_bind, e, ep, ins, registry, sizes))
             env.update(zip(e.outputs, outs))
             k += 1
+
+    def call_block(env: dict, moved: dict, inst, calls: dict) -> None:
+        """One repeated block as a call of its jitted lowering (traced on its first call)."""
+        state, copy_keys = outline.moved_inputs(inst, moved, plan.layouts)
+        fn = calls.get((inst.signature, state))
+        if fn is None:
+            fn = calls[(inst.signature, state)] = block_function(inst, state)
+        outs, copies = fn.jitted([env[v] for v in inst.external], [moved[c] for c in copy_keys])
+        eqns = program.eqns
+        for (p, o), x in zip(inst.escaping, outs):
+            env[eqns[inst.start + p].outputs[o]] = x
+        for (kind, ref, layout), x in zip(fn.copies, copies):
+            v = (eqns[inst.start + ref[0]].outputs[ref[1]] if kind == "made"
+                 else inst.external[ref] if kind == "ext" else inst.consts[ref])
+            moved[(v, layout)] = x
+
+    def block_function(t, state: tuple):
+        """The jitted lowering of block `t` (the first of its kind) from reshard state `state`;
+        `.copies` says which reshard copies it hands back (known once it has been traced)."""
+        made = {v: (p, o) for p in range(t.stop - t.start)
+                for o, v in enumerate(program.eqns[t.start + p].outputs)}
+        ext = {v: i for i, v in enumerate(t.external)}
+        const = {v: i for i, v in enumerate(t.consts)}
+        pre = [(v, rp.dst if s == 1 else rp.src) for (v, rp), s in zip(t.reshards, state) if s]
+        pre = list(dict.fromkeys(pre))
+        given = set(pre)
+
+        def block(raw: list, copies: list):
+            scalars: dict = {}  # made inside the block's trace: literals there, as outside
+            env = {c: _device_const(c, scalars) for c in t.consts}
+            env.update(zip(t.external, raw))
+            moved = dict(zip(pre, copies))
+            run_eqns(env, moved, t.start, t.stop)
+            new = [key for key in moved if key not in given]
+            call.copies = [("made", made[v], L) if v in made else ("ext", ext[v], L)
+                           if v in ext else ("const", const[v], L) for v, L in new]
+            eqns = program.eqns
+            return ([env[eqns[t.start + p].outputs[o]] for p, o in t.escaping],
+                    [moved[key] for key in new])
+
+        block.__name__ = block.__qualname__ = f"block{t.signature}"
+        call = _BlockCall(jax.jit(block))
+        return call
 
     def run_region_body(outer: dict, region, *xs) -> list:
         # A region reads only its inputs and constants (trace.py keeps CSE inside it), so it
@@ -181,7 +243,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         for c in program.consts:
             env[c] = _device_const(c, scalars)
         moved: dict = {}
-        run_eqns(env, moved, 0, len(program.eqns))
+        run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
         reshards = dict(plan.output_reshards)
         results = []
         for k, (v, L) in enumerate(zip(program.outputs, plan.outputs)):

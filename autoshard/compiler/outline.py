@@ -1,0 +1,182 @@
+"""Outline: a block of equations that repeats (the layers of an unrolled model, forward and
+backward) is lowered once, as a jitted function, and called for every repetition.
+
+Replay (replay.py) already skips our lowering work for equal equations, but jax still emits
+every local equation into its trace, and lowers each to StableHLO: on a 48-layer GPT step that
+is ~16k equations, most of the partition and lowering time. Here partition emits one call per
+repeated block instead; jax traces the block once and lowers it to one private function that
+every call names, and XLA inlines the calls before it optimises, so the compiled program does
+the same work with the same collectives.
+
+Only exact repetitions are outlined. Two blocks are the same when, position for position, their
+equations have the same replay key (primitive, params, layouts, types) and read their operands
+the same way: from the same earlier position of the block, from the same external value (by
+order of first use, so aliasing is kept), or from the same program constant; planned reshards
+start from the same layouts; the same results are read after the block. Copies that reshards
+make are shared with the code around the block exactly as without outlining: copies made before
+the block are passed in, copies made inside are handed back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+MIN_LEN = 16      # shorter repetitions save less than a call costs
+MAX_LEN = 4096    # the longest period looked for (a layer's backward is a few hundred)
+TRIES = 8         # candidate periods tried per start position
+ENABLED = True    # off: every equation is emitted inline (the tests compare both programs)
+
+_EXT, _CONST = "x", "c"
+
+
+@dataclass
+class Instance:
+    """One occurrence of a repeated block: eqns[start:stop]."""
+
+    start: int
+    stop: int
+    signature: int            # equal numbers: the same block
+    external: list            # values read from outside, in order of first use
+    consts: list              # program constants read, in order of first use
+    reshards: list            # (value, reshard plan) of outside operands resharded in the block
+    escaping: list            # (position, output index) of results read after the block
+
+
+def const_key(c) -> Any:
+    """Program constants that partition puts on the device as one array have one key: equal
+    scalars (one Value per literal in the user's program) are one; anything else is itself."""
+    if isinstance(c.const, jax.Array):
+        return c
+    value = np.asarray(c.const)
+    if value.ndim:
+        return c
+    return (value.dtype, value.tobytes(), np.dtype(c.dtype))
+
+
+def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
+              tries: int = TRIES) -> list[tuple[int, int, int]]:
+    """(start, period, count) of stretches where `h[start:start + period]` repeats `count` >= 2
+    times back to back; negative entries never repeat. Greedy, left to right."""
+    n = len(h)
+    nxt, seen = [-1] * n, {}
+    for k in range(n - 1, -1, -1):
+        if h[k] >= 0:
+            nxt[k] = seen.get(h[k], -1)
+            seen[h[k]] = k
+    runs, s = [], 0
+    while s < n:
+        period, j, tried = 0, nxt[s], 0
+        while j != -1 and j - s <= max_len and tried < tries:
+            p = j - s
+            if p >= min_len:
+                tried += 1
+                if j + p <= n and h[s:j] == h[j:j + p]:
+                    period = p
+                    break
+            j = nxt[j]
+        if not period:
+            s += 1
+            continue
+        block, count = h[s:s + period], 2
+        while s + (count + 1) * period <= n and h[s + count * period:s + (count + 1) * period] == block:
+            count += 1
+        runs.append((s, period, count))
+        s += count * period
+    return runs
+
+
+def find_instances(program, plan, keys: list) -> dict[int, Instance]:
+    """The blocks worth outlining, by start index: those whose signature occurs twice or more."""
+    eqns, layouts = program.eqns, plan.layouts
+    n = len(eqns)
+    excluded = [False] * n
+    for r in program.regions:
+        for k in range(r.start, r.stop):
+            excluded[k] = True
+    # each equation as a number: its replay key and its operands' layouts (what the reshards
+    # start from); equations that cannot be replayed never repeat
+    ids: dict = {}
+    h = []
+    for k, (e, key) in enumerate(zip(eqns, keys)):
+        if key is None or excluded[k]:
+            h.append(-1 - k)
+        else:
+            h.append(ids.setdefault((key, tuple(layouts.get(v) for v in e.inputs)), len(ids)))
+    runs = find_runs(h)
+    if not runs:
+        return {}
+    last_use: dict = {}
+    for k, e in enumerate(eqns):
+        for v in e.inputs:
+            last_use[v] = k
+    for r in program.regions:
+        for v in r.inputs:
+            last_use[v] = max(last_use.get(v, -1), r.start)
+    for v in program.outputs:
+        last_use[v] = n
+    # integer scalars (a layer's RNG fold_in index, a loop bound) may differ between blocks:
+    # they are passed in like values from outside; float constants stay literals, so that XLA
+    # folds them as it would without outlining (the results are the same to the bit)
+    const_keys = {c: const_key(c) for c in program.consts
+                  if not (np.ndim(c.const) == 0 and np.issubdtype(np.dtype(c.dtype), np.integer))}
+    signatures: dict = {}
+    found = []
+    for start, period, count in runs:
+        for i in range(count):
+            s = start + i * period
+            found.append(_instance(eqns, plan, h, s, s + period, last_use, const_keys, signatures))
+    counts: dict = {}
+    for inst in found:
+        counts[inst.signature] = counts.get(inst.signature, 0) + 1
+    return {inst.start: inst for inst in found if counts[inst.signature] > 1}
+
+
+def _instance(eqns, plan, h, start, stop, last_use, const_keys, signatures) -> Instance:
+    made: dict = {}
+    external: dict = {}
+    consts: dict = {}
+    reshards = []
+    slots = []
+    for k in range(start, stop):
+        e, ep = eqns[k], plan.eqns[k]
+        planned = dict(ep.reshards)
+        reads = []
+        for i, v in enumerate(e.inputs):
+            where = made.get(v)
+            if where is None:
+                where = ((_CONST, const_keys[v], consts.setdefault(v, len(consts)))
+                         if v in const_keys else (_EXT, external.setdefault(v, len(external))))
+                if planned.get(i) is not None:
+                    reshards.append((v, planned[i]))
+            rp = planned.get(i)
+            reads.append((where, None if rp is None else (rp.src, rp.dst)))
+        slots.append((h[k], tuple(reads)))
+        for o, v in enumerate(e.outputs):
+            made[v] = (k - start, o)
+    escaping = [pos for v, pos in made.items() if last_use.get(v, -1) >= stop]
+    sig = (tuple(slots), tuple(escaping))
+    return Instance(start, stop, signatures.setdefault(sig, len(signatures)), list(external),
+                    list(consts), reshards, escaping)
+
+
+def moved_inputs(inst: Instance, moved: dict, own: dict) -> tuple[tuple, list]:
+    """What reshard copies made before the block it starts from — a state that is part of the
+    block's identity — and those copies: for each resharded operand, its target copy if one
+    exists, else the copy its plan starts from, else none (the block reshards the value)."""
+    state, keys = [], []
+    for v, rp in inst.reshards:
+        if (v, rp.dst) in moved:
+            state.append(1)
+            keys.append((v, rp.dst))
+        elif rp.src != own.get(v) and (v, rp.src) in moved:
+            state.append(2)
+            keys.append((v, rp.src))
+        else:
+            state.append(0)
+    return tuple(state), list(dict.fromkeys(keys))
+
+
+__all__ = ["Instance", "const_key", "find_runs", "find_instances", "moved_inputs", "ENABLED"]

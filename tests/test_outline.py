@@ -1,0 +1,116 @@
+"""Outlined blocks: a repeated block of equations is lowered once and called, and the compiled
+program is the same program.
+
+Partition emits one jitted call per repetition of a block (compiler/outline.py); XLA inlines the
+calls. These tests compile each program with outlining on and off and require the same
+collectives (kind, count, bytes) in the compiled HLO and results equal to the bit, on the GPT
+step (dropout, vocab-parallel embedding, adam) written unrolled, scanned and rematerialised,
+and on blocks that share reshard copies with the code around them.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autoshard as dist
+from autoshard.bench import gpt
+from autoshard.compiler import outline
+from autoshard.hlo import collective_bytes, count_collectives
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+R, S = dist.Replicate(), dist.Shard
+
+
+def _compiled(step, args, enabled: bool, monkeypatch):
+    monkeypatch.setattr(outline, "ENABLED", enabled)
+    f = dist.jit(step)
+    entry, leaves = f._entry(args, {})
+    inputs = f._physical_inputs(entry, leaves)
+    traced = entry.fn.trace(*inputs)
+    body = traced.jaxpr.jaxpr.eqns[0].params["jaxpr"]  # the shard_map's local program
+    calls = sum(e.primitive.name == "jit" and e.params["name"].startswith("block")
+                for e in body.eqns)
+    compiled = traced.lower().compile()
+    return compiled.as_text(), jax.tree.leaves(compiled(*inputs)), len(body.eqns), calls
+
+
+def _assert_same_program(step, args, monkeypatch) -> tuple[int, int, int]:
+    hlo, outs, eqns, calls = _compiled(step, args, True, monkeypatch)
+    hlo0, outs0, eqns0, calls0 = _compiled(step, args, False, monkeypatch)
+    assert calls0 == 0
+    assert count_collectives(hlo) == count_collectives(hlo0)
+    assert collective_bytes(hlo) == collective_bytes(hlo0)
+    assert len(outs) == len(outs0)
+    for a, b in zip(outs, outs0):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return calls, eqns, eqns0
+
+
+@pytest.mark.parametrize("form", ["unrolled", "scan", "remat"])
+def test_outlined_gpt_step_is_the_inline_program(form, monkeypatch):
+    step, _, args = gpt.workload(MESH, 3, form, optax.adam(1e-3))
+    calls, eqns, eqns0 = _assert_same_program(step, args, monkeypatch)
+    if form == "unrolled":  # the layers (forward and backward) and adam's per-leaf updates
+        assert calls >= 8 and eqns < eqns0 * 2 // 3
+
+
+def test_outlined_step_equals_one_device():
+    step, single, args = gpt.workload(MESH, 3, "unrolled", optax.sgd(0.1))
+    got = jax.tree.leaves(dist.jit(step)(*args), is_leaf=lambda x: isinstance(x, dist.DistTensor))
+    want = jax.tree.leaves(jax.jit(step)(*single))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g.numpy() if hasattr(g, "numpy") else g),
+                                   np.asarray(w), rtol=2e-5, atol=2e-6)
+
+
+def test_reshard_copies_are_shared_across_blocks(monkeypatch):
+    """W is split where every layer needs it whole: it is gathered once, before or in the first
+    block, and every later block gets that copy passed in (not gathered again)."""
+    mesh = dist.ProcessMesh(list(range(8)), ["x"])
+
+    def f(x, w, b):
+        for _ in range(4):
+            h = jnp.tanh(x @ w + b)
+            h = h * jax.nn.sigmoid(h)
+            h = (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
+            x = h + x
+        return x
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    w = (rng.normal(size=(32, 32)) * 0.1).astype(np.float32)
+    b = rng.normal(size=(32,)).astype(np.float32)
+    args = (dist.shard_tensor(x, mesh, [S(0)]), dist.shard_tensor(w, mesh, [S(0)]),
+            dist.shard_tensor(b, mesh, [R]))
+    calls, _, _ = _assert_same_program(f, args, monkeypatch)
+    assert calls >= 3
+    hlo, outs, _, _ = _compiled(f, args, True, monkeypatch)
+    assert count_collectives(hlo)["all-gather"] == 1
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(jax.jit(f)(x, w, b)),
+                               rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=12), st.integers(1, 5),
+       st.lists(st.integers(0, 3), max_size=6), st.lists(st.integers(0, 3), max_size=6))
+def test_found_runs_repeat(block, count, before, after):
+    h = before + block * count + after
+    runs = outline.find_runs(h, min_len=2, max_len=64)
+    covered = set()
+    for start, period, n in runs:
+        assert n >= 2 and period >= 2
+        first = h[start:start + period]
+        for i in range(n):
+            assert h[start + i * period:start + (i + 1) * period] == first
+        span = range(start, start + n * period)
+        assert covered.isdisjoint(span)
+        covered.update(span)
+    if len(block) >= 2 and count >= 2 and not before and len(set(block)) == len(block):
+        assert runs and runs[0][0] == 0 and runs[0][1] == len(block)
+
+
+def test_negative_entries_never_repeat():
+    assert outline.find_runs([-1, -2, -3, -4] * 3, min_len=2) == []
