@@ -104,14 +104,11 @@ def find_instances(program, plan, keys: list) -> dict[int, Instance]:
         if key is None or excluded[k]:
             h.append(-1 - k)
         else:
-            h.append(ids.setdefault((key, tuple(layouts.get(v) for v in e.inputs)), len(ids)))
+            h.append(ids.setdefault((key, tuple(map(layouts.get, e.inputs))), len(ids)))
     runs = find_runs(h)
     if not runs:
         return {}
-    last_use: dict = {}
-    for k, e in enumerate(eqns):
-        for v in e.inputs:
-            last_use[v] = k
+    last_use = {v: k for k, e in enumerate(eqns) for v in e.inputs}  # later reads overwrite
     for r in program.regions:
         for v in r.inputs:
             last_use[v] = max(last_use.get(v, -1), r.start)
@@ -121,7 +118,7 @@ def find_instances(program, plan, keys: list) -> dict[int, Instance]:
     # they are passed in like values from outside; float constants stay literals, so that XLA
     # folds them as it would without outlining (the results are the same to the bit)
     const_keys = {c: const_key(c) for c in program.consts
-                  if not (np.ndim(c.const) == 0 and np.issubdtype(np.dtype(c.dtype), np.integer))}
+                  if not (np.ndim(c.const) == 0 and jax.dtypes.issubdtype(c.dtype, np.integer))}
     signatures: dict = {}
     found = []
     for start, period, count in runs:
