@@ -98,13 +98,15 @@ def find_instances(program, plan, keys: list) -> dict[int, Instance]:
             excluded[k] = True
     # each equation as a number: its replay key and its operands' layouts (what the reshards
     # start from); equations that cannot be replayed never repeat
+    key_ids: dict = {}  # a key is hashed once here; the pair below hashes its number
     ids: dict = {}
     h = []
     for k, (e, key) in enumerate(zip(eqns, keys)):
         if key is None or excluded[k]:
             h.append(-1 - k)
         else:
-            h.append(ids.setdefault((key, tuple(map(layouts.get, e.inputs))), len(ids)))
+            key_id = key_ids.setdefault(key, len(key_ids))
+            h.append(ids.setdefault((key_id, tuple(map(layouts.get, e.inputs))), len(ids)))
     runs = find_runs(h)
     if not runs:
         return {}
@@ -137,19 +139,22 @@ def _instance(eqns, plan, h, start, stop, last_use, const_keys, signatures) -> I
     consts: dict = {}
     reshards = []
     slots = []
+    plan_eqns = plan.eqns
     for k in range(start, stop):
-        e, ep = eqns[k], plan.eqns[k]
-        planned = dict(ep.reshards)
+        e = eqns[k]
+        planned = plan_eqns[k].reshards
+        planned = dict(planned) if planned else None  # most equations reshard nothing
         reads = []
         for i, v in enumerate(e.inputs):
             where = made.get(v)
             if where is None:
                 where = ((_CONST, const_keys[v], consts.setdefault(v, len(consts)))
                          if v in const_keys else (_EXT, external.setdefault(v, len(external))))
-                if planned.get(i) is not None:
+                if planned and i in planned:
                     reshards.append((v, planned[i]))
-            rp = planned.get(i)
-            reads.append((where, None if rp is None else (rp.src, rp.dst)))
+            if planned and i in planned:
+                where = (where, planned[i].src, planned[i].dst)
+            reads.append(where)
         slots.append((h[k], tuple(reads)))
         for o, v in enumerate(e.outputs):
             made[v] = (k - start, o)
