@@ -21,7 +21,7 @@ from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
-from .strategy import choose
+from .strategy import chooser
 from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
 
@@ -123,6 +123,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     fixed[v] = L
     facts = eqn_facts(program, registry)
     pref = propagate(program, mesh, fixed, registry, cost_model, facts=facts)
+    pick = chooser(mesh, cost_model)
 
     actual: dict = {}
     inputs = []
@@ -193,8 +194,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 results = [Layout.replicated(len(v.shape)) for v in e.outputs]
                 strategy, considered, seconds = "replicated (no rule)", 1, 0.0
             else:
-                choice = choose(sig, mesh, tuple(operands), tuple(map(pref.get, e.outputs)),
-                                cost_model, facts.single_use[e.index],
+                choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
+                              facts.single_use[e.index],
                                 tuple(moved_to.get(v, _NOT_MOVED) for v in e.inputs),
                                 facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results

@@ -21,7 +21,7 @@ from ..cost_model import CostModel
 from ..errors import PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from .strategy import Signature, choose, signature
+from .strategy import Signature, chooser, signature
 from .trace import Eqn, Program, hint_p
 
 
@@ -123,6 +123,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         pref[c] = Layout.replicated(len(c.shape))
     pinned = set(fixed) | set(program.consts)
     sigs, single_use, is_parameter = facts or eqn_facts(program, registry)
+    pick = chooser(mesh, cost_model)
 
     def offer(v, L) -> bool:
         """Record a proposal: first one wins, but a free value may be refined later."""
@@ -149,7 +150,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         sig = sigs[e.index]
         if sig is None:
             return []
-        choice = choose(sig, mesh, known_in, known_out, cost_model, single_use[e.index],
+        choice = pick(sig, known_in, known_out, single_use[e.index],
                         (frozenset(),) * len(known_in), is_parameter[e.index])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive

@@ -10,7 +10,6 @@ local compute) and the cheapest wins, deterministically (first of equals).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
@@ -241,10 +240,36 @@ def choose(sig: Signature, mesh: ProcessMesh, actual: tuple[Layout | None, ...],
     layers of a model repeat the same decisions, so most equations of a deep network are
     answered from the cache.
     """
-    return _choose(sig, mesh, actual, preferred, cost_model, single_use, available, parameters)
+    return chooser(mesh, cost_model)(sig, actual, preferred, single_use, available, parameters)
 
 
-@functools.lru_cache(maxsize=65536)
+_MEMOS: dict = {}  # (mesh, cost model) -> {the other arguments of choose: Choice}
+_MAX_MEMO = 65536
+
+
+def chooser(mesh: ProcessMesh, cost_model: CostModel):
+    """`choose` with the mesh and cost model fixed. Propagation and the plan ask once per
+    equation: fetching this once per pass spares hashing the mesh and the cost model on each
+    of those calls."""
+    memo = _MEMOS.get((mesh, cost_model))
+    if memo is None:
+        if len(_MEMOS) >= 64:
+            _MEMOS.clear()
+        memo = _MEMOS[(mesh, cost_model)] = {}
+
+    def pick(sig: Signature, actual: tuple, preferred: tuple, single_use: tuple,
+             available: tuple, parameters: tuple) -> Choice:
+        key = (sig, actual, preferred, single_use, available, parameters)
+        choice = memo.get(key)
+        if choice is None:
+            if len(memo) >= _MAX_MEMO:
+                memo.clear()
+            choice = memo[key] = _choose(sig, mesh, actual, preferred, cost_model, single_use,
+                                         available, parameters)
+        return choice
+    return pick
+
+
 def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: CostModel,
             single_use, available, parameters) -> Choice:
     opsh, in_avals, out_avals = sig.opsh, sig.in_avals, sig.out_avals
@@ -276,4 +301,4 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
     return replace(best, description=best.strategy.describe(opsh))
 
 
-__all__ = ["Strategy", "Choice", "Signature", "signature", "choose", "candidates", "layouts", "reshard_seconds", "NONE"]
+__all__ = ["Strategy", "Choice", "Signature", "signature", "choose", "chooser", "candidates", "layouts", "reshard_seconds", "NONE"]
