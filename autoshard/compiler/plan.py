@@ -196,8 +196,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             else:
                 choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
                               facts.single_use[e.index],
-                                tuple(moved_to.get(v, _NOT_MOVED) for v in e.inputs),
-                                facts.is_parameter[e.index])
+                              tuple(moved_to.get(v, _NOT_MOVED) for v in e.inputs),
+                              facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
                 strategy = choice.description
                 considered, seconds = choice.considered, choice.seconds
