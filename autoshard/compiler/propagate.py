@@ -151,7 +151,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         if sig is None:
             return []
         choice = pick(sig, known_in, known_out, single_use[e.index],
-                        (frozenset(),) * len(known_in), is_parameter[e.index])
+                      (frozenset(),) * len(known_in), is_parameter[e.index])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):
