@@ -164,21 +164,33 @@ def _instance(eqns, plan, h, start, stop, last_use, const_keys, signatures) -> I
                     list(consts), reshards, escaping)
 
 
+# Where the copy an operand's reshard needs comes from, given the copies made so far. The same
+# decision serves partition's emission and a block's identity (its copies are passed in).
+HAVE_TARGET, FROM_COPY, FROM_VALUE = 1, 2, 0
+
+
+def reshard_start(v, rp, moved: dict, own) -> int:
+    """HAVE_TARGET: the target copy exists; FROM_COPY: the plan starts from a copy made for an
+    earlier use; FROM_VALUE: start from the value itself (in its own layout `own`)."""
+    if (v, rp.dst) in moved:
+        return HAVE_TARGET
+    if rp.src != own and (v, rp.src) in moved:
+        return FROM_COPY
+    return FROM_VALUE
+
+
+def passed_copies(inst: Instance, state: tuple) -> list:
+    """The (value, layout) keys of the copies a block with reshard `state` is handed."""
+    return list(dict.fromkeys((v, rp.dst if s == HAVE_TARGET else rp.src)
+                              for (v, rp), s in zip(inst.reshards, state) if s != FROM_VALUE))
+
+
 def moved_inputs(inst: Instance, moved: dict, own: dict) -> tuple[tuple, list]:
-    """What reshard copies made before the block it starts from — a state that is part of the
-    block's identity — and those copies: for each resharded operand, its target copy if one
-    exists, else the copy its plan starts from, else none (the block reshards the value)."""
-    state, keys = [], []
-    for v, rp in inst.reshards:
-        if (v, rp.dst) in moved:
-            state.append(1)
-            keys.append((v, rp.dst))
-        elif rp.src != own.get(v) and (v, rp.src) in moved:
-            state.append(2)
-            keys.append((v, rp.src))
-        else:
-            state.append(0)
-    return tuple(state), list(dict.fromkeys(keys))
+    """Where each operand resharded in the block starts from, given the copies made before it
+    (part of the block's identity), and the keys of the copies it is handed."""
+    state = tuple(reshard_start(v, rp, moved, own.get(v)) for v, rp in inst.reshards)
+    return state, passed_copies(inst, state)
 
 
-__all__ = ["Instance", "const_key", "find_runs", "find_instances", "moved_inputs", "ENABLED"]
+__all__ = ["Instance", "const_key", "find_runs", "find_instances", "reshard_start", "passed_copies",
+           "moved_inputs", "HAVE_TARGET", "FROM_COPY", "FROM_VALUE", "ENABLED"]

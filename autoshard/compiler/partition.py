@@ -107,13 +107,12 @@ def _device_const(c, scalars: dict):
     program) are put on the device once. A scalar enters the traced program as a literal of
     its value, whichever array object holds it, so sharing one changes nothing there."""
     key = outline.const_key(c)
-    if key is c and isinstance(c.const, jax.Array):
-        return c.const
-    if key is c:
-        return jnp.asarray(np.asarray(c.const), dtype=c.dtype)
-    if key not in scalars:
-        scalars[key] = jnp.asarray(np.asarray(c.const), dtype=c.dtype)
-    return scalars[key]
+    if key is not c:  # a scalar: one device array per value
+        if key not in scalars:
+            scalars[key] = jnp.asarray(np.asarray(c.const), dtype=c.dtype)
+        return scalars[key]
+    return c.const if isinstance(c.const, jax.Array) else jnp.asarray(np.asarray(c.const),
+                                                                      dtype=c.dtype)
 
 
 def local_function(plan: Plan, registry, *, physical: bool = True):
@@ -132,20 +131,22 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         if rp is None:
             return env[v]
         key = (v, rp.dst)
-        if key not in moved:
-            own = plan.layouts[v]
-            if rp.src == own:
-                x = env[v]
-            elif (v, rp.src) in moved:  # the planner starts from a copy made for an earlier use
-                x = moved[(v, rp.src)]
-            else:  # that copy lives in another scope (a custom rule's body): start afresh
-                x = env[v]
+        own = plan.layouts[v]
+        start = outline.reshard_start(v, rp, moved, own)
+        if start == outline.HAVE_TARGET:
+            return moved[key]
+        if start == outline.FROM_COPY:
+            x = moved[(v, rp.src)]
+        else:
+            x = env[v]
+            if rp.src != own:  # its starting copy lives in another scope (a custom rule's
+                # body): plan afresh from the value's own layout
                 rp = plan_layouts(tuple(v.shape), cost_dtype(v.dtype), plan.mesh, own,
                                   plan.mesh, rp.dst, plan.cost_model or default_cost_model())
-            for planned in rp.steps:
-                x = planned.step.run(x, sizes)
-            moved[key] = x
-        return moved[key]
+        for planned in rp.steps:
+            x = planned.step.run(x, sizes)
+        moved[key] = x
+        return x
 
     blocks: list = []  # [{start: outline.Instance}], found on the first trace
 
@@ -205,8 +206,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
                 for o, v in enumerate(program.eqns[t.start + p].outputs)}
         ext = {v: i for i, v in enumerate(t.external)}
         const = {v: i for i, v in enumerate(t.consts)}
-        pre = [(v, rp.dst if s == 1 else rp.src) for (v, rp), s in zip(t.reshards, state) if s]
-        pre = list(dict.fromkeys(pre))
+        pre = outline.passed_copies(t, state)
         given = set(pre)
 
         def block(raw: list, copies: list):
