@@ -8,47 +8,75 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .errors import PlacementError, ShardingError
-from .hashing import hash_once
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, normalize_placements
 
 
-@dataclass(frozen=True)
-class Layout:
-    dims: tuple[tuple[str, ...], ...]
-    partial: tuple[tuple[str, ReduceType], ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dims", tuple(tuple(d) for d in self.dims))
-        object.__setattr__(self, "partial", tuple(sorted(self.partial)))
-        seen: set[str] = set()
-        for axes in self.dims:
-            for a in axes:
-                if a in seen:
-                    raise PlacementError(f"mesh axis {a!r} shards two tensor dims in {self}")
-                seen.add(a)
-        for a, _ in self.partial:
+def _check(dims: tuple, partial: tuple) -> None:
+    seen: set[str] = set()
+    for axes in dims:
+        for a in axes:
             if a in seen:
-                # Invariant: an axis is never both partial and sharding a dim of the same value.
-                raise PlacementError(f"mesh axis {a!r} is both partial and sharding in {self}")
+                raise PlacementError(f"mesh axis {a!r} shards two tensor dims in {_show(dims, partial)}")
             seen.add(a)
-        kinds = {t for _, t in self.partial}
-        if len(kinds) > 1 and not kinds <= {ReduceType.SUM, ReduceType.AVG}:
-            # max-of-sums differs from sum-of-maxes: such a value has no single meaning.
-            raise PlacementError(
-                "a tensor can be partial with only one kind of reduction at a time (sum and avg "
-                f"may mix, being linear); got {', '.join(f'P({t.value}) on {a!r}' for a, t in self.partial)} "
-                "— reshard to reduce one of them first")
+    for a, _ in partial:
+        if a in seen:
+            # Invariant: an axis is never both partial and sharding a dim of the same value.
+            raise PlacementError(f"mesh axis {a!r} is both partial and sharding in {_show(dims, partial)}")
+        seen.add(a)
+    kinds = {t for _, t in partial}
+    if len(kinds) > 1 and not kinds <= {ReduceType.SUM, ReduceType.AVG}:
+        # max-of-sums differs from sum-of-maxes: such a value has no single meaning.
+        raise PlacementError(
+            "a tensor can be partial with only one kind of reduction at a time (sum and avg "
+            f"may mix, being linear); got {', '.join(f'P({t.value}) on {a!r}' for a, t in partial)} "
+            "— reshard to reduce one of them first")
 
-    def __hash__(self) -> int:
-        return hash_once(self, lambda: (self.dims, self.partial))
 
-    def __getstate__(self) -> dict:
-        return {"dims": self.dims, "partial": self.partial}  # str hashes differ per process
+def _show(dims: tuple, partial: tuple) -> str:
+    return f"Layout(dims={dims!r}, partial={partial!r})"
+
+
+_INTERNED: dict = {}  # (dims, partial) -> the one Layout with them
+
+
+class Layout:
+    """Immutable and interned: equal layouts are one object, so equality and hashing are by
+    identity (C speed). Every planning memo is keyed by tuples of layouts, hashed and compared
+    tens of thousands of times per program; interning also keeps one copy of each."""
+
+    __slots__ = ("dims", "partial", "__dict__")
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[tuple[str, ReduceType], ...]
+
+    def __new__(cls, dims: Sequence[Sequence[str]], partial: Sequence[tuple[str, ReduceType]] = ()):
+        key = (tuple(tuple(d) for d in dims), tuple(sorted(partial)))
+        self = _INTERNED.get(key)
+        if self is None:
+            _check(*key)
+            self = object.__new__(cls)
+            object.__setattr__(self, "dims", key[0])
+            object.__setattr__(self, "partial", key[1])
+            _INTERNED[key] = self
+        return self
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"Layout is immutable (cannot set {name!r})")
+
+    def __reduce__(self):
+        return (Layout, (self.dims, self.partial))  # unpickled: the interned object again
+
+    def __copy__(self) -> "Layout":
+        return self
+
+    def __deepcopy__(self, memo) -> "Layout":
+        return self
+
+    def __repr__(self) -> str:
+        return f"Layout(dims={self.dims!r}, partial={self.partial!r})"
 
     # -- queries ---------------------------------------------------------------------------
     @staticmethod

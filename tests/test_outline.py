@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import autoshard as dist
 from autoshard.bench import gpt
-from autoshard.compiler import outline
+from autoshard.compiler import outline, partition
 from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -29,10 +29,20 @@ def _compiled(step, args, enabled: bool, monkeypatch):
     f = dist.jit(step)
     entry, leaves = f._entry(args, {})
     inputs = f._physical_inputs(entry, leaves)
+    dispatched = []
+
+    class Counted(partition._BlockCall):
+        def __init__(self, jitted):
+            super().__init__(lambda *a: dispatched.append(a) or jitted(*a))
+
+    monkeypatch.setattr(partition, "_BlockCall", Counted)
     traced = entry.fn.trace(*inputs)
     body = traced.jaxpr.jaxpr.eqns[0].params["jaxpr"]  # the shard_map's local program
-    calls = sum(e.primitive.name == "jit" and e.params["name"].startswith("block")
-                for e in body.eqns)
+    blocks = [e for e in body.eqns if e.primitive.name == "jit" and e.params["name"].startswith("block")]
+    calls = len(blocks)
+    # each block function is dispatched through jax once; its later calls re-emit the recorded
+    # call equation — also when a literal operand differs (dropout's per-layer fold_in index)
+    assert len(dispatched) == len({id(e.params["jaxpr"]) for e in blocks})
     compiled = traced.lower().compile()
     return compiled.as_text(), jax.tree.leaves(compiled(*inputs)), len(body.eqns), calls
 

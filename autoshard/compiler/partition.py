@@ -166,7 +166,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         while k < stop:
             inst = instances.get(k)
             if inst is not None and inst.stop <= stop:
-                call_block(env, moved, inst, calls)
+                call_block(env, moved, inst, calls, replayer)
                 k = inst.stop
                 continue
             region = None if (inside and k == start) else regions.get(k)
@@ -184,13 +184,26 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             env.update(zip(e.outputs, outs))
             k += 1
 
-    def call_block(env: dict, moved: dict, inst, calls: dict) -> None:
-        """One repeated block as a call of its jitted lowering (traced on its first call)."""
+    def call_block(env: dict, moved: dict, inst, calls: dict, replayer: Replayer) -> None:
+        """One repeated block as a call of its jitted lowering (traced on its first call).
+
+        Later calls replay the call equation the first one emitted (jax's dispatch of a jitted
+        call under tracing costs about as much as a few dozen equations)."""
         state, copy_keys = outline.moved_inputs(inst, moved, plan.layouts)
         fn = calls.get((inst.signature, state))
         if fn is None:
             fn = calls[(inst.signature, state)] = block_function(inst, state)
-        outs, copies = fn.jitted([env[v] for v in inst.external], [moved[c] for c in copy_keys])
+        args = [env[v] for v in inst.external] + [moved[c] for c in copy_keys]
+        n_ext = len(inst.external)
+
+        def bind() -> list:
+            outs, copies = fn.jitted(args[:n_ext], args[n_ext:])
+            return [*outs, *copies]
+
+        # the call is traced on abstract types: a layer index passed in as a literal (its RNG
+        # fold_in) does not make it another call
+        flat = replayer.run(("block", inst.signature, state), args, bind, by_value=False)
+        outs, copies = flat[:len(inst.escaping)], flat[len(inst.escaping):]
         eqns = program.eqns
         for (p, o), x in zip(inst.escaping, outs):
             env[eqns[inst.start + p].outputs[o]] = x

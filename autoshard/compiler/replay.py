@@ -112,9 +112,14 @@ class Replayer:
     def __init__(self) -> None:
         self._templates: dict = {}
 
-    def run(self, key: Any, ins: list, bind: Callable[[], list]) -> list:
+    def run(self, key: Any, ins: list, bind: Callable[[], list], *,
+            by_value: bool = True) -> list:
         """`bind()` the equation the first time its `key` is seen (with these operand types);
-        re-emit what it emitted every later time. `key` None: always bind."""
+        re-emit what it emitted every later time. `key` None: always bind.
+
+        `by_value` False: `bind` emits the same equations whatever the values of literal
+        operands (a jitted call, traced on abstract types), so they are not part of the key.
+        """
         trace = jcore.trace_ctx.trace
         if key is None or not (_SUPPORTED and ENABLED) or type(trace) is not pe.DynamicJaxprTrace:
             return _bound(bind)
@@ -126,7 +131,8 @@ class Replayer:
                 value = _literal_value(x.val)
                 if value is None:
                     return _bound(bind)
-                literals.append(value)
+                if by_value:
+                    literals.append(value)
         # the operand types (local shape, dtype, varying axes), which operands are one value,
         # and the values of literal operands (a lowering may fold them)
         first: dict[int, int] = {}
