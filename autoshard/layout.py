@@ -41,6 +41,7 @@ def _show(dims: tuple, partial: tuple) -> str:
 
 
 _INTERNED: dict = {}  # (dims, partial) -> the one Layout with them
+_DESCRIBED: dict = {}  # (layout, mesh) -> its placements as text
 
 
 class Layout:
@@ -147,7 +148,12 @@ class Layout:
         return result
 
     def describe(self, mesh: ProcessMesh) -> str:
-        return "[" + ", ".join(repr(p) for p in self.placements(mesh)) + "]"
+        text = _DESCRIBED.get((self, mesh))
+        if text is None:  # every planned collective's reason describes two layouts
+            if len(_DESCRIBED) >= 65536:
+                _DESCRIBED.clear()
+            text = _DESCRIBED[(self, mesh)] = "[" + ", ".join(repr(p) for p in self.placements(mesh)) + "]"
+        return text
 
 
 @functools.lru_cache(maxsize=64)

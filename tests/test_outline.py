@@ -12,8 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import autoshard as dist
 from autoshard.bench import gpt
@@ -101,26 +99,3 @@ def test_reshard_copies_are_shared_across_blocks(monkeypatch):
     assert count_collectives(hlo)["all-gather"] == 1
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(jax.jit(f)(x, w, b)),
                                rtol=1e-5, atol=1e-6)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=0, max_size=12), st.integers(1, 5),
-       st.lists(st.integers(0, 3), max_size=6), st.lists(st.integers(0, 3), max_size=6))
-def test_found_runs_repeat(block, count, before, after):
-    h = before + block * count + after
-    runs = outline.find_runs(h, min_len=2, max_len=64)
-    covered = set()
-    for start, period, n in runs:
-        assert n >= 2 and period >= 2
-        first = h[start:start + period]
-        for i in range(n):
-            assert h[start + i * period:start + (i + 1) * period] == first
-        span = range(start, start + n * period)
-        assert covered.isdisjoint(span)
-        covered.update(span)
-    if len(block) >= 2 and count >= 2 and not before and len(set(block)) == len(block):
-        assert runs and runs[0][0] == 0 and runs[0][1] == len(block)
-
-
-def test_negative_entries_never_repeat():
-    assert outline.find_runs([-1, -2, -3, -4] * 3, min_len=2) == []

@@ -61,9 +61,11 @@ def _layout_in_plan(eqn_plans: list, j: int, *, operand: int | None = None,
 
 
 def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_reshards: list,
-                     collectives: list, reshard: Callable) -> None:
+                     collectives: list, reshard: Callable) -> set[int]:
     """Rewrite the plan in place (see the module docstring). `reshard(value, dst, consumer,
-    source)` plans a move and records its collectives, as make_plan's own does."""
+    source)` plans a move and records its collectives, as make_plan's own does. Returns the
+    indices of the equations whose plans changed."""
+    touched: set[int] = set()
     readers: dict[Value, list] = {}
     for j, e in enumerate(program.eqns):
         for i, v in enumerate(e.inputs):
@@ -78,7 +80,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
     planned_here: set[int] = set()
 
     for j0, (e, ep) in enumerate(zip(program.eqns, eqn_plans)):
-        if e.name != "transpose" or ep.fallback or not ep.required[0].partial:
+        if e.primitive.name != "transpose" or ep.fallback or not ep.required[0].partial:
             continue
         x, v = e.inputs[0], e.outputs[0]
         if x.is_const or len(readers.get(x, ())) + len(out_readers.get(x, ())) != 1:
@@ -103,6 +105,9 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             ep.reshards.append((0, reshard(x, target, f"{e.name} (eqn {e.index})", e.source)))
             planned_here.update(id(c) for c in collectives[n:])
         _layout_in_plan(eqn_plans, j0, operand=0, required=target, result=ends)
+        touched.add(j0)
+        touched.update(j for j, _ in chain)
+        touched.update(j for j, _ in readers.get(last, ()))
         eqn_plans[j0].strategy += "; reduced before the transpose (they commute; the dot stays canonical)"
         actual[v] = ends
         for j, i in chain:  # the elementwise steps now run on the reduced value
@@ -119,6 +124,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
     if dropped:
         collectives[:] = [c for c in collectives
                           if c.value not in dropped or id(c) in planned_here]
+    return touched
 
 
 __all__ = ["hoist_reductions"]

@@ -24,9 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-MIN_LEN = 16      # shorter repetitions save less than a call costs
-MAX_LEN = 4096    # the longest period looked for (a layer's backward is a few hundred)
-TRIES = 8         # candidate periods tried per start position
+from .repeats import find_runs
+
 ENABLED = True    # off: every equation is emitted inline (the tests compare both programs)
 
 _EXT, _CONST = "x", "c"
@@ -56,40 +55,9 @@ def const_key(c) -> Any:
     return (value.dtype, value.tobytes(), np.dtype(c.dtype))
 
 
-def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
-              tries: int = TRIES) -> list[tuple[int, int, int]]:
-    """(start, period, count) of stretches where `h[start:start + period]` repeats `count` >= 2
-    times back to back; negative entries never repeat. Greedy, left to right."""
-    n = len(h)
-    nxt, seen = [-1] * n, {}
-    for k in range(n - 1, -1, -1):
-        if h[k] >= 0:
-            nxt[k] = seen.get(h[k], -1)
-            seen[h[k]] = k
-    runs, s = [], 0
-    while s < n:
-        period, j, tried = 0, nxt[s], 0
-        while j != -1 and j - s <= max_len and tried < tries:
-            p = j - s
-            if p >= min_len:
-                tried += 1
-                if j + p <= n and h[s:j] == h[j:j + p]:
-                    period = p
-                    break
-            j = nxt[j]
-        if not period:
-            s += 1
-            continue
-        block, count = h[s:s + period], 2
-        while s + (count + 1) * period <= n and h[s + count * period:s + (count + 1) * period] == block:
-            count += 1
-        runs.append((s, period, count))
-        s += count * period
-    return runs
-
-
-def find_instances(program, plan, keys: list) -> dict[int, Instance]:
-    """The blocks worth outlining, by start index: those whose signature occurs twice or more."""
+def find_instances(program, plan, key_of) -> dict[int, Instance]:
+    """The blocks worth outlining, by start index: those whose signature occurs twice or more.
+    `key_of(k)`: equation k's replay key."""
     eqns, layouts = program.eqns, plan.layouts
     n = len(eqns)
     excluded = [False] * n
@@ -97,12 +65,19 @@ def find_instances(program, plan, keys: list) -> dict[int, Instance]:
         for k in range(r.start, r.stop):
             excluded[k] = True
     # each equation as a number: its replay key and its operands' layouts (what the reshards
-    # start from); equations that cannot be replayed never repeat
+    # start from); equations that cannot be replayed never repeat. An equation the plan decided
+    # as a copy of an earlier one (`plan.same_as`) has that one's key and operand layouts.
     key_ids: dict = {}  # a key is hashed once here; the pair below hashes its number
     ids: dict = {}
+    same_as = plan.same_as
     h = []
-    for k, (e, key) in enumerate(zip(eqns, keys)):
-        if key is None or excluded[k]:
+    for k, e in enumerate(eqns):
+        j = same_as.get(k)
+        if j is not None and not excluded[k] and h[j] >= 0:
+            h.append(h[j])
+            continue
+        key = None if excluded[k] else key_of(k)
+        if key is None:
             h.append(-1 - k)
         else:
             key_id = key_ids.setdefault(key, len(key_ids))
@@ -192,5 +167,5 @@ def moved_inputs(inst: Instance, moved: dict, own: dict) -> tuple[tuple, list]:
     return state, passed_copies(inst, state)
 
 
-__all__ = ["Instance", "const_key", "find_runs", "find_instances", "reshard_start", "passed_copies",
+__all__ = ["Instance", "const_key", "find_instances", "reshard_start", "passed_copies",
            "moved_inputs", "HAVE_TARGET", "FROM_COPY", "FROM_VALUE", "ENABLED"]

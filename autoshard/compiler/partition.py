@@ -125,7 +125,13 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
     sizes = plan.mesh.axis_sizes
 
     regions = {r.start: r for r in program.regions if r.stop > r.start}
-    keys: list = []  # each equation's replay key, made on the first trace (the plan is fixed)
+    keys: dict = {}  # equation index -> its replay key, made when first asked (the plan is fixed)
+
+    def key_of(k: int):
+        key = keys.get(k, keys)
+        if key is keys:
+            key = keys[k] = _replay_key(program.eqns[k], plan.eqns[k])
+        return key
 
     def get(env: dict, moved: dict, v, rp):
         if rp is None:
@@ -155,12 +161,10 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         # equal equations (every layer of a model) are lowered once, then replayed; one
         # replayer per trace, so that nothing of a finished trace is kept alive
         replayer = Replayer()
-        if not keys:
-            keys.extend(_replay_key(e, ep) for e, ep in zip(program.eqns, plan.eqns))
         instances = {}
         if calls is not None:  # the top level of a trace: repeated blocks become calls
             if not blocks:
-                blocks.append(outline.find_instances(program, plan, keys))
+                blocks.append(outline.find_instances(program, plan, key_of))
             instances = blocks[0]
         k = start
         while k < stop:
@@ -179,7 +183,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             e, ep = program.eqns[k], plan.eqns[k]
             plans = dict(ep.reshards)
             ins = [get(env, moved, v, plans.get(i)) for i, v in enumerate(e.inputs)]
-            outs = replayer.run(keys[k], ins,
+            outs = replayer.run(key_of(k), ins,
                                 functools.partial(_bind, e, ep, ins, registry, sizes))
             env.update(zip(e.outputs, outs))
             k += 1

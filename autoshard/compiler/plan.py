@@ -21,12 +21,14 @@ from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
+from .repeats import Repeats, boundary
 from .strategy import chooser
 from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
 
 
 _NOT_MOVED: frozenset = frozenset()  # an operand no earlier consumer moved
+_UNSET = object()
 
 KEEP = "keep"  # an output target: leave the value as computed, Partial included
 
@@ -79,6 +81,9 @@ class Plan:
     collectives: list[PlannedCollective]
     fallbacks: list[tuple[str, str | None]]
     cost_model: CostModel | None = None  # kept for plans made later, lazily (custom rules)
+    # eqn index -> index of the equation whose decisions it took (repeats.py), for equations
+    # whose plans are still those copies (the reduction hoist rewrote neither)
+    same_as: dict = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -103,6 +108,29 @@ def _reason(consumer: str, value: Value, src: Layout, dst: Layout, mesh: Process
     return (f"{consumer} needs {value!r} as {dst.describe(mesh)}, it is {src.describe(mesh)}")
 
 
+def _repeat_ids(program: Program, facts) -> list[int]:
+    """One number per distinct equation as the plan sees it (its rule signature: primitive,
+    params, types; a hint's params), negative where a block is never copied (no rule, a
+    higher-order primitive or a user's shard_map: their plans hold more than layouts)."""
+    hints: dict = {}
+    excluded: dict = {}  # primitive -> whether its plan holds more than layouts
+    h = []
+    for k, (e, sig) in enumerate(zip(program.eqns, facts.signatures)):
+        p = e.primitive
+        if sig is not None:
+            x = excluded.get(p)
+            if x is None:
+                x = excluded[p] = p.name in HIGHER_ORDER or p.name == SHARD_MAP
+            # equal equations share one Signature (the registry's memo): its id numbers them
+            h.append(-1 - k if x else id(sig))
+        elif p is hint_p and e.params_key is not None:
+            # numbered like the signatures, by the id of a live object: the first equal key
+            h.append(id(hints.setdefault(e.params_key, e.params_key)))
+        else:
+            h.append(-1 - k)
+    return h
+
+
 @gc_paused
 def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
               output_targets: list, registry, cost_model: CostModel, *,
@@ -115,7 +143,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         if isinstance(L, Layout) and v not in fixed and not v.is_const:
             fixed[v] = L
     for e in program.eqns:
-        if e.name == SHARD_MAP:  # a user's shard_map fixes its layouts; its operands prefer them
+        if e.primitive.name == SHARD_MAP:  # a user's shard_map fixes its layouts; its operands prefer them
             required, results = plan_shard_map(e, mesh)
             fixed.update(zip(e.outputs, results))
             for v, L in zip(e.inputs, required):
@@ -140,18 +168,22 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     moved_to: dict = {}  # value → layouts it has been moved to (the copies partitioning reuses)
     fallbacks: list[tuple[str, str | None]] = []
 
-    def reshard(value: Value, dst: Layout, consumer: str, source) -> ReshardPlan:
+    def reshard(value: Value, dst: Layout, consumer: str, source,
+                same_as: ReshardPlan | None = None) -> ReshardPlan:
+        """`same_as`: the plan this very move got in a block planned alike (copy_block)."""
         if (value, dst) in done:  # a value resharded twice the same way is moved once
             return done[(value, dst)]
-        # Start from the cheapest copy: the value itself or one it was already moved to (the
-        # all-to-all an earlier consumer paid for is not paid again on the way to a gather).
-        rp, best = None, 0.0
-        for src in [actual[value], *sorted(moved_to.get(value, ()), key=repr)]:
-            cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
-                                dst, cost_model)
-            seconds = sum(s.seconds for s in cand.steps)
-            if rp is None or seconds < best - 1e-15:
-                rp, best = cand, seconds
+        rp = same_as
+        if rp is None:
+            # Start from the cheapest copy: the value itself or one it was already moved to (the
+            # all-to-all an earlier consumer paid for is not paid again on the way to a gather).
+            best = 0.0
+            for src in [actual[value], *sorted(moved_to.get(value, ()), key=repr)]:
+                cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
+                                    dst, cost_model)
+                seconds = sum(s.seconds for s in cand.steps)
+                if rp is None or seconds < best - 1e-15:
+                    rp, best = cand, seconds
         done[(value, dst)] = rp
         moved_to[value] = moved_to.get(value, frozenset()) | {dst}
         for s in rp.steps:
@@ -161,8 +193,25 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     repr(value), consumer, source, _reason(consumer, value, rp.src, dst, mesh)))
         return rp
 
-    eqn_plans = []
-    for e in program.eqns:
+    comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
+
+    def rule_collectives(e, required, results) -> None:
+        comm = comm_of.get(e.primitive, _UNSET)
+        if comm is _UNSET:
+            rule = registry.lookup(e.primitive)
+            comm = comm_of[e.primitive] = None if rule is None else rule.comm
+        if comm is None:
+            return
+        in_avals = [v.aval for v in e.inputs]
+        out_avals = [v.aval for v in e.outputs]
+        for kind, step, axes, nbytes in comm(required, results, in_avals, out_avals,
+                                             mesh.axis_sizes, **e.params):
+            collectives.append(PlannedCollective(
+                kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
+                f"{e.name} (eqn {e.index})", e.source,
+                f"{e.name} combines its shards across {', '.join(axes)}"))
+
+    def plan_eqn(e) -> EqnPlan:
         operands = [actual[v] for v in e.inputs]
         fallback = False
         sub_plans: list = []
@@ -201,26 +250,61 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 required, results = choice.operands, choice.results
                 strategy = choice.description
                 considered, seconds = choice.considered, choice.seconds
-                rule = registry.lookup(e.primitive)
-                if rule is not None and rule.comm is not None:
-                    in_avals = [v.aval for v in e.inputs]
-                    out_avals = [v.aval for v in e.outputs]
-                    for kind, step, axes, nbytes in rule.comm(required, results, in_avals, out_avals,
-                                                              mesh.axis_sizes, **e.params):
-                        collectives.append(PlannedCollective(
-                            kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
-                            f"{e.name} (eqn {e.index})", e.source,
-                            f"{e.name} combines its shards across {', '.join(axes)}"))
+                rule_collectives(e, required, results)
         ep = EqnPlan(e.index, name, e.where, operands, required, results, strategy,
                      considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
-            if src is not dst and src != dst:  # memoised choices share layout objects
+            if src is not dst:  # layouts are interned: equal layouts are one object
                 ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.source)))
         for v, L in zip(e.outputs, results):
             actual[v] = L
-        eqn_plans.append(ep)
+        return ep
 
-    producer = {v: e for e in program.eqns for v in e.outputs}
+    def copy_block(first: int, start: int, period: int) -> None:
+        """Plan eqns[start:start + period] as the block at `first` was planned: every decision
+        read the same inputs (checked by the caller), so it is the same decision."""
+        for j in range(period):
+            tp, e = eqn_plans[first + j], eqns[start + j]
+            ep = EqnPlan(e.index, tp.primitive, e.where, tp.operands, tp.required, tp.results,
+                         tp.strategy, tp.considered, tp.seconds)
+            for i, rp in tp.reshards:  # the same move, recorded against this block's value
+                ep.reshards.append((i, reshard(e.inputs[i], rp.dst, f"{e.name} (eqn {e.index})",
+                                               e.source, rp)))
+            if e.primitive is not hint_p:
+                rule_collectives(e, tp.required, tp.results)
+            actual.update(zip(e.outputs, tp.results))
+            eqn_plans.append(ep)
+        copies.append((first, start, period))
+
+    def planned_like(run: int, start: int, period: int) -> int | None:
+        """The start of an already planned block of the run whose decisions read exactly what
+        eqns[start:start + period]'s would (None: plan it; it becomes one such block)."""
+        stop = start + period
+        key = (boundary(eqns, start, stop, actual, moved_to, pref),
+               tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]))
+        planned = repeats.planned[run]
+        first = planned.get(key)
+        if first is None:
+            planned[key] = start
+        return first
+
+    eqns = program.eqns
+    repeats = Repeats(_repeat_ids(program, facts))
+    copies: list = []  # (first, start, period) of each block planned as a copy
+    eqn_plans: list[EqnPlan] = []
+    k, n = 0, len(eqns)
+    while k < n:
+        block = repeats.run_of.get(k)
+        if block is not None:
+            run, period = block
+            first = planned_like(run, k, period)
+            if first is not None:
+                copy_block(first, k, period)
+                k += period
+                continue
+        eqn_plans.append(plan_eqn(eqns[k]))
+        k += 1
+
     outputs, output_reshards = [], []
     for k, (v, target) in enumerate(zip(program.outputs, output_targets)):
         if target is None:
@@ -230,10 +314,12 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         else:
             dst = target
         if actual[v] != dst:
-            source = producer[v].source if v in producer else None
+            source = program.eqns[v.producer].source if v.producer >= 0 else None
             output_reshards.append((k, reshard(v, dst, f"output {k}", source)))
         outputs.append(dst)
-    hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)
+    touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)
+    same_as = {start + j: first + j for first, start, period in copies for j in range(period)
+               if start + j not in touched and first + j not in touched}
 
     if fallbacks and top_level:
         names = sorted({n for n, _ in fallbacks})
@@ -244,7 +330,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 f"replicated — results stay correct, but its inputs are gathered. Add a rule "
                 f"with dist.register_rule(<primitive>, rule).", FallbackWarning, stacklevel=4)
     return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards, collectives,
-                fallbacks, cost_model)
+                fallbacks, cost_model, same_as)
 
 
 

@@ -107,12 +107,12 @@ class EqnFacts(NamedTuple):
 
 def eqn_facts(program: Program, registry) -> EqnFacts:
     uses = program.use_counts()
-    parameters = {*program.inputs, *program.consts}
     eqns = program.eqns
+    # list comprehensions inside tuple(): a generator per equation costs twice as much here
     return EqnFacts(
         [None if e.primitive is hint_p else rule_signature(e, registry) for e in eqns],
-        [tuple(uses.get(v, 0) <= 1 for v in e.inputs) for e in eqns],
-        [tuple(v in parameters for v in e.inputs) for e in eqns])
+        [tuple([uses[v] <= 1 for v in e.inputs]) for e in eqns],
+        [tuple([v.producer < 0 for v in e.inputs]) for e in eqns])  # an input or a constant
 
 
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
@@ -135,7 +135,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     def visit(e: Eqn, allow_trivial: bool) -> list:
         known_in = tuple(map(pref.get, e.inputs))
         known_out = tuple(map(pref.get, e.outputs))
-        if all(L is None for L in known_in) and all(L is None for L in known_out):
+        if not any(known_in) and not any(known_out):  # (a Layout is never falsy)
             return []
         changed: list = []
         if e.primitive is hint_p:
@@ -150,8 +150,12 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         sig = sigs[e.index]
         if sig is None:
             return []
-        choice = pick(sig, known_in, known_out, single_use[e.index],
-                      (frozenset(),) * len(known_in), is_parameter[e.index])
+        n = len(known_in)
+        nothing_moved = none_moved.get(n)
+        if nothing_moved is None:
+            nothing_moved = none_moved[n] = (frozenset(),) * n
+        choice = pick(sig, known_in, known_out, single_use[e.index], nothing_moved,
+                      is_parameter[e.index])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive
         for v, L in zip(e.outputs, choice.results):
@@ -162,9 +166,12 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 changed.append(v)
         return changed
 
+    none_moved: dict = {}  # operand count -> "no operand was moved yet" (propagation moves none)
     neighbours: dict = {}
     for e in program.eqns:
-        for v in e.inputs + e.outputs:
+        for v in e.inputs:
+            neighbours.setdefault(v, []).append(e)
+        for v in e.outputs:
             neighbours.setdefault(v, []).append(e)
 
     def settle(allow_trivial: bool, seeds, settled: frozenset = frozenset()) -> set:
@@ -211,8 +218,9 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     # An equation whose every value is already placed was last visited with these very
     # layouts (the sweep ran to its fixpoint): its choice is the same, and allowing a trivial
     # one only adds "replicated" proposals, which never refine a placed value.
-    complete = frozenset(e.index for e in program.eqns
-                         if all(v in pref for v in e.inputs) and all(v in pref for v in e.outputs))
+    placed = pref.__contains__
+    complete = frozenset([e.index for e in program.eqns
+                          if all(map(placed, e.inputs)) and all(map(placed, e.outputs))])
     filled = settle(True, program.eqns, complete)
     for _ in range(max_sweeps - 1):
         if not filled:

@@ -80,6 +80,7 @@ class Value:
     const: Any = None          # a literal or closed-over constant, else None
     is_const: bool = False
     id: int = field(default_factory=lambda: next(_ids))
+    producer: int = -1         # index of the equation that makes it (-1: an input or constant)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -350,6 +351,8 @@ def build_program(closed: Any) -> Program:
     outputs = walk(closed.jaxpr, closed.consts, inputs)
     for i, e in enumerate(eqns):
         e.index = i
+        for v in e.outputs:
+            v.producer = i
     return Program(inputs, outputs, eqns, consts, regions)
 
 
