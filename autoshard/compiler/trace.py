@@ -68,19 +68,42 @@ def bind_hint(x, mesh: ProcessMesh, layout: Layout, force: bool):
 
 
 # --------------------------------------------------------------------------------- the IR
-_ids = itertools.count()
+Literal = jex_core.Literal
 
 
-@dataclass(eq=False)
+def _letters(n: int) -> str:
+    """a, b, ..., z, aa, ab, ...: the n-th value's name (as jaxprs print them)."""
+    s = ""
+    while True:
+        s = chr(ord("a") + n % 26) + s
+        n = n // 26 - 1
+        if n < 0:
+            return s
+
+
 class Value:
-    """One SSA value of the flat program."""
+    """One SSA value of the flat program. Compared and hashed by identity.
 
-    aval: Any
-    name: str = ""
-    const: Any = None          # a literal or closed-over constant, else None
-    is_const: bool = False
-    id: int = field(default_factory=lambda: next(_ids))
-    producer: int = -1         # index of the equation that makes it (-1: an input or constant)
+    A plain slotted class: a deep model's program makes tens of thousands of them, and a
+    dataclass's generated constructor with a default factory cost a visible share of building
+    it. The name is made when first printed.
+    """
+
+    __slots__ = ("aval", "const", "is_const", "producer", "serial", "_name")
+
+    def __init__(self, aval: Any, serial: int = -1, const: Any = None, is_const: bool = False):
+        self.aval = aval
+        self.serial = serial       # order of creation in its program: names it
+        self.const = const         # a literal or closed-over constant, else None
+        self.is_const = is_const
+        self.producer = -1         # index of the equation that makes it (-1: an input or constant)
+        self._name = None
+
+    @property
+    def name(self) -> str:
+        if self._name is None:
+            self._name = _letters(self.serial) if self.serial >= 0 else f"v{id(self)}"
+        return self._name
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -91,7 +114,7 @@ class Value:
         return self.aval.dtype
 
     def __repr__(self) -> str:
-        return self.name or f"v{self.id}"
+        return self.name
 
 
 class Where:
@@ -116,16 +139,22 @@ class Where:
         return self._line
 
 
-@dataclass(eq=False)
 class Eqn:
-    primitive: Any
-    inputs: list[Value]
-    outputs: list[Value]
-    params: dict
-    where: Where | None
-    index: int = 0
-    sharding_cache: dict = field(default_factory=dict)
-    params_key: tuple | None = None  # `params_key(params)`, set by build_program
+    """One equation of the flat program (a slotted class, for the reason `Value` is one)."""
+
+    __slots__ = ("primitive", "inputs", "outputs", "params", "where", "index", "sharding_cache",
+                 "params_key")
+
+    def __init__(self, primitive: Any, inputs: list[Value], outputs: list[Value], params: dict,
+                 where: Where | None, index: int = 0, params_key: tuple | None = None):
+        self.primitive = primitive
+        self.inputs = inputs
+        self.outputs = outputs
+        self.params = params
+        self.where = where
+        self.index = index
+        self.sharding_cache: dict = {}
+        self.params_key = params_key  # `params_key(params)`, set by build_program
 
     @property
     def name(self) -> str:
@@ -135,6 +164,9 @@ class Eqn:
     def source(self) -> str | None:
         """The user's `file:line` that produced this equation (None if unknown)."""
         return None if self.where is None else self.where.line
+
+    def __repr__(self) -> str:
+        return f"Eqn({self.primitive.name}, {self.inputs} -> {self.outputs}, index={self.index})"
 
 
 @dataclass(eq=False)
@@ -243,29 +275,18 @@ def params_key(params: dict) -> tuple | None:
     return key
 
 
-def _names():
-    for n in itertools.count():
-        s, k = "", n
-        while True:
-            s = chr(ord("a") + k % 26) + s
-            k = k // 26 - 1
-            if k < 0:
-                break
-        yield s
-
-
 @gc_paused
 def build_program(closed: Any) -> Program:
     """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls."""
-    names = _names()
+    serials = itertools.count()
     eqns: list[Eqn] = []
     consts: list[Value] = []
 
     def fresh(aval) -> Value:
-        return Value(aval, next(names))
+        return Value(aval, next(serials))
 
     def const_value(val, aval) -> Value:
-        v = Value(aval, next(names), const=val, is_const=True)
+        v = Value(aval, next(serials), const=val, is_const=True)
         consts.append(v)
         return v
 
@@ -276,7 +297,7 @@ def build_program(closed: Any) -> Program:
     def cse_key(eqn, ins, params):
         if eqn.effects or params is None:  # params holding arrays: not worth comparing
             return None
-        return (eqn.primitive, tuple(v.id for v in ins), params)
+        return (eqn.primitive, tuple(map(id, ins)), params)  # values live while building
 
     def own_outputs(outs: list[Value], start: int, source: Where) -> list[Value]:
         # An output the body passes through (custom_vjp identity with a gradient rule) must be
@@ -305,7 +326,8 @@ def build_program(closed: Any) -> Program:
             return env[atom]
 
         for eqn in jaxpr.eqns:
-            ins = [read(a) for a in eqn.invars]
+            ins = [env[a] if type(a) is not Literal else const_value(a.val, a.aval)
+                   for a in eqn.invars]
             source = Where(eqn.source_info, outer)
             key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
             inner = eqn.params.get(key) if key else None
@@ -330,21 +352,18 @@ def build_program(closed: Any) -> Program:
                         outs = own_outputs(outs, start, source)
                         regions.append(CustomRegion(eqn.primitive, dict(eqn.params), list(ins),
                                                     list(outs), start, len(eqns)))
-                for var, v in zip(eqn.outvars, outs):
-                    env[var] = v
+                env.update(zip(eqn.outvars, outs))
                 continue
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
             if key is not None and key in seen:
-                for var, v in zip(eqn.outvars, seen[key]):
-                    env[var] = v
+                env.update(zip(eqn.outvars, seen[key]))
                 continue
             outs = [fresh(v.aval) for v in eqn.outvars]
             if key is not None:
                 seen[key] = outs
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
-            for var, v in zip(eqn.outvars, outs):
-                env[var] = v
+            env.update(zip(eqn.outvars, outs))
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
     inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
