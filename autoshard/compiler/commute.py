@@ -102,7 +102,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
         ep.reshards = [(i, rp) for i, rp in ep.reshards if i != 0]
         if actual[x] != target:  # before the layouts change: `reshard` reads actual[x]
             n = len(collectives)
-            ep.reshards.append((0, reshard(x, target, f"{e.name} (eqn {e.index})", e.source)))
+            ep.reshards.append((0, reshard(x, target, f"{e.name} (eqn {e.index})", e.where)))
             planned_here.update(id(c) for c in collectives[n:])
         _layout_in_plan(eqn_plans, j0, operand=0, required=target, result=ends)
         touched.add(j0)

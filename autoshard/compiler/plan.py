@@ -45,8 +45,13 @@ class PlannedCollective:
     bytes_per_device: int
     value: str             # the program value it moves
     consumer: str          # the equation (or "output") that needed it
-    source: str | None     # the user's file:line
+    where: Where | str | None  # the user's line (a Where is resolved when read: `source`)
     reason: str
+
+    @property
+    def source(self) -> str | None:
+        """The user's `file:line`."""
+        return self.where.line if isinstance(self.where, Where) else self.where
 
 
 @dataclass
@@ -208,7 +213,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                                              mesh.axis_sizes, **e.params):
             collectives.append(PlannedCollective(
                 kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
-                f"{e.name} (eqn {e.index})", e.source,
+                f"{e.name} (eqn {e.index})", e.where,
                 f"{e.name} combines its shards across {', '.join(axes)}"))
 
     def plan_eqn(e) -> EqnPlan:
@@ -225,7 +230,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             for kind, step, axes, nbytes in body_collectives(e, mesh):
                 collectives.append(PlannedCollective(
                     kind, step, axes, nbytes, repr(e.outputs[0]) if e.outputs else "-",
-                    f"{e.name} (eqn {e.index})", e.source, "written by the user in a shard_map"))
+                    f"{e.name} (eqn {e.index})", e.where, "written by the user in a shard_map"))
         elif name in HIGHER_ORDER:
             required, results, sub_plans, strategy = plan_higher_order(
                 e, operands, mesh, registry, cost_model)
@@ -255,7 +260,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                      considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
             if src is not dst:  # layouts are interned: equal layouts are one object
-                ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.source)))
+                ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.where)))
         for v, L in zip(e.outputs, results):
             actual[v] = L
         return ep
@@ -269,7 +274,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                          tp.strategy, tp.considered, tp.seconds)
             for i, rp in tp.reshards:  # the same move, recorded against this block's value
                 ep.reshards.append((i, reshard(e.inputs[i], rp.dst, f"{e.name} (eqn {e.index})",
-                                               e.source, rp)))
+                                               e.where, rp)))
             if e.primitive is not hint_p:
                 rule_collectives(e, tp.required, tp.results)
             actual.update(zip(e.outputs, tp.results))
@@ -314,7 +319,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         else:
             dst = target
         if actual[v] != dst:
-            source = program.eqns[v.producer].source if v.producer >= 0 else None
+            source = program.eqns[v.producer].where if v.producer >= 0 else None
             output_reshards.append((k, reshard(v, dst, f"output {k}", source)))
         outputs.append(dst)
     touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)

@@ -158,11 +158,17 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                       is_parameter[e.index])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
             return []  # "replicated" carries no information yet: let other proposals arrive
+        # A proposal identical to the value's preference changes nothing (layouts are
+        # interned): most proposals of a settled program, so they skip `offer`.
         for v, L in zip(e.outputs, choice.results):
-            if offer(v, L):
+            if pref.get(v) is not L and offer(v, L):
                 changed.append(v)
         for v, L in zip(e.inputs, choice.operands):
-            if not v.is_const and offer(v, with_pending_partial(pref.get(v), L.without_partial())):
+            if v.is_const:
+                continue
+            old = pref.get(v)
+            L = with_pending_partial(old, L.without_partial())
+            if old is not L and offer(v, L):
                 changed.append(v)
         return changed
 
