@@ -58,10 +58,10 @@ class Layout:
         self = _INTERNED.get(key)
         if self is None:
             _check(*key)
-            self = object.__new__(cls)
-            object.__setattr__(self, "dims", key[0])
-            object.__setattr__(self, "partial", key[1])
-            _INTERNED[key] = self
+            new = object.__new__(cls)
+            object.__setattr__(new, "dims", key[0])
+            object.__setattr__(new, "partial", key[1])
+            self = _INTERNED.setdefault(key, new)  # atomic: two threads get one object
         return self
 
     def __setattr__(self, name: str, value) -> None:

@@ -36,3 +36,29 @@ def test_bad_placements():
         dist.Shard("0")
     with pytest.raises(dist.PlacementError, match="cannot read placement"):
         dist.parse_placement("Q(1)")
+
+
+def test_layouts_are_interned():
+    """Equal layouts are one object (the planner compares and hashes them by identity), also
+    when built from lists, with partial axes in another order, copied, pickled, or made by
+    several threads at once; invalid ones still raise."""
+    import copy
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autoshard.errors import PlacementError
+    from autoshard.layout import Layout
+    from autoshard.placement import ReduceType
+
+    a = Layout((("x",), ()), (("y", ReduceType.SUM), ("z", ReduceType.AVG)))
+    b = Layout([["x"], []], [("z", ReduceType.AVG), ("y", ReduceType.SUM)])
+    assert a is b and a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != Layout((("x",), ()))
+    assert copy.copy(a) is a and copy.deepcopy(a) is a and pickle.loads(pickle.dumps(a)) is a
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda i: Layout(((f"t{i % 3}",), ("u",))), range(64)))
+    assert all(m is Layout(((f"t{i % 3}",), ("u",))) for i, m in enumerate(made))
+    with pytest.raises(AttributeError):
+        a.dims = ()
+    with pytest.raises(PlacementError):
+        Layout((("x",), ("x",)))
