@@ -55,6 +55,18 @@ def const_key(c) -> Any:
     return (value.dtype, value.tobytes(), np.dtype(c.dtype))
 
 
+class _ConstKeys(dict):
+    """`const_key` of the program constants blocks read, made when first asked. None: an
+    integer scalar (a layer's RNG fold_in index, a loop bound), which may differ between blocks
+    and is passed in like a value from outside; float constants stay literals, so that XLA folds
+    them as it would without outlining (the results are the same to the bit)."""
+
+    def __missing__(self, c):
+        scalar_int = np.ndim(c.const) == 0 and jax.dtypes.issubdtype(c.dtype, np.integer)
+        key = self[c] = None if scalar_int else const_key(c)
+        return key
+
+
 def find_instances(program, plan, key_of) -> dict[int, Instance]:
     """The blocks worth outlining, by start index: those whose signature occurs twice or more.
     `key_of(k)`: equation k's replay key."""
@@ -91,11 +103,7 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
             last_use[v] = max(last_use.get(v, -1), r.start)
     for v in program.outputs:
         last_use[v] = n
-    # integer scalars (a layer's RNG fold_in index, a loop bound) may differ between blocks:
-    # they are passed in like values from outside; float constants stay literals, so that XLA
-    # folds them as it would without outlining (the results are the same to the bit)
-    const_keys = {c: const_key(c) for c in program.consts
-                  if not (np.ndim(c.const) == 0 and jax.dtypes.issubdtype(c.dtype, np.integer))}
+    const_keys = _ConstKeys()
     signatures: dict = {}
     found = []
     for start, period, count in runs:
@@ -123,8 +131,9 @@ def _instance(eqns, plan, h, start, stop, last_use, const_keys, signatures) -> I
         for i, v in enumerate(e.inputs):
             where = made.get(v)
             if where is None:
-                where = ((_CONST, const_keys[v], consts.setdefault(v, len(consts)))
-                         if v in const_keys else (_EXT, external.setdefault(v, len(external))))
+                key = const_keys[v] if v.is_const else None
+                where = ((_CONST, key, consts.setdefault(v, len(consts))) if key is not None
+                         else (_EXT, external.setdefault(v, len(external))))
                 if planned and i in planned:
                     reshards.append((v, planned[i]))
             if planned and i in planned:

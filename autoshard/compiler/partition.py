@@ -115,6 +115,24 @@ def _device_const(c, scalars: dict):
                                                                       dtype=c.dtype)
 
 
+class _Scope(dict):
+    """The local values of one trace, by program Value. A constant is put on the device when
+    first read: most of a deep model's literals are read only inside outlined blocks, which
+    make their own, so making all of them up front was wasted work."""
+
+    __slots__ = ("_scalars",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scalars: dict = {}  # equal scalars: one device array per scope
+
+    def __missing__(self, v):
+        if not v.is_const:
+            raise KeyError(v)
+        x = self[v] = _device_const(v, self._scalars)
+        return x
+
+
 def local_function(plan: Plan, registry, *, physical: bool = True):
     """A function of the local input blocks that computes the local output blocks.
 
@@ -227,8 +245,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
         given = set(pre)
 
         def block(raw: list, copies: list):
-            scalars: dict = {}  # made inside the block's trace: literals there, as outside
-            env = {c: _device_const(c, scalars) for c in t.consts}
+            env = _Scope()  # its constants made inside the block's trace: literals, as outside
             env.update(zip(t.external, raw))
             moved = dict(zip(pre, copies))
             run_eqns(env, moved, t.start, t.stop)
@@ -246,19 +263,16 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
     def run_region_body(outer: dict, region, *xs) -> list:
         # A region reads only its inputs and constants (trace.py keeps CSE inside it), so it
         # runs in a scope of its own: under jax.custom_jvp / custom_vjp it may be traced apart.
-        env = {c: outer[c] for c in program.consts}
+        env = _Scope()
         env.update(zip(region.inputs, xs))
         run_eqns(env, {}, region.start, region.stop, inside=True)
         return [env[v] for v in region.outputs]
 
     @gc_paused
     def run(*local_inputs):
-        env: dict = {}
+        env = _Scope()
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if (L.partial and physical) else x
-        scalars: dict = {}
-        for c in program.consts:
-            env[c] = _device_const(c, scalars)
         moved: dict = {}
         run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
         reshards = dict(plan.output_reshards)
