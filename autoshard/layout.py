@@ -20,20 +20,22 @@ def _check(dims: tuple, partial: tuple) -> None:
     for axes in dims:
         for a in axes:
             if a in seen:
-                raise PlacementError(f"mesh axis {a!r} shards two tensor dims in {_show(dims, partial)}")
+                raise PlacementError(
+                    f"mesh axis {a!r} shards two tensor dims in {_show(dims, partial)}")
             seen.add(a)
     for a, _ in partial:
         if a in seen:
             # Invariant: an axis is never both partial and sharding a dim of the same value.
-            raise PlacementError(f"mesh axis {a!r} is both partial and sharding in {_show(dims, partial)}")
+            raise PlacementError(
+                f"mesh axis {a!r} is both partial and sharding in {_show(dims, partial)}")
         seen.add(a)
     kinds = {t for _, t in partial}
     if len(kinds) > 1 and not kinds <= {ReduceType.SUM, ReduceType.AVG}:
         # max-of-sums differs from sum-of-maxes: such a value has no single meaning.
+        kinds_text = ", ".join(f"P({t.value}) on {a!r}" for a, t in partial)
         raise PlacementError(
             "a tensor can be partial with only one kind of reduction at a time (sum and avg "
-            f"may mix, being linear); got {', '.join(f'P({t.value}) on {a!r}' for a, t in partial)} "
-            "— reshard to reduce one of them first")
+            f"may mix, being linear); got {kinds_text} — reshard to reduce one of them first")
 
 
 def _show(dims: tuple, partial: tuple) -> str:
@@ -152,7 +154,8 @@ class Layout:
         if text is None:  # every planned collective's reason describes two layouts
             if len(_DESCRIBED) >= 65536:
                 _DESCRIBED.clear()
-            text = _DESCRIBED[(self, mesh)] = "[" + ", ".join(repr(p) for p in self.placements(mesh)) + "]"
+            text = "[" + ", ".join(repr(p) for p in self.placements(mesh)) + "]"
+            _DESCRIBED[(self, mesh)] = text
         return text
 
 

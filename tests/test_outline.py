@@ -36,7 +36,8 @@ def _compiled(step, args, enabled: bool, monkeypatch):
     monkeypatch.setattr(partition, "_BlockCall", Counted)
     traced = entry.fn.trace(*inputs)
     body = traced.jaxpr.jaxpr.eqns[0].params["jaxpr"]  # the shard_map's local program
-    blocks = [e for e in body.eqns if e.primitive.name == "jit" and e.params["name"].startswith("block")]
+    blocks = [e for e in body.eqns
+              if e.primitive.name == "jit" and e.params["name"].startswith("block")]
     calls = len(blocks)
     # each block function is dispatched through jax once; its later calls re-emit the recorded
     # call equation — also when a literal operand differs (dropout's per-layer fold_in index)

@@ -148,7 +148,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         if isinstance(L, Layout) and v not in fixed and not v.is_const:
             fixed[v] = L
     for e in program.eqns:
-        if e.primitive.name == SHARD_MAP:  # a user's shard_map fixes its layouts; its operands prefer them
+        # a user's shard_map fixes its layouts; its operands prefer them
+        if e.primitive.name == SHARD_MAP:
             required, results = plan_shard_map(e, mesh)
             fixed.update(zip(e.outputs, results))
             for v, L in zip(e.inputs, required):

@@ -48,7 +48,8 @@ def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
             s += 1
             continue
         block, count = h[s:s + period], 2
-        while s + (count + 1) * period <= n and h[s + count * period:s + (count + 1) * period] == block:
+        while (s + (count + 1) * period <= n
+               and h[s + count * period:s + (count + 1) * period] == block):
             count += 1
         runs.append((s, period, count))
         s += count * period
