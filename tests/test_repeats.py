@@ -1,5 +1,6 @@
 """Repeated blocks are planned once: a later block whose decisions would read exactly what an
-earlier one's read takes that block's plan (compiler/repeats.py).
+earlier one's read takes that block's plan (compiler/repeats.py), and propagation's first sweep
+copies the proposals of a block that starts from the state an earlier one started from.
 
 The plan with copying must be the plan without it, decision for decision and collective for
 collective (names, sources and reasons included), on every kind of repeated model: GPT written

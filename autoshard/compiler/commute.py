@@ -66,10 +66,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
     source)` plans a move and records its collectives, as make_plan's own does. Returns the
     indices of the equations whose plans changed."""
     touched: set[int] = set()
-    readers: dict[Value, list] = {}
-    for j, e in enumerate(program.eqns):
-        for i, v in enumerate(e.inputs):
-            readers.setdefault(v, []).append((j, i))
+    readers = program.readers()
     out_readers: dict[Value, list] = {}
     for k, v in enumerate(program.outputs):
         out_readers.setdefault(v, []).append(k)

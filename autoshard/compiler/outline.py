@@ -97,7 +97,7 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
     runs = find_runs(h)
     if not runs:
         return {}
-    last_use = {v: k for k, e in enumerate(eqns) for v in e.inputs}  # later reads overwrite
+    last_use = {v: r[-1][0] for v, r in program.readers().items()}  # reads in program order
     for r in program.regions:
         for v in r.inputs:
             last_use[v] = max(last_use.get(v, -1), r.start)

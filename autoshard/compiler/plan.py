@@ -156,7 +156,9 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 if v not in fixed and not v.is_const:
                     fixed[v] = L
     facts = eqn_facts(program, registry)
-    pref = propagate(program, mesh, fixed, registry, cost_model, facts=facts)
+    repeats = Repeats(_repeat_ids(program, facts))
+    pref = propagate(program, mesh, fixed, registry, cost_model, facts=facts,
+                     runs=repeats.run_of)
     pick = chooser(mesh, cost_model)
 
     actual: dict = {}
@@ -295,7 +297,6 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         return first
 
     eqns = program.eqns
-    repeats = Repeats(_repeat_ids(program, facts))
     copies: list = []  # (first, start, period) of each block planned as a copy
     eqn_plans: list[EqnPlan] = []
     k, n = 0, len(eqns)

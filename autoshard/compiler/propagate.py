@@ -116,8 +116,14 @@ def eqn_facts(program: Program, registry) -> EqnFacts:
 
 
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
-              cost_model: CostModel, max_sweeps: int = 4, facts: EqnFacts | None = None) -> dict:
-    """Preferred Layout of every value (fixed ones included); consts are replicated."""
+              cost_model: CostModel, max_sweeps: int = 4, facts: EqnFacts | None = None,
+              runs: dict | None = None) -> dict:
+    """Preferred Layout of every value (fixed ones included); consts are replicated.
+
+    `runs`: block start -> (run start, period) of the program's repeated blocks (repeats.py);
+    the first sweep copies a block's proposals from an earlier block of its run that started
+    from the same state (`first_sweep`).
+    """
     pref: dict = dict(fixed)
     for c in program.consts:
         pref[c] = Layout.replicated(len(c.shape))
@@ -219,8 +225,82 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 seen[n.index] = n
         return [seen[k] for k in sorted(seen)]
 
+    def first_sweep() -> None:
+        """`settle(False, program.eqns)`, with repeated blocks copied.
+
+        The first sweep visits the equations in program order and queues, behind them, those
+        next to a changed value that it has passed already. So its visits of one block, one
+        after the other, depend on nothing but the preferences of the block's values when it
+        starts, which of them are pinned, the block's wiring and its equations' facts: a later
+        block of a run that starts from what an earlier one started from (by position) makes
+        the same proposals, in the same order. Those are applied, and the equations they touch
+        queued exactly as the visits would have; the block's equations are not visited.
+        """
+        eqns = program.eqns
+        tail: deque = deque()
+        queued: set = set()  # the equations in `tail`
+
+        def spread(v, e, k: int) -> None:  # as settle queues the neighbours while at eqns[k]
+            for nb in neighbours.get(v, ()):
+                j = nb.index
+                if nb is e or j > k or j in queued:  # j > k: still ahead in the first pass
+                    continue
+                queued.add(j)
+                tail.append(nb)
+
+        seen: dict = {}  # run start -> {starting state: [(offset, [(slot, layout)])]}
+        k, n = 0, len(eqns)
+        while k < n:
+            block = runs.get(k) if runs else None
+            if block is None:
+                e = eqns[k]
+                for v in visit(e, False):
+                    spread(v, e, k)
+                k += 1
+                continue
+            run, period = block
+            stop = k + period
+            slots: dict = {}
+            wiring = []
+            for e in eqns[k:stop]:
+                for v in e.inputs:
+                    wiring.append(slots.setdefault(v, len(slots)))
+                for v in e.outputs:
+                    wiring.append(slots.setdefault(v, len(slots)))
+            values = list(slots)
+            state = (tuple(wiring), tuple(map(pref.get, values)),
+                     tuple([v in pinned for v in values]),
+                     tuple(single_use[k:stop]), tuple(is_parameter[k:stop]))
+            known = seen.setdefault(run, {})
+            events = known.get(state)
+            if events is not None:
+                for offset, changes in events:
+                    e = eqns[k + offset]
+                    for slot, L in changes:
+                        v = values[slot]
+                        pref[v] = L
+                        spread(v, e, k + offset)
+            else:
+                events = known[state] = []
+                for offset in range(period):
+                    e = eqns[k + offset]
+                    changed = visit(e, False)
+                    if changed:
+                        events.append((offset, [(slots[v], pref[v]) for v in changed]))
+                        for v in changed:
+                            spread(v, e, k + offset)
+            k = stop
+        while tail:
+            e = tail.popleft()
+            queued.discard(e.index)
+            for v in visit(e, False):
+                for nb in neighbours.get(v, ()):
+                    if nb is not e and nb.index not in queued:
+                        queued.add(nb.index)
+                        tail.append(nb)
+
     # Informative proposals first; then let "replicated" fill the gaps, and go again.
-    informative = settle(False, program.eqns)
+    first_sweep()
     # An equation whose every value is already placed was last visited with these very
     # layouts (the sweep ran to its fixpoint): its choice is the same, and allowing a trivial
     # one only adds "replicated" proposals, which never refine a placed value.

@@ -11,7 +11,8 @@ of them so far, which outside values are one value, the wiring inside the block,
 propagated preferences of its results, which values have one reader, which are parameters. If
 so the later block's decisions are the first block's, and are copied rather than made again;
 if not, it is planned equation by equation. Copying never decides anything: a block either
-takes exactly the decisions it would have made, or is planned as usual.
+takes exactly the decisions it would have made, or is planned as usual. Propagation's first
+sweep copies the proposals of a block the same way (propagate.py, `first_sweep`).
 """
 from __future__ import annotations
 

@@ -194,12 +194,25 @@ class Program:
     consts: list[Value]
     regions: list[CustomRegion] = field(default_factory=list)
 
+    def readers(self) -> dict:
+        """value -> [(equation index, operand index)] of every read by an equation, in program
+        order; made once per program (the passes that need it share it)."""
+        readers = self.__dict__.get("_readers")
+        if readers is None:
+            readers = {}
+            for j, e in enumerate(self.eqns):
+                for i, v in enumerate(e.inputs):
+                    found = readers.get(v)
+                    if found is None:
+                        readers[v] = [(j, i)]
+                    else:
+                        found.append((j, i))
+            self.__dict__["_readers"] = readers
+        return readers
+
     def use_counts(self) -> dict:
         """How many times each value is read (by equations and as a program output)."""
-        counts: dict = {}
-        for e in self.eqns:
-            for v in e.inputs:
-                counts[v] = counts.get(v, 0) + 1
+        counts = {v: len(r) for v, r in self.readers().items()}
         for v in self.outputs:
             counts[v] = counts.get(v, 0) + 1
         return counts
