@@ -177,11 +177,11 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     fallbacks: list[tuple[str, str | None]] = []
 
     def reshard(value: Value, dst: Layout, consumer: str, source,
-                same_as: ReshardPlan | None = None) -> ReshardPlan:
-        """`same_as`: the plan this very move got in a block planned alike (copy_block)."""
+                planned: ReshardPlan | None = None) -> ReshardPlan:
+        """`planned`: the plan this very move got in a block planned alike (copy_block)."""
         if (value, dst) in done:  # a value resharded twice the same way is moved once
             return done[(value, dst)]
-        rp = same_as
+        rp = planned
         if rp is None:
             # Start from the cheapest copy: the value itself or one it was already moved to (the
             # all-to-all an earlier consumer paid for is not paid again on the way to a gather).

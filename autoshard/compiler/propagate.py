@@ -21,6 +21,7 @@ from ..cost_model import CostModel
 from ..errors import PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .repeats import block_values
 from .strategy import Signature, chooser, signature
 from .trace import Eqn, Program, hint_p
 
@@ -260,15 +261,8 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 continue
             run, period = block
             stop = k + period
-            slots: dict = {}
-            wiring = []
-            for e in eqns[k:stop]:
-                for v in e.inputs:
-                    wiring.append(slots.setdefault(v, len(slots)))
-                for v in e.outputs:
-                    wiring.append(slots.setdefault(v, len(slots)))
-            values = list(slots)
-            state = (tuple(wiring), tuple(map(pref.get, values)),
+            wiring, values = block_values(eqns, k, stop)
+            state = (wiring, tuple(map(pref.get, values)),
                      tuple([v in pinned for v in values]),
                      tuple(single_use[k:stop]), tuple(is_parameter[k:stop]))
             known = seen.setdefault(run, {})
@@ -282,22 +276,16 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                         spread(v, e, k + offset)
             else:
                 events = known[state] = []
+                slot = {v: i for i, v in enumerate(values)}
                 for offset in range(period):
                     e = eqns[k + offset]
                     changed = visit(e, False)
                     if changed:
-                        events.append((offset, [(slots[v], pref[v]) for v in changed]))
+                        events.append((offset, [(slot[v], pref[v]) for v in changed]))
                         for v in changed:
                             spread(v, e, k + offset)
             k = stop
-        while tail:
-            e = tail.popleft()
-            queued.discard(e.index)
-            for v in visit(e, False):
-                for nb in neighbours.get(v, ()):
-                    if nb is not e and nb.index not in queued:
-                        queued.add(nb.index)
-                        tail.append(nb)
+        settle(False, tail)  # the rest of the first sweep: what it queued behind the pass
 
     # Informative proposals first; then let "replicated" fill the gaps, and go again.
     first_sweep()

@@ -57,33 +57,37 @@ def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
     return runs
 
 
-class Boundary(NamedTuple):
-    """What the plan of block eqns[start:stop] reads from outside it, besides the facts of its
-    own equations: the layouts of outside operands (by order of first use), the copies already
-    made of them, and the propagated preferences of the block's results."""
+def block_values(eqns, start: int, stop: int) -> tuple[tuple, list]:
+    """The wiring of block eqns[start:stop]: every operand and result as the index of its
+    value in order of first use (which reads are one value, inside the block or outside it),
+    and those values. Equal wirings: blocks connected alike, position for position."""
+    slots: dict = {}
+    wiring = []
+    for e in eqns[start:stop]:
+        for v in e.inputs:
+            wiring.append(slots.setdefault(v, len(slots)))
+        for v in e.outputs:
+            wiring.append(slots.setdefault(v, len(slots)))
+    return tuple(wiring), list(slots)
 
-    wiring: tuple     # per operand read: its producer's position in the block, or -1 (outside)
-    aliasing: tuple   # per outside read: the index of its value's first read
-    layouts: tuple    # per outside value: its actual layout
+
+class Boundary(NamedTuple):
+    """What the plan of block eqns[start:stop] reads besides the facts of its own equations:
+    its wiring, the layouts of the values it reads from outside and the copies already made of
+    them, and the propagated preferences of the values it makes."""
+
+    wiring: tuple
+    layouts: tuple    # per outside value (in order of first use): its actual layout
     moved: tuple      # per outside value: the layouts it has been copied to
-    preferred: tuple  # per result: its propagated preference
+    preferred: tuple  # per value made in the block: its propagated preference
 
 
 def boundary(eqns, start: int, stop: int, actual: dict, moved_to: dict, pref: dict) -> Boundary:
-    wiring, outside = [], []
-    for e in eqns[start:stop]:
-        for v in e.inputs:
-            p = v.producer
-            if p >= start:
-                wiring.append(p - start)
-            else:
-                wiring.append(-1)
-                outside.append(v)
-    first: dict = {}
-    aliasing = tuple([first.setdefault(v, i) for i, v in enumerate(outside)])
-    return Boundary(tuple(wiring), aliasing, tuple([actual[v] for v in first]),
-                    tuple([moved_to.get(v) for v in first]),
-                    tuple([pref.get(v) for e in eqns[start:stop] for v in e.outputs]))
+    wiring, values = block_values(eqns, start, stop)
+    outside = [v for v in values if v.producer < start]
+    return Boundary(wiring, tuple([actual[v] for v in outside]),
+                    tuple([moved_to.get(v) for v in outside]),
+                    tuple([pref.get(v) for v in values if v.producer >= start]))
 
 
 class Repeats:
@@ -104,4 +108,4 @@ class Repeats:
                 self.run_of[start + i * period] = (start, period)
 
 
-__all__ = ["find_runs", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN", "MAX_LEN"]
+__all__ = ["find_runs", "block_values", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN", "MAX_LEN"]
