@@ -28,7 +28,7 @@ from .repeats import find_runs
 
 ENABLED = True    # off: every equation is emitted inline (the tests compare both programs)
 
-_EXT, _CONST = "x", "c"
+_EXT, _CONST, _MADE = "x", "c", "m"
 
 
 @dataclass
@@ -62,8 +62,9 @@ class _ConstKeys(dict):
     them as it would without outlining (the results are the same to the bit)."""
 
     def __missing__(self, c):
-        scalar_int = np.ndim(c.const) == 0 and jax.dtypes.issubdtype(c.dtype, np.integer)
-        key = self[c] = None if scalar_int else const_key(c)
+        # (a dtype without a numpy kind, e.g. a PRNG key's, is kept by its bytes: never wrong)
+        integer = getattr(c.dtype, "kind", "") in ("i", "u")
+        key = self[c] = None if integer and np.ndim(c.const) == 0 else const_key(c)
         return key
 
 
@@ -109,43 +110,50 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
     for start, period, count in runs:
         for i in range(count):
             s = start + i * period
-            found.append(_instance(eqns, plan, h, s, s + period, last_use, const_keys, signatures))
+            found.append(_instance(program, plan, h, s, s + period, last_use, const_keys,
+                                   signatures))
     counts: dict = {}
     for inst in found:
         counts[inst.signature] = counts.get(inst.signature, 0) + 1
     return {inst.start: inst for inst in found if counts[inst.signature] > 1}
 
 
-def _instance(eqns, plan, h, start, stop, last_use, const_keys, signatures) -> Instance:
-    made: dict = {}
-    external: dict = {}
-    consts: dict = {}
-    reshards = []
-    slots = []
+def _instance(program, plan, h, start, stop, last_use, const_keys, signatures) -> Instance:
+    # The block's identity: its equations (h), its wiring (which reads are one value), what
+    # each value is (made here, a constant by its key, or read from outside), the reshards
+    # planned at each operand and the results read after it. The wiring is the one the plan
+    # and propagation already asked for (memoised on the program).
+    wiring, values = program.block_values(start, stop)
+    eqns = program.eqns
+    kinds, external, consts, escaping = [], [], [], []
+    for v in values:
+        p = v.producer
+        if p >= start:  # made in the block (first seen as a result)
+            kinds.append(_MADE)
+            if last_use.get(v, -1) >= stop:
+                outs = eqns[p].outputs
+                escaping.append((p - start, 0 if len(outs) == 1 else outs.index(v)))
+            continue
+        key = const_keys[v] if v.is_const else None
+        if key is None:
+            kinds.append(_EXT)
+            external.append(v)
+        else:
+            kinds.append((_CONST, key))
+            consts.append(v)
+    reshards, moves = [], []
     plan_eqns = plan.eqns
     for k in range(start, stop):
-        e = eqns[k]
         planned = plan_eqns[k].reshards
-        planned = dict(planned) if planned else None  # most equations reshard nothing
-        reads = []
-        for i, v in enumerate(e.inputs):
-            where = made.get(v)
-            if where is None:
-                key = const_keys[v] if v.is_const else None
-                where = ((_CONST, key, consts.setdefault(v, len(consts))) if key is not None
-                         else (_EXT, external.setdefault(v, len(external))))
-                if planned and i in planned:
-                    reshards.append((v, planned[i]))
-            if planned and i in planned:
-                where = (where, planned[i].src, planned[i].dst)
-            reads.append(where)
-        slots.append((h[k], tuple(reads)))
-        for o, v in enumerate(e.outputs):
-            made[v] = (k - start, o)
-    escaping = [pos for v, pos in made.items() if last_use.get(v, -1) >= stop]
-    sig = (tuple(slots), tuple(escaping))
-    return Instance(start, stop, signatures.setdefault(sig, len(signatures)), list(external),
-                    list(consts), reshards, escaping)
+        if planned:  # most equations reshard nothing
+            inputs = eqns[k].inputs
+            for i, rp in planned:
+                moves.append((k - start, i, rp.src, rp.dst))
+                if inputs[i].producer < start:
+                    reshards.append((inputs[i], rp))
+    sig = (tuple(h[start:stop]), wiring, tuple(kinds), tuple(moves), tuple(escaping))
+    return Instance(start, stop, signatures.setdefault(sig, len(signatures)), external,
+                    consts, reshards, escaping)
 
 
 # Where the copy an operand's reshard needs comes from, given the copies made so far. The same

@@ -288,7 +288,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         """The start of an already planned block of the run whose decisions read exactly what
         eqns[start:start + period]'s would (None: plan it; it becomes one such block)."""
         stop = start + period
-        key = (boundary(eqns, start, stop, actual, moved_to, pref),
+        key = (boundary(program, start, stop, actual, moved_to, pref),
                tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]))
         planned = repeats.planned[run]
         first = planned.get(key)

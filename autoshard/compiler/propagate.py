@@ -21,7 +21,6 @@ from ..cost_model import CostModel
 from ..errors import PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from .repeats import block_values
 from .strategy import Signature, chooser, signature
 from .trace import Eqn, Program, hint_p
 
@@ -261,7 +260,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 continue
             run, period = block
             stop = k + period
-            wiring, values = block_values(eqns, k, stop)
+            wiring, values = program.block_values(k, stop)
             state = (wiring, tuple(map(pref.get, values)),
                      tuple([v in pinned for v in values]),
                      tuple(single_use[k:stop]), tuple(is_parameter[k:stop]))

@@ -57,20 +57,6 @@ def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
     return runs
 
 
-def block_values(eqns, start: int, stop: int) -> tuple[tuple, list]:
-    """The wiring of block eqns[start:stop]: every operand and result as the index of its
-    value in order of first use (which reads are one value, inside the block or outside it),
-    and those values. Equal wirings: blocks connected alike, position for position."""
-    slots: dict = {}
-    wiring = []
-    for e in eqns[start:stop]:
-        for v in e.inputs:
-            wiring.append(slots.setdefault(v, len(slots)))
-        for v in e.outputs:
-            wiring.append(slots.setdefault(v, len(slots)))
-    return tuple(wiring), list(slots)
-
-
 class Boundary(NamedTuple):
     """What the plan of block eqns[start:stop] reads besides the facts of its own equations:
     its wiring, the layouts of the values it reads from outside and the copies already made of
@@ -82,8 +68,9 @@ class Boundary(NamedTuple):
     preferred: tuple  # per value made in the block: its propagated preference
 
 
-def boundary(eqns, start: int, stop: int, actual: dict, moved_to: dict, pref: dict) -> Boundary:
-    wiring, values = block_values(eqns, start, stop)
+def boundary(program, start: int, stop: int, actual: dict, moved_to: dict,
+             pref: dict) -> Boundary:
+    wiring, values = program.block_values(start, stop)
     outside = [v for v in values if v.producer < start]
     return Boundary(wiring, tuple([actual[v] for v in outside]),
                     tuple([moved_to.get(v) for v in outside]),
@@ -108,4 +95,4 @@ class Repeats:
                 self.run_of[start + i * period] = (start, period)
 
 
-__all__ = ["find_runs", "block_values", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN", "MAX_LEN"]
+__all__ = ["find_runs", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN", "MAX_LEN"]

@@ -210,6 +210,24 @@ class Program:
             self.__dict__["_readers"] = readers
         return readers
 
+    def block_values(self, start: int, stop: int) -> tuple[tuple, list]:
+        """The wiring of block eqns[start:stop]: every operand and result as the index of its
+        value in order of first use (which reads are one value, inside the block or outside
+        it), and those values. Equal wirings: blocks connected alike, position for position.
+        Memoised per block: propagation, the plan and the block finder ask for the same ones."""
+        blocks = self.__dict__.setdefault("_blocks", {})
+        found = blocks.get((start, stop))
+        if found is None:
+            slots: dict = {}
+            wiring = []
+            for e in self.eqns[start:stop]:
+                for v in e.inputs:
+                    wiring.append(slots.setdefault(v, len(slots)))
+                for v in e.outputs:
+                    wiring.append(slots.setdefault(v, len(slots)))
+            found = blocks[(start, stop)] = (tuple(wiring), list(slots))
+        return found
+
     def use_counts(self) -> dict:
         """How many times each value is read (by equations and as a program output)."""
         counts = {v: len(r) for v, r in self.readers().items()}
