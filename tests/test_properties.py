@@ -43,7 +43,42 @@ OPS = {
         jax.random.split(jax.random.key(5), 8)),
     "dropout": lambda h, w: jnp.where(jax.random.bernoulli(jax.random.key(3), 0.75, h.shape), h, 0.0),
     "scan_rows": lambda h, w: jax.lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(8), h)[1],
+    # indexing: jnp fancy indexing, an embedding-style lookup, take_along_axis, scatter-add
+    # with repeated indices, dynamic slices at data-dependent offsets
+    "gather_rows": lambda h, w: h[np.array([3, 1, 4, 1, 5, 7, 2, 6])],
+    "lookup": lambda h, w: w[jnp.argmax(h, axis=1)] * h,
+    "take_along": lambda h, w: jnp.take_along_axis(h, np.arange(64).reshape(8, 8) * 5 % 8, axis=1),
+    "scatter_add": lambda h, w: h.at[np.array([0, 2, 2, 7])].add(w[:4] * 0.5),
+    "dynamic_slice": lambda h, w: jnp.concatenate(
+        [jax.lax.dynamic_slice_in_dim(h, jnp.argmax(w[0]) % 5, 4, axis=0), h[:4] * w[4:]], axis=0),
+    "dynamic_update": lambda h, w: jax.lax.dynamic_update_slice(
+        h, w[:2, :3] * 2.0, (jnp.argmin(w[:, 0]) % 7, jnp.argmax(w[1]) % 6)),
+    # cumulative ops and argmin over any axis
+    "argmin_onehot": lambda h, w: h * jax.nn.one_hot(jnp.argmin(w, axis=0), 8).T,
+    "cumprod": lambda h, w: jnp.cumprod(1.0 + 0.1 * jnp.tanh(h), axis=0),
+    "cumlogsumexp": lambda h, w: jax.lax.cumlogsumexp(h, axis=1, reverse=True),
+    # higher-order primitives: cond, custom_jvp / custom_vjp, remat
+    "cond": lambda h, w: jax.lax.cond(jnp.sum(w) > 0, lambda a: a * 2.0, lambda a: -a, h),
+    "custom_jvp": lambda h, w: jax.nn.relu(h) + jax.nn.softplus(w),
+    "custom_vjp": lambda h, w: _clip_gradient(h) * w,
+    "remat": lambda h, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(h, w),
 }
+
+
+@jax.custom_vjp
+def _clip_gradient(x):
+    return x
+
+
+def _clip_fwd(x):
+    return x, None
+
+
+def _clip_bwd(_, g):
+    return (jnp.clip(g, -0.05, 0.05),)
+
+
+_clip_gradient.defvjp(_clip_fwd, _clip_bwd)
 
 PLACEMENTS = ["R", "S(0)", "S(1)", "P(sum)"]
 
