@@ -86,6 +86,17 @@ def count_collectives(hlo_text: str, per_step: bool = False) -> Counter:
     return Counter(collectives(hlo_text, per_step))
 
 
+def count_collective_ops(hlo_text: str, per_step: bool = False) -> Counter:
+    """Collective ops by kind, a combined op once: how many times the devices synchronise
+    (what a latency-bound step pays for), where `count_collectives` counts what is moved."""
+    found: Counter = Counter()
+    for line, times in _weighted_lines(hlo_text, per_step):
+        m = _OP.search(line)
+        if m and times:
+            found[m.group(1)] += times
+    return found
+
+
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -171,5 +182,5 @@ def collective_wire_bytes(hlo_text: str, per_step: bool = False) -> Counter:
     return total
 
 
-__all__ = ["collectives", "count_collectives", "collective_bytes", "collective_wire_bytes",
-           "group_size", "COLLECTIVE_KINDS"]
+__all__ = ["collectives", "count_collectives", "count_collective_ops", "collective_bytes",
+           "collective_wire_bytes", "group_size", "COLLECTIVE_KINDS"]

@@ -8,7 +8,8 @@ from autoshard.bench.__main__ import main
 from autoshard.bench.suite import catalog
 
 ROW_KEYS = {"workload", "key", "mesh", "equations", "bytes", "xla_bytes", "wire_bytes",
-            "xla_wire_bytes", "collectives", "xla_collectives", "bytes_by_kind",
+            "xla_wire_bytes", "collectives", "xla_collectives", "collective_ops",
+            "xla_collective_ops", "bytes_by_kind",
             "xla_bytes_by_kind", "count_by_kind", "xla_count_by_kind", "bytes_ratio",
             "wire_ratio", "min_bytes", "vs_min", "mem", "xla_mem", "mem_ratio", "plan_s",
             "partition_s", "lower_s", "pass_s", "xla_compile_s", "xla_base_compile_s", "pass_over_compile",

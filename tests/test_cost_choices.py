@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import autoshard as dist
-from autoshard.hlo import collective_bytes, count_collectives
+from autoshard.hlo import collective_bytes, count_collective_ops, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
 S, R = dist.Shard, dist.Replicate
@@ -80,3 +80,41 @@ def test_weight_gradient_is_reduced_before_jaxs_transpose(w_placements):
     assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
     base = jax.jit(_dot_step).lower(wd.physical, xd.physical).compile().as_text()
     assert sum(collective_bytes(hlo).values()) <= sum(collective_bytes(base).values())
+
+
+def _normalized_rows(x, y):
+    # Two row sums over the sharded dimension (Partial over mp): y's is reduced where the log
+    # needs it; x's passes the division and the reshape still Partial, so the plan would
+    # reduce it at the end, after (and waiting for) y's reduction.
+    z = jnp.log(jnp.sum(jnp.exp(y), axis=1))
+    return (jnp.sum(x, axis=1) / z).reshape(4, 4, 2) * 0.5
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "value_and_grad"])
+def test_a_pending_reduction_runs_where_its_partial_was_made(grad):
+    # Reduced right after the sum instead, it depends only on x: XLA combines it with y's
+    # reduction into one all-reduce (one synchronisation instead of two in a row), and the
+    # arithmetic is one device's (sum, then divide).
+    fn = _normalized_rows
+    if grad:
+        fn = jax.value_and_grad(lambda x, y: jnp.sum(_normalized_rows(x, y) ** 2), argnums=(0, 1))
+    rng = np.random.default_rng(3)
+    x, y = (rng.normal(size=(32, 16)).astype(np.float32) for _ in range(2))
+    xd, yd = (dist.shard_tensor(a, MESH, [S(0), S(1)]) for a in (x, y))
+    f = dist.jit(fn)
+    got = jax.tree.leaves(f(xd, yd), is_leaf=lambda a: isinstance(a, dist.DistTensor))
+    want = jax.tree.leaves(jax.jit(fn)(x, y))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6)
+    plan = f.plan(xd, yd)
+    hoisted = [ep for ep in plan.eqns if "reduced where the Partial was made" in ep.strategy]
+    # (with the gradient, the division's result is also read by the backward, which needs it
+    # reduced: the plan reduces at the division already)
+    assert bool(hoisted) != grad, "the row sum's reduction should move to where it was made"
+    hlo = f.lower(xd, yd).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    entry = hlo[hlo.index("ENTRY"):]
+    # the two forward row-sum reductions are one op
+    assert count_collective_ops(entry)["all-reduce"] < count_collectives(entry)["all-reduce"]
+    if not grad:
+        assert count_collective_ops(entry) == Counter({"all-reduce": 1})

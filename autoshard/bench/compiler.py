@@ -26,7 +26,7 @@ def measure(layers: int, form: str) -> dict:
         "workload": f"gpt {form} {layers}L", "equations": b.equations, **pass_times(b),
         "xla_compile_s": round(b.xla_compile_s, 3),
         **{k: comm[k] for k in ("bytes", "xla_bytes", "bytes_ratio", "collectives",
-                                "xla_collectives")},
+                                "xla_collectives", "collective_ops", "xla_collective_ops")},
     }
 
 
@@ -34,7 +34,7 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
     rows = [measure(n, "unrolled") for n in layers] + [measure(n, "scan") for n in scan]
     cols = ["workload", "equations", "plan_s", "partition_s", "lower_s", "s_per_10k_eqns",
             "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes", "xla_bytes", "bytes_ratio",
-            "collectives", "xla_collectives"]
+            "collectives", "xla_collectives", "collective_ops", "xla_collective_ops"]
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print("  ".join(f"{str(r[c]):>14}" for c in cols))

@@ -33,7 +33,8 @@ import numpy as np
 import autoshard as dist
 from autoshard.compiler.gc_pause import gc_paused
 from autoshard.dtensor import DistTensor
-from autoshard.hlo import collective_bytes, collective_wire_bytes, count_collectives
+from autoshard.hlo import (collective_bytes, collective_wire_bytes, count_collective_ops,
+                           count_collectives)
 
 from .workloads import Workload
 
@@ -148,6 +149,9 @@ def communication(ours_hlo: str, base_hlo: str, w: Workload) -> dict:
         "bytes": sum(ob.values()), "xla_bytes": sum(bb.values()),
         "wire_bytes": round(sum(ow.values())), "xla_wire_bytes": round(sum(bw.values())),
         "collectives": sum(oc.values()), "xla_collectives": sum(bc.values()),
+        # ops after XLA's combiners: how often the devices synchronise per step
+        "collective_ops": sum(count_collective_ops(ours_hlo, True).values()),
+        "xla_collective_ops": sum(count_collective_ops(base_hlo, True).values()),
         "bytes_by_kind": dict(ob), "xla_bytes_by_kind": dict(bb),
         "count_by_kind": dict(oc), "xla_count_by_kind": dict(bc),
     }

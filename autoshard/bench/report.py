@@ -49,12 +49,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def communication_table(rows: Sequence[dict]) -> str:
-    headers = ["workload", "collectives (ours/xla/min)", "bytes ours", "bytes xla", "ours/xla",
+    headers = ["workload", "collectives (ours/xla/min)", "ops (ours/xla)", "bytes ours", "bytes xla", "ours/xla",
                "minimum", "ours/min", "wire ours/xla", "peak mem ours", "peak mem xla",
                "mem ours/xla"]
     body = [[r["workload"],
              f"{r['collectives']}/{r['xla_collectives']}/"
              f"{'—' if r['min_collectives'] is None else r['min_collectives']}",
+             f"{r['collective_ops']}/{r['xla_collective_ops']}",
              _bytes(r["bytes"]), _bytes(r["xla_bytes"]), _x(r["bytes_ratio"]),
              _bytes(r["min_bytes"]), _x(r["vs_min"]), _x(r["wire_ratio"]),
              _bytes(r["mem"]["peak"]), _bytes(r["xla_mem"]["peak"]), _x(r["mem_ratio"])]

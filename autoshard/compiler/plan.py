@@ -324,7 +324,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             source = program.eqns[v.producer].where if v.producer >= 0 else None
             output_reshards.append((k, reshard(v, dst, f"output {k}", source)))
         outputs.append(dst)
-    touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard)
+    touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard,
+                               mesh.axis_sizes)
     same_as = {start + j: first + j for first, start, period in copies for j in range(period)
                if start + j not in touched and first + j not in touched}
 
