@@ -31,13 +31,21 @@ def measure(layers: int, form: str) -> dict:
 
 
 def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[dict]:
-    rows = [measure(n, "unrolled") for n in layers] + [measure(n, "scan") for n in scan]
+    rows = [measure(n, "unrolled") for n in sorted(layers)]
+    # The cost of the equations a deeper model adds (slope between consecutive depths): what
+    # "linear in layers" is about, without the fixed cost of a pass (jax's tracing of the
+    # shard_map, the program's first equations) that dominates a 2-layer model's average.
+    for a, b in zip(rows, rows[1:]):
+        added = b["equations"] - a["equations"]
+        b["marginal_s_per_10k_eqns"] = round((b["pass_s"] - a["pass_s"]) * 1e4 / added, 3) \
+            if added > 0 else None
+    rows += [measure(n, "scan") for n in scan]
     cols = ["workload", "equations", "plan_s", "partition_s", "lower_s", "s_per_10k_eqns",
-            "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes", "xla_bytes", "bytes_ratio",
+            "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes", "xla_bytes", "bytes_ratio",
             "collectives", "xla_collectives", "collective_ops", "xla_collective_ops"]
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
-        print("  ".join(f"{str(r[c]):>14}" for c in cols))
+        print("  ".join(f"{str(r.get(c, '—')):>14}" for c in cols))
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(rows, fh, indent=1)

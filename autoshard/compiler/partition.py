@@ -42,10 +42,11 @@ class LowerContext:
 
     def block_index(self, axes: tuple[str, ...]):
         """This device's block number along a dim split over `axes` (major first)."""
-        index = jnp.int32(0)
+        index = None  # lax, not jnp operators: see rules/indexing.py
         for a in axes:
-            index = index * self.sizes[a] + lax.axis_index(a)
-        return index
+            i = lax.axis_index(a)
+            index = i if index is None else lax.add(lax.mul(index, np.int32(self.sizes[a])), i)
+        return np.int32(0) if index is None else index
 
 
 def match_vma(values: list[Any]) -> list[Any]:
