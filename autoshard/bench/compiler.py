@@ -43,9 +43,10 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
     cols = ["workload", "equations", "plan_s", "partition_s", "lower_s", "s_per_10k_eqns",
             "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes", "xla_bytes", "bytes_ratio",
             "collectives", "xla_collectives", "collective_ops", "xla_collective_ops"]
-    print("  ".join(f"{c:>14}" for c in cols))
+    widths = [max(14, len(c)) for c in cols]
+    print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
-        print("  ".join(f"{str(r.get(c, '—')):>14}" for c in cols))
+        print("  ".join(f"{str(r.get(c, '—')):>{w}}" for c, w in zip(cols, widths)))
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(rows, fh, indent=1)
