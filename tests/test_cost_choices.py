@@ -118,3 +118,38 @@ def test_a_pending_reduction_runs_where_its_partial_was_made(grad):
     assert count_collective_ops(entry)["all-reduce"] < count_collectives(entry)["all-reduce"]
     if not grad:
         assert count_collective_ops(entry) == Counter({"all-reduce": 1})
+
+
+def _mlp_loss(w1, w2, x):
+    # column- then row-parallel: the sum of the output is Partial over mp (the row-parallel
+    # dot) and dp (the batch) until the end
+    return jnp.sum(jnp.tanh(x @ w1) @ w2) * 0.01
+
+
+@pytest.mark.parametrize("with_gradients", [True, False], ids=["train step", "loss only"])
+def test_a_tiny_output_is_reduced_one_axis_at_a_time_with_other_reductions(with_gradients):
+    rng = np.random.default_rng(4)
+    w1 = (rng.normal(size=(16, 32)) * 0.3).astype(np.float32)
+    w2 = (rng.normal(size=(32, 16)) * 0.3).astype(np.float32)
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    args = (dist.shard_tensor(w1, MESH, [R(), S(1)]), dist.shard_tensor(w2, MESH, [R(), S(0)]),
+            dist.shard_tensor(x, MESH, [S(0), R()]))
+    fn = jax.value_and_grad(_mlp_loss, argnums=(0, 1, 2)) if with_gradients else _mlp_loss
+    f = dist.jit(fn)
+    got = jax.tree.leaves(f(*args), is_leaf=lambda a: isinstance(a, dist.DistTensor))
+    for g, w in zip(got, jax.tree.leaves(jax.jit(fn)(w1, w2, x))):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6)
+    loss_steps = [c for c in f.plan(*args).collectives if c.consumer == "output 0"]
+    hlo = f.lower(*args).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in f.plan(*args).collectives)
+    if with_gradients:
+        # the loss's mp part rides with x's gradient (reduced over mp), its dp part with the
+        # weight gradients (over dp): no all-reduce of its own
+        assert [c.step for c in loss_steps] == ["psum(mp)", "psum(dp)"]
+        ops = count_collective_ops(hlo)["all-reduce"]
+        assert ops == 2 < count_collectives(hlo)["all-reduce"]
+        base = jax.jit(fn).lower(*(a.physical for a in args)).compile().as_text()
+        assert ops <= count_collective_ops(base)["all-reduce"]
+    else:
+        # nothing to ride with: one reduction over both axes
+        assert [c.step for c in loss_steps] == ["psum(dp,mp)"]

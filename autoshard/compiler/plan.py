@@ -22,6 +22,7 @@ from .dtypes import cost_dtype
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
 from .repeats import Repeats, boundary
+from .split_reduce import split_output_reductions
 from .strategy import chooser
 from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
@@ -326,6 +327,14 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         outputs.append(dst)
     touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard,
                                mesh.axis_sizes)
+
+    def collective(step, value, consumer, source, note) -> PlannedCollective:
+        return PlannedCollective(
+            step.step.hlo, str(step.step), tuple(step.step.axes), step.bytes_per_device,
+            repr(value), consumer, source,
+            _reason(consumer, value, step.before, step.after, mesh) + note)
+
+    split_output_reductions(program, output_reshards, collectives, mesh, cost_model, collective)
     same_as = {start + j: first + j for first, start, period in copies for j in range(period)
                if start + j not in touched and first + j not in touched}
 
