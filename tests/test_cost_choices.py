@@ -126,8 +126,15 @@ def _mlp_loss(w1, w2, x):
     return jnp.sum(jnp.tanh(x @ w1) @ w2) * 0.01
 
 
-@pytest.mark.parametrize("with_gradients", [True, False], ids=["train step", "loss only"])
-def test_a_tiny_output_is_reduced_one_axis_at_a_time_with_other_reductions(with_gradients):
+def _train_step_returning_the_loss_twice(w1, w2, x):
+    value, grads = jax.value_and_grad(_mlp_loss, argnums=(0, 1, 2))(w1, w2, x)
+    return value, grads, value
+
+
+@pytest.mark.parametrize("with_gradients,twice", [(True, False), (True, True), (False, False)],
+                         ids=["train step", "loss returned twice", "loss only"])
+def test_a_tiny_output_is_reduced_one_axis_at_a_time_with_other_reductions(with_gradients,
+                                                                           twice):
     rng = np.random.default_rng(4)
     w1 = (rng.normal(size=(16, 32)) * 0.3).astype(np.float32)
     w2 = (rng.normal(size=(32, 16)) * 0.3).astype(np.float32)
@@ -135,6 +142,8 @@ def test_a_tiny_output_is_reduced_one_axis_at_a_time_with_other_reductions(with_
     args = (dist.shard_tensor(w1, MESH, [R(), S(1)]), dist.shard_tensor(w2, MESH, [R(), S(0)]),
             dist.shard_tensor(x, MESH, [S(0), R()]))
     fn = jax.value_and_grad(_mlp_loss, argnums=(0, 1, 2)) if with_gradients else _mlp_loss
+    if twice:
+        fn = _train_step_returning_the_loss_twice
     f = dist.jit(fn)
     got = jax.tree.leaves(f(*args), is_leaf=lambda a: isinstance(a, dist.DistTensor))
     for g, w in zip(got, jax.tree.leaves(jax.jit(fn)(w1, w2, x))):

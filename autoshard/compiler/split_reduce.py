@@ -55,8 +55,12 @@ def split_output_reductions(program: Program, output_reshards: list, collectives
     """Rewrite `output_reshards` and `collectives` in place (see the module docstring).
     `make_collective(step, value, consumer, source, note)` records one planned step."""
     sizes = mesh.axis_sizes
+    split: dict = {}  # (value, dst) -> its split plan: an output returned twice is moved once
     for n, (k, rp) in enumerate(output_reshards):
         v, src, dst = program.outputs[k], rp.src, rp.dst
+        if (v, dst) in split:
+            output_reshards[n] = (k, split[(v, dst)])
+            continue
         if (len(src.partial) < 2 or dst.partial or src.dims != dst.dims
                 or any(t is not ReduceType.SUM for _, t in src.partial)
                 or math.prod(src.local_shape(v.shape, sizes)) * itemsize(v.dtype) > _TINY_BYTES):
@@ -72,8 +76,8 @@ def split_output_reductions(program: Program, output_reshards: list, collectives
                                   cost_model)
             here = after
         consumer = f"output {k}"
-        output_reshards[n] = (k, ReshardPlan(rp.shape, rp.dtype, mesh, src, mesh, dst,
-                                             tuple(steps)))
+        split[(v, dst)] = ReshardPlan(rp.shape, rp.dtype, mesh, src, mesh, dst, tuple(steps))
+        output_reshards[n] = (k, split[(v, dst)])
         source = next((c.where for c in collectives
                        if c.value == repr(v) and c.consumer == consumer), None)
         collectives[:] = [c for c in collectives
