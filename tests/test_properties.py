@@ -62,6 +62,9 @@ OPS = {
     "custom_jvp": lambda h, w: jax.nn.relu(h) + jax.nn.softplus(w),
     "custom_vjp": lambda h, w: _clip_gradient(h) * w,
     "remat": lambda h, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(h, w),
+    # sorting: top_k along a dim, a permutation from argsort applied with take_along_axis
+    "top_k": lambda h, w: jnp.concatenate([jax.lax.top_k(h, 3)[0], h[:, 3:] * w[:, 3:]], axis=1),
+    "argsort_take": lambda h, w: jnp.take_along_axis(w, jnp.argsort(h, axis=0), axis=0),
 }
 
 
