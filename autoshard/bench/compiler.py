@@ -41,8 +41,9 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
             if added > 0 else None
     rows += [measure(n, "scan") for n in scan]
     cols = ["workload", "equations", "plan_s", "partition_s", "lower_s", "s_per_10k_eqns",
-            "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes", "xla_bytes", "bytes_ratio",
-            "collectives", "xla_collectives", "collective_ops", "xla_collective_ops"]
+            "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes",
+            "xla_bytes", "bytes_ratio", "collectives", "xla_collectives", "collective_ops",
+            "xla_collective_ops"]
     widths = [max(14, len(c)) for c in cols]
     print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:

@@ -49,8 +49,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def communication_table(rows: Sequence[dict]) -> str:
-    headers = ["workload", "collectives (ours/xla/min)", "ops (ours/xla)", "bytes ours", "bytes xla", "ours/xla",
-               "minimum", "ours/min", "wire ours/xla", "peak mem ours", "peak mem xla",
+    headers = ["workload", "collectives (ours/xla/min)", "ops (ours/xla)", "bytes ours",
+               "bytes xla", "ours/xla", "minimum", "ours/min", "wire ours/xla", "peak mem ours", "peak mem xla",
                "mem ours/xla"]
     body = [[r["workload"],
              f"{r['collectives']}/{r['xla_collectives']}/"

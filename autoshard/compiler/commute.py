@@ -19,18 +19,17 @@ wait for. Two cases are rewritten:
   cross-entropy: 9 collective ops per step to 8), or overlap it with the work that computes
   the value; and the arithmetic is done in one device's order (reduce, then scale).
 
-A pass over a finished plan: it only rewrites a chain of single-reader elementwise equations
-that take the Partial as it is and whose end every reader reshards to one same layout that
+A pass over a finished plan: it only rewrites a chain of single-reader equations whose plans
+take the Partial as it is (steps that commute with the reduction) and whose end every reader reshards to one same layout that
 reduces it (a reader that takes the Partial as it is — a sum of pending gradients — keeps the
 plan: summing before reducing is what saves bytes there).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping
 
 from ..layout import Layout
-from .dtypes import itemsize
+from .dtypes import local_nbytes
 from .trace import Program, Value
 
 
@@ -58,10 +57,6 @@ def _chain(v: Value, readers: dict, out_readers: dict, program: Program, eqn_pla
         chain.append((j, i))
         v = e.outputs[0]
     return chain
-
-
-def _local_bytes(v: Value, layout: Layout, sizes: Mapping[str, int]) -> int:
-    return math.prod(layout.local_shape(v.shape, sizes)) * itemsize(v.dtype)
 
 
 def _layout_in_plan(eqn_plans: list, j: int, *, operand: int | None = None,
@@ -124,8 +119,8 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             continue  # readers disagree, or nothing is reduced (a gather has no reason to move)
         if chain and dst.dims != now.dims:
             continue  # a reduce-scatter split into an all-reduce and a slice would cost more
-        if not before_transpose and (_local_bytes(v, actual[v], sizes)
-                                     > _local_bytes(last, now, sizes)):
+        if not before_transpose and (local_nbytes(v.shape, v.dtype, actual[v], sizes)
+                                     > local_nbytes(last.shape, last.dtype, now, sizes)):
             continue  # a sum or a cast on the way: reducing the smaller value is cheaper
 
         def reduced(w: Value) -> Layout:

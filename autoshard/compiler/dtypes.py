@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -23,6 +24,11 @@ def cost_dtype(dtype) -> str:
 @functools.lru_cache(maxsize=None)
 def itemsize(dtype) -> int:
     return np.dtype(cost_dtype(dtype)).itemsize
+
+
+def local_nbytes(shape, dtype, layout, sizes) -> int:
+    """Bytes of one device's block of a value of `shape` laid out as `layout`."""
+    return math.prod(layout.local_shape(shape, sizes)) * itemsize(dtype)
 
 
 def normalize(dtype):

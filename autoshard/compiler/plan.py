@@ -195,12 +195,19 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     rp, best = cand, seconds
         done[(value, dst)] = rp
         moved_to[value] = moved_to.get(value, frozenset()) | {dst}
-        for s in rp.steps:
+        record(rp.steps, value, consumer, source, "", (rp.src, dst))
+        return rp
+
+    def record(steps, value: Value, consumer: str, source, note: str = "",
+               move: tuple[Layout, Layout] | None = None) -> None:
+        """List the collectives of planned steps; the reason names the whole `move` (default:
+        each step's own layouts)."""
+        for s in steps:
             if s.step.hlo:
+                src, dst = move or (s.before, s.after)
                 collectives.append(PlannedCollective(
                     s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
-                    repr(value), consumer, source, _reason(consumer, value, rp.src, dst, mesh)))
-        return rp
+                    repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note))
 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
 
@@ -327,14 +334,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         outputs.append(dst)
     touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard,
                                mesh.axis_sizes)
-
-    def collective(step, value, consumer, source, note) -> PlannedCollective:
-        return PlannedCollective(
-            step.step.hlo, str(step.step), tuple(step.step.axes), step.bytes_per_device,
-            repr(value), consumer, source,
-            _reason(consumer, value, step.before, step.after, mesh) + note)
-
-    split_output_reductions(program, output_reshards, collectives, mesh, cost_model, collective)
+    split_output_reductions(program, output_reshards, collectives, mesh, cost_model, record)
     same_as = {start + j: first + j for first, start, period in copies for j in range(period)
                if start + j not in touched and first + j not in touched}
 

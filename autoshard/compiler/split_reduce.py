@@ -15,14 +15,12 @@ with those).
 """
 from __future__ import annotations
 
-import math
-
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from ..reshard.planner import ReshardPlan, plan_on_mesh
-from .dtypes import cost_dtype, itemsize
+from .dtypes import cost_dtype, local_nbytes
 from .trace import Program, Value
 
 _TINY_BYTES = 64  # a loss, a metric, a step count: latency-bound whatever the mesh
@@ -51,9 +49,9 @@ def _partners(collectives: list, upstream: set[str]) -> set[frozenset]:
 
 
 def split_output_reductions(program: Program, output_reshards: list, collectives: list,
-                            mesh: ProcessMesh, cost_model: CostModel, make_collective) -> None:
+                            mesh: ProcessMesh, cost_model: CostModel, record) -> None:
     """Rewrite `output_reshards` and `collectives` in place (see the module docstring).
-    `make_collective(step, value, consumer, source, note)` records one planned step."""
+    `record(steps, value, consumer, source, note)` lists planned steps as make_plan does."""
     sizes = mesh.axis_sizes
     split: dict = {}  # (value, dst) -> its split plan: an output returned twice is moved once
     for n, (k, rp) in enumerate(output_reshards):
@@ -63,7 +61,7 @@ def split_output_reductions(program: Program, output_reshards: list, collectives
             continue
         if (len(src.partial) < 2 or dst.partial or src.dims != dst.dims
                 or any(t is not ReduceType.SUM for _, t in src.partial)
-                or math.prod(src.local_shape(v.shape, sizes)) * itemsize(v.dtype) > _TINY_BYTES):
+                or local_nbytes(v.shape, v.dtype, src, sizes) > _TINY_BYTES):
             continue
         partners = _partners(collectives, _upstream(program, v))
         axes = [a for a, _ in src.partial]
@@ -82,10 +80,8 @@ def split_output_reductions(program: Program, output_reshards: list, collectives
                        if c.value == repr(v) and c.consumer == consumer), None)
         collectives[:] = [c for c in collectives
                           if not (c.value == repr(v) and c.consumer == consumer)]
-        for s in steps:
-            collectives.append(make_collective(
-                s, v, consumer, source, "; reduced one mesh axis at a time, each part combined "
-                "with another reduction over that axis"))
+        record(steps, v, consumer, source, "; reduced one mesh axis at a time, each part "
+               "combined with another reduction over that axis")
 
 
 __all__ = ["split_output_reductions"]
