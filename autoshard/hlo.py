@@ -3,6 +3,8 @@
 XLA's combiner passes merge independent all-reduces (all-gathers, reduce-scatters) into one
 op over a tuple of operands; each operand is one logical collective and is counted as such.
 An all-to-all, by contrast, may be emitted over several operand pieces of one exchange.
+Where XLA does not combine all-gathers (CPU), autoshard packs small ones into one buffer itself
+(compiler/combine.py) and names the member count in the op's metadata; each member is counted.
 
 By default every function counts the collectives as written (each op once, wherever it is), which
 is what a plan lists. With `per_step=True` an op inside a loop counts once per iteration (XLA
@@ -17,6 +19,8 @@ COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", 
 # Async pairs (all-gather-start / -done) count once, at the start.
 _OP = re.compile(r"\b(" + "|".join(COLLECTIVE_KINDS) + r")(-start)?\(([^)]*)\)")
 _COMBINABLE = {"all-gather", "all-reduce", "reduce-scatter"}
+PACKED_SCOPE = "packed_all_gather_x"  # + member count: the scope of a packed gather's op name
+_PACKED = re.compile(r'op_name="[^"]*' + PACKED_SCOPE + r'(\d+)')  # see compiler/combine.py
 # Long tuples carry `/*index=5*/` markers, whose "=" would stop _RESULT's tuple match.
 _COMMENT = re.compile(r"/\*.*?\*/")
 
@@ -78,6 +82,9 @@ def collectives(hlo_text: str, per_step: bool = False) -> list[str]:
             continue
         kind, operands = m.group(1), m.group(3)
         n = operands.count("%") if kind in _COMBINABLE else 1
+        packed = _PACKED.search(line) if kind == "all-gather" else None
+        if packed:
+            n *= int(packed.group(1))
         found.extend([kind] * (max(n, 1) * times))
     return found
 

@@ -42,10 +42,12 @@ def _bits_for_one_key(key, index, bit_width):
     """threefry(key, i) at the global element indices `index` (one scalar key)."""
     from autoshard.compiler.partition import match_vma
 
-    data = jax.random.key_data(key)
-    k1, k2, hi, lo = match_vma([data[0], data[1], lax.full(index.shape, 0, np.uint32), index])
+    # lax throughout, not jnp's operators: each of those is a jitted call under tracing
+    data = prng.random_unwrap(key)
+    word = lambda i: lax.index_in_dim(data, i, axis=-1, keepdims=False)  # noqa: E731
+    k1, k2, hi, lo = match_vma([word(0), word(1), lax.full(index.shape, 0, np.uint32), index])
     bits1, bits2 = threefry.threefry2x32_p.bind(k1, k2, hi, lo)
-    bits = bits1 ^ bits2
+    bits = lax.bitwise_xor(bits1, bits2)
     if bit_width != 32:
         bits = lax.convert_element_type(bits, prng.UINT_DTYPES[bit_width])
     return bits
@@ -60,8 +62,9 @@ def random_bits_lower(ctx, key, *, bit_width, shape):
     for d, axes in enumerate(dims):
         g = lax.broadcasted_iota(np.uint32, local, d)
         if axes:  # this block starts at block_index * local size along d
-            g = g + (ctx.block_index(axes) * local[d]).astype(np.uint32)
-        index = index + g * np.uint32(strides[d])
+            start = lax.mul(ctx.block_index(axes), np.int32(local[d]))
+            g = lax.add(g, lax.convert_element_type(start, np.uint32))
+        index = lax.add(index, lax.mul(g, lax.full(local, strides[d], np.uint32)))
     draw = lambda k: _bits_for_one_key(k, index, bit_width)  # noqa: E731
     for _ in range(nb):  # one draw per local key, as jax batches random_bits
         draw = jax.vmap(draw)

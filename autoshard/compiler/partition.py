@@ -24,7 +24,7 @@ from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .gc_pause import gc_paused
-from . import outline
+from . import combine, outline
 from .plan import Plan
 from .replay import Replayer
 from .trace import hint_p
@@ -200,12 +200,62 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
                 k = region.stop
                 continue
             e, ep = program.eqns[k], plan.eqns[k]
+            if ep.reshards and packing:
+                pack_gathers(env, moved, k, stop, instances, replayer)
             plans = dict(ep.reshards)
             ins = [get(env, moved, v, plans.get(i)) for i, v in enumerate(e.inputs)]
             outs = replayer.run(key_of(k), ins,
                                 functools.partial(_bind, e, ep, ins, registry, sizes))
             env.update(zip(e.outputs, outs))
             k += 1
+
+    packing = combine.wanted(plan.mesh)
+    last_use: dict = {}  # (value, layout) -> the last equation reading that copy (made lazily)
+
+    def used_until(v, layout) -> int:
+        if not last_use:
+            for j, ep in enumerate(plan.eqns):
+                for i, rp in ep.reshards:
+                    last_use[(program.eqns[j].inputs[i], rp.dst)] = j
+            for i, rp in plan.output_reshards:
+                last_use[(program.outputs[i], rp.dst)] = len(plan.eqns)
+        return last_use[(v, layout)]
+
+    def pending_gathers(env: dict, moved: dict, k: int, stop: int, instances: dict, *,
+                        first_only: bool = False):
+        """(value, plan, local block, step) of the all-gathers worth packing that equations
+        k, k+1, ... of this scope need and that can run now (see combine.py). A copy read
+        again further on (a weight's gathered copy reused by the backward pass) is left to
+        itself: XLA would keep the whole packed buffer alive for it."""
+        end = min(stop, k + combine.WINDOW)
+        for j in range(k, k + 1 if first_only else end):
+            if j > k and (j in instances or j in regions):
+                return  # the copies made in there belong to that scope
+            for i, rp in plan.eqns[j].reshards:
+                v = program.eqns[j].inputs[i]
+                step = combine.gather_step(v, rp, plan.layouts.get(v))
+                if (step is None or (v, rp.dst) in moved or v not in env
+                        or used_until(v, rp.dst) >= end):
+                    continue
+                yield v, rp, env[v], step
+
+    def pack_gathers(env: dict, moved: dict, k: int, stop: int, instances: dict,
+                     replayer: Replayer) -> None:
+        """Equation k's pending gathers, run packed with those of the next equations."""
+        first = next(pending_gathers(env, moved, k, stop, instances, first_only=True), None)
+        if first is None:
+            return
+        key = combine.pack_key(first[2], first[3])
+        if key is None:
+            return
+        members = combine.pick_members(pending_gathers(env, moved, k, stop, instances), key,
+                                       sizes)
+        if len(members) < 2:
+            return
+        for (v, rp, _, _), x in zip(members, combine.run_packed(members, replayer.run)):
+            for planned in rp.steps[1:]:
+                x = planned.step.run(x, sizes)
+            moved[(v, rp.dst)] = x
 
     def call_block(env: dict, moved: dict, inst, calls: dict, replayer: Replayer) -> None:
         """One repeated block as a call of its jitted lowering (traced on its first call).

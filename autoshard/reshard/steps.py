@@ -289,7 +289,11 @@ class MakePartial(Step):
 
     def run(self, x, sizes):
         if self.reduce_type is ReduceType.SUM:
-            return jnp.where(lax.axis_index(self.axis) == 0, x, jnp.zeros_like(x))
+            # lax, not jnp.where: no jitted call under tracing
+            x = ensure_varying(x, (self.axis,))
+            first = lax.eq(lax.axis_index(self.axis), np.int32(0))
+            first = ensure_varying(lax.broadcast(first, x.shape), varying_axes(x))
+            return lax.select(first, x, lax.full_like(x, 0))
         return ensure_varying(x, (self.axis,))
 
     def __str__(self):

@@ -1,0 +1,185 @@
+"""Packed all-gathers (compiler/combine.py): small gathers that are ready together run as one
+collective on CPU, where XLA leaves all-gathers apart.
+
+The packed program must be the same computation: values and gradients equal one device and the
+program with packing off, the same logical collectives and bytes in the compiled HLO, fewer
+all-gather ops; the packing itself (any dtypes, any gathered dim, several mesh axes) returns
+exactly what separate gathers return.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import autoshard as dist
+from autoshard.bench.workloads import keep_placements
+from autoshard.compiler import combine
+from autoshard.hlo import PACKED_SCOPE, collective_bytes, count_collective_ops, count_collectives
+from autoshard.reshard.steps import AllGather
+
+S, R = dist.Shard, dist.Replicate
+MESH8 = dist.ProcessMesh(list(range(8)), ["x"])
+MESH2x4 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+
+
+@pytest.mark.parametrize("axes, dims", [
+    (("x",), (0, 0, 0, 0)),
+    (("x",), (1, 0, 2, 0)),
+    (("dp", "mp"), (0, 1, 1, 0)),
+    (("mp", "dp"), (0, 0, 1, 0)),
+], ids=["1d-dim0", "1d-mixed-dims", "2d-axes", "2d-axes-minor-first"])
+def test_a_packed_gather_returns_what_separate_gathers_return(axes, dims):
+    jax_mesh = jax.make_mesh((8,), ("x",)) if axes == ("x",) else \
+        jax.make_mesh((2, 4), ("dp", "mp"))
+    rng = np.random.default_rng(0)
+    n = 8
+    # float32, int32 and uint32 (one buffer via bitcasts), bfloat16 (a buffer of its own width)
+    shapes = [tuple(k * n if i == d else k for i, k in enumerate(base))
+              for base, d in zip([(2, 3), (2, 5), (3, 2, 1), (1,)], dims)]
+    xs = [rng.normal(size=shapes[0]).astype(np.float32),
+          rng.integers(-9, 9, size=shapes[1]).astype(np.int32),
+          rng.integers(0, 2 ** 31, size=shapes[2]).astype(np.uint32),
+          rng.normal(size=shapes[3]).astype(np.float32)]
+    steps = [AllGather(axes, d) for d in dims]
+
+    def spec(d, ndim):
+        return P(*[axes if k == d else None for k in range(ndim)])
+
+    specs = tuple(spec(d, x.ndim) for d, x in zip(dims, xs))
+
+    def separate(*blocks):
+        return tuple(s.run(b, {}) for s, b in zip(steps, blocks))
+
+    def packed(*blocks):
+        return tuple(combine.gather_packed(list(blocks), steps))
+
+    args = [jax.device_put(x, jax.NamedSharding(jax_mesh, sp)) for x, sp in zip(xs, specs)]
+    outs = {}
+    for name, body in (("separate", separate), ("packed", packed)):
+        f = jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=specs,
+                                  out_specs=tuple(P() for _ in xs)))
+        outs[name] = f(*args)
+        hlo = f.lower(*args).compile().as_text()
+        ops = count_collective_ops(hlo)["all-gather"]
+        assert ops == (1 if name == "packed" else len(xs))
+        assert count_collectives(hlo)["all-gather"] == len(xs)  # each member counted
+    for x, a, b in zip(xs, outs["separate"], outs["packed"]):
+        np.testing.assert_array_equal(np.asarray(a), x)
+        np.testing.assert_array_equal(np.asarray(b), x)
+        assert b.dtype == x.dtype
+
+
+def test_members_of_other_widths_or_types_get_other_buffers():
+    f32 = jnp.zeros((4,), jnp.float32)
+    step = AllGather(("x",), 0)
+    assert combine.pack_key(f32, step) == combine.pack_key(jnp.zeros((4,), jnp.int32), step)
+    assert combine.pack_key(f32, step) != combine.pack_key(jnp.zeros((4,), jnp.bfloat16), step)
+    assert combine.pack_key(jnp.zeros((4,), bool), step) is None
+    assert combine.pack_key(jax.random.key(0), step) is None
+    # vectors apart from matrices (see combine.pack_key)
+    assert combine.pack_key(f32, step) != combine.pack_key(jnp.zeros((4, 4)), step)
+    assert combine.pack_key(f32, step) == combine.pack_key(jnp.zeros((1, 4)), step)
+
+
+def _fsdp_mlp(layers: int, d: int, remat: bool = True):
+    """A ZeRO-3 / FSDP step: every weight, bias and scale split over all devices, the batch
+    too; each layer's parameters are gathered where they are used (checkpointed layers: again
+    in the backward)."""
+    rng = np.random.default_rng(1)
+    params = {}
+    for i in range(layers):
+        params[f"w{i}"] = (rng.normal(size=(d, 2 * d)) / np.sqrt(d)).astype(np.float32)
+        params[f"b{i}"] = (rng.normal(size=(2 * d,)) * 0.1).astype(np.float32)
+        params[f"v{i}"] = (rng.normal(size=(2 * d, d)) / np.sqrt(2 * d)).astype(np.float32)
+        params[f"g{i}"] = (1 + rng.normal(size=(d,)) * 0.1).astype(np.float32)
+    x = rng.normal(size=(32, d)).astype(np.float32)
+
+    def layer(h, w, b, v, g):
+        return h + (jax.nn.gelu(h @ w + b) @ v) * g
+
+    def loss(p, x):
+        h = x
+        for i in range(layers):
+            f = jax.checkpoint(layer) if remat else layer
+            h = f(h, p[f"w{i}"], p[f"b{i}"], p[f"v{i}"], p[f"g{i}"])
+        return jnp.mean(h ** 2)
+
+    return jax.value_and_grad(loss), params, x
+
+
+def _run(step, params, x, mesh, placements, enabled, monkeypatch):
+    monkeypatch.setattr(combine, "ENABLED", enabled)
+    dp = {k: dist.shard_tensor(v, mesh, placements) for k, v in params.items()}
+    dx = dist.shard_tensor(x, mesh, placements)
+    f = dist.jit(step, out_placements=keep_placements([R()] * mesh.ndim, dp))
+    value, grads = f(dp, dx)
+    compiled = f.lower(dp, dx).compile()
+    return value.numpy(), {k: g.numpy() for k, g in grads.items()}, compiled
+
+
+@pytest.mark.parametrize("mesh, placements", [(MESH8, [S(0)]), (MESH2x4, [S(0), S(0)])],
+                         ids=["8", "2x4-flattened"])
+@pytest.mark.parametrize("remat", [True, False], ids=["checkpointed", "plain"])
+def test_a_zero3_step_gathers_each_layer_in_one_op(mesh, placements, remat, monkeypatch):
+    layers = 3
+    step, params, x = _fsdp_mlp(layers, d=32, remat=remat)
+    ref_value, ref_grads = jax.jit(step)(params, x)
+    value, grads, on = _run(step, params, x, mesh, placements, True, monkeypatch)
+    value0, grads0, off = _run(step, params, x, mesh, placements, False, monkeypatch)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(value, value0, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(grads[k], grads0[k], rtol=1e-5, atol=1e-7)
+    hlo, hlo0 = on.as_text(), off.as_text()
+    # the same logical collectives and bytes: only how many times the devices meet changes
+    assert count_collectives(hlo) == count_collectives(hlo0)
+    assert collective_bytes(hlo) == collective_bytes(hlo0)
+    gathers, gathers0 = (count_collective_ops(h)["all-gather"] for h in (hlo, hlo0))
+    assert PACKED_SCOPE not in hlo0
+    if remat:  # every parameter gathered in the forward and again in the backward
+        assert gathers0 == count_collectives(hlo0)["all-gather"] >= 2 * 4 * layers
+        # each layer's two matrices in one op, forward and backward (its vectors are broadcast
+        # to rows just before their gathers: not ready together)
+        assert gathers <= gathers0 - 2 * layers and PACKED_SCOPE in hlo
+    else:  # the backward reuses the forward's gathered weights: those are left apart
+        assert gathers0 == count_collectives(hlo0)["all-gather"] >= 4 * layers
+        assert gathers <= gathers0
+    # unpacking costs no more memory than a packed group's bytes, held for a moment twice
+    assert (on.memory_analysis().temp_size_in_bytes
+            <= off.memory_analysis().temp_size_in_bytes + combine.PACK_BYTES)
+
+
+def test_gathers_over_the_byte_budget_run_apart(monkeypatch):
+    step, params, x = _fsdp_mlp(layers=2, d=32)
+    matrix = 32 * 64 * 4  # one weight gathered
+    ops = {}
+    for budget in (matrix, 2 * matrix):
+        monkeypatch.setattr(combine, "PACK_BYTES", budget)
+        value, _, compiled = _run(step, params, x, MESH8, [S(0)], True, monkeypatch)
+        np.testing.assert_allclose(value, jax.jit(step)(params, x)[0], rtol=1e-5)
+        hlo = compiled.as_text()
+        ops[budget] = count_collective_ops(hlo)["all-gather"]
+        for line in hlo.splitlines():
+            if " all-gather(" in line and PACKED_SCOPE in line:
+                rows, cols = map(int, re.search(r"= f32\[(\d+),(\d+)\]", line).groups())
+                assert rows * cols * 4 <= budget, line
+    # one matrix: nothing fits beside it; two: a layer's pair shares one gather
+    assert ops[matrix] == count_collectives(hlo)["all-gather"] > ops[2 * matrix]
+
+
+def test_packing_looks_only_window_equations_ahead(monkeypatch):
+    """A gather is packed only with those needed within WINDOW equations: a deep model does
+    not gather every layer's parameters at the first layer."""
+    step, params, x = _fsdp_mlp(layers=8, d=16)
+    monkeypatch.setattr(combine, "WINDOW", 4)
+    _, _, near = _run(step, params, x, MESH8, [S(0)], True, monkeypatch)
+    monkeypatch.setattr(combine, "WINDOW", 64)
+    _, _, far = _run(step, params, x, MESH8, [S(0)], True, monkeypatch)
+    ops = [count_collective_ops(c.as_text())["all-gather"] for c in (near, far)]
+    assert ops[0] > ops[1] > 1
