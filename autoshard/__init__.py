@@ -4,6 +4,7 @@
     mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
     w = dist.shard_tensor(w, mesh, [dist.Replicate(), dist.Shard(1)])
 """
+from .calibrate import calibrate_cost_model
 from .compiler.jit import DistributedFunction, jit
 from .compiler.plan import FallbackWarning, Plan
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
@@ -36,7 +37,7 @@ __all__ = [
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
     "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
-    "set_default_cost_model", "Layout", "placement_table", "jit", "DistributedFunction", "Plan",
+    "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit", "DistributedFunction", "Plan",
     "FallbackWarning", "register_rule", "Rule", "MeshMismatchError",
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",

@@ -162,3 +162,26 @@ def test_a_tiny_output_is_reduced_one_axis_at_a_time_with_other_reductions(with_
     else:
         # nothing to ride with: one reduction over both axes
         assert [c.step for c in loss_steps] == ["psum(dp,mp)"]
+
+
+def test_a_calibrated_cost_model_is_measured_per_axis_and_plans_a_correct_step():
+    # The numbers are this machine's (never asserted); what is: one latency and bandwidth per
+    # mesh axis, plausible magnitudes, a hashable model that dist.jit plans with.
+    model = dist.calibrate_cost_model(MESH, repeats=3, large_bytes=1 << 18)
+    assert dict(model.latency).keys() == dict(model.bandwidth).keys() == {"dp", "mp"}
+    for a in ("dp", "mp"):
+        assert 0 < model.axis_latency(a) < 1.0
+        assert 1e8 <= model.axis_bandwidth(a) <= 1e13
+    assert model.default_latency == max(dict(model.latency).values())
+    assert hash(model) == hash(dist.CostModel(**{
+        k: getattr(model, k) for k in ("default_latency", "default_bandwidth", "local_bandwidth",
+                                       "transfer_bandwidth", "latency", "bandwidth")}))
+    rng = np.random.default_rng(0)
+    w = (rng.normal(size=(64, 64)) * 0.1).astype(np.float32)
+    x = rng.normal(size=(8, 64)).astype(np.float32)
+    wd = dist.shard_tensor(w, MESH, [R(), S(1)])
+    xd = dist.shard_tensor(x, MESH, [S(0), R()])
+    f = dist.jit(_dot_step, cost_model=model)
+    np.testing.assert_allclose(f(wd, xd).numpy(), _dot_step(w, x), rtol=1e-4, atol=1e-5)
+    assert count_collectives(f.lower(wd, xd).compile().as_text()) == \
+        Counter(c.kind for c in f.plan(wd, xd).collectives)

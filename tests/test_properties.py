@@ -208,3 +208,20 @@ def _check_random_program(mesh, ops, px, pw, seed):
     assert set(compiled) <= set(planned), (compiled, planned)
     assert all(compiled[k] <= planned[k] for k in compiled), (compiled, planned)
     assert bool(compiled) == bool(planned)
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")  # assume
+@pytest.mark.parametrize("ops", [("dynamic_slice", "custom_jvp", "custom_jvp"),
+                                 ("dynamic_slice", "custom_jvp", "custom_jvp", "dynamic_slice")])
+def test_moves_inside_custom_rule_regions_are_planned_per_region(ops):
+    """A custom_jvp body is lowered in a scope of its own, so a value moved outside it is moved
+    again inside: the plan lists that move too (found by the property above under a cost model
+    with CPU-like constants, where the moves inside were re-planned and went unlisted)."""
+    mesh = MESHES[1]
+    cpu_like = dist.CostModel(default_latency=2e-4, default_bandwidth=2e10, local_bandwidth=1e10)
+    before = dist.default_cost_model()
+    dist.set_default_cost_model(cpu_like)
+    try:
+        _check_random_program(mesh, ops, ["R", "R"], ["S(0)", "P(sum)"], 0)
+    finally:
+        dist.set_default_cost_model(before)

@@ -135,7 +135,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             ep.reshards = [(i, rp) for i, rp in ep.reshards if i != 0]
             if actual[x] != target:  # before the layouts change: `reshard` reads actual[x]
                 ep.reshards.append((0, planned(lambda: reshard(
-                    x, target, f"{e.name} (eqn {e.index})", e.where))))
+                    x, target, f"{e.name} (eqn {e.index})", e.where, at=e.index))))
             _layout_in_plan(eqn_plans, j0, operand=0, required=target, result=at_v)
             ep.strategy += "; reduced before the transpose (they commute; the dot stays canonical)"
             actual[v] = at_v
@@ -147,7 +147,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             ep1.reshards = [(i, rp) for i, rp in ep1.reshards if i != i1]
             head = reduced(v)
             ep1.reshards.append((i1, planned(lambda: reshard(
-                v, head, f"{e1.name} (eqn {e1.index})", e.where))))
+                v, head, f"{e1.name} (eqn {e1.index})", e.where, at=e1.index))))
             _layout_in_plan(eqn_plans, j1, operand=i1, required=head,
                             result=reduced(e1.outputs[0]))
             ep1.strategy += "; reduced where the Partial was made (same bytes, fewer dependencies)"

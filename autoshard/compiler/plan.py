@@ -173,28 +173,43 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         actual[c] = Layout.replicated(len(c.shape))
 
     collectives: list[PlannedCollective] = []
-    done: dict = {}  # (value, layout) → the plan that moved it there
+    done: dict = {}  # (value, layout[, region]) → the plan that moved it there
     moved_to: dict = {}  # value → layouts it has been moved to (the copies partitioning reuses)
+    # A custom-rule region is lowered in a scope of its own (jax may trace its body apart), so
+    # copies made outside it are not there inside, nor the reverse: moves made in a region are
+    # planned, reused and listed per region.
+    region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
+    moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
+
+    def moves(value: Value, at: int | None, default=frozenset()):
+        scope = region_of.get(at, -1) if at is not None else -1
+        return moved_to.get(value, default) if scope < 0 else moved_in.get((value, scope), default)
     fallbacks: list[tuple[str, str | None]] = []
 
     def reshard(value: Value, dst: Layout, consumer: str, source,
-                planned: ReshardPlan | None = None) -> ReshardPlan:
-        """`planned`: the plan this very move got in a block planned alike (copy_block)."""
-        if (value, dst) in done:  # a value resharded twice the same way is moved once
-            return done[(value, dst)]
+                planned: ReshardPlan | None = None, *, at: int | None = None) -> ReshardPlan:
+        """`planned`: the plan this very move got in a block planned alike (copy_block);
+        `at`: the consuming equation's index (None: an output)."""
+        scope = region_of.get(at, -1) if at is not None else -1
+        key = (value, dst) if scope < 0 else (value, dst, scope)
+        if key in done:  # a value resharded twice the same way (in one scope) is moved once
+            return done[key]
         rp = planned
         if rp is None:
             # Start from the cheapest copy: the value itself or one it was already moved to (the
             # all-to-all an earlier consumer paid for is not paid again on the way to a gather).
             best = 0.0
-            for src in [actual[value], *sorted(moved_to.get(value, ()), key=repr)]:
+            for src in [actual[value], *sorted(moves(value, at), key=repr)]:
                 cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
                                     dst, cost_model)
                 seconds = sum(s.seconds for s in cand.steps)
                 if rp is None or seconds < best - 1e-15:
                     rp, best = cand, seconds
-        done[(value, dst)] = rp
-        moved_to[value] = moved_to.get(value, frozenset()) | {dst}
+        done[key] = rp
+        if scope < 0:
+            moved_to[value] = moved_to.get(value, frozenset()) | {dst}
+        else:
+            moved_in[(value, scope)] = moved_in.get((value, scope), frozenset()) | {dst}
         record(rp.steps, value, consumer, source, "", (rp.src, dst))
         return rp
 
@@ -261,7 +276,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             else:
                 choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
                               facts.single_use[e.index],
-                              tuple(moved_to.get(v, _NOT_MOVED) for v in e.inputs),
+                              tuple(moves(v, e.index, _NOT_MOVED) for v in e.inputs),
                               facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
                 strategy = choice.description
@@ -271,7 +286,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                      considered, seconds, fallback, sub_plans=sub_plans)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
             if src is not dst:  # layouts are interned: equal layouts are one object
-                ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.where)))
+                ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.where,
+                                               at=e.index)))
         for v, L in zip(e.outputs, results):
             actual[v] = L
         return ep
@@ -285,7 +301,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                          tp.strategy, tp.considered, tp.seconds)
             for i, rp in tp.reshards:  # the same move, recorded against this block's value
                 ep.reshards.append((i, reshard(e.inputs[i], rp.dst, f"{e.name} (eqn {e.index})",
-                                               e.where, rp)))
+                                               e.where, rp, at=e.index)))
             if e.primitive is not hint_p:
                 rule_collectives(e, tp.required, tp.results)
             actual.update(zip(e.outputs, tp.results))
