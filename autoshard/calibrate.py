@@ -71,7 +71,7 @@ def calibrate_cost_model(mesh, *, small_bytes: int = 4096, large_bytes: int = 4 
     small, large = max(small_bytes // 4, 1), max(large_bytes // 4, 1)
     local_f, local_small = program(chained(lambda b: b + 1.0), small)
     copy_f, local_large = program(chained(lambda b: b + 1.0), large)
-    latency, bandwidth = {}, {}
+    latency, bandwidth, local_times = {}, {}, []
     for axis in names:
         n = mesh.get_dim_size(axis)
         if n < 2:
@@ -85,6 +85,7 @@ def calibrate_cost_model(mesh, *, small_bytes: int = 4096, large_bytes: int = 4 
         t_local, t_small, t_copy, t_large = _median_seconds(
             [local_f, ar_small, copy_f, ar_large], [local_small, x_small, local_large, x_large],
             repeats)
+        local_times.append((t_local, t_copy))
         alpha = max((t_small - t_local) / chain, _FLOOR_S)
         wire = 2 * (n - 1) / n * large * 4  # a ring all-reduce: what each device sends
         beta_s = max((t_large - t_copy) / chain - alpha, 1e-12)
@@ -92,7 +93,10 @@ def calibrate_cost_model(mesh, *, small_bytes: int = 4096, large_bytes: int = 4 
         bandwidth[axis] = float(np.clip(wire / beta_s, *_BANDWIDTH_RANGE))
     # local traffic: each large elementwise step reads and writes its block once (XLA may fuse
     # the chain into fewer passes: then this overestimates, which only favours local work)
-    (t_local, t_copy) = _median_seconds([local_f, copy_f], [local_small, local_large], repeats)
+    if not local_times:  # no axis to measure: time the local chains by themselves
+        local_times.append(tuple(_median_seconds([local_f, copy_f], [local_small, local_large],
+                                                 repeats)))
+    t_local, t_copy = (float(np.median(t)) for t in zip(*local_times))
     local_bw = float(np.clip(2 * large * 4 / max(t_copy - t_local, 1e-12), *_BANDWIDTH_RANGE))
     default = CostModel()
     return CostModel(

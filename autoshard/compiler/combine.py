@@ -2,8 +2,8 @@
 
 Every collective is a rendezvous of the devices in its group, with a fixed launch cost whatever
 its size. XLA merges independent all-reduces itself, but its CPU pipeline leaves all-gathers
-alone, so a ZeRO-3 layer that gathers a dozen small parameters pays a dozen launches. When an equation needs a
-gathered copy, the all-gathers that the next equations of the same scope will need, over the
+alone, so a ZeRO-3 layer that gathers a dozen small parameters pays a dozen launches. When an
+equation needs a gathered copy, the all-gathers that the next equations of the same scope will need, over the
 same mesh axes and from values already computed, are packed into one flat buffer, gathered
 once, and unpacked into the copies each of them plans: the same values, one launch. (Only
 on CPU: on GPU and TPU XLA combines all-gathers itself.)
@@ -85,9 +85,10 @@ def gather_packed(xs: list, steps: list[AllGather]) -> list:
     axes = steps[0].gathered
     common = xs[0].dtype if all(x.dtype == xs[0].dtype for x in xs) else \
         _UINT[np.dtype(xs[0].dtype).itemsize]
-    flats = []
+    flats, fronts = [], []
     for x, s in zip(xs, steps):
         y = _to_front(x, s.dim)
+        fronts.append(y.shape)
         y = lax.reshape(y, (math.prod(y.shape),))
         flats.append(y if y.dtype == common else lax.bitcast_convert_type(y, common))
     buf = lax.concatenate(flats, 0)
@@ -97,8 +98,7 @@ def gather_packed(xs: list, steps: list[AllGather]) -> list:
         full = lax.all_gather(buf, axes[0] if len(axes) == 1 else axes, axis=0, tiled=False,
                               to="invarying")
     n, outs, offset = full.shape[0], [], 0
-    for x, s, y in zip(xs, steps, flats):
-        front = _to_front(x, s.dim).shape
+    for x, s, y, front in zip(xs, steps, flats, fronts):
         piece = lax.slice_in_dim(full, offset, offset + y.shape[0], axis=1)
         offset += y.shape[0]
         piece = lax.reshape(piece, (n * front[0], *front[1:]))
@@ -135,5 +135,5 @@ def run_packed(members: list, replay: Callable) -> list:
     return replay(("packed all-gather", tuple(steps)), xs, lambda: gather_packed(xs, steps))
 
 
-__all__ = ["ENABLED", "WINDOW", "wanted", "PACK_BYTES", "gather_step", "pack_key", "gather_packed",
-           "pick_members", "run_packed"]
+__all__ = ["ENABLED", "WINDOW", "PACK_BYTES", "wanted", "gather_step", "pack_key",
+           "gather_packed", "pick_members", "run_packed"]

@@ -181,8 +181,12 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
 
+    def scope_of(at: int | None) -> int:
+        """The start of the region equation `at` runs in (-1: the top level, or an output)."""
+        return region_of.get(at, -1) if at is not None else -1
+
     def moves(value: Value, at: int | None, default=frozenset()):
-        scope = region_of.get(at, -1) if at is not None else -1
+        scope = scope_of(at)
         return moved_to.get(value, default) if scope < 0 else moved_in.get((value, scope), default)
     fallbacks: list[tuple[str, str | None]] = []
 
@@ -190,7 +194,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 planned: ReshardPlan | None = None, *, at: int | None = None) -> ReshardPlan:
         """`planned`: the plan this very move got in a block planned alike (copy_block);
         `at`: the consuming equation's index (None: an output)."""
-        scope = region_of.get(at, -1) if at is not None else -1
+        scope = scope_of(at)
         key = (value, dst) if scope < 0 else (value, dst, scope)
         if key in done:  # a value resharded twice the same way (in one scope) is moved once
             return done[key]
