@@ -195,7 +195,8 @@ def _index_entries(key: Any) -> list:
     return out
 
 
-def _getitem(self: DistTensor, key: Any) -> DistTensor:
+def _index_spec(shape: tuple[int, ...], key: Any) -> tuple[tuple, list]:
+    """`key` as (static spec, index arrays): the spec keys the program, the arrays are operands."""
     spec: list = []
     arrays: list = []
     for k in _index_entries(key):
@@ -213,17 +214,82 @@ def _getitem(self: DistTensor, key: Any) -> DistTensor:
         else:
             raise IndexError(f"DistTensor index {k!r:.60}: only integers, slices (`:`), ellipsis "
                              f"(`...`), None and integer or boolean arrays are valid indices")
-    _check_bounds(self.shape, spec, arrays)
-    static = tuple(spec)
+    _check_bounds(shape, spec, arrays)
+    return tuple(spec), arrays
+
+
+def _index(static: tuple, idx: Iterator) -> tuple:
+    """The jnp index of a spec, taking its arrays from `idx` in order."""
+    return tuple(next(idx) if k is _ARRAY else slice(*k[1:]) if isinstance(k, tuple) else k
+                 for k in static)
+
+
+def _getitem(self: DistTensor, key: Any) -> DistTensor:
+    static, arrays = _index_spec(self.shape, key)
 
     def make() -> Callable[..., Any]:
-        def fn(x, *idx):
-            it = iter(idx)
-            return x[tuple(next(it) if k is _ARRAY else slice(*k[1:]) if isinstance(k, tuple)
-                           else k for k in static)]
-        return fn
+        return lambda x, *idx: x[_index(static, iter(idx))]
 
     return run(("getitem", static), make, self, *arrays)
+
+
+# x.at[idx].<op>(value): jax's out-of-place updates, as one program per (op, index spec, mode)
+_AT_OPS = ("set", "add", "subtract", "multiply", "divide", "power", "min", "max")
+
+
+class _AtIndexer:
+    """`x.at`: `x.at[idx].set(v)`, `.add(v)`, ..., `.get()` — as jax arrays have them."""
+
+    __slots__ = ("_x",)
+
+    def __init__(self, x: DistTensor) -> None:
+        self._x = x
+
+    def __getitem__(self, key: Any) -> "_AtUpdate":
+        return _AtUpdate(self._x, *_index_spec(self._x.shape, key))
+
+
+class _AtUpdate:
+    __slots__ = ("_x", "_static", "_arrays")
+
+    def __init__(self, x: DistTensor, static: tuple, arrays: list) -> None:
+        self._x, self._static, self._arrays = x, static, arrays
+
+    def get(self, *, mode: str | None = None) -> DistTensor:
+        static, n = self._static, len(self._arrays)
+
+        def make() -> Callable[..., Any]:
+            return lambda x, *idx: x.at[_index(static, iter(idx))].get(mode=mode)
+
+        return run(("at_get", static, mode, n), make, self._x, *self._arrays)
+
+    def _update(self, op: str, value: Any, mode: str | None) -> DistTensor:
+        parsed = _operand(value)
+        if parsed is None:
+            raise TypeError(f"x.at[...].{op}() takes an array, a DistTensor or a scalar, not "
+                            f"{type(value).__name__}")
+        static, x = self._static, self._x
+        v = parsed[0] if parsed[1] is None else np.asarray(parsed[0], dtype=x.dtype)
+
+        def make() -> Callable[..., Any]:
+            def fn(x, v, *idx):
+                return getattr(x.at[_index(static, iter(idx))], op)(v, mode=mode)
+            return fn
+
+        return run(("at_" + op, static, mode), make, x, v, *self._arrays)
+
+
+def _at_method(op: str) -> Callable:
+    def method(self: _AtUpdate, value: Any, *, mode: str | None = None) -> DistTensor:
+        return self._update(op, value, mode)
+
+    method.__name__ = op
+    method.__doc__ = f"jax's `x.at[idx].{op}(value)`, out of place, as a DistTensor."
+    return method
+
+
+for _op in _AT_OPS:
+    setattr(_AtUpdate, _op, _at_method(_op))
 
 
 def _check_bounds(shape: tuple[int, ...], spec: list, arrays: list) -> None:
@@ -274,6 +340,55 @@ def _bool(self: DistTensor) -> bool:
     return bool(self.numpy().reshape(()))
 
 
+# jax.Array methods that run as they are, on the global tensor: one program per (method, static
+# arguments); array arguments (DistTensors included) are operands.
+_METHODS = ("flatten", "ravel", "squeeze", "swapaxes", "clip", "round", "cumsum", "cumprod",
+            "var", "std", "dot", "conj", "sort", "argsort", "repeat", "take", "diagonal",
+            "trace")
+_OPERAND_TYPES = (DistTensor, jax.Array, np.ndarray)
+
+
+def _static(x: Any, method: str) -> Any:
+    """`x` as a hashable part of a program's key (lists become tuples)."""
+    if isinstance(x, list):
+        x = tuple(x)
+    try:
+        hash(x)
+    except TypeError:
+        raise TypeError(f"DistTensor.{method}: argument {x!r:.60} is neither an array nor a "
+                        f"hashable constant") from None
+    return x
+
+
+def _array_method(name: str) -> Callable:
+    def method(self: DistTensor, *args: Any, **kwargs: Any) -> DistTensor:
+        arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, _OPERAND_TYPES)]
+        slot = lambda a: _ARRAY if isinstance(a, _OPERAND_TYPES) else _static(a, name)  # noqa: E731
+        pos = tuple(slot(a) for a in args)
+        kw = tuple(sorted((k, slot(a)) for k, a in kwargs.items()))
+
+        def make() -> Callable[..., Any]:
+            def fn(x, *ops):
+                it = iter(ops)
+                take = lambda a: next(it) if a is _ARRAY else a  # noqa: E731
+                a = [take(p) for p in pos]
+                return getattr(x, name)(*a, **{k: take(v) for k, v in kw})
+            return fn
+
+        return run((name, pos, kw), make, self, *arrays)
+
+    method.__name__ = name
+    method.__doc__ = f"jax.Array.{name} on the global tensor, as a DistTensor."
+    return method
+
+
+def _item(self: DistTensor) -> Any:
+    if self.size != 1:
+        raise ValueError(f"only a DistTensor of one element converts to a Python scalar; this "
+                         f"one has shape {self.shape}: index or reduce it first")
+    return self.numpy().item()
+
+
 def install(cls: type = DistTensor) -> None:
     """Give `cls` the eager operators and methods (idempotent)."""
     methods: dict[str, Any] = {}
@@ -286,9 +401,13 @@ def install(cls: type = DistTensor) -> None:
         methods[f"__{name}__"] = _unary(name, f)
     for name, f in _REDUCE.items():
         methods[name] = _reduction(name, f)
+    for name in _METHODS:
+        methods[name] = _array_method(name)
     methods.update(
         argmax=_arg_reduction("argmax", jnp.argmax), argmin=_arg_reduction("argmin", jnp.argmin),
         astype=astype, reshape=reshape, transpose=transpose,
+        at=property(_AtIndexer, doc="`x.at[idx].set(v)` / `.add(v)` / ... / `.get()`, as jax."),
+        item=_item, tolist=lambda self: self.numpy().tolist(),
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
         __getitem__=_getitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
         __int__=_to_python(int), __complex__=_to_python(complex),

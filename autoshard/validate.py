@@ -126,6 +126,8 @@ def samples() -> list[Sample]:
     add("rev", "rev", lambda x: lax.rev(x, (1,)), f2)
     add("iota dim 0", "iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 8), 0), f2)
     add("iota dim 1", "iota", lambda x: x * lax.broadcasted_iota(jnp.float32, (4, 8), 1), f2)
+    add("platform_dependent", "platform_index", lambda x: lax.platform_dependent(
+        x, cpu=lambda a: a * 2.0, default=lambda a: a + 1.0), f2)
     # Families may ship their own samples next to their rules.
     from .rules import FAMILIES
 

@@ -7,6 +7,7 @@ is a contiguous block of the major output dim when the mesh size divides both).
 from __future__ import annotations
 
 from jax import lax
+from jax._src.lax.control_flow import platform_index_p
 
 from autoshard.compiler.factors import ALL, LETTERS, Factor, OpSharding, PASS, REPLICATE, einsum
 
@@ -131,6 +132,12 @@ def iota_lower(ctx, *, dtype, shape, dimension, sharding):
     return [lax.broadcast_in_dim(values, local, (dimension,))]
 
 
+def platform_index_sharding(in_avals, out_avals, **params):
+    # which branch of lax.platform_dependent runs (jnp.diagonal uses one): a scalar every
+    # device computes alike, from no inputs
+    return einsum("->", [], [()])
+
+
 TABLE = {
     lax.broadcast_in_dim_p: Rule(broadcast_in_dim_sharding),
     lax.transpose_p: Rule(transpose_sharding),
@@ -142,6 +149,7 @@ TABLE = {
     lax.slice_p: Rule(slice_sharding, slice_lower),
     lax.rev_p: Rule(rev_sharding),
     lax.iota_p: Rule(iota_sharding, iota_lower),
+    platform_index_p: Rule(platform_index_sharding),
 }
 
 __all__ = ["TABLE"]

@@ -172,7 +172,7 @@ def test_indexing_and_slicing(a):
                 np.s_[np.int64(2)], np.s_[True]]:
         check(a[key], A[key])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dist.FallbackWarning)  # gather has no rule yet
+        warnings.simplefilter("error", dist.FallbackWarning)  # gather has its rules
         check(a[np.array([0, 3, 5])], A[[0, 3, 5]])
         check(a[[1, 2], 4:], A[[1, 2], 4:])
         check(a[:, np.array([[0, 1], [7, -1]])], A[:, np.array([[0, 1], [7, -1]])])
@@ -212,7 +212,7 @@ def test_shapes_reductions_and_casts(a):
     check((a > 0).any(1), (A > 0).any(1), dtype=np.bool_)
     check((a > -5).all(), True, dtype=np.bool_)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dist.FallbackWarning)  # argmax has no rule yet
+        warnings.simplefilter("error", dist.FallbackWarning)  # argmax has its rules
         check(a.argmax(), A.argmax())
         check(a.argmax(0), A.argmax(0))
         check(a.argmin(axis=1, keepdims=True), A.argmin(1, keepdims=True))
@@ -224,14 +224,57 @@ def test_shapes_reductions_and_casts(a):
     assert a.astype(jnp.bfloat16).dtype == jnp.bfloat16
 
 
-def test_argmax_over_a_sharded_dim_is_right_even_through_the_fallback():
+def test_at_updates_match_jax(a):
+    ref = jnp.asarray(A)
+    rows = np.array([0, 3, 3, 7])
+    check(a.at[rows].add(1.5), ref.at[rows].add(1.5))          # repeated rows add twice
+    check(a.at[:, 2].set(-1.0), ref.at[:, 2].set(-1.0))
+    check(a.at[1:3, ::2].multiply(2.0), ref.at[1:3, ::2].multiply(2.0))
+    check(a.at[5].max(0.5), ref.at[5].max(0.5))
+    check(a.at[5].min(0.5), ref.at[5].min(0.5))
+    check(a.at[2:6].get(), A[2:6])
+    row = dist.shard_tensor(B[0], a.mesh, [R()] * a.mesh.ndim)
+    check(a.at[4].set(row), ref.at[4].set(B[0]))                # a DistTensor update
+    check(a.at[rows].subtract(B[:4]), ref.at[rows].subtract(B[:4]))  # a host array update
+    with pytest.raises(IndexError, match="out of bounds"):
+        a.at[0, 9].set(7.0)                                     # numpy's rule: say so
+    with pytest.raises(TypeError, match="scalar"):
+        a.at[0].set("x")
+
+
+def test_array_methods_match_jax(a):
+    for name, args, kwargs in [("flatten", (), {}), ("ravel", (), {}), ("swapaxes", (0, 1), {}),
+                               ("clip", (-1, 2), {}), ("round", (), {}),
+                               ("cumsum", (), {"axis": 1}), ("cumprod", (), {"axis": 0}),
+                               ("var", (), {"axis": 0}), ("std", (), {}),
+                               ("sort", (), {"axis": 1}), ("argsort", (), {"axis": 0}),
+                               ("repeat", (2,), {"axis": 0}), ("trace", (), {}),
+                               ("diagonal", (), {"offset": 1}),
+                               ("take", (np.array([1, 5]),), {"axis": 1})]:
+        expected = getattr(jnp.asarray(A), name)(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)  # every one has its rules
+            check(getattr(a, name)(*args, **kwargs), expected, rtol=1e-5)
+    b = dist.shard_tensor(B, a.mesh, [R()] * a.mesh.ndim)
+    check(a.dot(b), A @ B, rtol=1e-5)
+    check(a[None].squeeze(0), A)
+    with pytest.raises(TypeError, match="hashable"):
+        a.clip(np.int32(0), {"max": 1})
+
+
+def test_vmap_over_a_dtensor_says_to_vmap_inside():
+    a = dist.shard_tensor(A, MESH24, [S(0), S(1)])
+    with pytest.raises(dist.PlacementTypeError, match=r"dist.jit\(jax.vmap\(f\)\)") as info:
+        jax.vmap(lambda r: r.sum())(a)
+    assert "[S(0), S(1)]" in str(info.value) and "test_eager.py:" in str(info.value)
+    check(dist.jit(jax.vmap(lambda r: r.sum()))(a), A.sum(1))
+
+
+def test_argmax_over_a_sharded_dim_runs_by_its_rule():
     a = dist.shard_tensor(A, MESH8, [S(0)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dist.FallbackWarning)
-        check(a.argmax(0), A.argmax(0))
-    # Today argmax has no rule and runs replicated; a rule may land later.
-    plan = eager.PROGRAMS[("argmax", 0, False)].plan(a)
-    assert {name for name, _ in plan.fallbacks} <= {"argmax"}
+    check(a.argmax(0), A.argmax(0))
+    # its own rule (a local arg + value, then a cross-shard combine: test_cumulative.py)
+    assert not eager.PROGRAMS[("argmax", 0, False)].plan(a).fallbacks
 
 
 def test_python_conversions():
@@ -246,6 +289,10 @@ def test_python_conversions():
     with pytest.raises(ValueError, match="ambiguous"):
         bool(a > 0)
     assert a.astype(np.int32).sum().numpy().item() == int(A.sum())
+    assert a[2, 3].item() == A[2, 3].item() and a.sum().item() == A.sum().item()
+    assert a.tolist() == A.tolist()
+    with pytest.raises(ValueError, match="one element"):
+        a.item()
     with pytest.raises(TypeError, match="0-d"):
         iter(a.sum())
 

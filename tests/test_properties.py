@@ -148,8 +148,10 @@ def test_random_programs_with_while_loops_forward(case):
             h = {**OPS, **FORWARD_ONLY}[name](h, w)
         return h
 
-    got = dist.jit(fn)(make_tensor(x, mesh, px, seed=seed), make_tensor(w, mesh, pw, seed=seed + 1))
-    np.testing.assert_allclose(got.numpy(), jax.jit(fn)(x, w), rtol=1e-4, atol=1e-4)
+    dx, dw = make_tensor(x, mesh, px, seed=seed), make_tensor(w, mesh, pw, seed=seed + 1)
+    got = dist.jit(fn)(dx, dw)  # against the logical inputs: see _check_random_program
+    np.testing.assert_allclose(got.numpy(), jax.jit(fn)(dx.numpy(), dw.numpy()), rtol=1e-4,
+                               atol=1e-4)
 
 
 def _data(rng) -> np.ndarray:
@@ -184,6 +186,10 @@ def _check_random_program(mesh, ops, px, pw, seed):
     w = _data(rng)
     dx = make_tensor(x, mesh, px, seed=seed)
     dw = make_tensor(w, mesh, pw, seed=seed + 1)
+    # The reference runs on the inputs' logical values: Partial parts drawn at random sum to
+    # x only up to float32 rounding, and a sort of near-tied values may order them otherwise
+    # (found: three sorts on a P(sum) w, 4.6e-7 apart, swapped two gradient entries).
+    x, w = dx.numpy(), dw.numpy()
     fn = jax.value_and_grad(_program(ops), argnums=(0, 1), has_aux=True)
     f = dist.jit(fn)
     (loss, h), (gx, gw) = f(dx, dw)

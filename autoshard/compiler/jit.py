@@ -15,7 +15,7 @@ from ..dtensor import DistTensor
 from ..errors import MeshMismatchError, PlacementTypeError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
-from ..physical import physical_sharding, physical_spec
+from ..physical import physical_shape, physical_sharding, physical_spec
 from ..placement import Placement
 from .dtypes import is_extended, normalize
 from .explain import Explanation
@@ -101,6 +101,17 @@ class DistributedFunction:
         static = tuple(args[i] for i in self._static if i < len(args))
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         leaves, tree = jax.tree.flatten((dynamic, kwargs), is_leaf=lambda x: isinstance(x, DistTensor))
+        for k, x in enumerate(leaves):
+            if isinstance(x, DistTensor) and tuple(np.shape(x.physical)) != physical_shape(
+                    x.layout, x.mesh, x.shape):
+                # jax.vmap (or another transformation that maps over arrays) handed each call a
+                # slice of the stored array: the layout no longer describes what arrived
+                raise PlacementTypeError(
+                    f"{self.__name__}: input {k}, a DistTensor of shape {x.shape} with placements "
+                    f"{x.placements}, arrived as an array of shape {tuple(np.shape(x.physical))} — "
+                    f"jax.vmap over a DistTensor maps over its stored array and loses the layout "
+                    f"of the mapped dim; put the vmap inside the partitioned function instead: "
+                    f"dist.jit(jax.vmap(f))(x)")
         return static, leaves, tree
 
     def _rebuild_args(self, static, dynamic):
