@@ -126,6 +126,14 @@ def samples() -> list[Sample]:
     add("rev", "rev", lambda x: lax.rev(x, (1,)), f2)
     add("iota dim 0", "iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 8), 0), f2)
     add("iota dim 1", "iota", lambda x: x * lax.broadcasted_iota(jnp.float32, (4, 8), 1), f2)
+    add("tile dim 0", "tile", lambda x: jnp.tile(x, (2, 1)), f2)
+    add("tile both", "tile", lambda x: jnp.tile(x, (2, 3)), f2)
+    add("tile new leading dim", "tile", lambda x: jnp.tile(x, (2, 1, 1)), f2)
+    add("stack axis 0", "stack", lambda a, b: jnp.stack([a, b], 0), f2, f2)
+    add("stack axis 2", "stack", lambda a, b: jnp.stack([a, b, a], 2), f2, f2)
+    from jax._src.lax import lax as lax_internal
+    for n in ["eq_to", "le_to", "lt_to"]:
+        add(n, n, lambda a, b, n=n: getattr(lax_internal, f"{n}_p").bind(a, b), f2, f2)
     add("platform_dependent", "platform_index", lambda x: lax.platform_dependent(
         x, cpu=lambda a: a * 2.0, default=lambda a: a + 1.0), f2)
     # Families may ship their own samples next to their rules.

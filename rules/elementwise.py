@@ -8,6 +8,7 @@ import numpy as np
 from jax import lax
 from jax._src import pjit as _pjit
 from jax._src.ad_util import add_jaxvals_p
+from jax._src.lax import lax as lax_internal
 
 from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
 from autoshard.placement import ReduceType
@@ -47,6 +48,8 @@ PLAIN = [
     lax.shift_right_arithmetic_p, lax.shift_right_logical_p, lax.population_count_p,
     lax.clz_p, lax.select_n_p, lax.clamp_p, lax.real_p, lax.imag_p, lax.conj_p, lax.complex_p,
     lax.reduce_precision_p,
+    # total-order comparisons (searchsorted's): -0.0 < 0.0 and NaNs ordered
+    lax_internal.eq_to_p, lax_internal.le_to_p, lax_internal.lt_to_p,
 ]
 
 

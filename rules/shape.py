@@ -7,6 +7,7 @@ is a contiguous block of the major output dim when the mesh size divides both).
 from __future__ import annotations
 
 from jax import lax
+from jax._src.lax import lax as lax_internal
 from jax._src.lax.control_flow import platform_index_p
 
 from autoshard.compiler.factors import ALL, LETTERS, Factor, OpSharding, PASS, REPLICATE, einsum
@@ -132,6 +133,21 @@ def iota_lower(ctx, *, dtype, shape, dimension, sharding):
     return [lax.broadcast_in_dim(values, local, (dimension,))]
 
 
+def tile_sharding(in_avals, out_avals, *, reps):
+    # a tiled dim repeats the whole of it: only untiled dims (reps 1) may stay split
+    term = LETTERS[:len(reps)]
+    return einsum(f"{term}->{term}", [in_avals[0].shape], [out_avals[0].shape],
+                  replicate="".join(ch for ch, r in zip(term, reps) if r != 1), **_KEEP)
+
+
+def stack_sharding(in_avals, out_avals, *, axis):
+    # the new dim holds one operand per index: it is never split; the others pass
+    term = LETTERS[:len(in_avals[0].shape)]
+    out = term[:axis] + "." + term[axis:]
+    return einsum(",".join([term] * len(in_avals)) + "->" + out, [a.shape for a in in_avals],
+                  [out_avals[0].shape], **_KEEP)
+
+
 def platform_index_sharding(in_avals, out_avals, **params):
     # which branch of lax.platform_dependent runs (jnp.diagonal uses one): a scalar every
     # device computes alike, from no inputs
@@ -150,6 +166,8 @@ TABLE = {
     lax.rev_p: Rule(rev_sharding),
     lax.iota_p: Rule(iota_sharding, iota_lower),
     platform_index_p: Rule(platform_index_sharding),
+    lax_internal.tile_p: Rule(tile_sharding),
+    lax_internal.stack_p: Rule(stack_sharding),
 }
 
 __all__ = ["TABLE"]
