@@ -69,6 +69,8 @@ def samples() -> list[Sample]:
     add("convert f32->f16", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.float16), f2)
     add("bitcast f32->i32", "bitcast_convert_type",
         lambda x: lax.bitcast_convert_type(x, jnp.int32) >> 3, f2)
+    add("convert f32->c64", "convert_element_type",
+        lambda x: lax.real(lax.convert_element_type(x, jnp.complex64) * (1.0 + 2.0j)), f2)
     add("convert f32->i32", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.int32), f2)
     for n in ["add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
               "eq", "ne", "lt", "le", "gt", "ge"]:

@@ -74,9 +74,13 @@ def elementwise_sharding(algebra):
 
 
 def _convert_sharding(in_avals, out_avals, **params):
-    # A float→float cast keeps sums and maxima; a cast to or from integers does not.
-    keeps = _is_float(in_avals[0]) and _is_float(out_avals[0])
-    return elementwise_sharding((ALL, ALL, None, (_MAX, _MIN)) if keeps else _PLAIN)(in_avals, out_avals)
+    # A cast between float and complex types keeps sums; maxima only between real floats
+    # (complex numbers have no order: a pending max cast to complex could never be reduced);
+    # a cast to or from integers keeps neither.
+    sums = _is_float(in_avals[0]) and _is_float(out_avals[0])
+    maxima = all(np.issubdtype(a.dtype, np.floating) for a in (in_avals[0], out_avals[0]))
+    return elementwise_sharding((ALL if sums else NONE, ALL if maxima else NONE, None,
+                                 (_MAX, _MIN)))(in_avals, out_avals)
 
 
 def _bitcast_sharding(in_avals, out_avals, **params):

@@ -1,0 +1,85 @@
+"""Linear algebra and FFTs on batches: the leading (batch) dims pass, the matrix / transform dims
+stay whole.
+
+Every operand and result of these primitives shares the batch dims of operand 0; what follows
+them (a matrix, its pivots, its eigenvalues, the transformed axes) is computed by one device.
+An FFT is linear, and a triangular solve is linear in its right-hand side, so a pending sum
+passes through them; the factorizations need their whole input.
+"""
+from __future__ import annotations
+
+from jax._src.lax import fft as lax_fft
+from jax._src.lax import linalg
+
+from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
+
+from .registry import Rule
+
+_CORE = {  # primitive: (dims of operand 0 after its batch dims, how a Partial(sum) passes)
+    linalg.cholesky_p: (2, NONE), linalg.eigh_p: (2, NONE), linalg.lu_p: (2, NONE),
+    linalg.qr_p: (2, NONE), linalg.svd_p: (2, NONE), linalg.geqrf_p: (2, NONE),
+    linalg.householder_product_p: (2, NONE), linalg.lu_pivots_to_permutation_p: (1, NONE),
+    linalg.tridiagonal_p: (2, NONE), linalg.tridiagonal_solve_p: (1, NONE),
+    linalg.triangular_solve_p: (2, ONE),
+}
+
+
+def _batched(core0: int, linear: str, partial_operands=None):
+    def rule(in_avals, out_avals, **params):
+        n_core = len(params["fft_lengths"]) if core0 < 0 else core0
+        batch = len(in_avals[0].shape) - n_core
+        letters = iter(LETTERS[batch:])
+
+        def term(aval) -> str:  # the batch letters, then fresh letters kept whole
+            return LETTERS[:batch] + "".join(next(letters) for _ in aval.shape[batch:])
+
+        ins = [term(a) for a in in_avals]
+        outs = [term(a) for a in out_avals]
+        whole = "".join(ch for t in ins + outs for ch in t[batch:])
+        return einsum(",".join(ins) + "->" + ",".join(outs), [a.shape for a in in_avals],
+                      [a.shape for a in out_avals], replicate=whole, linear=linear,
+                      partial_operands=partial_operands)
+    return rule
+
+
+TABLE = {p: Rule(_batched(core, linear, (1,) if linear == ONE else None))
+         for p, (core, linear) in _CORE.items()}
+TABLE[lax_fft.fft_p] = Rule(_batched(-1, ALL))  # core: the transformed (last) dims
+
+
+def validation_samples() -> list:
+    """Batches of 8 small matrices (split over the batch dim or not), made well conditioned
+    inside the sample; outputs that are unique up to sign are squared."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    m3, v3 = ((8, 4, 4), "f"), ((8, 4, 2), "f")
+
+    def spd(a):  # symmetric, diagonally dominant for entries in [-5, 5]: positive definite
+        b = jnp.abs(a)
+        return b + jnp.swapaxes(b, -1, -2) + 40.0 * jnp.eye(a.shape[-1])
+
+    return [
+        ("cholesky", "cholesky", lambda a: jnp.linalg.cholesky(spd(a)), (m3,)),
+        ("triangular_solve", "triangular_solve",
+         lambda a, b: lax.linalg.triangular_solve(spd(a), b, left_side=True, lower=True), (m3, v3)),
+        ("lu", "lu", lambda a: lax.linalg.lu(spd(a))[0], (m3,)),
+        ("lu permutation", "lu_pivots_to_permutation",
+         lambda a: lax.linalg.lu(spd(a) - 2.0 * a)[2].astype(jnp.float32), (m3,)),
+        ("qr", "qr", lambda a: jnp.abs(jnp.linalg.qr(spd(a))[1]), (m3,)),
+        ("eigh", "eigh", lambda a: jnp.linalg.eigh(spd(a))[0], (m3,)),
+        ("svd", "svd", lambda a: jnp.linalg.svd(spd(a), compute_uv=False), (m3,)),
+        ("geqrf", "geqrf", lambda a: jnp.abs(linalg.geqrf(spd(a))[0]), (m3,)),
+        ("householder_product", "householder_product",
+         lambda a: jnp.square(linalg.householder_product(*linalg.geqrf(spd(a)))), (m3,)),
+        ("tridiagonal", "tridiagonal", lambda a: lax.linalg.tridiagonal(spd(a))[1], (m3,)),
+        ("tridiagonal_solve", "tridiagonal_solve",
+         lambda d, b: lax.linalg.tridiagonal_solve(
+             jnp.pad(d[..., 1:] * 0.5, [(0, 0), (1, 0)]), 10.0 + jnp.abs(d),
+             jnp.pad(d[..., :-1] * 0.5, [(0, 0), (0, 1)]), b), (((8, 4), "f"), v3)),
+        ("fft", "fft", lambda a: jnp.abs(jnp.fft.fft(a, axis=-1)), (m3,)),
+        ("rfft2 / irfft2", "fft", lambda a: jnp.fft.irfft2(jnp.fft.rfft2(a) * 0.5, s=(4, 4)), (m3,)),
+    ]
+
+
+__all__ = ["TABLE", "validation_samples"]
