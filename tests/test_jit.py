@@ -210,15 +210,25 @@ def test_static_argnums_and_pytrees():
 # -- primitives without rules, user rules -------------------------------------------------------
 
 def test_primitive_without_rule_runs_replicated_with_one_warning():
+    from jax.extend import core as jex_core
+
+    # a primitive of the user's that no rule knows: a sliding sum down dim 0
+    def window(a):
+        return jax.lax.reduce_window(a, 0.0, jax.lax.add, (2, 1), (1, 1), "VALID")
+
+    slide_p = jex_core.Primitive("my_sliding_sum")
+    slide_p.def_impl(window)
+    slide_p.def_abstract_eval(lambda a: jax.core.ShapedArray((a.shape[0] - 1,) + a.shape[1:], a.dtype))
+    jax.interpreters.mlir.register_lowering(
+        slide_p, jax.interpreters.mlir.lower_fun(window, multiple_results=False))
     x = np.arange(32, dtype=np.float32).reshape(8, 4)
     xs = dist.shard_tensor(x, MESH4, [dist.Shard(0)])
-    window = lambda a: jax.lax.reduce_window(a, 0.0, jax.lax.add, (2, 1), (1, 1), "VALID")  # noqa: E731
-    f = dist.jit(lambda a: window(a * 2.0) + 1.0)
+    f = dist.jit(lambda a: slide_p.bind(a * 2.0) + 1.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = f(xs)
     msgs = [str(w.message) for w in caught if issubclass(w.category, dist.FallbackWarning)]
-    assert len(msgs) == 1 and "'reduce_window_sum'" in msgs[0] and "test_jit.py:" in msgs[0]
+    assert len(msgs) == 1 and "'my_sliding_sum'" in msgs[0] and "test_jit.py:" in msgs[0]
     np.testing.assert_array_equal(out.numpy(), np.asarray(window(x * 2.0)) + 1.0)
 
 
