@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -77,13 +78,44 @@ def test_a_packed_gather_returns_what_separate_gathers_return(axes, dims):
 def test_members_of_other_widths_or_types_get_other_buffers():
     f32 = jnp.zeros((4,), jnp.float32)
     step = AllGather(("x",), 0)
-    assert combine.pack_key(f32, step) == combine.pack_key(jnp.zeros((4,), jnp.int32), step)
+    i32, u32 = jnp.zeros((4,), jnp.int32), jnp.zeros((4,), jnp.uint32)
+    assert combine.pack_key(i32, step) == combine.pack_key(u32, step)  # integers: one width
+    # a float only with its own dtype: a bitcast would cut its gradient (see below)
+    assert combine.pack_key(f32, step) != combine.pack_key(i32, step)
     assert combine.pack_key(f32, step) != combine.pack_key(jnp.zeros((4,), jnp.bfloat16), step)
+    assert combine.pack_key(jnp.zeros((4,), jnp.bfloat16), step) != combine.pack_key(
+        jnp.zeros((4,), jnp.int16), step)
     assert combine.pack_key(jnp.zeros((4,), bool), step) is None
     assert combine.pack_key(jax.random.key(0), step) is None
     # vectors apart from matrices (see combine.pack_key)
     assert combine.pack_key(f32, step) != combine.pack_key(jnp.zeros((4, 4)), step)
     assert combine.pack_key(f32, step) == combine.pack_key(jnp.zeros((1, 4)), step)
+
+
+@pytest.mark.parametrize("keys", ["int32", "float32"])
+def test_gradients_taken_outside_flow_through_packed_gathers(keys):
+    # A sort along the split dim gathers its keys and values together; with jax.grad outside
+    # dist.jit the partitioned program itself is differentiated. Packed with int32 keys
+    # through a bitcast, the float values' gradient was zero; float keys share the values'
+    # buffer (one packed gather) and pass gradients to both.
+    rng = np.random.default_rng(0)
+    k = rng.permutation(64).reshape(16, 4).astype(keys)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    w = np.cos(np.arange(64, dtype=np.float32)).reshape(16, 4)
+
+    def f(k, x):
+        sk, sx = lax.sort((k, x), dimension=0, num_keys=1)
+        return jnp.sum(sx * w) + (jnp.sum(sk * w) if keys == "float32" else 0.0)
+
+    g = dist.jit(f)
+    dk, dx = dist.shard_tensor(k, MESH8, [S(0)]), dist.shard_tensor(x, MESH8, [S(0)])
+    argnums = (0, 1) if keys == "float32" else (1,)
+    got = jax.grad(lambda a, b: g(a, b), argnums=argnums)(dk, dx)
+    want = jax.grad(f, argnums=argnums)(k, x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6)
+    hlo = g.lower(dk, dx).compile().as_text()
+    assert (PACKED_SCOPE in hlo) == (keys == "float32")
 
 
 def _fsdp_mlp(layers: int, d: int, remat: bool = True):

@@ -63,7 +63,11 @@ def pack_key(x, step: AllGather) -> tuple | None:
     # pending, beside the copies the matrices were unpacked into (a ZeRO-3 GPT's peak memory
     # 0.66x -> 1.17x of jax.jit's with one buffer for both, 0.73x apart)
     vector = sum(n > 1 for n in x.shape) <= 1
-    return step.gathered, dtype.itemsize, varying_axes(x), vector
+    # floats share a buffer only with their own dtype: a bitcast has no derivative, and the
+    # program may be differentiated from outside (jax.grad of a dist.jit function: packing
+    # f32 params with i32 ids zeroed their gradients); integers of one width share one
+    width = dtype if jax.numpy.issubdtype(dtype, jax.numpy.inexact) else dtype.itemsize
+    return step.gathered, width, varying_axes(x), vector
 
 
 def _to_front(x, dim: int):

@@ -197,7 +197,7 @@ class DistributedFunction:
     def _compile(self, static, tree, described, reduced: bool = False) -> _Compiled:
         """`reduced`: no output stays Partial (for an outer jax transformation)."""
         closed, out_tree = self._trace(static, tree, described)
-        program = build_program(closed)
+        program = build_program(closed, inline_solves=not reduced)
         mesh = self._mesh(program, described)
         for d in described:
             if d.mesh is not None and d.mesh != mesh:

@@ -244,6 +244,18 @@ _INLINE_JAXPR_PARAM = {
 
 _CUSTOM_RULES = {"custom_jvp_call", "custom_vjp_call"}
 
+
+def _linear_solve_body(params: dict, ins: list) -> tuple:
+    """custom_linear_solve (jnp.linalg.solve / inv) evaluates its `solve` jaxpr on its own
+    constants and the right-hand side; its other jaxprs only define derivatives, which jax has
+    already taken when a gradient is computed inside. Inlined, the factorization and triangular
+    solves it runs are partitioned by their rules."""
+    lengths, jaxprs = params["const_lengths"], params["jaxprs"]
+    start = lengths.matvec + lengths.vecmat
+    consts = ins[start:start + lengths.solve]
+    rhs = ins[sum(lengths):]
+    return jaxprs.solve, consts + rhs
+
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -307,8 +319,12 @@ def params_key(params: dict) -> tuple | None:
 
 
 @gc_paused
-def build_program(closed: Any) -> Program:
-    """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls."""
+def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
+    """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls.
+
+    `inline_solves`: a custom_linear_solve becomes the equations of its solve, partitioned by
+    their rules. Off when the program is itself differentiated from outside: the inlined
+    solve runs on stop_gradient'ed factors, so only the primitive's own rule differentiates it."""
     serials = itertools.count()
     eqns: list[Eqn] = []
     consts: list[Value] = []
@@ -362,6 +378,8 @@ def build_program(closed: Any) -> Program:
             source = Where(eqn.source_info, outer)
             key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
             inner = eqn.params.get(key) if key else None
+            if eqn.primitive.name == "custom_linear_solve" and inline_solves:
+                inner, ins = _linear_solve_body(eqn.params, ins)
             if inner is not None:
                 if hasattr(inner, "jaxpr"):  # ClosedJaxpr
                     inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
