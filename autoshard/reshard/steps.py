@@ -123,6 +123,29 @@ class AllGather(Step):
         return f"all_gather({','.join(self.gathered)}) dim {self.dim}"
 
 
+def _differentiable_choice(choose, x, axes):
+    """pmax / pmin of `x` over `axes`, with a derivative (jax defines none for them, and a
+    partitioned program is differentiated when jax.grad is taken outside dist.jit): the tangent
+    of the device(s) holding the chosen value, split evenly among them as jax splits a max's
+    gradient among ties. (Ties within one device's block were already split by its local
+    reduction, so exact ties held unevenly across devices are weighted per device.)"""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return choose(x, axes)
+
+    @jax.custom_jvp
+    def chosen(x):
+        return choose(x, axes)
+
+    @chosen.defjvp
+    def chosen_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        m = choose(x, axes)
+        holds = lax.convert_element_type(lax.eq(x, lax.pcast(m, axes, to="varying")), t.dtype)
+        return m, lax.psum(t * holds, axes) / lax.psum(holds, axes)
+
+    return chosen(x)
+
+
 @dataclass(frozen=True)
 class AllReduce(Step):
     """P→R: reduce the partial values over `reduced` axes (psum / pmean / pmax / pmin)."""
@@ -151,9 +174,9 @@ class AllReduce(Step):
         if self.reduce_type is ReduceType.SUM:
             return lax.psum(x, axes)
         if self.reduce_type is ReduceType.MAX:
-            return lax.pmax(x, axes)
+            return _differentiable_choice(lax.pmax, x, axes)
         if self.reduce_type is ReduceType.MIN:
-            return lax.pmin(x, axes)
+            return _differentiable_choice(lax.pmin, x, axes)
         return (lax.psum(x, axes) / _group_size(self.reduced, sizes)).astype(x.dtype)
 
     def __str__(self):
