@@ -422,3 +422,47 @@ def test_every_equation_is_attributed_to_the_users_line():
     assert {ep.source for ep in plan.eqns} <= lines
     assert {ep.source for ep in plan.eqns} >= {f"test_jit.py:{first + 1}"}
     assert all(c.source in lines for c in plan.collectives)
+
+
+# -- composition: dist.jit inside dist.jit, closed-over DistTensors, outer transformations -----
+
+def _split_inputs():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    w = rng.normal(size=(16, 16)).astype(np.float32)
+    return x, w, dist.shard_tensor(x, MESH24, ["S(0)", "R"]), dist.shard_tensor(w, MESH24, ["R", "S(1)"])
+
+
+def test_dist_jit_inside_dist_jit_is_one_program():
+    x, w, dx, dw = _split_inputs()
+    inner = dist.jit(lambda a, b: jnp.tanh(a @ b))
+    outer = dist.jit(lambda a, b: inner(a, b).sum(axis=1) * 2.0)
+    np.testing.assert_allclose(outer(dx, dw).numpy(), np.tanh(x @ w).sum(axis=1) * 2.0, rtol=1e-5,
+                               atol=1e-5)
+    assert inner.trace_count == 0  # its body was traced into the outer program, not apart
+
+
+def test_closed_over_dtensors_enter_as_their_global_values():
+    x, w, dx, dw = _split_inputs()
+    partial = dist.shard_tensor(w, MESH24, ["P(sum)", "R"])
+    got = dist.jit(lambda a: a @ dw + (partial * 2.0).sum() + dw.T.max())(dx)
+    np.testing.assert_allclose(got.numpy(), x @ w + 2.0 * w.sum() + w.max(), rtol=1e-5, atol=1e-5)
+
+
+def test_higher_order_derivatives_through_a_max_over_a_split_dim():
+    # a row max over the mp-split dim reduces a pending Partial(max) with pmax, which jax
+    # cannot differentiate: ours carries a derivative of every order
+    x, w, dx, dw = _split_inputs()
+
+    def fn(a, b):
+        return jnp.max(jnp.tanh(a @ b), axis=1) + jnp.sum(a @ b, axis=1)
+
+    f = dist.jit(fn)
+    assert any(c.step.startswith("pmax") for c in f.plan(dx, dw).collectives)
+
+    def hvp(fun, a, b):
+        return jax.jvp(jax.grad(lambda a, b: jnp.sum(fun(a, b) ** 2), argnums=(0, 1)),
+                       (a, b), (a, b))[1]
+
+    for got, want in zip(hvp(f, dx, dw), hvp(fn, x, w)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,13 @@ def _layout_of_named(sharding: NamedSharding, ndim: int) -> Layout:
         else:
             dims.append((entry,))
     return Layout(tuple(dims))
+
+
+class _Tracing(threading.local):
+    depth = 0  # dist.jit functions being traced on this thread
+
+
+_TRACING = _Tracing()
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,11 @@ class DistributedFunction:
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
-        closed = jax.make_jaxpr(flat)(*avals)
+        _TRACING.depth += 1
+        try:
+            closed = jax.make_jaxpr(flat)(*avals)
+        finally:
+            _TRACING.depth -= 1
         return closed, out_tree_box[0]
 
     def _mesh(self, program, described) -> ProcessMesh:
@@ -243,6 +255,15 @@ class DistributedFunction:
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if _TRACING.depth:
+            # called while another dist.jit function is being traced: its body becomes part
+            # of that program, which the outer plan partitions as a whole (as jax.jit nests);
+            # a DistTensor it meets (closed over by the user, or an eager operator's operand)
+            # enters as its global value, a constant of that program
+            args, kwargs = jax.tree.map(
+                lambda x: _global_array(x) if isinstance(x, DistTensor) else x, (args, kwargs),
+                is_leaf=lambda x: isinstance(x, DistTensor))
+            return self._fn(*args, **kwargs)
         split = self._split(args, kwargs)
         outer = _differentiated([x.physical if isinstance(x, DistTensor) else x for x in split[1]])
         entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)

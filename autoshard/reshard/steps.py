@@ -139,7 +139,7 @@ def _differentiable_choice(choose, x, axes):
     @chosen.defjvp
     def chosen_jvp(primals, tangents):
         (x,), (t,) = primals, tangents
-        m = choose(x, axes)
+        m = chosen(x)  # itself, so that derivatives of any order exist (a Hessian-vector product)
         holds = lax.convert_element_type(lax.eq(x, lax.pcast(m, axes, to="varying")), t.dtype)
         return m, lax.psum(t * holds, axes) / lax.psum(holds, axes)
 
