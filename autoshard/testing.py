@@ -88,3 +88,53 @@ def make_tensor(value: np.ndarray, mesh: ProcessMesh, placements, seed: int = 0)
         return parts_for(bounds)[partial_index(layout, mesh, coords)]
 
     return _creation.dtensor_from_local(block_of, mesh, placements)
+
+
+# -- train steps against one device --------------------------------------------------------------
+
+def mse_step(apply, tx):
+    """A train step `(params, opt_state, x, y) -> (params, opt_state, loss)`: the mean squared
+    error of `apply(params, x)` against `y`, then one update of the optax transformation `tx`."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def nnx_apply(graphdef):
+    """`apply(params, x)` of a flax nnx model split into `graphdef` and a pure dict of params."""
+    from flax import nnx
+
+    return lambda params, x: nnx.merge(graphdef, nnx.State(params))(x)
+
+
+def assert_trains_like_one_device(step, dist_params, params, opt_state, dist_x, x, y, *,
+                                  steps: int = 2):
+    """Run `steps` of `step` through dist.jit (DistTensor params and input) and through
+    jax.jit (arrays) from the same start; every loss and the final params must agree, and no
+    primitive may fall back to running replicated. Returns the dist.jit function."""
+    import warnings
+
+    import jax
+
+    from .compiler.jit import jit
+    from .compiler.plan import FallbackWarning
+
+    f = jit(step)
+    dist_state = opt_state
+    for _ in range(steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            dist_params, dist_state, loss = f(dist_params, dist_state, dist_x, y)
+        params, opt_state, ref_loss = jax.jit(step)(params, opt_state, x, y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    is_dt = lambda t: isinstance(t, DistTensor)  # noqa: E731
+    for got, want in zip(jax.tree.leaves(dist_params, is_leaf=is_dt), jax.tree.leaves(params)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    return f

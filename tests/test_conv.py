@@ -4,7 +4,6 @@ A small flax nnx CNN (conv → relu → max pool → conv → avg pool → linea
 with the batch over dp and the conv channels over mp; every step equals one device, no
 primitive runs replicated, and the compiled collectives are the planned ones.
 """
-import warnings
 from collections import Counter
 
 import jax
@@ -15,6 +14,7 @@ import pytest
 from flax import nnx
 
 import autoshard as dist
+from autoshard.testing import assert_trains_like_one_device, mse_step, nnx_apply
 from autoshard.hlo import count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -52,30 +52,13 @@ def test_cnn_trains_like_one_device(channels):
     graphdef, params = nnx.split(CNN(nnx.Rngs(0)), nnx.Param)
     params = nnx.to_pure_dict(params)
     tx = optax.adam(1e-2)
-
-    def step(p, opt_state, x, y):
-        def loss_fn(p):
-            return jnp.mean((nnx.merge(graphdef, nnx.State(p))(x) - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        updates, opt_state = tx.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, loss
-
+    step = mse_step(nnx_apply(graphdef), tx)
     place = _placements if channels == "mp" else (lambda path, v: [R, R])
     dp = jax.tree_util.tree_map_with_path(
         lambda path, v: dist.shard_tensor(v, MESH, place(path, v)), params)
     dx = dist.shard_tensor(x, MESH, [S(0), R])
-    f = dist.jit(step)
-    state, ref_p, ref_state = tx.init(params), params, tx.init(params)
-    for _ in range(2):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", dist.FallbackWarning)
-            dp, state, loss = f(dp, state, dx, y)
-        ref_p, ref_state, ref_loss = jax.jit(step)(ref_p, ref_state, x, y)
-        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
-    is_dt = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
-    for got, want in zip(jax.tree.leaves(dp, is_leaf=is_dt), jax.tree.leaves(ref_p)):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    state = tx.init(params)
+    f = assert_trains_like_one_device(step, dp, params, state, dx, x, y)
     plan = f.plan(dp, state, dx, y)
     assert not plan.fallbacks
     hlo = f.lower(dp, state, dx, y).compile().as_text()

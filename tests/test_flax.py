@@ -1,14 +1,13 @@
 """flax models run through dist.jit unchanged apart from the annotations."""
-import warnings
 
 import flax.linen as linen
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 import autoshard as dist
+from autoshard.testing import assert_trains_like_one_device, mse_step, nnx_apply
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 
@@ -45,21 +44,11 @@ def _megatron(path, x):
     return [dist.Replicate(), dist.Replicate()]
 
 
-def _check(step, params, state, x, y, tx):
+def _check(step, params, state, x, y):
     dparams = jax.tree_util.tree_map_with_path(
         lambda p, v: dist.shard_tensor(v, MESH, _megatron(p, v)), params)
     dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
-    f = dist.jit(step)
-    ref_p, ref_s = params, state
-    for _ in range(2):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", dist.FallbackWarning)
-            dparams, state, loss = f(dparams, state, dx, y)
-        ref_p, ref_s, ref_loss = jax.jit(step)(ref_p, ref_s, x, y)
-        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(dparams, is_leaf=lambda t: isinstance(t, dist.DistTensor)),
-                         jax.tree.leaves(ref_p)):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    assert_trains_like_one_device(step, dparams, params, state, dx, x, y)
 
 
 def test_linen_model_trains_like_one_device():
@@ -67,13 +56,7 @@ def test_linen_model_trains_like_one_device():
     model = LinenMLP()
     params = model.init(jax.random.key(0), x)
     tx = optax.adamw(1e-2)
-
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    _check(step, params, tx.init(params), x, y, tx)
+    _check(mse_step(model.apply, tx), params, tx.init(params), x, y)
 
 
 def test_nnx_model_trains_like_one_device():
@@ -82,14 +65,4 @@ def test_nnx_model_trains_like_one_device():
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
     tx = optax.sgd(0.1)
-
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            m = nnx.merge(graphdef, nnx.State(p))
-            return jnp.mean((m(x) - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    _check(step, params, tx.init(params), x, y, tx)
+    _check(mse_step(nnx_apply(graphdef), tx), params, tx.init(params), x, y)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import autoshard as dist
+from autoshard.testing import mse_step, nnx_apply
 from autoshard.training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
                                        RowWiseParallel, SequenceParallelBegin,
                                        SequenceParallelEnd, parallelize, shard_layer)
@@ -62,15 +63,7 @@ def _train_nnx(model, x, y, steps=3):
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
     tx = optax.sgd(0.1)
-
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            return jnp.mean((nnx.merge(graphdef, nnx.State(p))(x) - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = mse_step(nnx_apply(graphdef), tx)
     f = dist.jit(step) if _is_dt(jax.tree.leaves(params, is_leaf=_is_dt)[0]) else jax.jit(step)
     state, losses = tx.init(params), []
     for _ in range(steps):
