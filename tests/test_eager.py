@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import autoshard as dist
 from autoshard import eager
+from autoshard.testing import make_tensor
 
 R, S, P = dist.Replicate, dist.Shard, dist.Partial
 MESH8 = dist.ProcessMesh(list(range(8)), ["x"])
@@ -362,3 +364,51 @@ def test_dtensors_stay_pytrees_and_hashable():
     a = d["a"]
     assert hash(a) == hash(a) and {a: 1}[a] == 1 and len({a, d["b"]}) == 2
     assert a in [a] and a in {a}
+
+
+# -- random sequences of eager operations -------------------------------------------------------
+
+_STEPS = {  # name: the same operation on DistTensors and on numpy arrays
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "matmul": lambda a, b: a @ b,
+    "rsub": lambda a, b: 2.0 - a,
+    "T": lambda a, b: a.T,
+    "sum0": lambda a, b: a.sum(0, keepdims=True) + b,
+    "rowmax": lambda a, b: a - a.max(1, keepdims=True),
+    "mean": lambda a, b: a * a.mean(),
+    "reversed": lambda a, b: a[::-1, :] * b,
+    "rows": lambda a, b: a[np.array([3, 1, 4, 1, 5, 7, 2, 6])],
+    "reshape": lambda a, b: a.reshape(4, 16).reshape(8, 8),
+    "compare": lambda a, b: (a > b).astype(np.float32) + a,
+    "cumsum": lambda a, b: a.cumsum(axis=1),
+    "clip": lambda a, b: a.clip(-1, 1) * b,
+    "var": lambda a, b: a - a.var(axis=0),
+    "abs": lambda a, b: abs(a) + b,
+}
+
+
+@st.composite
+def _eager_cases(draw):
+    mesh = draw(st.sampled_from([MESH8, MESH24]))
+    one_kind = lambda p: not ("P(sum)" in p and "P(max)" in p)  # noqa: E731
+    placements = st.lists(st.sampled_from(["R", "S(0)", "S(1)", "P(sum)", "P(max)"]),
+                          min_size=mesh.ndim, max_size=mesh.ndim).filter(one_kind)
+    steps = draw(st.lists(st.sampled_from(sorted(_STEPS)), min_size=1, max_size=5))
+    return mesh, steps, draw(placements), draw(placements), draw(st.integers(0, 99))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_eager_cases())
+def test_random_eager_sequences_equal_numpy_at_every_step(case):
+    mesh, steps, pa, pb, seed = case
+    rng = np.random.default_rng(seed)
+    a = make_tensor(A + rng.permutation(64).reshape(8, 8).astype(np.float32) * 1e-2, mesh, pa,
+                    seed=seed)
+    b = make_tensor(B + rng.permutation(64).reshape(8, 8).astype(np.float32) * 1e-2, mesh, pb,
+                    seed=seed + 1)
+    x, y = a.numpy(), b.numpy()  # the logical values (random Partial parts round)
+    for name in steps:
+        a, x = _STEPS[name](a, b), np.asarray(_STEPS[name](x, y), np.float32)
+        assert isinstance(a, dist.DistTensor) and a.shape == x.shape, name
+        np.testing.assert_allclose(a.numpy(), x, rtol=1e-4, atol=1e-3 * (1 + np.abs(x).max()))
