@@ -49,7 +49,21 @@ def _routed_sharding(in_avals, out_avals, *, select_prim, window_dimensions, win
                   linear=ONE, partial_operands=(0,))
 
 
+def _custom_pool_sharding(in_avals, out_avals, *, jaxpr, consts, window_dimensions,
+                          window_strides, padding, base_dilation, window_dilation):
+    # lax.reduce_window with the user's own reduction: operands, then one scalar initial value
+    # each; the window's dims stay whole, the rest pass, and no Partial passes (the reduction
+    # is unknown)
+    n = len(out_avals)
+    term = LETTERS[:len(window_dimensions)]
+    return einsum(",".join([term] * n + [""] * n) + "->" + ",".join([term] * n),
+                  [a.shape for a in in_avals], [a.shape for a in out_avals],
+                  replicate=_moving_dims(window_dimensions, window_strides, padding,
+                                         base_dilation, window_dilation))
+
+
 TABLE = {
+    lax.reduce_window_p: Rule(_custom_pool_sharding),
     lax.reduce_window_sum_p: Rule(_pool_sharding(ALL, NONE, ())),
     lax.reduce_window_max_p: Rule(_pool_sharding(NONE, ALL, (ReduceType.MAX,))),
     lax.reduce_window_min_p: Rule(_pool_sharding(NONE, ALL, (ReduceType.MIN,))),
@@ -75,6 +89,13 @@ def validation_samples():
         ("min pool dim 0", "reduce_window_min", pool(lax.min, jnp.inf, (2, 1, 1), (2, 1, 1), "VALID"), (f3,)),
         ("sum pool 2x2", "reduce_window_sum", pool(lax.add, 0.0, (1, 2, 2), (1, 2, 2), "VALID"), (f3,)),
         ("sum pool padded", "reduce_window_sum", pool(lax.add, 0.0, (1, 3, 1), (1, 2, 1), "SAME"), (f3,)),
+        ("custom reduction", "reduce_window",
+         lambda x: lax.reduce_window(x, 0.0, lambda a, b: a + 2.0 * b, (1, 2, 1), (1, 1, 1), "VALID"),
+         (f3,)),
+        ("two operands, padded", "reduce_window",
+         lambda x: sum(lax.reduce_window((x, -x), (0.0, -jnp.inf),
+                                         lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+                                         (1, 1, 3), (1, 1, 2), "SAME")), (f3,)),
         ("max pool gradient", "select_and_scatter_add", jax.grad(
             lambda x: jnp.sum(pool(lax.max, -jnp.inf, (1, 2, 2), (1, 2, 2), "VALID")(x) ** 2)), (f3,)),
         ("max pool tangent", "select_and_gather_add", lambda x: jax.jvp(
