@@ -192,6 +192,53 @@ def test_random_programs_gradients_taken_outside(case):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4)
 
 
+# A random op sequence as the body of a higher-order primitive: carries, residuals and
+# branch results partitioned inside it.
+WRAPPERS = {
+    "scan": lambda f, x, w: jax.lax.scan(lambda c, _: (f(c, w) * 0.5, None), x, None,
+                                         length=2)[0],
+    "checkpoint": lambda f, x, w: jax.checkpoint(f)(x, w),
+    "cond": lambda f, x, w: jax.lax.cond(jnp.sum(w) > 0, lambda a: f(a, w),
+                                         lambda a: f(a * 0.5, w), x),
+    "fori": lambda f, x, w: jax.lax.fori_loop(0, 2, lambda i, c: f(c, w) * 0.5, x),
+    "vmap": lambda f, x, w: jax.vmap(lambda r: f(jnp.broadcast_to(r, (8, 8)), w)[0])(x),
+}
+_BODY_OPS = sorted(k for k in OPS if k not in ("scan_rows", "per_row_keys"))
+
+
+@st.composite
+def wrapped_cases(draw):
+    mesh, _, px, pw, seed = draw(cases())
+    ops = draw(st.lists(st.sampled_from(_BODY_OPS), min_size=1, max_size=4))
+    return mesh, tuple(ops), px, pw, draw(st.sampled_from(sorted(WRAPPERS))), seed
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wrapped_cases())
+def test_random_programs_inside_loops_branches_and_remat(case):
+    mesh, ops, px, pw, wrap, seed = case
+
+    def body(h, w):
+        for name in ops:
+            h = OPS[name](h, w)
+        return h
+
+    def loss(x, w):
+        h = WRAPPERS[wrap](body, x, w)
+        return jnp.sum(h * h) * 0.01, h
+
+    rng = np.random.default_rng(seed)
+    dx = make_tensor(_data(rng), mesh, px, seed=seed)
+    dw = make_tensor(_data(rng), mesh, pw, seed=seed + 1)
+    fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    want = jax.jit(fn)(dx.numpy(), dw.numpy())
+    assume(all(np.all(np.isfinite(np.asarray(r))) for r in jax.tree.leaves(want)))
+    got = dist.jit(fn)(dx, dw)
+    is_dt = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
+    for g, r in zip(jax.tree.leaves(got, is_leaf=is_dt), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g.numpy(), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
 def _data(rng) -> np.ndarray:
     v = rng.integers(-3, 4, size=(8, 8)).astype(np.float32) * 0.25
     # Distinct values: with tied maxima the gradient of a max depends on the rounding of the
