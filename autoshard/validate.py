@@ -136,6 +136,9 @@ def samples() -> list[Sample]:
     from jax._src.lax import lax as lax_internal
     for n in ["eq_to", "le_to", "lt_to"]:
         add(n, n, lambda a, b, n=n: getattr(lax_internal, f"{n}_p").bind(a, b), f2, f2)
+    from jax._src import core as jcore
+    add("empty2", "empty2", lambda x: x + lax_internal.empty2(
+        jnp.float32, memory_space=jcore.MemorySpace.Device), f2)
     add("platform_dependent", "platform_index", lambda x: lax.platform_dependent(
         x, cpu=lambda a: a * 2.0, default=lambda a: a + 1.0), f2)
     # Families may ship their own samples next to their rules.

@@ -148,9 +148,10 @@ def stack_sharding(in_avals, out_avals, *, axis):
                   [out_avals[0].shape], **_KEEP)
 
 
-def platform_index_sharding(in_avals, out_avals, **params):
-    # which branch of lax.platform_dependent runs (jnp.diagonal uses one): a scalar every
-    # device computes alike, from no inputs
+def nullary_scalar_sharding(in_avals, out_avals, **params):
+    # a scalar every device makes alike from no inputs: which branch of lax.platform_dependent
+    # runs (jnp.diagonal uses one), or the zero a differentiated scan broadcasts into the
+    # buffers of its residuals (empty2)
     return einsum("->", [], [()])
 
 
@@ -165,7 +166,8 @@ TABLE = {
     lax.slice_p: Rule(slice_sharding, slice_lower),
     lax.rev_p: Rule(rev_sharding),
     lax.iota_p: Rule(iota_sharding, iota_lower),
-    platform_index_p: Rule(platform_index_sharding),
+    platform_index_p: Rule(nullary_scalar_sharding),
+    lax_internal.empty2_p: Rule(nullary_scalar_sharding),
     lax_internal.tile_p: Rule(tile_sharding),
     lax_internal.stack_p: Rule(stack_sharding),
 }
