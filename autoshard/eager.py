@@ -256,12 +256,12 @@ class _AtUpdate:
         self._x, self._static, self._arrays = x, static, arrays
 
     def get(self, *, mode: str | None = None) -> DistTensor:
-        static, n = self._static, len(self._arrays)
+        static = self._static
 
         def make() -> Callable[..., Any]:
             return lambda x, *idx: x.at[_index(static, iter(idx))].get(mode=mode)
 
-        return run(("at_get", static, mode, n), make, self._x, *self._arrays)
+        return run(("at_get", static, mode), make, self._x, *self._arrays)
 
     def _update(self, op: str, value: Any, mode: str | None) -> DistTensor:
         parsed = _operand(value)

@@ -1,4 +1,5 @@
-"""dot_general with any dimension numbers and conv_general_dilated: batch and free dims pass, contracting dims reduce (sum)."""
+"""dot_general with any dimension numbers, and conv_general_dilated: batch and free dims pass,
+contracting dims reduce (sum)."""
 from __future__ import annotations
 
 from jax import lax

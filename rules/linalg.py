@@ -24,9 +24,10 @@ _CORE = {  # primitive: (dims of operand 0 after its batch dims, how a Partial(s
 }
 
 
-def _batched(core0: int, linear: str, partial_operands=None):
+def _batched(core0: int | None, linear: str, partial_operands=None):
+    """`core0`: operand 0's dims after its batch dims (None: an FFT's transformed dims)."""
     def rule(in_avals, out_avals, **params):
-        n_core = len(params["fft_lengths"]) if core0 < 0 else core0
+        n_core = len(params["fft_lengths"]) if core0 is None else core0
         batch = len(in_avals[0].shape) - n_core
         letters = iter(LETTERS[batch:])
 
@@ -44,7 +45,7 @@ def _batched(core0: int, linear: str, partial_operands=None):
 
 TABLE = {p: Rule(_batched(core, linear, (1,) if linear == ONE else None))
          for p, (core, linear) in _CORE.items()}
-TABLE[lax_fft.fft_p] = Rule(_batched(-1, ALL))  # core: the transformed (last) dims
+TABLE[lax_fft.fft_p] = Rule(_batched(None, ALL))  # core: the transformed (last) dims
 
 
 def validation_samples() -> list:

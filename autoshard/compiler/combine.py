@@ -3,10 +3,10 @@
 Every collective is a rendezvous of the devices in its group, with a fixed launch cost whatever
 its size. XLA merges independent all-reduces itself, but its CPU pipeline leaves all-gathers
 alone, so a ZeRO-3 layer that gathers a dozen small parameters pays a dozen launches. When an
-equation needs a gathered copy, the all-gathers that the next equations of the same scope will need, over the
-same mesh axes and from values already computed, are packed into one flat buffer, gathered
-once, and unpacked into the copies each of them plans: the same values, one launch. (Only
-on CPU: on GPU and TPU XLA combines all-gathers itself.)
+equation needs a gathered copy, the all-gathers that the next equations of the same scope will
+need, over the same mesh axes and from values already computed, are packed into one flat
+buffer, gathered once, and unpacked into the copies each of them plans: the same values, one
+launch. (Only on CPU: on GPU and TPU XLA combines all-gathers itself.)
 
 Packing copies each member into the buffer and out of it again, and for a moment holds the
 gathered bytes twice (buffer and copies), so a group stays within `PACK_BYTES`: one collective

@@ -110,8 +110,10 @@ class DistributedFunction:
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         leaves, tree = jax.tree.flatten((dynamic, kwargs), is_leaf=lambda x: isinstance(x, DistTensor))
         for k, x in enumerate(leaves):
-            if isinstance(x, DistTensor) and tuple(np.shape(x.physical)) != physical_shape(
-                    x.layout, x.mesh, x.shape):
+            # a concrete DistTensor matches its layout by construction (make_dtensor): only a
+            # traced one is checked, off the eager path
+            if isinstance(x, DistTensor) and isinstance(x.physical, jax.core.Tracer) and tuple(
+                    np.shape(x.physical)) != physical_shape(x.layout, x.mesh, x.shape):
                 # jax.vmap (or another transformation that maps over arrays) handed each call a
                 # slice of the stored array: the layout no longer describes what arrived
                 raise PlacementTypeError(

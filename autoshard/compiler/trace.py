@@ -256,6 +256,7 @@ def _linear_solve_body(params: dict, ins: list) -> tuple:
     rhs = ins[sum(lengths):]
     return jaxprs.solve, consts + rhs
 
+
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -7,6 +7,7 @@ the executor only calls `run` in order.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Mapping
@@ -131,7 +132,13 @@ def _differentiable_choice(choose, x, axes):
     reduction, so exact ties held unevenly across devices are weighted per device.)"""
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return choose(x, axes)
+    return _chooser(choose, axes)(x)
 
+
+@functools.lru_cache(maxsize=None)
+def _chooser(choose, axes):
+    """One differentiable pmax / pmin per (reduction, axes), made once (a layer's every max
+    reuses it)."""
     @jax.custom_jvp
     def chosen(x):
         return choose(x, axes)
@@ -143,7 +150,7 @@ def _differentiable_choice(choose, x, axes):
         holds = lax.convert_element_type(lax.eq(x, lax.pcast(m, axes, to="varying")), t.dtype)
         return m, lax.psum(t * holds, axes) / lax.psum(holds, axes)
 
-    return chosen(x)
+    return chosen
 
 
 @dataclass(frozen=True)
