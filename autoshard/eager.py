@@ -59,6 +59,7 @@ def program(key: tuple, make: Callable[[], Callable[..., Any]]) -> DistributedFu
         traced.__name__ = traced.__qualname__ = f"eager_{key[0]}"
         # "keep": pending Partial results stay visible op by op, until the user reshards them
         f = PROGRAMS[key] = jit(traced, out_placements="keep")
+        f._always_dist = True
     return f
 
 

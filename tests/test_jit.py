@@ -1,6 +1,7 @@
 """dist.jit: partitioned programs equal one device, and compile to exactly the planned collectives."""
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import Counter
 
@@ -466,3 +467,40 @@ def test_higher_order_derivatives_through_a_max_over_a_split_dim():
 
     for got, want in zip(hvp(f, dx, dw), hvp(fn, x, w)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:.*custom_linear_solve")  # runs whole there: see below
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint", "grad of jit", "grad of checkpoint"])
+def test_jax_transformations_around_dist_jit_see_global_arrays(wrap):
+    # as a nested jax.jit does, a dist.jit call inside jax.jit / jax.checkpoint hands back
+    # global arrays, which jnp functions take; a solve stays whole there, since the enclosing
+    # jit may be differentiated after this call was traced (its inlined form has no
+    # derivative in the matrix)
+    x, w, dx, dw = _split_inputs()
+    m = (w @ w.T / 16 + np.eye(16, dtype=np.float32))
+    dm = dist.shard_tensor(m, MESH24, ["R", "R"])
+    f = dist.jit(lambda a, b, c: jnp.tanh(a @ b) @ jnp.linalg.solve(c, b.T))
+
+    def loss(fun, a, b, c):
+        return jnp.sum(fun(a, b, c) ** 2)
+
+    wrapper = {"jit": jax.jit, "checkpoint": jax.checkpoint}[wrap.split()[-1]]
+    run = functools.partial(loss, f)
+    want_fn = functools.partial(loss, lambda a, b, c: jnp.tanh(a @ b) @ jnp.linalg.solve(c, b.T))
+    if wrap.startswith("grad"):
+        got = jax.grad(wrapper(run), argnums=(0, 1, 2))(dx, dw, dm)
+        want = jax.grad(want_fn, argnums=(0, 1, 2))(x, w, m)
+    else:
+        got, want = wrapper(run)(dx, dw, dm), want_fn(x, w, m)
+        assert isinstance(got, jax.Array)
+    for g, v in zip(jax.tree.leaves(got, is_leaf=lambda t: isinstance(t, dist.DistTensor)),
+                    jax.tree.leaves(want)):
+        g = g.numpy() if isinstance(g, dist.DistTensor) else np.asarray(g)
+        np.testing.assert_allclose(g, v, rtol=2e-4, atol=2e-4)
+
+
+def test_eager_operators_inside_jax_jit_keep_their_placements():
+    x, w, dx, dw = _split_inputs()
+    out = jax.jit(lambda a, b: (a @ b) * 2.0)(dx, dw)
+    assert isinstance(out, dist.DistTensor) and out.placements == [dist.Shard(0), dist.Shard(1)]
+    np.testing.assert_allclose(out.numpy(), (x @ w) * 2.0, rtol=1e-5, atol=1e-5)

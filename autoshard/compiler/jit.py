@@ -103,6 +103,9 @@ class DistributedFunction:
         self._cost_model = cost_model
         self._cache: dict = {}
         self.trace_count = 0
+        # eager operators (eager.py) hand DistTensors back even under an outer jax trace: the
+        # user is writing DistTensor code there, op by op
+        self._always_dist = False
 
     # -- argument handling ------------------------------------------------------------------
     def _split(self, args, kwargs):
@@ -267,7 +270,11 @@ class DistributedFunction:
                 is_leaf=lambda x: isinstance(x, DistTensor))
             return self._fn(*args, **kwargs)
         split = self._split(args, kwargs)
-        outer = _differentiated([x.physical if isinstance(x, DistTensor) else x for x in split[1]])
+        physicals = [x.physical if isinstance(x, DistTensor) else x for x in split[1]]
+        # Inside any outer jax transformation (jit, checkpoint, grad, ...) no output stays
+        # Partial, and no custom_linear_solve is inlined: a jit or checkpoint may itself be
+        # differentiated later, after this call has been traced
+        outer = any(isinstance(x, jax.core.Tracer) for x in physicals)
         entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)
         physical = self._physical_inputs(entry, leaves)
         outs = entry.call(*physical)
@@ -275,11 +282,12 @@ class DistributedFunction:
         wrapped = [DistTensor(o, plan.mesh, L, v.shape)
                    for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
         if outer:
-            # Under jax.grad / vjp / jvp from outside, behave as jax.jit does: global arrays
-            # (sharded as planned; Partial outputs were reduced inside the program), so the
-            # outer transformation never has to understand a Partial value.
             self._check_differentiable(entry, leaves)
-            wrapped = [_global_array(d) for d in wrapped]
+            if not self._always_dist or _differentiated(physicals):
+                # Under jax.jit / grad / checkpoint / vjp from outside, behave as a nested
+                # jax.jit does: global arrays (sharded as planned; Partial outputs were reduced
+                # inside the program), which jnp functions and the outer transformation take
+                wrapped = [_global_array(d) for d in wrapped]
         return jax.tree.unflatten(entry.out_tree, wrapped)
 
     def _check_differentiable(self, entry: _Compiled, leaves) -> None:
