@@ -7,6 +7,7 @@
 from .calibrate import calibrate_cost_model
 from .compiler.jit import DistributedFunction, jit
 from .compiler.plan import FallbackWarning, Plan
+from .uneven import UnevenShardingWarning
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
 from .creation import dtensor_from_fn, dtensor_from_local, shard_tensor, unshard_dtensor
 from .display import placement_table
@@ -39,7 +40,7 @@ __all__ = [
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit",
     "DistributedFunction", "Plan",
-    "FallbackWarning", "register_rule", "Rule", "MeshMismatchError",
+    "FallbackWarning", "UnevenShardingWarning", "register_rule", "Rule", "MeshMismatchError",
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",

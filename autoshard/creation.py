@@ -5,6 +5,7 @@ import itertools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .dtensor import DistTensor, make_dtensor
@@ -13,6 +14,7 @@ from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
+from .uneven import even_part, is_uneven, pad_global, warn_uneven
 
 
 def _describe(shape, dtype) -> str:
@@ -35,6 +37,10 @@ def _add_partial(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> 
     base = make_dtensor(value, mesh, layout.without_partial(), shape)
     if not layout.partial:
         return base
+    if is_uneven(layout, mesh, shape):  # the partial steps work on even blocks
+        from .reshard.api import reshard
+
+        return reshard(base, mesh, layout.placements(mesh))
     from .reshard.api import plan_layouts
     from .reshard.execute import execute
     from .cost_model import default_cost_model
@@ -57,7 +63,12 @@ def annotate(x, mesh: ProcessMesh, placements, *, force: bool):
 
     layout = layout_from_placements(placements, mesh, tuple(x.shape),
                                     what=_describe(x.shape, x.dtype))
-    return bind_hint(x, mesh, layout, force)
+    even = even_part(layout, mesh, tuple(x.shape))
+    if even is not layout:  # programs compute on even layouts only (uneven.py)
+        warn_uneven(layout, mesh, tuple(x.shape),
+                    f"a traced value given placements {layout.describe(mesh)}",
+                    "is computed with that dim whole inside dist.jit")
+    return bind_hint(x, mesh, even, force)
 
 
 def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | str], dtype=None,
@@ -79,7 +90,8 @@ def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | 
     arr = _to_array(data, dtype)
     shape = tuple(arr.shape)
     layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, arr.dtype))
-    value = jax.device_put(arr, physical_sharding(layout.without_partial(), mesh))
+    stored = pad_global(arr, layout, mesh, shape, jnp if isinstance(arr, jax.Array) else np)
+    value = jax.device_put(stored, physical_sharding(layout.without_partial(), mesh))
     return _add_partial(value, mesh, layout, shape)
 
 
@@ -98,7 +110,8 @@ def dtensor_from_fn(fn: Callable[..., Any], mesh: ProcessMesh,
                                  f"{type(aval).__name__}, not one array")
     shape = tuple(aval.shape)
     layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, aval.dtype))
-    value = jax.jit(thunk, out_shardings=physical_sharding(layout.without_partial(), mesh))()
+    value = jax.jit(lambda: pad_global(thunk(), layout, mesh, shape, jnp),
+                    out_shardings=physical_sharding(layout.without_partial(), mesh))()
     return _add_partial(value, mesh, layout, shape)
 
 

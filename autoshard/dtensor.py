@@ -15,6 +15,7 @@ from .errors import DeviceNotFoundError
 from .layout import Layout, block_bounds
 from .mesh import ProcessMesh
 from .physical import physical_shape, physical_sharding
+from .uneven import padded_shape
 from .placement import Placement
 
 
@@ -75,7 +76,10 @@ class DistTensor:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return self._layout.local_shape(self._shape, self._mesh.axis_sizes)
+        """The shape of the block each device stores (of an uneven dim: ceil(size / devices)
+        rows, the last devices' partly padding; `local(d)` gives the rows device d owns)."""
+        return self._layout.local_shape(padded_shape(self._layout, self._mesh, self._shape),
+                                        self._mesh.axis_sizes)
 
     @property
     def physical(self) -> jax.Array:
@@ -95,7 +99,12 @@ class DistTensor:
                 f"{self._mesh.process_ids}")
         for shard in self._value.addressable_shards:
             if shard.device.id == device_id:
-                return shard.data[0] if self._layout.partial else shard.data
+                data = shard.data[0] if self._layout.partial else shard.data
+                # an uneven dim's last blocks end in padding: only the rows the device owns
+                bounds = self.block_bounds(device_id)
+                if any(hi - lo != n for (lo, hi), n in zip(bounds, data.shape)):
+                    data = data[tuple(slice(0, hi - lo) for lo, hi in bounds)]
+                return data
         raise DeviceNotFoundError(f"device {device_id} belongs to another process; read its "
                                   f"block there")
 

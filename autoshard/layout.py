@@ -185,28 +185,14 @@ def layout_from_placements(placements: Sequence[Placement | str], mesh: ProcessM
             dims[p.dim % ndim].append(name)
         elif isinstance(p, Partial):
             partial.append((name, p.reduce_type))
-    layout = Layout(tuple(tuple(d) for d in dims), tuple(partial))
-    check_divisible(layout, mesh, shape, what=what)
-    return layout
-
-
-def check_divisible(layout: Layout, mesh: ProcessMesh, shape: Sequence[int], *,
-                    what: str = "the tensor") -> None:
-    sizes = mesh.axis_sizes
-    for d, (size, axes) in enumerate(zip(shape, layout.dims)):
-        n = math.prod(sizes[a] for a in axes)
-        if size % n:
-            over = " × ".join(f"{a!r} (size {sizes[a]})" for a in axes)
-            raise ShardingError(
-                f"{what} (shape {tuple(shape)}) cannot be split evenly: dim {d} has size {size}, "
-                f"which mesh dim{'s' if len(axes) > 1 else ''} {over} = {n} devices do not "
-                f"divide; uneven sharding is not supported yet — pad dim {d} to a multiple of "
-                f"{n}, or use dist.Replicate() on {', '.join(repr(a) for a in axes)}")
+    # a dim its devices do not divide is stored padded and computed whole (uneven.py)
+    return Layout(tuple(tuple(d) for d in dims), tuple(partial))
 
 
 def block_bounds(layout: Layout, mesh: ProcessMesh, shape: Sequence[int],
                  coords: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """[start, stop) per dim of the block held by the device at mesh `coords`."""
+    """[start, stop) per dim of the block held by the device at mesh `coords` (of an uneven
+    dim, blocks of ceil(size / devices) rows: the last devices' blocks are short or empty)."""
     position = dict(zip(mesh.dim_names, coords))
     sizes = mesh.axis_sizes
     bounds = []
@@ -215,8 +201,8 @@ def block_bounds(layout: Layout, mesh: ProcessMesh, shape: Sequence[int],
         for a in axes:  # mixed radix, major axis first
             index = index * sizes[a] + position[a]
             count *= sizes[a]
-        step = size // count
-        bounds.append((index * step, (index + 1) * step))
+        step = -(-size // count)
+        bounds.append((min(index * step, size), min((index + 1) * step, size)))
     return tuple(bounds)
 
 
@@ -235,5 +221,5 @@ def partial_axes_in_mesh_order(layout: Layout, mesh: ProcessMesh) -> tuple[str, 
     return tuple(a for a in mesh.dim_names if a in partial)
 
 
-__all__ = ["Layout", "layout_from_placements", "check_divisible", "block_bounds",
+__all__ = ["Layout", "layout_from_placements", "block_bounds",
            "partial_index", "partial_axes_in_mesh_order"]

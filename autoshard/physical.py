@@ -1,6 +1,7 @@
 """How a Layout is stored as one honest jax.Array with a NamedSharding.
 
-Sharded dims are ordinary NamedSharding shards. Partial mesh axes get one extra leading axis of
+Sharded dims are ordinary NamedSharding shards (a dim its devices do not divide is stored
+padded to a multiple of them: uneven.py). Partial mesh axes get one extra leading axis of
 size prod(partial axis sizes), sharded over those axes: the differing per-device values are then
 *varying* data, as JAX requires — a "replicated" spec whose replicas secretly differ would let
 JAX read any replica, and under check_vma a psum of it would compute n * x without talking.
@@ -14,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .layout import Layout, partial_axes_in_mesh_order
 from .mesh import ProcessMesh
+from .uneven import padded_shape
 
 
 def _entry(axes: Sequence[str]):
@@ -23,10 +25,12 @@ def _entry(axes: Sequence[str]):
 
 
 def physical_shape(layout: Layout, mesh: ProcessMesh, shape: Sequence[int]) -> tuple[int, ...]:
+    """The stored array's shape: uneven dims padded (uneven.py), a slot axis if Partial."""
+    shape = padded_shape(layout, mesh, shape)
     if not layout.partial:
-        return tuple(shape)
+        return shape
     sizes = mesh.axis_sizes
-    return (math.prod(sizes[a] for a, _ in layout.partial),) + tuple(shape)
+    return (math.prod(sizes[a] for a, _ in layout.partial),) + shape
 
 
 def physical_spec(layout: Layout, mesh: ProcessMesh) -> PartitionSpec:

@@ -29,12 +29,15 @@ def test_shard_dim_out_of_range_and_negative_dims():
     assert x.placements == [dist.Replicate(), dist.Shard(1)] and x.local_shape == (4, 2)
 
 
-def test_not_divisible_names_dim_size_and_axis():
-    msg = _raises(dist.ShardingError, r"dim 0 has size 6, which mesh dim 'mp' \(size 4\)",
-                  lambda: dist.shard_tensor(np.zeros((6, 4)), MESH, [dist.Replicate(), dist.Shard(0)]))
-    assert "pad dim 0 to a multiple of 4" in msg and "float32[6, 4]" in msg
-    _raises(dist.ShardingError, r"'dp' \(size 2\) × 'mp' \(size 4\) = 8 devices",
-            lambda: dist.shard_tensor(np.zeros((4, 4)), MESH, [dist.Shard(0), dist.Shard(0)]))
+def test_not_divisible_is_stored_and_the_warning_on_use_names_dim_size_and_axis():
+    x = dist.shard_tensor(np.zeros((6, 4), np.float32), MESH, [dist.Replicate(), dist.Shard(0)])
+    with pytest.warns(dist.UnevenShardingWarning,
+                      match=r"argument 0 \(shape \(6, 4\)\): dim 0 of size 6 does not split "
+                            r"evenly over mesh dim 'mp' \(4\).*pad dim 0 to 8 \(a multiple of 4\)"):
+        dist.jit(lambda a: a + 1)(x)
+    with pytest.warns(dist.UnevenShardingWarning, match=r"'dp' \(2\) × 'mp' \(4\) = 8 devices"):
+        dist.jit(lambda a: a + 1)(dist.shard_tensor(np.zeros((4, 4)), MESH,
+                                                    [dist.Shard(0), dist.Shard(0)]))
 
 
 def test_non_placement_objects():
@@ -47,8 +50,6 @@ def test_non_placement_objects():
 
 def test_reshard_errors():
     x = dist.shard_tensor(np.zeros((4, 4)), MESH, ["S(0)", "R"])
-    _raises(dist.ShardingError, "dim 1 has size 4",
-            lambda: dist.reshard(x, MESH, [dist.Shard(1), dist.Shard(1)]))
     _raises(dist.PlacementTypeError, "needs a DistTensor",
             lambda: dist.reshard(np.zeros(4), MESH, ["R", "R"]))
     _raises(dist.DeviceNotFoundError, r"uses device ids \[8, 9, 10, 11\]",

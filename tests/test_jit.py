@@ -271,9 +271,11 @@ def test_errors_name_the_problem_and_the_line():
          lambda: hint_other(a))
     bad_len = dist.jit(lambda a: dist.shard_tensor(a, MESH4, [dist.Shard(0), dist.Replicate()]))
     _err(dist.PlacementError, "got 2 placements", lambda: bad_len(a))
-    bad_div = dist.jit(lambda a: dist.reshard(a, MESH4, [dist.Shard(1)]))
-    _err(dist.ShardingError, "dim 1 has size 2", lambda: bad_div(dist.shard_tensor(
-        np.ones((8, 2), np.float32), MESH4, [dist.Shard(0)])))
+    uneven = dist.jit(lambda a: dist.reshard(a, MESH4, [dist.Shard(1)]) * 2.0)
+    with pytest.warns(dist.UnevenShardingWarning, match=r"dim 1 of size 2 does not split evenly "
+                      r"over mesh dim 'x' \(4\) = 4 devices; it is computed with that dim whole"):
+        got = uneven(dist.shard_tensor(np.ones((8, 2), np.float32), MESH4, [dist.Shard(0)]))
+    np.testing.assert_array_equal(got.numpy(), np.full((8, 2), 2.0))
     _err(dist.MeshMismatchError, "found no mesh", lambda: dist.jit(lambda a: a * 2)(np.ones(4)))
 
 

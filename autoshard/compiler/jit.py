@@ -22,7 +22,9 @@ from .dtypes import is_extended, normalize
 from .explain import Explanation
 from .gc_pause import gc_paused
 from .partition import local_function
-from .plan import KEEP, Plan, make_plan
+from ..uneven import (even_part, gather_local, gathered_bytes, is_uneven, split_local,
+                      uneven_dims, warn_uneven)
+from .plan import KEEP, Plan, PlannedCollective, make_plan
 from .trace import build_program, hint_p
 
 
@@ -78,6 +80,8 @@ class _Compiled:
     fn: Callable
     out_tree: Any
     leaves: tuple[_Leaf, ...]
+    stored_outputs: list[Layout]  # the outputs' layouts as stored (plan.outputs, but uneven
+    # placements the caller asked for: the program computes their even part, uneven.py)
     traced: bool = False  # jax has traced `fn` (its first call traces, lowers and compiles)
 
     def call(self, *physical):
@@ -223,15 +227,46 @@ class DistributedFunction:
         targets = self._out_targets(program, mesh)
         if reduced:
             targets = [None if isinstance(t, str) and t == KEEP else t for t in targets]
-        plan = make_plan(program, mesh, [d.layout for d in described], targets, _registry(),
-                         cost_model)
+        # Values stored unevenly enter with those dims gathered whole; outputs asked for uneven
+        # placements are computed whole there and each device keeps its rows (uneven.py)
+        stored_in = [d.layout if d.layout is not None and is_uneven(d.layout, mesh, d.shape)
+                     else None for d in described]
+        stored_out = [t if isinstance(t, Layout) and is_uneven(t, mesh, v.shape) else None
+                      for t, v in zip(targets, program.outputs)]
+        plan = make_plan(program, mesh,
+                         [d.layout if s is None else even_part(s, mesh, d.shape)
+                          for d, s in zip(described, stored_in)],
+                         [t if s is None else even_part(s, mesh, v.shape)
+                          for t, s, v in zip(targets, stored_out, program.outputs)],
+                         _registry(), cost_model)
         local = local_function(plan, _registry())
-        in_specs = tuple(physical_spec(L, mesh) for L in plan.inputs)
-        out_specs = [physical_spec(L, mesh) for L in plan.outputs]
-        mapped = jax.shard_map(local, mesh=mesh.to_jax(), in_specs=in_specs, out_specs=out_specs,
-                               check_vma=True)
+        if any(stored_in) or any(stored_out):
+            local = _with_uneven_boundaries(local, plan, described, stored_in, stored_out,
+                                            self.__name__, self._leaf_names(tree, static))
+        ins = [L if s is None else s for L, s in zip(plan.inputs, stored_in)]
+        outs = [L if s is None else s for L, s in zip(plan.outputs, stored_out)]
+        mapped = jax.shard_map(local, mesh=mesh.to_jax(),
+                               in_specs=tuple(physical_spec(L, mesh) for L in ins),
+                               out_specs=[physical_spec(L, mesh) for L in outs], check_vma=True)
         fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree))
-        return _Compiled(plan, fn, out_tree, described)
+        return _Compiled(plan, fn, out_tree, described, outs)
+
+    def _leaf_names(self, tree, static) -> list[str]:
+        """How the user would name each flat input: `params['w0']`-style paths from the
+        argument (positional index or keyword)."""
+        positions = [i for i in range(len(static) + len(tree.children()[0].children()))
+                     if i not in self._static] if tree.children() else []
+        paths = jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(tree, list(range(tree.num_leaves))))[0]
+        names = []
+        for path, _ in paths:
+            head, rest = path[:2], path[2:]
+            if getattr(head[0], "idx", 0) == 0 and hasattr(head[1], "idx"):
+                arg = f"argument {positions[head[1].idx]}"
+            else:
+                arg = f"argument {getattr(head[1], 'key', '?')!s}"
+            names.append(arg + jax.tree_util.keystr(rest))
+        return names
 
     def _flat_donations(self, tree) -> tuple[int, ...]:
         if not self._donate:
@@ -280,7 +315,7 @@ class DistributedFunction:
         outs = entry.call(*physical)
         plan = entry.plan
         wrapped = [DistTensor(o, plan.mesh, L, v.shape)
-                   for o, L, v in zip(outs, plan.outputs, plan.program.outputs)]
+                   for o, L, v in zip(outs, entry.stored_outputs, plan.program.outputs)]
         if outer:
             self._check_differentiable(entry, leaves)
             if not self._always_dist or _differentiated(physicals):
@@ -314,6 +349,38 @@ class DistributedFunction:
         return gc_paused(entry.fn.lower)(*self._physical_inputs(entry, leaves))
 
 
+def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, stored_out,
+                            name: str, leaf_names: list[str]) -> Callable:
+    """`local` between the stored blocks of uneven inputs / outputs and their even parts; the
+    entry gathers join the plan's collectives (the HLO has them), with a warning each."""
+    mesh = plan.mesh
+    for k, (d, s, v) in enumerate(zip(described, stored_in, plan.program.inputs)):
+        if s is None:
+            continue
+        even = even_part(s, mesh, d.shape)
+        nbytes = gathered_bytes(s, mesh, d.shape, np.dtype(d.dtype).itemsize)
+        for dim, dim_bytes in zip(uneven_dims(s, mesh, d.shape), nbytes):
+            axes = s.dims[dim]
+            plan.collectives.insert(0, PlannedCollective(
+                "all-gather", f"all_gather({','.join(axes)}) uneven dim {dim}", axes,
+                dim_bytes, repr(v), "entry", "(program entry)",
+                f"{name}: {leaf_names[k]} is stored as {s.describe(mesh)} with dim {dim} "
+                f"({d.shape[dim]}) uneven over {'×'.join(axes)}; programs compute it as "
+                f"{even.describe(mesh)}"))
+        warn_uneven(s, mesh, d.shape, f"{name}: {leaf_names[k]}",
+                    f"is gathered whole along that mesh dim when the program starts "
+                    f"({sum(nbytes)} bytes per device per call)", stacklevel=6)  # the caller
+
+    def run(*blocks):
+        blocks = [b if s is None else gather_local(b, s, mesh, d.shape)
+                  for b, s, d in zip(blocks, stored_in, described)]
+        outs = local(*blocks)
+        return [o if s is None else split_local(o, s, mesh, v.shape)
+                for o, s, v in zip(outs, stored_out, plan.program.outputs)]
+
+    return run
+
+
 def _differentiated(values) -> bool:
     """Whether any value is being differentiated by an outer jax transformation."""
     return any(isinstance(v, (ad.JVPTracer, ad.LinearizeTracer)) for v in values)
@@ -321,9 +388,11 @@ def _differentiated(values) -> bool:
 
 def _global_array(x: DistTensor):
     """The logical value as a jax array: non-Partial layouts are their physical array."""
+    from ..reshard.api import reshard, to_even
+
+    x = to_even(x)  # padding cut off
     if not x.layout.partial:
         return x.physical
-    from ..reshard.api import reshard
 
     return reshard(x, x.mesh, x.layout.without_partial().placements(x.mesh)).physical
 

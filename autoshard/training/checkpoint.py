@@ -17,7 +17,9 @@ from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError
 from ..physical import physical_sharding
 from ..placement import Replicate
-from ..reshard.api import reshard
+from ..layout import Layout
+from ..reshard.api import reshard, to_even
+from ..uneven import even_part
 
 
 class CheckpointError(AutoshardError, ValueError):
@@ -49,6 +51,7 @@ def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
 
 def _to_saveable(key: str, x: Any) -> Any:
     if isinstance(x, DistTensor):
+        x = to_even(x)  # a dim stored padded (uneven.py) is written whole, without the padding
         x = x if not x.layout.partial else reshard(
             x, x.mesh, [Replicate() if p.is_partial() else p for p in x.placements])
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
@@ -176,7 +179,7 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
     """(item, restore args) reading `key` straight into the target's sharding, after checks."""
     if isinstance(target, DistTensor):
         shape, dtype = target.shape, np.dtype(target.dtype)
-        sharding = physical_sharding(target.layout.without_partial(), target.mesh)
+        sharding = physical_sharding(_readable(target), target.mesh)
     elif _is_prng_key(target):
         data = jax.random.key_data(target)
         shape, dtype, sharding = tuple(data.shape), np.dtype(data.dtype), data.sharding
@@ -208,10 +211,16 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
             ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype))
 
 
+def _readable(target: DistTensor) -> Layout:
+    """The layout a target DistTensor's value is read in: no Partial, no uneven dims."""
+    return even_part(target.layout.without_partial(), target.mesh, target.shape)
+
+
 def _rebuild(target: Any, value: Any) -> Any:
     if isinstance(target, DistTensor):
-        out = make_dtensor(value, target.mesh, target.layout.without_partial(), target.shape)
-        return reshard(out, target.mesh, target.placements) if target.layout.partial else out
+        out = make_dtensor(value, target.mesh, _readable(target), target.shape)
+        return out if out.layout == target.layout else reshard(out, target.mesh,
+                                                               target.placements)
     if _is_prng_key(target):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
     if isinstance(target, (bool, int, float)):

@@ -11,10 +11,11 @@ import jax
 
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
-from ..errors import AutoshardError, ShardingError
+from ..errors import AutoshardError
 from ..layout import layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Placement, Replicate, Shard
+from ..uneven import is_uneven, warn_uneven
 
 
 class ParallelizeError(AutoshardError, ValueError):
@@ -524,14 +525,15 @@ def _param_placements(targets: _Targets, shapes: Mapping[str, tuple],
         if dim is None:
             continue
         placements = [Shard(dim) if n == mp else Replicate() for n in mesh.dim_names]
-        # Checked here so that the error names the parameter and the pattern that placed it.
-        try:
-            layout_from_placements(placements, mesh, shapes[path], what=(
-                f"parameter {path!r} (Shard({dim}) on mesh dim {mp!r}, from {plan!r} for "
-                f"pattern {pattern!r})"))
-        except ShardingError as e:
-            raise ShardingError(f"{e.message}; or drop {path!r} from pattern {pattern!r} of the "
-                                f"parallelize_plan", where=e.where) from None
+        # Checked here so that errors and warnings name the parameter and the pattern.
+        what = (f"parameter {path!r} (Shard({dim}) on mesh dim {mp!r}, from {plan!r} for "
+                f"pattern {pattern!r})")
+        layout = layout_from_placements(placements, mesh, shapes[path], what=what)
+        if is_uneven(layout, mesh, shapes[path]):
+            warn_uneven(layout, mesh, shapes[path], what,
+                        f"is stored split (padded) but computed whole, gathered at every step; "
+                        f"or drop {path!r} from pattern {pattern!r} of the parallelize_plan",
+                        stacklevel=5)
         out[path] = placements
     return out
 

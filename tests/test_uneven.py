@@ -1,0 +1,186 @@
+"""Uneven sharding: a dim its mesh axes do not divide is stored padded (ceil-sized blocks, the
+padding zeros), computed whole inside programs, and always equals one device."""
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+from autoshard.testing import logical_value, mse_step
+
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+MESH4 = dist.ProcessMesh([0, 1, 2, 3], ["x"])
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(10, 6)).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+        yield
+
+
+def _blocks_agree(d: dist.DistTensor, value: np.ndarray) -> None:
+    """Every device's owned rows are the value's, and its stored padding is zeros."""
+    for device in d.mesh.process_ids:
+        bounds = d.block_bounds(device)
+        owned = value[tuple(slice(lo, hi) for lo, hi in bounds)]
+        if not d.layout.partial:
+            np.testing.assert_allclose(np.asarray(d.local(device)), owned, rtol=1e-5, atol=1e-6)
+        stored = np.asarray(next(s.data for s in d.physical.addressable_shards
+                                 if s.device.id == device))
+        assert stored.shape[-value.ndim:] == d.local_shape
+        if not d.layout.partial:
+            pad = stored.copy()
+            pad[tuple(slice(0, hi - lo) for lo, hi in bounds)] = 0
+            assert not pad.any(), "the padding must be zeros"
+
+
+UNEVEN = [["R", "S(0)"], ["S(0)", "S(0)"], ["S(1)", "S(0)"], ["S(0)", "S(1)"],
+          ["P(sum)", "S(0)"], ["S(1)", "P(max)"], ["S(0)", "R"]]
+
+
+@pytest.mark.parametrize("placements", UNEVEN, ids=str)
+def test_shard_tensor_stores_uneven_dims_padded(placements):
+    d = dist.shard_tensor(X, MESH24, placements)
+    sizes = MESH24.axis_sizes
+    for dim, axes in enumerate(d.layout.dims):
+        n = int(np.prod([sizes[a] for a in axes]))
+        assert d.local_shape[dim] == -(-X.shape[dim] // n)  # ceil-sized blocks
+    np.testing.assert_array_equal(d.numpy(), X)
+    np.testing.assert_array_equal(logical_value(d), X)
+    _blocks_agree(d, X)
+
+
+@pytest.mark.parametrize("src", UNEVEN, ids=str)
+@pytest.mark.parametrize("dst", [["R", "R"], ["S(1)", "S(0)"], ["S(0)", "S(1)"], ["P(sum)", "S(0)"]],
+                         ids=str)
+def test_reshard_to_and_from_uneven_placements(src, dst):
+    d = dist.reshard(dist.shard_tensor(X, MESH24, src), MESH24, dst)
+    assert d.placements == dist.shard_tensor(X, MESH24, dst).placements
+    np.testing.assert_allclose(logical_value(d), X, rtol=1e-6)
+    _blocks_agree(d, X)
+
+
+def test_reshard_across_meshes_keeps_the_value():
+    d = dist.shard_tensor(X, MESH24, ["S(1)", "S(0)"])
+    e = dist.reshard(d, MESH4, ["S(1)"])  # 6 over 4: uneven on the other mesh too
+    np.testing.assert_array_equal(e.numpy(), X)
+    _blocks_agree(e, X)
+
+
+def _matmul_program():
+    return lambda a, b: jnp.tanh(a @ b).sum(axis=1)
+
+
+@pytest.mark.parametrize("a_pl,b_pl,out_pl", [
+    (["S(0)", "R"], ["R", "S(0)"], None),           # b: 6 rows over mp (4)
+    (["S(0)", "S(1)"], ["R", "S(1)"], [["R", "S(0)"]]),  # a: 6 cols over mp; out 10 over mp
+    (["S(0)", "S(0)"], ["R", "R"], [["S(0)", "S(0)"]]),  # 10 rows over dp × mp (8)
+], ids=["uneven-weight", "uneven-contraction-and-output", "uneven-co-sharded"])
+def test_dist_jit_on_uneven_inputs_and_outputs_equals_one_device(a_pl, b_pl, out_pl):
+    w = RNG.normal(size=(6, 5)).astype(np.float32)
+    a, b = dist.shard_tensor(X, MESH24, a_pl), dist.shard_tensor(w, MESH24, b_pl)
+    fn = _matmul_program()
+    f = dist.jit(fn, out_placements=out_pl)
+    out = f(a, b)
+    np.testing.assert_allclose(out.numpy(), fn(X, w), rtol=1e-5, atol=1e-5)
+    if out_pl:
+        assert out.placements == dist.shard_tensor(fn(X, w), MESH24, out_pl[0]).placements
+        _blocks_agree(out, np.asarray(fn(X, w)))
+    # the entry gathers are planned collectives, and the HLO has exactly the planned ones
+    plan = f.plan(a, b)
+    entry = [c for c in plan.collectives if c.consumer == "entry"]
+    assert entry and all(c.kind == "all-gather" and c.bytes_per_device > 0 for c in entry)
+    assert count_collectives(f.lower(a, b).compile().as_text()) == Counter(
+        c.kind for c in plan.collectives)
+    # gradients, through dist.jit and from outside it
+    grads = jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2), argnums=(0, 1))(a, b)
+    want = jax.grad(lambda a, b: jnp.sum(fn(a, b) ** 2), argnums=(0, 1))(X, w)
+    for g, v in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g.numpy()), v, rtol=1e-4, atol=1e-4)
+
+
+def test_the_warning_names_the_input_the_dim_the_axis_and_the_padding():
+    b = dist.shard_tensor(RNG.normal(size=(6, 5)).astype(np.float32), MESH24, ["R", "S(0)"])
+    a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])
+    with pytest.warns(dist.UnevenShardingWarning,
+                      match=r"argument 1 \(shape \(6, 5\)\): dim 0 of size 6 does not split evenly "
+                            r"over mesh dim 'mp' \(4\).*pad dim 0 to 8"):
+        dist.jit(lambda a, b: a @ b)(a, b)
+
+
+def test_uneven_hint_inside_dist_jit_computes_the_dim_whole():
+    a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])
+
+    def fn(x):
+        y = dist.reshard(jnp.sin(x), MESH24, ["R", "S(1)"])  # 6 cols over mp (4)
+        return y * 2.0
+
+    f = dist.jit(fn)
+    with pytest.warns(dist.UnevenShardingWarning, match="computed with that dim whole"):
+        out = f(a)
+    np.testing.assert_allclose(out.numpy(), np.sin(X) * 2.0, rtol=1e-6)
+
+
+def test_eager_operators_on_uneven_tensors():
+    a = dist.shard_tensor(X, MESH24, ["R", "S(0)"])
+    b = dist.shard_tensor(X, MESH24, ["S(1)", "S(0)"])
+    np.testing.assert_allclose((a * b + 1.0).numpy(), X * X + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(a.sum(axis=0).numpy(), X.sum(0), rtol=1e-5)
+    np.testing.assert_allclose((a @ b.T).numpy(), X @ X.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a[3:7].numpy(), X[3:7])
+
+
+@pytest.mark.parametrize("stage,tx", [(0, optax.sgd(0.1)), (1, optax.adamw(1e-2)),
+                                      (3, optax.sgd(0.1))], ids=["tp", "zero1", "zero3"])
+def test_training_with_a_hidden_size_the_mesh_does_not_divide(stage, tx):
+    # hidden 30 over mp (4): every TP parameter is stored unevenly
+    rng = np.random.default_rng(1)
+    weights = {"w0": (rng.normal(size=(16, 30)) * 0.2).astype(np.float32),
+               "b0": np.zeros((30,), np.float32),
+               "w1": (rng.normal(size=(30, 8)) * 0.2).astype(np.float32)}
+    placements = {"w0": ["R", "S(1)"], "b0": ["R", "S(0)"], "w1": ["R", "S(0)"]}
+    apply = lambda p, x: jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"]  # noqa: E731
+    loss = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731  (mse_step's loss)
+    batches = [(rng.normal(size=(8, 16)).astype(np.float32),
+                rng.normal(size=(8, 8)).astype(np.float32)) for _ in range(4)]
+    model = (apply, {k: dist.shard_tensor(v, MESH24, placements[k]) for k, v in weights.items()})
+    strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+    m = dist.to_static(model, None, loss, tx, strategy)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    params = jax.tree.map(jnp.asarray, weights)
+    state, step = tx.init(params), jax.jit(mse_step(apply, tx))
+    for (x, y), got in zip(batches, losses):
+        params, state, want = step(params, state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for k, v in params.items():
+        np.testing.assert_allclose(m.params[k].numpy(), v, rtol=1e-4, atol=1e-5)
+    f = m.programs()["train"]
+    args = m.program_args("train", *batches[0])
+    assert count_collectives(f.lower(*args).compile().as_text()) == Counter(
+        c.kind for c in f.plan(*args).collectives)
+
+
+def test_checkpoint_round_trip_between_uneven_and_even_layouts():
+    from autoshard.training.checkpoint import load_state_dict, save_state_dict
+
+    path = tempfile.mkdtemp() + "/ckpt"
+    save_state_dict({"a": dist.shard_tensor(X, MESH24, ["S(1)", "S(0)"]),
+                     "b": dist.shard_tensor(X, MESH24, ["P(sum)", "S(0)"])}, path)
+    target = {"a": dist.shard_tensor(np.zeros_like(X), MESH24, ["S(0)", "S(1)"]),
+              "b": dist.shard_tensor(np.zeros_like(X), MESH24, ["R", "S(0)"])}
+    got = load_state_dict(target, path)
+    for key in ("a", "b"):
+        assert got[key].placements == target[key].placements
+        np.testing.assert_allclose(got[key].numpy(), X, rtol=1e-6)
+        _blocks_agree(got[key], X)
