@@ -16,6 +16,7 @@ from .dtensor import DistTensor
 from .layout import block_bounds, layout_from_placements, partial_index
 from .mesh import ProcessMesh
 from .placement import ReduceType
+from .uneven import even_part
 
 
 def logical_value(x: DistTensor) -> np.ndarray:
@@ -64,6 +65,11 @@ def make_tensor(value: np.ndarray, mesh: ProcessMesh, placements, seed: int = 0)
     partial = layout.partial_map
     if not partial:
         return _creation.shard_tensor(value, mesh, placements)
+    even = even_part(layout, mesh, value.shape)
+    if even is not layout:  # random parts on the even layout, then stored padded
+        from .reshard.api import reshard
+
+        return reshard(make_tensor(value, mesh, even.placements(mesh), seed), mesh, placements)
     rng = np.random.default_rng(seed)
     axes = [a for a in mesh.dim_names if a in partial]
     kinds = set(partial.values())
