@@ -170,15 +170,30 @@ def test_loader_attributes_pass_through():
     assert loader.batch_size == 4 and len(loader) == 2 and len(list(loader)) == 2
 
 
-def test_divisibility_error_names_input_dim_and_axis():
+def test_a_short_last_batch_is_stored_padded_and_trains_like_one_device():
+    # drop_last=False: 5 rows over 'x' (2) — stored padded, computed whole (test_uneven.py)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=5).astype(np.float32)
+    bx, by = next(iter(shard_dataloader([(x, y)], [MESH0, MESH1], shard_dims="x")))
+    assert bx.mesh == MESH0 and by.mesh == MESH1 and by.placements[0] == dist.Shard(0)
+    np.testing.assert_array_equal(by.numpy(), y)
+    assert by.local_shape == (3,)  # ceil(5 / 2) rows a device, the last one padding
+    w = dist.shard_tensor(np.ones(3, np.float32), MESH0, ["R", "R"])
+    with pytest.warns(dist.UnevenShardingWarning, match=r"argument 1 \(shape \(5, 3\)\)"):
+        loss = dist.jit(lambda w, x: jnp.mean((x @ w) ** 2))(w, bx)
+    np.testing.assert_allclose(loss.numpy(), np.mean((x @ np.ones(3)) ** 2), rtol=1e-6)
+
+
+def test_divisibility_error_of_a_split_dataset_names_input_dim_and_axis():
+    # each process feeds its own rows of a split dataset: those must divide
     data = [(np.ones((4, 3)), np.ones(5))]
-    loader = shard_dataloader(data, [MESH0, MESH1], shard_dims="x")
+    loader = shard_dataloader(data, [MESH0, MESH1], shard_dims="x", is_dataset_splitted=True)
     with pytest.raises(BatchSplitError, match=r"batch\[1\] has 5 rows on dim 0 .* mesh dim 'x' "
                        r"\(size 2\).*multiple of 2.*drop_last=True") as info:
         next(iter(loader))
     assert isinstance(info.value, dist.ShardingError)
     with pytest.raises(BatchSplitError, match=r"batch\['a'\] has 3 rows.*'dp' \(size 2\)"):
-        list(shard_dataloader([{"a": np.ones(3)}], MESH))
+        list(shard_dataloader([{"a": np.ones(3)}], MESH, is_dataset_splitted=True))
 
 
 def test_argument_and_batch_errors():

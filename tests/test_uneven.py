@@ -230,3 +230,25 @@ def test_random_uneven_shapes_and_placements_equal_one_device(data):
     got = dist.jit(grads)(da, db)
     for g, v in zip(got, grads(a, b)):
         np.testing.assert_allclose(g.numpy(), v, rtol=5e-4, atol=5e-4)
+
+
+def test_to_static_over_a_loader_whose_last_batch_is_short():
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(b, 16)).astype(np.float32),
+                rng.normal(size=(b, 8)).astype(np.float32)) for b in (8, 8, 5)]
+    weights = {"w0": (rng.normal(size=(16, 32)) * 0.2).astype(np.float32),
+               "w1": (rng.normal(size=(32, 8)) * 0.2).astype(np.float32)}
+    placements = {"w0": ["R", "S(1)"], "w1": ["R", "S(0)"]}
+    apply = lambda p, x: jax.nn.relu(x @ p["w0"]) @ p["w1"]  # noqa: E731
+    tx = optax.adamw(1e-2)
+    model = (apply, {k: dist.shard_tensor(v, MESH24, placements[k]) for k, v in weights.items()})
+    loader = dist.shard_dataloader(batches, MESH24, shard_dims="dp")
+    m = dist.to_static(model, loader, lambda out, y: jnp.mean((out - y) ** 2), tx)
+    losses = [float(m(x, y).numpy()) for x, y in loader]
+    params = jax.tree.map(jnp.asarray, weights)
+    state, step = tx.init(params), jax.jit(mse_step(apply, tx))
+    for (x, y), got in zip(batches, losses):
+        params, state, want = step(params, state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for k, v in params.items():
+        np.testing.assert_allclose(m.params[k].numpy(), v, rtol=1e-4, atol=1e-5)

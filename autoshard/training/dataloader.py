@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey, keystr, tree_map_with_path
 
+from ..creation import shard_tensor
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError, ShardingError
 from ..layout import Layout
@@ -253,11 +254,17 @@ class ShardDataloader:
         axis = _axis_name(spec, mesh, where) if data.ndim else None
         if axis is not None:
             slots = self._slots(mesh, axis)
+            if data.shape[0] % slots and not self._splitted:
+                # a short last batch (drop_last=False): stored padded and computed whole along
+                # `axis` (uneven.py; dist.jit warns once per program)
+                layout = self._sharding(mesh, axis, data.ndim)[0]
+                return shard_tensor(data, mesh, layout.placements(mesh))
             if data.shape[0] % slots:
                 part = "this process's part of " if self._splitted else ""
                 raise BatchSplitError(
                     f"{part}{where} has {data.shape[0]} rows on dim 0 (the batch dim), which "
-                    f"mesh dim {axis!r} (size {slots}) of {mesh!r} does not divide: make every "
+                    f"mesh dim {axis!r} (size {slots}) of {mesh!r} does not divide — each process "
+                    f"feeds its own rows of a split dataset, so they must divide: make every "
                     f"batch a multiple of {slots} (e.g. drop_last=True in the DataLoader, or pad "
                     f"the last batch), or split {where} over another mesh dim with shard_dims")
         layout, sharding = self._sharding(mesh, axis, data.ndim)
