@@ -141,6 +141,17 @@ def test_eager_operators_on_uneven_tensors():
     np.testing.assert_allclose(a[3:7].numpy(), X[3:7])
 
 
+def _assert_trained_like_one_device(m, losses, apply, tx, weights, batches):
+    """`m`'s losses and final params are those of mse_step under jax.jit from `weights`."""
+    params = jax.tree.map(jnp.asarray, weights)
+    state, step = tx.init(params), jax.jit(mse_step(apply, tx))
+    for (x, y), got in zip(batches, losses):
+        params, state, want = step(params, state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for k, v in params.items():
+        np.testing.assert_allclose(m.params[k].numpy(), v, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("stage,tx", [(0, optax.sgd(0.1)), (1, optax.adamw(1e-2)),
                                       (3, optax.sgd(0.1))], ids=["tp", "zero1", "zero3"])
 def test_training_with_a_hidden_size_the_mesh_does_not_divide(stage, tx):
@@ -158,13 +169,7 @@ def test_training_with_a_hidden_size_the_mesh_does_not_divide(stage, tx):
     strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
     m = dist.to_static(model, None, loss, tx, strategy)
     losses = [float(m(x, y).numpy()) for x, y in batches]
-    params = jax.tree.map(jnp.asarray, weights)
-    state, step = tx.init(params), jax.jit(mse_step(apply, tx))
-    for (x, y), got in zip(batches, losses):
-        params, state, want = step(params, state, x, y)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    for k, v in params.items():
-        np.testing.assert_allclose(m.params[k].numpy(), v, rtol=1e-4, atol=1e-5)
+    _assert_trained_like_one_device(m, losses, apply, tx, weights, batches)
     f = m.programs()["train"]
     args = m.program_args("train", *batches[0])
     assert count_collectives(f.lower(*args).compile().as_text()) == Counter(
@@ -245,10 +250,4 @@ def test_to_static_over_a_loader_whose_last_batch_is_short():
     loader = dist.shard_dataloader(batches, MESH24, shard_dims="dp")
     m = dist.to_static(model, loader, lambda out, y: jnp.mean((out - y) ** 2), tx)
     losses = [float(m(x, y).numpy()) for x, y in loader]
-    params = jax.tree.map(jnp.asarray, weights)
-    state, step = tx.init(params), jax.jit(mse_step(apply, tx))
-    for (x, y), got in zip(batches, losses):
-        params, state, want = step(params, state, x, y)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    for k, v in params.items():
-        np.testing.assert_allclose(m.params[k].numpy(), v, rtol=1e-4, atol=1e-5)
+    _assert_trained_like_one_device(m, losses, apply, tx, weights, batches)
