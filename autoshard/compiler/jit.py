@@ -18,12 +18,12 @@ from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import physical_shape, physical_sharding, physical_spec
 from ..placement import Placement
+from ..uneven import (even_part, gather_local, gathered_bytes, is_uneven, split_local,
+                      uneven_dims, warn_uneven)
 from .dtypes import is_extended, normalize
 from .explain import Explanation
 from .gc_pause import gc_paused
 from .partition import local_function
-from ..uneven import (even_part, gather_local, gathered_bytes, is_uneven, split_local,
-                      uneven_dims, warn_uneven)
 from .plan import KEEP, Plan, PlannedCollective, make_plan
 from .trace import build_program, hint_p
 
