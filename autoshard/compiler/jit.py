@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax._src import core as jcore
 from jax._src.interpreters import ad
 from jax.sharding import NamedSharding
 
@@ -309,7 +310,7 @@ class DistributedFunction:
         # Inside any outer jax transformation (jit, checkpoint, grad, ...) no output stays
         # Partial, and no custom_linear_solve is inlined: a jit or checkpoint may itself be
         # differentiated later, after this call has been traced
-        outer = any(isinstance(x, jax.core.Tracer) for x in physicals)
+        outer = _under_a_trace() or any(isinstance(x, jax.core.Tracer) for x in physicals)
         entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)
         physical = self._physical_inputs(entry, leaves)
         outs = entry.call(*physical)
@@ -379,6 +380,13 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
                 for o, s, v in zip(outs, stored_out, plan.program.outputs)]
 
     return run
+
+
+def _under_a_trace() -> bool:
+    """Whether an outer jax transformation is tracing this call (also when every input is a
+    closed-over concrete value: the result still enters that trace)."""
+    ctx = getattr(jcore, "trace_ctx", None)
+    return ctx is not None and hasattr(ctx, "is_top_level") and not ctx.is_top_level()
 
 
 def _differentiated(values) -> bool:
