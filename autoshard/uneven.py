@@ -15,7 +15,6 @@ import math
 import warnings
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 from jax import lax
 
@@ -94,6 +93,8 @@ def gather_local(block, layout: Layout, mesh: ProcessMesh, shape: Sequence[int])
 def split_local(block, layout: Layout, mesh: ProcessMesh, shape: Sequence[int]):
     """Inside shard_map: this device's block of `even_part(layout)` → its stored block of
     `layout` (no communication: every device holds the whole dim and keeps its rows)."""
+    from .reshard.steps import ensure_varying  # reshard/ builds on this module
+
     lead = 1 if layout.partial else 0
     sizes = mesh.axis_sizes
     padded = padded_shape(layout, mesh, shape)
@@ -108,10 +109,7 @@ def split_local(block, layout: Layout, mesh: ProcessMesh, shape: Sequence[int]):
             i = lax.axis_index(a)
             index = i if index is None else lax.add(lax.mul(index, np.int32(sizes[a])), i)
         step = padded[d] // n
-        have = getattr(jax.typeof(block), "vma", frozenset())
-        missing = tuple(a for a in axes if a not in have)
-        if missing:  # the block now differs per device along `axes` (check_vma's bookkeeping)
-            block = lax.pcast(block, missing, to="varying")
+        block = ensure_varying(block, axes)  # it now differs per device along `axes`
         block = lax.dynamic_slice_in_dim(block, lax.mul(index, np.int32(step)), step, axis=d + lead)
     return block
 
