@@ -12,6 +12,8 @@ target, asks for an uneven placement, the whole dim is padded and each device ke
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from typing import Any, Sequence
 
@@ -26,9 +28,22 @@ class UnevenShardingWarning(UserWarning):
     """A placement splits a dim its devices do not divide: stored padded, computed whole."""
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the innermost caller outside autoshard (jax's frames count as
+    outside: a hint inside a traced function is attributed to the user's line there)."""
+    frame, level = sys._getframe(2), 2  # 1: warn_uneven, 2: its caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_uneven(layout: Layout, mesh: ProcessMesh, shape: Sequence[int], what: str,
-                consequence: str, stacklevel: int = 4) -> None:
-    """One warning naming the dims, the axes and what to write to keep them split."""
+                consequence: str) -> None:
+    """One warning naming the dims, the axes and what to write to keep them split, at the
+    user's line."""
     sizes = mesh.axis_sizes
     for d in uneven_dims(layout, mesh, shape):
         axes = layout.dims[d]
@@ -38,7 +53,7 @@ def warn_uneven(layout: Layout, mesh: ProcessMesh, shape: Sequence[int], what: s
             f"autoshard: {what} (shape {tuple(shape)}): dim {d} of size {shape[d]} does not split "
             f"evenly over mesh dim{'s' if len(axes) > 1 else ''} {over} = {n} devices; it {consequence}"
             f" — pad dim {d} to {-(-shape[d] // n) * n} (a multiple of {n}) to compute it split",
-            UnevenShardingWarning, stacklevel=stacklevel)
+            UnevenShardingWarning, stacklevel=_user_stacklevel())
 
 
 def _counts(layout: Layout, mesh: ProcessMesh) -> list[int]:

@@ -251,3 +251,15 @@ def test_to_static_over_a_loader_whose_last_batch_is_short():
     m = dist.to_static(model, loader, lambda out, y: jnp.mean((out - y) ** 2), tx)
     losses = [float(m(x, y).numpy()) for x, y in loader]
     _assert_trained_like_one_device(m, losses, apply, tx, weights, batches)
+
+
+def test_eager_operators_warn_once_per_tensor_layout_at_the_users_line():
+    a = dist.shard_tensor(np.ones((7, 3), np.float32), MESH24, ["R", "S(0)"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = a * 2.0
+        c = (a + b).sum(axis=0)
+    uneven = [w for w in caught if w.category is dist.UnevenShardingWarning]
+    assert len(uneven) == 1 and uneven[0].filename == __file__, uneven
+    assert "a DistTensor stored as [R, S(0)]" in str(uneven[0].message)
+    np.testing.assert_allclose(c.numpy(), np.full(3, 21.0))

@@ -243,7 +243,8 @@ class DistributedFunction:
         local = local_function(plan, _registry())
         if any(stored_in) or any(stored_out):
             local = _with_uneven_boundaries(local, plan, described, stored_in, stored_out,
-                                            self.__name__, self._leaf_names(tree, static))
+                                            self.__name__, self._leaf_names(tree, static),
+                                            eager=self._always_dist)
         ins = [L if s is None else s for L, s in zip(plan.inputs, stored_in)]
         outs = [L if s is None else s for L, s in zip(plan.outputs, stored_out)]
         mapped = jax.shard_map(local, mesh=mesh.to_jax(),
@@ -350,10 +351,14 @@ class DistributedFunction:
         return gc_paused(entry.fn.lower)(*self._physical_inputs(entry, leaves))
 
 
+_EAGER_WARNED: set = set()  # (layout, mesh, shape) an eager operator has warned about
+
+
 def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, stored_out,
-                            name: str, leaf_names: list[str]) -> Callable:
+                            name: str, leaf_names: list[str], *, eager: bool = False) -> Callable:
     """`local` between the stored blocks of uneven inputs / outputs and their even parts; the
-    entry gathers join the plan's collectives (the HLO has them), with a warning each."""
+    entry gathers join the plan's collectives (the HLO has them), with a warning each (eager
+    operators: once per tensor layout, not once per operator)."""
     mesh = plan.mesh
     for k, (d, s, v) in enumerate(zip(described, stored_in, plan.program.inputs)):
         if s is None:
@@ -368,9 +373,16 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
                 f"{name}: {leaf_names[k]} is stored as {s.describe(mesh)} with dim {dim} "
                 f"({d.shape[dim]}) uneven over {'×'.join(axes)}; programs compute it as "
                 f"{even.describe(mesh)}"))
-        warn_uneven(s, mesh, d.shape, f"{name}: {leaf_names[k]}",
-                    f"is gathered whole along that mesh dim when the program starts "
-                    f"({sum(nbytes)} bytes per device per call)", stacklevel=6)  # the caller
+        if eager:
+            if (s, mesh, d.shape) in _EAGER_WARNED:
+                continue
+            _EAGER_WARNED.add((s, mesh, d.shape))
+        warn_uneven(s, mesh, d.shape,
+                    f"a DistTensor stored as {s.describe(mesh)}" if eager else
+                    f"{name}: {leaf_names[k]}",
+                    "is gathered whole along that mesh dim by every eager operator on it" if eager
+                    else f"is gathered whole along that mesh dim when the program starts "
+                         f"({sum(nbytes)} bytes per device per call)")
 
     def run(*blocks):
         blocks = [b if s is None else gather_local(b, s, mesh, d.shape)

@@ -532,8 +532,7 @@ def _param_placements(targets: _Targets, shapes: Mapping[str, tuple],
         if is_uneven(layout, mesh, shapes[path]):
             warn_uneven(layout, mesh, shapes[path], what,
                         f"is stored split (padded) but computed whole, gathered at every step; "
-                        f"or drop {path!r} from pattern {pattern!r} of the parallelize_plan",
-                        stacklevel=5)
+                        f"or drop {path!r} from pattern {pattern!r} of the parallelize_plan")
         out[path] = placements
     return out
 
