@@ -513,3 +513,17 @@ def test_closed_over_dtensors_inside_jax_jit_give_global_arrays():
     f = dist.jit(lambda a, b: jnp.tanh(a @ b))
     got = jax.jit(lambda: jnp.sum(f(dx, dw)))()  # no traced argument reaches f
     np.testing.assert_allclose(float(got), np.tanh(x @ w).sum(), rtol=1e-5)
+
+
+def test_partial_outputs_asked_for_under_an_outer_jit_or_grad_are_reduced_in_jitted_code():
+    # out_placements Partial: the global array is made by jitted programs, which an outer
+    # trace takes (the eager reshard refuses traced values)
+    x, w, dx, dw = _split_inputs()
+    a, b = dist.shard_tensor(x, MESH4, ["S(1)"]), dist.shard_tensor(w, MESH4, ["S(0)"])
+    f = dist.jit(lambda a, b: a @ b, out_placements=[["P(sum)"]])
+    assert f(a, b).placements == [dist.Partial()]
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda a, b: f(a, b) * 2)(a, b)), 2 * x @ w,
+                               rtol=1e-5, atol=1e-5)
+    got = jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2))(a, b)
+    want = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2))(x, w)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)

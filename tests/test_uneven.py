@@ -263,3 +263,10 @@ def test_eager_operators_warn_once_per_tensor_layout_at_the_users_line():
     assert len(uneven) == 1 and uneven[0].filename == __file__, uneven
     assert "a DistTensor stored as [R, S(0)]" in str(uneven[0].message)
     np.testing.assert_allclose(c.numpy(), np.full(3, 21.0))
+
+
+def test_a_closed_over_uneven_partial_tensor_enters_as_its_global_value():
+    b = dist.reshard(dist.shard_tensor(X, MESH24, ["R", "R"]), MESH24, ["P(sum)", "S(0)"])
+    x = dist.shard_tensor(np.ones((8, 6), np.float32), MESH24, ["R", "R"])
+    got = dist.jit(lambda x: x.sum() + b.sum())(x)  # b.sum(): an eager operator, traced
+    np.testing.assert_allclose(got.numpy(), 48.0 + X.sum(), rtol=1e-5)

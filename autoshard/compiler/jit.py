@@ -21,7 +21,7 @@ from ..physical import physical_shape, physical_sharding, physical_spec
 from ..placement import Placement
 from ..uneven import (even_part, gather_local, gathered_bytes, is_uneven, split_local,
                       uneven_dims, warn_uneven)
-from .dtypes import is_extended, normalize
+from .dtypes import cost_dtype, is_extended, normalize
 from .explain import Explanation
 from .gc_pause import gc_paused
 from .partition import local_function
@@ -407,14 +407,19 @@ def _differentiated(values) -> bool:
 
 
 def _global_array(x: DistTensor):
-    """The logical value as a jax array: non-Partial layouts are their physical array."""
-    from ..reshard.api import reshard, to_even
+    """The logical value as a jax array: non-Partial layouts are their physical array.
+
+    Runs under an outer trace too (a closed-over tensor, a Partial output under jax.jit):
+    only jitted programs, no eager reshard (which refuses traced values)."""
+    from ..reshard.api import plan_layouts, to_even
+    from ..reshard.execute import execute
 
     x = to_even(x)  # padding cut off
     if not x.layout.partial:
         return x.physical
-
-    return reshard(x, x.mesh, x.layout.without_partial().placements(x.mesh)).physical
+    plan = plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, x.mesh,
+                        x.layout.without_partial(), default_cost_model())
+    return execute(plan, x.physical)
 
 
 def _is_placements(x) -> bool:
