@@ -527,3 +527,18 @@ def test_partial_outputs_asked_for_under_an_outer_jit_or_grad_are_reduced_in_jit
     got = jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2))(a, b)
     want = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2))(x, w)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("out", [["S(0)", "P(max)"], ["S(0)", "P(min)"], ["R", "P(max)"],
+                                 ["S(0)", "P(avg)"], ["S(0)", "P(sum)"]], ids=str)
+def test_a_pending_sum_asked_for_as_another_partial_is_reduced_after_the_steps(out):
+    # the sum pending on the add's output rides through the dot; the output's target makes a
+    # Partial(max) of its own, which does not commute with the dot: the sum is reduced where
+    # the output needs it (it was moved before the dot: every value came out -inf)
+    rng = np.random.default_rng(0)
+    x, y, w = (rng.normal(size=s).astype(np.float32) for s in [(4, 8), (4, 8), (8, 8)])
+    a = dist.shard_tensor(x, MESH24, ["R", "R"])
+    b = dist.reshard(dist.shard_tensor(y, MESH24, ["R", "R"]), MESH24, ["R", "P(sum)"])
+    f = dist.jit(lambda a, b, w: (a + b) @ w, out_placements=[out])
+    got = f(a, b, dist.shard_tensor(w, MESH24, ["R", "R"]))
+    np.testing.assert_allclose(got.numpy(), (x + y) @ w, rtol=1e-5, atol=1e-5)

@@ -115,8 +115,11 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
         if not moves or any(m is None for m in moves):
             continue  # a reader takes the value as it is: nothing to move
         dst, now = moves[0].dst, actual[last]
-        if any(m.dst != dst for m in moves) or set(dst.partial) >= set(now.partial):
-            continue  # readers disagree, or nothing is reduced (a gather has no reason to move)
+        if any(m.dst != dst for m in moves) or not set(dst.partial) < set(now.partial):
+            # readers disagree, nothing is reduced (a gather has no reason to move), or the
+            # target adds a Partial of its own (a sum reduced, then made a Partial(max)): the
+            # steps on the way commute with the reduction, not with making a new Partial
+            continue
         if chain and dst.dims != now.dims:
             continue  # a reduce-scatter split into an all-reduce and a slice would cost more
         if not before_transpose and (local_nbytes(v.shape, v.dtype, actual[v], sizes)
