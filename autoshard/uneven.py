@@ -4,10 +4,10 @@ jax arrays shard evenly only, so such a tensor is *stored* padded: the dim grows
 multiple of its device count (zeros at the end) and each device holds ceil(size / n) rows, the
 last ones partly or wholly padding. The padding never reaches a computation: dist.jit programs
 compute on even layouts only. Where a value stored unevenly enters a program (or an eager
-reshard), its uneven dims are gathered whole along their axes and the padding is cut off
-(`gather_local`, an all-gather the plan lists); where a program's output, or a reshard's
-target, asks for an uneven placement, the whole dim is padded and each device keeps its block
-(`split_local`, no communication).
+reshard), its uneven dims are gathered whole along their axes and the padding is cut off (the
+reshard atom `GatherUneven`, an all-gather the plans list); where a program's output, or a
+reshard's target, asks for an uneven placement, the whole dim is padded and each device keeps
+its block (`SplitUneven`, no communication). This module is the layout arithmetic.
 """
 from __future__ import annotations
 
@@ -92,60 +92,4 @@ def pad_global(x: Any, layout: Layout, mesh: ProcessMesh, shape: Sequence[int], 
     return xp.pad(x, [(0, p - s) for s, p in zip(shape, padded)])
 
 
-def gather_local(block, layout: Layout, mesh: ProcessMesh, shape: Sequence[int]):
-    """Inside shard_map: this device's stored block of `layout` → its block of `even_part`.
-
-    `block` may carry the leading slot axis of a Partial layout (physical.py)."""
-    lead = 1 if layout.partial else 0
-    for d in uneven_dims(layout, mesh, shape):
-        axes = layout.dims[d]
-        block = lax.all_gather(block, axes if len(axes) > 1 else axes[0], axis=d + lead,
-                               tiled=True, to="invarying")
-        block = lax.slice_in_dim(block, 0, shape[d], axis=d + lead)
-    return block
-
-
-def split_local(block, layout: Layout, mesh: ProcessMesh, shape: Sequence[int]):
-    """Inside shard_map: this device's block of `even_part(layout)` → its stored block of
-    `layout` (no communication: every device holds the whole dim and keeps its rows)."""
-    from .reshard.steps import ensure_varying  # reshard/ builds on this module
-
-    lead = 1 if layout.partial else 0
-    sizes = mesh.axis_sizes
-    padded = padded_shape(layout, mesh, shape)
-    for d in uneven_dims(layout, mesh, shape):
-        axes = layout.dims[d]
-        n = math.prod(sizes[a] for a in axes)
-        widths = [(0, 0)] * block.ndim
-        widths[d + lead] = (0, padded[d] - shape[d])
-        block = lax.pad(block, np.zeros((), block.dtype), [(lo, hi, 0) for lo, hi in widths])
-        index = None  # this device's block number along the dim (major axis first)
-        for a in axes:
-            i = lax.axis_index(a)
-            index = i if index is None else lax.add(lax.mul(index, np.int32(sizes[a])), i)
-        step = padded[d] // n
-        block = ensure_varying(block, axes)  # it now differs per device along `axes`
-        block = lax.dynamic_slice_in_dim(block, lax.mul(index, np.int32(step)), step, axis=d + lead)
-    return block
-
-
-def gathered_bytes(layout: Layout, mesh: ProcessMesh, shape: Sequence[int],
-                   itemsize: int) -> list[int]:
-    """Bytes one device receives gathering each uneven dim of a stored value whole, in order
-    (`gather_local`), counting the padding it receives."""
-    padded = padded_shape(layout, mesh, shape)
-    local = [p // n for p, n in zip(padded, _counts(layout, mesh))]
-    if layout.partial:
-        local.insert(0, 1)
-    lead = 1 if layout.partial else 0
-    out = []
-    for d in uneven_dims(layout, mesh, shape):
-        before = math.prod(local)
-        local[d + lead] = padded[d]
-        out.append((math.prod(local) - before) * itemsize)
-        local[d + lead] = shape[d]  # the padding is cut off before the next dim is gathered
-    return out
-
-
-__all__ = ["UnevenShardingWarning", "warn_uneven", "uneven_dims", "is_uneven", "padded_shape", "even_part", "pad_global", "gather_local",
-           "split_local", "gathered_bytes"]
+__all__ = ["UnevenShardingWarning", "warn_uneven", "uneven_dims", "is_uneven", "padded_shape", "even_part", "pad_global"]

@@ -15,6 +15,7 @@ import pytest
 import autoshard as dist
 from autoshard.hlo import count_collectives
 from autoshard.testing import logical_value, make_tensor, mse_step
+from autoshard.uneven import uneven_dims
 
 MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 MESH4 = dist.ProcessMesh([0, 1, 2, 3], ["x"])
@@ -270,3 +271,25 @@ def test_a_closed_over_uneven_partial_tensor_enters_as_its_global_value():
     x = dist.shard_tensor(np.ones((8, 6), np.float32), MESH24, ["R", "R"])
     got = dist.jit(lambda x: x.sum() + b.sum())(x)  # b.sum(): an eager operator, traced
     np.testing.assert_allclose(got.numpy(), 48.0 + X.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("src,dst", [(["R", "S(0)"], ["R", "S(1)"]), (["S(0)", "S(0)"], ["R", "R"]),
+                                     (["S(1)", "P(sum)"], ["S(1)", "S(0)"]),
+                                     (["R", "R"], ["S(1)", "S(0)"])], ids=str)
+def test_plan_reshard_lists_the_uneven_gather_and_the_hlo_has_exactly_its_collectives(src, dst):
+    from autoshard.reshard.execute import compiled_hlo
+
+    d = dist.shard_tensor(X, MESH24, src)
+    plan = dist.plan_reshard(d, MESH24, dst)
+    assert plan.src == d.layout  # the stored layout, uneven dims included
+    gathers = [s for s in plan.steps if s.step.kind == "gather_uneven"]
+    assert len(gathers) == len(uneven_dims(d.layout, MESH24, X.shape))
+    assert all(s.bytes_per_device > 0 for s in gathers) and plan.total_bytes >= sum(
+        s.bytes_per_device for s in gathers)
+    compiled = Counter()
+    for text in compiled_hlo(plan, d.physical):
+        compiled += count_collectives(text)
+    assert compiled == Counter(plan.collectives)
+    out = dist.reshard(d, MESH24, dst)
+    np.testing.assert_allclose(out.numpy(), X, rtol=1e-6)
+    _blocks_agree(out, X)

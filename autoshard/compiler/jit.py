@@ -19,8 +19,8 @@ from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import physical_shape, physical_sharding, physical_spec
 from ..placement import Placement
-from ..uneven import (even_part, gather_local, gathered_bytes, is_uneven, split_local,
-                      uneven_dims, warn_uneven)
+from ..reshard.planner import uneven_steps
+from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
 from .explain import Explanation
 from .gc_pause import gc_paused
@@ -356,23 +356,30 @@ _EAGER_WARNED: set = set()  # (layout, mesh, shape) an eager operator has warned
 
 def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, stored_out,
                             name: str, leaf_names: list[str], *, eager: bool = False) -> Callable:
-    """`local` between the stored blocks of uneven inputs / outputs and their even parts; the
-    entry gathers join the plan's collectives (the HLO has them), with a warning each (eager
-    operators: once per tensor layout, not once per operator)."""
-    mesh = plan.mesh
+    """`local` between the stored blocks of uneven inputs / outputs and their even parts (the
+    reshard atoms of uneven dims); the entry gathers join the plan's collectives (the HLO has
+    them), with a warning each (eager operators: once per tensor layout, not per operator)."""
+    mesh, sizes = plan.mesh, plan.mesh.axis_sizes
+    cost_model = plan.cost_model or default_cost_model()
+
+    def steps(layout, shape, dtype, gather):
+        return None if layout is None else uneven_steps(mesh, layout, shape, cost_dtype(dtype),
+                                                        cost_model, gather=gather)
+
+    entry = [steps(s, d.shape, d.dtype, True) for s, d in zip(stored_in, described)]
+    exit_ = [steps(s, v.shape, v.dtype, False)
+             for s, v in zip(stored_out, plan.program.outputs)]
     for k, (d, s, v) in enumerate(zip(described, stored_in, plan.program.inputs)):
         if s is None:
             continue
         even = even_part(s, mesh, d.shape)
-        nbytes = gathered_bytes(s, mesh, d.shape, np.dtype(d.dtype).itemsize)
-        for dim, dim_bytes in zip(uneven_dims(s, mesh, d.shape), nbytes):
-            axes = s.dims[dim]
+        for planned in reversed(entry[k]):
             plan.collectives.insert(0, PlannedCollective(
-                "all-gather", f"all_gather({','.join(axes)}) uneven dim {dim}", axes,
-                dim_bytes, repr(v), "entry", "(program entry)",
-                f"{name}: {leaf_names[k]} is stored as {s.describe(mesh)} with dim {dim} "
-                f"({d.shape[dim]}) uneven over {'×'.join(axes)}; programs compute it as "
-                f"{even.describe(mesh)}"))
+                "all-gather", str(planned.step), planned.step.axes, planned.bytes_per_device,
+                repr(v), "entry", "(program entry)",
+                f"{name}: {leaf_names[k]} is stored as {s.describe(mesh)}, dim "
+                f"{planned.step.dim} uneven; programs compute it as {even.describe(mesh)}"))
+        nbytes = [p.bytes_per_device for p in entry[k]]
         if eager:
             if (s, mesh, d.shape) in _EAGER_WARNED:
                 continue
@@ -384,12 +391,18 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
                     else f"is gathered whole along that mesh dim when the program starts "
                          f"({sum(nbytes)} bytes per device per call)")
 
+    def moved(x, layout, planned):
+        if planned is None:
+            return x
+        if layout.partial:
+            x = x[0]  # the slot axis of a Partial layout (physical.py)
+        for p in planned:
+            x = p.step.run(x, sizes)
+        return x[None] if layout.partial else x
+
     def run(*blocks):
-        blocks = [b if s is None else gather_local(b, s, mesh, d.shape)
-                  for b, s, d in zip(blocks, stored_in, described)]
-        outs = local(*blocks)
-        return [o if s is None else split_local(o, s, mesh, v.shape)
-                for o, s, v in zip(outs, stored_out, plan.program.outputs)]
+        outs = local(*[moved(b, s, p) for b, s, p in zip(blocks, stored_in, entry)])
+        return [moved(o, s, p) for o, s, p in zip(outs, stored_out, exit_)]
 
     return run
 
@@ -411,14 +424,14 @@ def _global_array(x: DistTensor):
 
     Runs under an outer trace too (a closed-over tensor, a Partial output under jax.jit):
     only jitted programs, no eager reshard (which refuses traced values)."""
-    from ..reshard.api import plan_layouts, to_even
+    from ..reshard.api import plan_layouts
     from ..reshard.execute import execute
 
-    x = to_even(x)  # padding cut off
-    if not x.layout.partial:
+    whole = even_part(x.layout.without_partial(), x.mesh, x.shape)  # padding cut off
+    if whole == x.layout:
         return x.physical
-    plan = plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, x.mesh,
-                        x.layout.without_partial(), default_cost_model())
+    plan = plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, x.mesh, whole,
+                        default_cost_model())
     return execute(plan, x.physical)
 
 

@@ -4,31 +4,36 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-import jax
 import numpy as np
 
+from ..compiler.dtypes import cost_dtype
 from ..cost_model import CostModel, default_cost_model
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import PlacementTypeError, ReshardError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Placement
-from ..physical import physical_spec
-from ..uneven import even_part, gather_local, is_uneven, split_local
+from ..uneven import even_part
 from .execute import execute
-from .planner import ReshardPlan, plan_on_mesh
+from .planner import ReshardPlan, plan_on_mesh, uneven_steps
 from .transfer import plan_across_meshes
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_layouts(shape: tuple[int, ...], dtype: str, src_mesh: ProcessMesh, src: Layout,
                  dst_mesh: ProcessMesh, dst: Layout, cost_model: CostModel) -> ReshardPlan:
-    """The plan between two layouts; same-mesh plans are one program, others add a transfer."""
+    """The plan between two layouts; same-mesh plans are one program, others add a transfer.
+
+    A dim stored unevenly (uneven.py) moves whole: gathered first, split again last."""
+    gather = uneven_steps(src_mesh, src, shape, dtype, cost_model, gather=True)
+    split = uneven_steps(dst_mesh, dst, shape, dtype, cost_model, gather=False)
+    a = gather[-1].after if gather else src
+    b = split[0].before if split else dst
     if src_mesh == dst_mesh:
-        steps = plan_on_mesh(src_mesh, src, dst, shape, dtype, cost_model)
+        steps = plan_on_mesh(src_mesh, a, b, shape, dtype, cost_model)
     else:
-        steps = plan_across_meshes(src_mesh, src, dst_mesh, dst, shape, dtype, cost_model)
-    return ReshardPlan(shape, dtype, src_mesh, src, dst_mesh, dst, steps)
+        steps = plan_across_meshes(src_mesh, a, dst_mesh, b, shape, dtype, cost_model)
+    return ReshardPlan(shape, dtype, src_mesh, src, dst_mesh, dst, gather + steps + split)
 
 
 def _check_tensor(x, verb: str) -> DistTensor:
@@ -47,43 +52,23 @@ def _check_tensor(x, verb: str) -> DistTensor:
 
 def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | str], *,
                  cost_model: CostModel | None = None) -> ReshardPlan:
-    """The steps that would reshard `x` onto (mesh, placements), with bytes per device.
-
-    A dim stored unevenly (uneven.py) moves whole: the steps are those between the layouts
-    with such dims whole, after the gather that makes them so."""
+    """The steps that would reshard `x` onto (mesh, placements), with bytes per device."""
     x = _check_tensor(x, "plan_reshard")
     mesh = as_process_mesh(mesh)
     dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
-    return plan_layouts(x.shape, np.dtype(x.dtype).name, x.mesh,
-                        even_part(x.layout, x.mesh, x.shape), mesh,
-                        even_part(dst, mesh, x.shape), cost_model or default_cost_model())
-
-
-@functools.lru_cache(maxsize=512)
-def _uneven_program(mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], gather: bool):
-    """The jitted shard_map between `layout`, stored unevenly, and its even part: gathering
-    the uneven dims whole, or (gather False) keeping each device's rows of them."""
-    even = even_part(layout, mesh, shape)
-    src, dst = (layout, even) if gather else (even, layout)
-    move = gather_local if gather else split_local
-    return jax.jit(jax.shard_map(lambda block: move(block, layout, mesh, shape),
-                                 mesh=mesh.to_jax(), in_specs=physical_spec(src, mesh),
-                                 out_specs=physical_spec(dst, mesh), check_vma=True))
+    return plan_layouts(x.shape, np.dtype(x.dtype).name, x.mesh, x.layout, mesh, dst,
+                        cost_model or default_cost_model())
 
 
 def to_even(x: DistTensor) -> DistTensor:
-    """`x` with the dims it stores unevenly gathered whole (itself if there are none)."""
+    """`x` with the dims it stores unevenly gathered whole (itself if there are none); jitted
+    code only, so it runs under an outer trace too."""
     even = even_part(x.layout, x.mesh, x.shape)
     if even is x.layout:
         return x
-    moved = _uneven_program(x.mesh, x.layout, x.shape, True)(x.physical)
-    return make_dtensor(moved, x.mesh, even, x.shape)
-
-
-def to_uneven(x: DistTensor, layout: Layout) -> DistTensor:
-    """`x`, laid out as `even_part(layout)`, stored as `layout` (local slicing only)."""
-    moved = _uneven_program(x.mesh, layout, x.shape, False)(x.physical)
-    return make_dtensor(moved, x.mesh, layout, x.shape)
+    plan = plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, x.mesh, even,
+                        default_cost_model())
+    return make_dtensor(execute(plan, x.physical), x.mesh, even, x.shape)
 
 
 def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | str], *,
@@ -100,14 +85,6 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
 
         return annotate(x, mesh, placements, force=True)
     mesh.devices()  # a destination with devices this process lacks fails here, with the ids
-    x = _check_tensor(x, "reshard")
-    dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
-    if x.mesh == mesh and x.layout == dst:
-        return x
-    if is_uneven(dst, mesh, x.shape):  # computed on the even part, then stored as asked
-        return to_uneven(reshard(x, mesh, even_part(dst, mesh, x.shape).placements(mesh),
-                                 cost_model=cost_model), dst)
-    x = to_even(x)
     plan = plan_reshard(x, mesh, placements, cost_model=cost_model)
     if not plan.steps and plan.src_mesh == plan.dst_mesh:
         return x
@@ -118,4 +95,4 @@ def _describe(x: DistTensor) -> str:
     return f"{np.dtype(x.dtype).name}{list(x.shape)}"
 
 
-__all__ = ["plan_reshard", "reshard", "plan_layouts", "to_even", "to_uneven"]
+__all__ = ["plan_reshard", "reshard", "plan_layouts", "to_even"]

@@ -20,8 +20,8 @@ from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
-from .steps import (AllGather, AllReduce, AllToAll, LocalSlice, MakePartial, ReduceScatter,
-                    ShardToPartial, Step)
+from .steps import (AllGather, AllReduce, AllToAll, GatherUneven, LocalSlice, MakePartial,
+                    ReduceScatter, ShardToPartial, SplitUneven, Step)
 
 
 @dataclass(frozen=True)
@@ -188,4 +188,34 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
     return tuple(reversed(steps))
 
 
-__all__ = ["PlannedStep", "ReshardPlan", "plan_on_mesh", "format_bytes"]
+def uneven_steps(mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], dtype: str,
+                 cost_model: CostModel, *, gather: bool) -> tuple[PlannedStep, ...]:
+    """Between `layout`, whose devices do not divide some dims (stored padded, uneven.py),
+    and its even part (those dims whole): their gathers (`gather`), else their splits."""
+    from ..uneven import even_part, padded_shape, uneven_dims  # uneven.py builds on layouts
+
+    sizes = mesh.axis_sizes
+    itemsize = np.dtype(dtype).itemsize
+    now = list(padded_shape(layout, mesh, shape))  # the stored shape, as dims are gathered
+    steps: list[PlannedStep] = []
+    here = layout if gather else even_part(layout, mesh, shape)
+    for d in uneven_dims(layout, mesh, shape):
+        axes = layout.dims[d]
+        n = math.prod(sizes[a] for a in axes)
+        if gather:
+            step: Step = GatherUneven(axes, d, shape[d])
+            # the padded block of every device arrives, the padding with it
+            wire = math.prod(here.local_shape(now, sizes)) * (n - 1) * itemsize
+            now[d] = shape[d]
+            seconds = cost_model.collective(axes, wire)
+        else:
+            step = SplitUneven(axes, d, shape[d])
+            wire = 0
+            seconds = cost_model.local(math.prod(here.local_shape(shape, sizes)) * itemsize)
+        after = step.after(here, shape, sizes)
+        steps.append(PlannedStep(step, mesh, here, after, int(wire), seconds))
+        here = after
+    return tuple(steps)
+
+
+__all__ = ["PlannedStep", "ReshardPlan", "plan_on_mesh", "uneven_steps", "format_bytes"]

@@ -124,6 +124,68 @@ class AllGather(Step):
         return f"all_gather({','.join(self.gathered)}) dim {self.dim}"
 
 
+@dataclass(frozen=True)
+class GatherUneven(Step):
+    """A dim stored padded (its devices do not divide it, uneven.py) gathered whole over all
+    its axes, the padding cut off: the way into the even layouts programs compute with."""
+
+    gathered: tuple[str, ...]
+    dim: int
+    size: int  # the dim's logical size
+    kind: ClassVar[str] = "gather_uneven"
+    hlo: ClassVar[str] = "all-gather"
+
+    @property
+    def axes(self):
+        return self.gathered
+
+    def after(self, layout, shape, sizes):
+        if layout.dims[self.dim] != self.gathered:
+            return None
+        return layout.with_dim(self.dim, ())
+
+    def run(self, x, sizes):
+        x = lax.all_gather(x, _axis_arg(self.gathered), axis=self.dim, tiled=True,
+                           to="invarying")
+        return lax.slice_in_dim(x, 0, self.size, axis=self.dim)
+
+    def __str__(self):
+        return f"all_gather({','.join(self.gathered)}) dim {self.dim} (uneven, {self.size})"
+
+
+@dataclass(frozen=True)
+class SplitUneven(Step):
+    """A whole dim stored split over devices that do not divide it: padded with zeros to a
+    multiple of them, each device keeps its block of ceil(size / devices) rows (no
+    communication)."""
+
+    split: tuple[str, ...]
+    dim: int
+    size: int
+    kind: ClassVar[str] = "split_uneven"
+
+    @property
+    def axes(self):
+        return self.split
+
+    def after(self, layout, shape, sizes):
+        if layout.dims[self.dim]:
+            return None
+        return layout.with_dim(self.dim, self.split)
+
+    def run(self, x, sizes):
+        n = _group_size(self.split, sizes)
+        step = -(-self.size // n)
+        widths = [(0, 0, 0)] * x.ndim
+        widths[self.dim] = (0, step * n - self.size, 0)
+        x = ensure_varying(lax.pad(x, np.zeros((), x.dtype), widths), self.split)
+        start = lax.mul(_linear_axis_index(self.split, sizes), np.int32(step))
+        return lax.dynamic_slice_in_dim(x, start, step, axis=self.dim)
+
+    def __str__(self):
+        return f"split({','.join(self.split)}) dim {self.dim} (uneven, {self.size})"
+
+
 def _differentiable_choice(choose, x, axes):
     """pmax / pmin of `x` over `axes`, with a derivative (jax defines none for them, and a
     partitioned program is differentiated when jax.grad is taken outside dist.jit): the tangent
