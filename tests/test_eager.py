@@ -412,3 +412,13 @@ def test_random_eager_sequences_equal_numpy_at_every_step(case):
         a, x = _STEPS[name](a, b), np.asarray(_STEPS[name](x, y), np.float32)
         assert isinstance(a, dist.DistTensor) and a.shape == x.shape, name
         np.testing.assert_allclose(a.numpy(), x, rtol=1e-4, atol=1e-3 * (1 + np.abs(x).max()))
+
+
+def test_an_empty_partial_result_keeps_one_slot_per_device():
+    from autoshard.testing import logical_value, make_tensor
+
+    mesh = dist.ProcessMesh([0, 1, 2, 3], ["x"])
+    a = make_tensor(np.ones((4, 8), np.float32), mesh, ["P(sum)"], 1)
+    r = a[4:]  # shape (0, 8), still Partial
+    assert r.placements == [dist.Partial()] and r.physical.sharding.spec == r.sharding.spec
+    assert logical_value(r).shape == (0, 8)

@@ -316,7 +316,10 @@ class DistributedFunction:
         physical = self._physical_inputs(entry, leaves)
         outs = entry.call(*physical)
         plan = entry.plan
-        wrapped = [DistTensor(o, plan.mesh, L, v.shape)
+        wrapped = [DistTensor(o if o.size or isinstance(o, jax.core.Tracer) else
+                              # jax hands an empty result back replicated: give it its layout
+                              jax.device_put(o, physical_sharding(L, plan.mesh)),
+                              plan.mesh, L, v.shape)
                    for o, L, v in zip(outs, entry.stored_outputs, plan.program.outputs)]
         if outer:
             self._check_differentiable(entry, leaves)
