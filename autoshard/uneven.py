@@ -18,7 +18,6 @@ import warnings
 from typing import Any, Sequence
 
 import numpy as np
-from jax import lax
 
 from .layout import Layout
 from .mesh import ProcessMesh
@@ -92,4 +91,5 @@ def pad_global(x: Any, layout: Layout, mesh: ProcessMesh, shape: Sequence[int], 
     return xp.pad(x, [(0, p - s) for s, p in zip(shape, padded)])
 
 
-__all__ = ["UnevenShardingWarning", "warn_uneven", "uneven_dims", "is_uneven", "padded_shape", "even_part", "pad_global"]
+__all__ = ["UnevenShardingWarning", "warn_uneven", "uneven_dims", "is_uneven", "padded_shape",
+           "even_part", "pad_global"]
