@@ -427,15 +427,9 @@ def _global_array(x: DistTensor):
 
     Runs under an outer trace too (a closed-over tensor, a Partial output under jax.jit):
     only jitted programs, no eager reshard (which refuses traced values)."""
-    from ..reshard.api import plan_layouts
-    from ..reshard.execute import execute
+    from ..reshard.api import to_even
 
-    whole = even_part(x.layout.without_partial(), x.mesh, x.shape)  # padding cut off
-    if whole == x.layout:
-        return x.physical
-    plan = plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, x.mesh, whole,
-                        default_cost_model())
-    return execute(plan, x.physical)
+    return to_even(x, reduce_partial=True).physical
 
 
 def _is_placements(x) -> bool:

@@ -60,11 +60,11 @@ def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placemen
                         cost_model or default_cost_model())
 
 
-def to_even(x: DistTensor) -> DistTensor:
-    """`x` with the dims it stores unevenly gathered whole (itself if there are none); jitted
-    code only, so it runs under an outer trace too."""
-    even = even_part(x.layout, x.mesh, x.shape)
-    if even is x.layout:
+def to_even(x: DistTensor, *, reduce_partial: bool = False) -> DistTensor:
+    """`x` with the dims it stores unevenly gathered whole (and its Partial reduced, if asked;
+    itself if there is nothing to do); jitted code only, so it runs under an outer trace too."""
+    even = even_part(x.layout.without_partial() if reduce_partial else x.layout, x.mesh, x.shape)
+    if even == x.layout:
         return x
     plan = plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, x.mesh, even,
                         default_cost_model())

@@ -16,7 +16,6 @@ import orbax.checkpoint as ocp
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError
 from ..physical import physical_sharding
-from ..placement import Replicate
 from ..layout import Layout
 from ..reshard.api import reshard, to_even
 from ..uneven import even_part
@@ -51,11 +50,9 @@ def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
 
 def _to_saveable(key: str, x: Any) -> Any:
     if isinstance(x, DistTensor):
-        x = to_even(x)  # a dim stored padded (uneven.py) is written whole, without the padding
-        x = x if not x.layout.partial else reshard(
-            x, x.mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+        # Partial reduced; a dim stored padded (uneven.py) written whole, without the padding.
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
-        return x.physical
+        return to_even(x, reduce_partial=True).physical
     if isinstance(x, jax.core.Tracer):
         raise CheckpointError(f"save_state_dict got a traced value for {key!r}: save outside "
                               f"jax.jit / dist.jit, on the concrete state")
