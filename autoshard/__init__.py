@@ -29,6 +29,8 @@ from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInp
                               SequenceParallelEnd, parallelize, shard_layer)
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
+from .training.pipeline import PipelineRunner
+from .training.schedule import Schedule, ScheduleError
 from .training.stages import Stage, StageError, StageRunner
 from .training.strategy import Strategy, StrategyError
 
@@ -44,7 +46,8 @@ __all__ = [
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
-    "StrategyError", "Stage", "StageRunner", "StageError", "shard_layer", "parallelize",
+    "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule",
+    "ScheduleError", "shard_layer", "parallelize",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "save_state_dict", "load_state_dict", "CheckpointError",

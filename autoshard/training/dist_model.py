@@ -74,6 +74,12 @@ class DistModel:
     def __init__(self, model: Any, loader: Any, loss_fn: Callable | None, optimizer: Any,
                  strategy: Strategy | None = None):
         self.strategy = strategy if strategy is not None else Strategy()
+        if self.strategy.pipeline.enable:
+            raise DistModelError(
+                "to_static compiles one program on one mesh, so it cannot run "
+                "strategy.pipeline: write the model as one function per stage, each on its "
+                "mesh, and train it with dist.PipelineRunner.from_strategy([dist.Stage(fn, "
+                "mesh), ...], strategy) (see examples/seed_hybrid.py)")
         self._parts = split_model(model)
         self._model = model
         self._loss_fn = loss_fn

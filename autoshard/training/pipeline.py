@@ -1,0 +1,309 @@
+"""Pipeline parallel training: stages on their meshes, micro-batches in a schedule's order.
+
+`PipelineRunner(stages, schedule="1F1B", micro_batches=m)` splits the batch into m
+micro-batches and runs each stage's forward (F) and backward (B, and W when the schedule splits
+the weight gradient off) in the order of the schedule (schedule.py), issuing them from one host
+thread in simulated start order. Each stage is its own dist.jit program on its own mesh and jax
+dispatches asynchronously, so while one mesh computes a micro-batch the host already issues the
+next mesh's work: the stages overlap as the schedule says, with activations and cotangents
+moved between meshes by cross-mesh reshards.
+
+Values are the unpipelined step's: the loss is the mean of the micro-batch losses and the
+gradients are accumulated with the loss cotangent 1/m, which for a loss that is a mean over
+the batch equals the whole batch's loss and gradients (up to float rounding order).
+
+Micro-batches are cut without communication: of each shard of the batch dim (a data-parallel
+rank's rows), micro-batch i takes the i-th 1/m part, so every device keeps its own rows. The
+batch inputs of the first stage and the loss arguments of the last stage are cut the same way,
+so samples stay paired with their labels.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..compiler.jit import jit
+from ..dtensor import DistTensor, make_dtensor
+from ..reshard.api import reshard
+from .schedule import Schedule, ScheduleError, dispatch_order, make_schedule, simulate, validate
+from .stages import Params, Stage, StageError, StageRunner
+
+
+def _shards_of_dim0(x: DistTensor) -> int:
+    """How many blocks the mesh cuts dim 0 of `x` into."""
+    axes = x.layout.dims[0] if x.ndim else ()
+    sizes = x.mesh.axis_sizes
+    return int(np.prod([sizes[a] for a in axes], dtype=int)) if axes else 1
+
+
+def _is_leaf(v: Any) -> bool:
+    return isinstance(v, DistTensor)
+
+
+@functools.lru_cache(maxsize=None)
+def _cutter(groups: int, micro: int, placements: tuple):
+    """A dist.jit program: one batch tensor -> its `micro` micro-batches, placed as it is."""
+
+    def cut(x):
+        rest = x.shape[1:]
+        parts = x.reshape(groups, micro, x.shape[0] // (groups * micro), *rest)
+        return [parts[:, i].reshape(-1, *rest) for i in range(micro)]
+
+    return jit(cut, out_placements=[list(placements)] * micro)
+
+
+def _cut_numpy(x: np.ndarray, groups: int, micro: int) -> list:
+    rest = x.shape[1:]
+    parts = x.reshape(groups, micro, x.shape[0] // (groups * micro), *rest)
+    return [parts[:, i].reshape(-1, *rest) for i in range(micro)]
+
+
+class _Pullback:
+    """A stage's backward for one micro-batch: jax's vjp of its dist.jit program.
+
+    Split schedules (ZBH1) ask for the input gradient (B) and the parameter gradients (W)
+    apart. Each is one jitted function of the vjp's residuals, so XLA drops the other half of
+    the backward: B computes no weight gradient, W no input gradient. The residuals of every
+    micro-batch have the same structure, so the first micro-batch's pytree structure (which
+    names the backward jaxpr) is reused with the others' residuals, and each half compiles once.
+    """
+
+    __slots__ = ("vjp", "raw", "first", "owner")
+
+    def __init__(self, vjp, raw: bool, first: bool, owner: "PipelineRunner"):
+        self.vjp, self.raw, self.first, self.owner = vjp, raw, first, owner
+
+    def _ct(self, ct: DistTensor):
+        return ct.physical if self.raw else ct
+
+    def both(self, ct: DistTensor) -> tuple[Params, Any]:
+        out = self.vjp(self._ct(ct))
+        return (out[0], None) if self.first else (out[0], out[1])
+
+    def part(self, ct: DistTensor, index: int, stage: int):
+        leaves, treedef = jax.tree_util.tree_flatten(self.vjp)
+        ct = self._ct(ct)
+        key = (stage, index, tuple((np.shape(v), getattr(v, "dtype", None),
+                                    getattr(v, "sharding", None)) for v in leaves))
+        fn = self.owner._halves.get(key)
+        if fn is None:
+            def half(leaves, ct, _treedef=treedef):
+                return jax.tree_util.tree_unflatten(_treedef, leaves)(ct)[index]
+            fn = self.owner._halves[key] = jax.jit(half)
+        return _placed(fn(leaves, ct))
+
+
+def _placed(tree):
+    """DistTensors whose physical arrays sit as their layouts say (a jitted half of a backward
+    hands back what XLA chose: the same sharding, checked here rather than assumed)."""
+    def fix(t):
+        if isinstance(t, DistTensor) and not t.physical.sharding.is_equivalent_to(
+                t.sharding, t.physical.ndim):
+            return DistTensor(jax.device_put(t.physical, t.sharding), t.mesh, t.layout, t.shape)
+        return t
+    return jax.tree.map(fix, tree, is_leaf=_is_leaf)
+
+
+@jit
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+class PipelineRunner(StageRunner):
+    """Trains stages that live on different meshes with a pipeline schedule.
+
+        runner = dist.PipelineRunner([dist.Stage(f0, mesh0), dist.Stage(f1, mesh1)],
+                                     schedule="1F1B", micro_batches=4)
+        loss, grads = runner.value_and_grad(params_per_stage, batch, labels)
+
+    `schedule`: "FThenB", "1F1B", "VPP" (with `chunks` model chunks per rank: stage s runs
+    on the mesh of stage s mod p, p = len(stages) / chunks) or "ZBH1", or a `Schedule` made by
+    hand. `costs`: relative action costs for ordering ({"F": 1, "B": 2} by default).
+    """
+
+    def __init__(self, stages: Sequence[Stage], schedule: str | Schedule = "1F1B",
+                 micro_batches: int = 1, *, chunks: int = 1, costs: dict | None = None):
+        super().__init__(stages)
+        n = len(self.stages)
+        if isinstance(schedule, Schedule):
+            made = schedule
+        else:
+            if not isinstance(chunks, int) or chunks < 1 or n % chunks:
+                raise ScheduleError(f"{n} stages cannot be cut into {chunks!r} chunks per "
+                                    f"pipeline rank: give a number of stages divisible by chunks")
+            made = make_schedule(schedule, n // chunks, micro_batches, chunks)
+        if made.stages != n:
+            raise ScheduleError(f"the schedule {made.name!r} runs {made.stages} stages, but "
+                                f"{n} were given")
+        validate(made)
+        for s, stage in enumerate(self.stages):
+            home = self.stages[made.rank_of(s)].mesh
+            if stage.mesh != home:
+                raise StageError(f"stage {s} is on {stage.mesh!r}, but with {made.chunks} chunks "
+                                 f"per rank it runs on rank {made.rank_of(s)}, whose mesh is "
+                                 f"{home!r}: put stage {s} on that mesh")
+        self.schedule = made
+        self.timeline = simulate(made, costs)
+        self.order = dispatch_order(made, costs)
+        self._halves: dict = {}
+        self._micro_batch_size: int | None = None  # from a Strategy: checked per batch
+
+    @classmethod
+    def from_strategy(cls, stages: Sequence[Stage], strategy: Any) -> "PipelineRunner":
+        """Paddle's pipeline settings: `schedule_mode`, `accumulate_steps` (micro-batches per
+        step), `vpp_degree` (chunks per rank for VPP). `micro_batch_size` is then the batch
+        divided by accumulate_steps, checked when a batch arrives."""
+        pp = strategy.pipeline
+        if not pp.enable:
+            raise ScheduleError("strategy.pipeline.enable is False: set it to True (with "
+                                "schedule_mode and accumulate_steps) to train with a pipeline")
+        runner = cls(stages, pp.schedule_mode, pp.accumulate_steps, chunks=pp.vpp_degree)
+        runner._micro_batch_size = pp.micro_batch_size
+        return runner
+
+    # -- the step ------------------------------------------------------------------------------
+    def value_and_grad(self, params: Sequence[Params], inputs: Any,
+                       *loss_args: Any) -> tuple[DistTensor, list[Params]]:
+        """The mean loss over the micro-batches and, per stage, the gradients of its params."""
+        self._check_params(params)
+        m, last = self.schedule.micro_batches, len(self.stages) - 1
+        micro_in, micro_args = self._micro_batches(inputs, loss_args)
+        sent: dict = {}      # (stage, micro) -> (mesh, placements) its output was produced with
+        outs: dict = {}      # (stage, micro) -> output, until the next stage has taken it
+        pulls: dict = {}     # (stage, micro) -> its backward
+        cts: dict = {}       # (stage, micro) -> cotangent of its output
+        losses: list = [None] * m
+        grads: list = [None] * len(self.stages)
+        split = self.schedule.split_backward
+
+        def accumulate(s: int, g: Params) -> None:
+            grads[s] = g if grads[s] is None else _add(grads[s], g)
+
+        for a in self.order:
+            s, i = a.stage, a.micro
+            if a.kind == "F":
+                x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
+                y, pulls[(s, i)] = self._forward(s, params[s], x, micro_args[i] if s == last
+                                                 else ())
+                if s == last:
+                    losses[i] = self._check_loss(y)
+                else:
+                    outs[(s, i)], sent[(s, i)] = y, (y.mesh, y.placements)
+            elif a.kind == "B":
+                ct = self._seed(losses[i], m) if s == last else cts.pop((s, i))
+                pull = pulls[(s, i)] if split else pulls.pop((s, i))
+                if split:
+                    cts[("W", s, i)] = ct
+                    d_input = None if s == 0 else pull.part(ct, 1, s)
+                else:
+                    g, d_input = pull.both(ct)
+                    accumulate(s, g)
+                if s > 0:
+                    mesh, placements = sent.pop((s - 1, i))
+                    cts[(s - 1, i)] = reshard(d_input, mesh, placements)
+            else:  # W: the weight gradient the split backward left
+                accumulate(s, pulls.pop((s, i)).part(cts.pop(("W", s, i)), 0, s))
+        return self._mean(losses), grads
+
+    def forward(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> DistTensor:
+        """The mean loss over the micro-batches (forwards only, in the schedule's F order)."""
+        self._check_params(params)
+        m, last = self.schedule.micro_batches, len(self.stages) - 1
+        micro_in, micro_args = self._micro_batches(inputs, loss_args)
+        outs, losses = {}, [None] * m
+        for a in self.order:
+            if a.kind != "F":
+                continue
+            s, i = a.stage, a.micro
+            x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
+            y = self.programs[s](params[s], x, *(micro_args[i] if s == last else ()))
+            if s == last:
+                losses[i] = self._check_loss(y)
+            else:
+                outs[(s, i)] = y
+        return self._mean(losses)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _micro_batches(self, inputs: Any, loss_args: tuple) -> tuple[list, list]:
+        """Per micro-batch: the first stage's input and the last stage's extra arguments."""
+        m = self.schedule.micro_batches
+        groups = self._groups(inputs)
+        first = jax.tree.leaves(inputs, is_leaf=_is_leaf)
+        batch = next((x.shape[0] for x in first if getattr(x, "shape", ())), None)
+        if self._micro_batch_size not in (None, 1) and batch is not None \
+                and batch != self._micro_batch_size * m:
+            raise StageError(f"strategy.pipeline.micro_batch_size = {self._micro_batch_size} "
+                             f"with accumulate_steps = {m} makes batches of "
+                             f"{self._micro_batch_size * m}, but the batch has {batch} rows")
+        micro_in = self._cut(inputs, groups, m, "the first stage's input")
+        micro_args = list(zip(*[self._cut(a, groups, m, f"loss argument {k}")
+                                for k, a in enumerate(loss_args)])) or [()] * m
+        return micro_in, micro_args
+
+    def _forward(self, s: int, params: Params, x: Any, extra: tuple) -> tuple[DistTensor,
+                                                                              _Pullback]:
+        program = self.programs[s]
+        if s == 0:  # the batch needs no cotangent
+            out, vjp = jax.vjp(lambda p: program(p, x, *extra), params)
+        else:
+            out, vjp = jax.vjp(lambda p, a: program(p, a, *extra), params, x)
+        y = self._as_dtensor(s, program, (params, x, *extra), out)
+        return y, _Pullback(vjp, not isinstance(out, DistTensor), s == 0, self)
+
+    @staticmethod
+    def _check_loss(y: DistTensor) -> DistTensor:
+        if y.shape != ():
+            raise StageError(f"the last stage returned shape {list(y.shape)}; in a pipeline it "
+                             f"must return the scalar loss of its micro-batch (e.g. jnp.mean)")
+        return y
+
+    @staticmethod
+    def _seed(loss: DistTensor, m: int) -> DistTensor:
+        """The loss cotangent 1/m: the gradients summed over micro-batches are the mean's."""
+        value = jax.device_put(jnp.full((), 1.0 / m, loss.dtype), loss.physical.sharding)
+        return make_dtensor(value, loss.mesh, loss.layout, ())
+
+    @staticmethod
+    def _mean(losses: list) -> DistTensor:
+        return _mean_of(tuple(losses))
+
+    @staticmethod
+    def _groups(inputs: Any) -> int:
+        """Blocks of the batch dim of the first DistTensor input (1 if there is none)."""
+        for leaf in jax.tree.leaves(inputs, is_leaf=_is_leaf):
+            if isinstance(leaf, DistTensor):
+                return _shards_of_dim0(leaf)
+        return 1
+
+    @staticmethod
+    def _cut(tree: Any, groups: int, m: int, what: str) -> list:
+        """`tree` as m micro-batch trees (dim 0 of every array leaf is the batch)."""
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_leaf)
+        columns = []
+        for k, leaf in enumerate(leaves):
+            shape = tuple(getattr(leaf, "shape", ()))
+            if not shape:
+                columns.append([leaf] * m)  # a scalar is every micro-batch's
+                continue
+            if shape[0] % (groups * m):
+                raise StageError(
+                    f"{what} (leaf {k}, shape {list(shape)}): its batch dim {shape[0]} cannot be "
+                    f"cut into {m} micro-batches of each of its {groups} data-parallel shards; "
+                    f"use a batch size divisible by {groups * m} or fewer micro-batches")
+            if isinstance(leaf, DistTensor):
+                columns.append(_cutter(groups, m, tuple(leaf.placements))(leaf))
+            else:
+                columns.append(_cut_numpy(np.asarray(leaf), groups, m))
+        return [jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(m)]
+
+
+@jit
+def _mean_of(losses: tuple):
+    return sum(losses) / len(losses)
+
+
+__all__ = ["PipelineRunner"]
