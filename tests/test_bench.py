@@ -3,6 +3,8 @@ deterministic facts read from compiled programs are asserted, never timings)."""
 import json
 import math
 
+import pytest
+
 from autoshard.bench import compiler
 from autoshard.bench.__main__ import main
 from autoshard.bench.suite import catalog
@@ -64,3 +66,15 @@ def test_compiler_suite(tmp_path):
     # the slope between depths (timing noise may make it any sign, never missing)
     assert "marginal_s_per_10k_eqns" not in one
     assert isinstance(two["marginal_s_per_10k_eqns"], float)
+
+
+def test_pipeline_suite(tmp_path):
+    out = tmp_path / "pipeline.json"
+    assert main(["pipeline", "--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["schedule"], r["micro_batches"]) for r in rows] == [("FThenB", 4), ("1F1B", 4)]
+    for r in rows:
+        assert r["same_values"] is True  # the pipelined step equals the unscheduled one
+        assert r["step_ms"] > 0 and r["blocking_ms"] > 0
+        assert r["sim_bubble"] == pytest.approx(3 / 7, abs=1e-3)  # (p-1)/(m+p-1), p = m = 4
+    assert [r["peak_in_flight"] for r in rows] == [4, 4]

@@ -1,7 +1,8 @@
 """python -m autoshard.bench [--quick] [--json FILE] [--plot FILE.png] [--only KEY ...]
 
 With no suite named, runs the full benchmark (every workload against plain jax.jit) and prints
-the tables and the targets. Other suites: `compiler` (pass time vs XLA compile, GPT bytes) and
+the tables and the targets. Other suites: `compiler` (pass time vs XLA compile, GPT bytes),
+`pipeline` (schedules: simulated bubble, measured step with and without overlap) and
 `report FILE.json ...` (re-print saved runs; with --json/--plot, merge them).
 """
 from __future__ import annotations
@@ -32,6 +33,11 @@ def main(argv=None) -> int:
     comp.add_argument("--scan", type=int, nargs="*", default=[12])
     comp.add_argument("--json")
     comp.add_argument("--quick", action="store_true", help="2 layers unrolled and scanned only")
+    pipe = sub.add_parser("pipeline", help="pipeline schedules: simulated bubble, measured step")
+    pipe.add_argument("--hidden", type=int, default=512)
+    pipe.add_argument("--batch", type=int, default=256)
+    pipe.add_argument("--json")
+    pipe.add_argument("--quick", action="store_true", help="small sizes, two schedules")
     rep = sub.add_parser("report", help="print (and with --json/--plot, merge) saved --json runs")
     rep.add_argument("paths", nargs="+")
     args = parser.parse_args(argv)
@@ -43,6 +49,14 @@ def main(argv=None) -> int:
             run(layers=[2], scan=[2], json_path=args.json)
         else:
             run(layers=args.layers, scan=args.scan, json_path=args.json)
+        return 0
+    if args.suite == "pipeline":
+        from .pipeline import RUNS, run as run_pipeline
+
+        if args.quick:
+            run_pipeline(hidden=32, batch=32, json_path=args.json, runs=RUNS[1:3], repeats=1)
+        else:
+            run_pipeline(hidden=args.hidden, batch=args.batch, json_path=args.json)
         return 0
     from . import report
 

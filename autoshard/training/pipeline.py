@@ -72,10 +72,11 @@ class _Pullback:
     names the backward jaxpr) is reused with the others' residuals, and each half compiles once.
     """
 
-    __slots__ = ("vjp", "raw", "first", "owner")
+    __slots__ = ("vjp", "raw", "first", "owner", "signature")
 
-    def __init__(self, vjp, raw: bool, first: bool, owner: "PipelineRunner"):
+    def __init__(self, vjp, raw: bool, first: bool, owner: "PipelineRunner", signature: tuple):
         self.vjp, self.raw, self.first, self.owner = vjp, raw, first, owner
+        self.signature = signature  # the stage program's operands: what its backward depends on
 
     def _ct(self, ct: DistTensor):
         return ct.physical if self.raw else ct
@@ -87,14 +88,22 @@ class _Pullback:
     def part(self, ct: DistTensor, index: int, stage: int):
         leaves, treedef = jax.tree_util.tree_flatten(self.vjp)
         ct = self._ct(ct)
-        key = (stage, index, tuple((np.shape(v), getattr(v, "dtype", None),
-                                    getattr(v, "sharding", None)) for v in leaves))
+        key = (stage, index, self.signature, tuple(
+            (np.shape(v), getattr(v, "dtype", None), getattr(v, "sharding", None)) for v in leaves))
         fn = self.owner._halves.get(key)
         if fn is None:
             def half(leaves, ct, _treedef=treedef):
                 return jax.tree_util.tree_unflatten(_treedef, leaves)(ct)[index]
             fn = self.owner._halves[key] = jax.jit(half)
         return _placed(fn(leaves, ct))
+
+
+def _signature(args: tuple) -> tuple:
+    """Operands as the stage program sees them: structure, and per leaf shape, dtype, mesh and
+    layout (a numpy or jax leaf by shape and dtype)."""
+    leaves, treedef = jax.tree.flatten(args, is_leaf=_is_leaf)
+    return (treedef, tuple((x.shape, x.dtype, x.mesh, x.layout) if isinstance(x, DistTensor)
+                           else (np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
 
 
 def _placed(tree):
@@ -151,6 +160,9 @@ class PipelineRunner(StageRunner):
         self.order = dispatch_order(made, costs)
         self._halves: dict = {}
         self._micro_batch_size: int | None = None  # from a Strategy: checked per batch
+        # waits for each action's results before issuing the next: the no-overlap baseline
+        # the pipeline benchmark measures against
+        self.blocking = False
 
     @classmethod
     def from_strategy(cls, stages: Sequence[Stage], strategy: Any) -> "PipelineRunner":
@@ -207,6 +219,8 @@ class PipelineRunner(StageRunner):
                     cts[(s - 1, i)] = reshard(d_input, mesh, placements)
             else:  # W: the weight gradient the split backward left
                 accumulate(s, pulls.pop((s, i)).part(cts.pop(("W", s, i)), 0, s))
+            if self.blocking:
+                jax.block_until_ready((list(outs.values()), list(cts.values()), losses, grads))
         return self._mean(losses), grads
 
     def forward(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> DistTensor:
@@ -251,8 +265,9 @@ class PipelineRunner(StageRunner):
             out, vjp = jax.vjp(lambda p: program(p, x, *extra), params)
         else:
             out, vjp = jax.vjp(lambda p, a: program(p, a, *extra), params, x)
-        y = self._as_dtensor(s, program, (params, x, *extra), out)
-        return y, _Pullback(vjp, not isinstance(out, DistTensor), s == 0, self)
+        args = (params, x, *extra)
+        y = self._as_dtensor(s, program, args, out)
+        return y, _Pullback(vjp, not isinstance(out, DistTensor), s == 0, self, _signature(args))
 
     @staticmethod
     def _check_loss(y: DistTensor) -> DistTensor:

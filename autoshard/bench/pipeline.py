@@ -1,0 +1,90 @@
+"""The pipeline suite: each schedule's simulated bubble and held activations beside its measured
+step, dispatched asynchronously (stages overlap as far as the machine lets them) and blocking
+after every action (no overlap), on a 4-stage residual MLP over four 2-device meshes.
+
+    python -m autoshard.bench pipeline [--hidden 512] [--batch 256] [--json FILE]
+
+`overlap` is blocking / async step time: how much of the schedule's concurrency the host
+dispatch turns into wall time. On a machine with fewer cores than simulated devices there is
+little to gain (every stage competes for the same cores); the figure is meant for real
+accelerators. Values are checked against the unscheduled one-batch StageRunner.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autoshard as dist
+
+RUNS = [("1F1B", 1, 1), ("FThenB", 4, 1), ("1F1B", 4, 1), ("ZBH1", 4, 1), ("VPP", 4, 2),
+        ("1F1B", 8, 1)]
+
+
+def _block(p, x):
+    return x + jax.nn.gelu(x @ p["a"]) @ p["b"]
+
+
+def _head(p, x, y):
+    return jnp.mean((_block(p, x) - y) ** 2)
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(mode: str, micro: int, chunks: int, hidden: int, batch: int,
+            repeats: int = 5) -> dict:
+    p = 4 // chunks
+    meshes = [dist.ProcessMesh([2 * k, 2 * k + 1], dim_names=["dp"]) for k in range(p)]
+    rng = np.random.default_rng(0)
+    weights = [{"a": rng.normal(size=(hidden, 4 * hidden)).astype("float32") * 0.02,
+                "b": rng.normal(size=(4 * hidden, hidden)).astype("float32") * 0.02}
+               for _ in range(4)]
+    stages = [dist.Stage(_head if s == 3 else _block, meshes[s % p]) for s in range(4)]
+    params = [{k: dist.shard_tensor(v, st.mesh, [dist.Replicate()]) for k, v in w.items()}
+              for w, st in zip(weights, stages)]
+    x = dist.shard_tensor(rng.normal(size=(batch, hidden)).astype("float32"), meshes[0],
+                          [dist.Shard(0)])
+    y = dist.shard_tensor(rng.normal(size=(batch, hidden)).astype("float32"), stages[-1].mesh,
+                          [dist.Shard(0)])
+    runner = dist.PipelineRunner(stages, mode, micro, chunks=chunks)
+    loss, grads = runner.value_and_grad(params, x, y)  # compiles
+    ref_loss, ref_grads = dist.StageRunner(stages).value_and_grad(params, x, y)
+    same = bool(np.allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-5) and all(
+        np.allclose(g[k].numpy(), r[k].numpy(), rtol=1e-3, atol=1e-6)
+        for g, r in zip(grads, ref_grads) for k in r))
+    step = lambda: runner.value_and_grad(params, x, y)  # noqa: E731
+    runner.blocking = False
+    fast = _timed(step, repeats)
+    runner.blocking = True
+    slow = _timed(step, repeats)
+    t = runner.timeline
+    return {"schedule": mode, "ranks": runner.schedule.ranks, "micro_batches": micro,
+            "chunks": chunks, "sim_bubble": round(t.bubble, 3),
+            "peak_in_flight": max(t.peak_in_flight), "step_ms": round(fast * 1e3, 1),
+            "blocking_ms": round(slow * 1e3, 1), "overlap": round(slow / fast, 2),
+            "same_values": same}
+
+
+def run(hidden: int = 512, batch: int = 256, json_path: str | None = None,
+        runs=RUNS, repeats: int = 5) -> list[dict]:
+    rows = [measure(mode, m, v, hidden, batch, repeats) for mode, m, v in runs]
+    cols = list(rows[0])
+    widths = [max(8, len(c)) for c in cols]
+    print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(f"{str(r[c]):>{w}}" for c, w in zip(cols, widths)))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows

@@ -1,0 +1,263 @@
+"""Pipeline schedules and PipelineRunner: schedules are complete, ordered and as cheap as their
+textbook formulas; a model split into stages on different meshes trains, under every
+schedule, to the same loss, gradients and weights as one device."""
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import autoshard as dist
+from autoshard.hlo import collectives
+from autoshard.training.schedule import (Action, Schedule, ScheduleError, bubble_formula,
+                                         dispatch_order, fthenb, interleaved, make_schedule,
+                                         one_f_one_b, simulate, validate, zero_bubble_h1, _deps)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import pipeline as example  # noqa: E402
+
+R, S = dist.Replicate(), dist.Shard
+
+
+# ------------------------------------------------------------------------------ schedules
+def _assert_complete_and_ordered(s: Schedule) -> None:
+    validate(s)
+    order = dispatch_order(s)
+    kinds = "FBW" if s.split_backward else "FB"
+    assert len(order) == len(kinds) * s.stages * s.micro_batches == len(set(order))
+    position = {a: k for k, a in enumerate(order)}
+    for a in order:
+        assert all(position[d] < position[a] for d in _deps(a, s.stages)), a
+    for r, acts in enumerate(s.actions):  # each rank's order is kept in the dispatch order
+        assert [position[a] for a in acts] == sorted(position[a] for a in acts), r
+        assert all(s.rank_of(a.stage) == r for a in acts)
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 4), (2, 1), (2, 3), (4, 4), (4, 8), (8, 3)])
+@pytest.mark.parametrize("mode", ["FThenB", "1F1B"])
+def test_fthenb_and_1f1b_have_the_textbook_bubble(mode, p, m):
+    s = make_schedule(mode, p, m)
+    _assert_complete_and_ordered(s)
+    t = simulate(s)
+    assert t.bubble == pytest.approx(bubble_formula(mode, p, m))
+    assert t.makespan == pytest.approx(3 * (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 8)])
+def test_1f1b_holds_p_minus_r_micro_batches_fthenb_all(p, m):
+    assert simulate(one_f_one_b(p, m)).peak_in_flight == tuple(min(p - r, m) for r in range(p))
+    assert simulate(fthenb(p, m)).peak_in_flight == (m,) * p
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 4),
+                                   (2, 6, 3)])
+def test_interleaved_shrinks_the_bubble_by_the_chunk_count(p, m, v):
+    s = interleaved(p, m, v)
+    _assert_complete_and_ordered(s)
+    t = simulate(s)
+    assert t.bubble == pytest.approx(bubble_formula("VPP", p, m, v))
+    assert t.bubble < simulate(one_f_one_b(p, m)).bubble
+    # virtual stage c·p + r lives on rank r
+    assert all(a.stage % p == r for r, acts in enumerate(s.actions) for a in acts)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (4, 4), (4, 8), (8, 16), (3, 7)])
+def test_zbh1_fills_the_bubble_with_weight_gradients_in_1f1b_memory(p, m):
+    s = zero_bubble_h1(p, m)
+    assert s.split_backward
+    _assert_complete_and_ordered(s)
+    t, base = simulate(s), simulate(one_f_one_b(p, m))
+    # F = B = W = 1: ZB-H1's makespan is 3m + p - 1 (1F1B: 3m + 3(p - 1))
+    assert t.makespan == pytest.approx(3 * m + p - 1)
+    assert t.bubble < base.bubble
+    assert max(t.peak_in_flight) <= max(base.peak_in_flight)
+
+
+@given(mode=st.sampled_from(["FThenB", "1F1B", "VPP", "ZBH1"]), p=st.integers(1, 6),
+       m=st.integers(1, 9), v=st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_every_schedule_is_complete_ordered_and_no_worse_than_gpipe(mode, p, m, v):
+    v = v if mode == "VPP" else 1
+    if mode == "VPP" and v > 1:
+        m = m * p  # VPP wants a multiple of p micro-batches
+    s = make_schedule(mode, p, m, v)
+    _assert_complete_and_ordered(s)
+    assert simulate(s).makespan <= simulate(fthenb(p, m)).makespan + 1e-9
+
+
+def test_schedule_errors_say_what_is_wrong():
+    good = one_f_one_b(2, 2)
+    with pytest.raises(ScheduleError, match="never run"):
+        validate(Schedule("x", 2, 2, 1, (good.actions[0][:-1], good.actions[1])))
+    with pytest.raises(ScheduleError, match="runs twice"):
+        validate(Schedule("x", 2, 2, 1, (good.actions[0] + good.actions[0][:1], good.actions[1])))
+    with pytest.raises(ScheduleError, match="stage 1 lives on rank 1"):
+        validate(Schedule("x", 2, 2, 1, (good.actions[0] + good.actions[1], ())))
+    # rank 0 wants the backward of micro-batch 0 before it has run its forward
+    stuck = (Action("B", 0, 0), Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 1))
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(Schedule("x", 2, 2, 1, (stuck, good.actions[1])))
+    with pytest.raises(ScheduleError, match="multiple of the pipeline ranks.*use 8"):
+        interleaved(4, 6, 2)
+    with pytest.raises(ScheduleError, match="unknown pipeline schedule 'GPipe'"):
+        make_schedule("GPipe", 2, 2)
+    with pytest.raises(ScheduleError, match="use schedule 'VPP'"):
+        make_schedule("1F1B", 2, 2, chunks=2)
+    with pytest.raises(ScheduleError, match="micro_batches must be a positive int"):
+        one_f_one_b(2, 0)
+
+
+# --------------------------------------------------------------------------------- running
+MESHES_2D = [dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
+             dist.ProcessMesh([[4, 5], [6, 7]], dim_names=["dp", "mp"])]
+MESHES_1D = example.MESHES  # four meshes of two devices, "dp"
+
+
+def _stage_fn(x, p):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _mid(p, x):
+    return _stage_fn(x, p)
+
+
+def _last(p, x, y):
+    return jnp.mean((_stage_fn(x, p) - y) ** 2)
+
+
+def _one_device(ws, x, y):
+    def loss(ws):
+        h = x
+        for p in ws[:-1]:
+            h = _stage_fn(h, p)
+        return _last(ws[-1], h, y)
+    return jax.value_and_grad(loss)(ws)
+
+
+def _setup(meshes, chunks, weight_placements):
+    n = 4
+    p = len(meshes)
+    rng = np.random.default_rng(3)
+    ws = [{"w": rng.normal(size=(16, 16)).astype("float32") * 0.4,
+           "b": rng.normal(size=(16,)).astype("float32") * 0.1} for _ in range(n)]
+    x = rng.normal(size=(8, 16)).astype("float32")
+    y = rng.normal(size=(8, 16)).astype("float32")
+    stages = [dist.Stage(_last if s == n - 1 else _mid, meshes[s % p]) for s in range(n)]
+    batch = [S(0)] + [R] * (meshes[0].ndim - 1)
+    params = [{"w": dist.shard_tensor(w["w"], st.mesh, weight_placements),
+               "b": dist.shard_tensor(w["b"], st.mesh, [R] * st.mesh.ndim)}
+              for w, st in zip(ws, stages)]
+    return (ws, x, y, stages, params, dist.shard_tensor(x, meshes[0], batch),
+            dist.shard_tensor(y, stages[-1].mesh, batch))
+
+
+CASES = [  # (schedule, micro-batches, chunks, meshes, weight placements)
+    ("FThenB", 4, 1, MESHES_1D, [R]),
+    ("1F1B", 2, 1, MESHES_1D, [S(1)]),
+    ("1F1B", 4, 1, MESHES_1D, [R]),
+    ("ZBH1", 4, 1, MESHES_1D, [S(0)]),
+    ("ZBH1", 1, 1, MESHES_1D, [R]),
+    ("VPP", 2, 2, MESHES_2D, [R, S(1)]),
+    # four stages on two 2-d meshes, alternating, without interleaving: stage 2 waits for mesh 0
+    ("1F1B", 2, 1, MESHES_2D * 2, [R, S(0)]),
+]
+
+
+@pytest.mark.parametrize("mode,m,chunks,meshes,placements", CASES)
+def test_pipelined_loss_and_gradients_equal_one_device(mode, m, chunks, meshes, placements):
+    ws, x, y, stages, params, xd, yd = _setup(meshes, chunks, placements)
+    runner = dist.PipelineRunner(stages, mode, m, chunks=chunks)
+    loss, grads = runner.value_and_grad(params, xd, yd)
+    ref_loss, ref_grads = _one_device(ws, x, y)
+    np.testing.assert_allclose(float(loss.numpy()), float(ref_loss), rtol=1e-5)
+    for s, (g, ref, p) in enumerate(zip(grads, ref_grads, params)):
+        for name in ref:
+            np.testing.assert_allclose(g[name].numpy(), ref[name], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"stage {s} {name}")
+            assert g[name].mesh == p[name].mesh, (s, name)
+            assert g[name].physical.sharding.is_equivalent_to(g[name].sharding, g[name].physical.ndim)
+    np.testing.assert_allclose(float(runner.forward(params, xd, yd).numpy()), float(ref_loss),
+                               rtol=1e-5)
+
+
+def test_zbh1_halves_compile_once_and_each_does_only_its_half():
+    ws, x, y, stages, params, xd, yd = _setup(MESHES_1D, 1, [R])
+    runner = dist.PipelineRunner(stages, "ZBH1", 4)
+    runner.value_and_grad(params, xd, yd)
+    runner.value_and_grad(params, xd, yd)
+    # stages 1..3: an input-gradient half and a weight-gradient half; stage 0: weights only
+    assert sorted(key[:2] for key in runner._halves) == [(0, 0), (1, 0), (1, 1), (2, 0),
+                                                           (2, 1), (3, 0), (3, 1)]
+    assert all(fn._cache_size() == 1 for fn in runner._halves.values())
+    # one micro-batch of stage 2 by hand: B's program has one matmul (d x = d h @ w^T), W's
+    # one (d w = x^T @ d h), the fused backward both; their values are the fused backward's
+    micro_x = runner._cut(xd, 2, 4, "x")[0]
+    h = micro_x
+    for s in range(2):
+        h = runner.programs[s](params[s], runner._arrive(s, h))
+    h = runner._arrive(2, h)
+    out, pull = runner._forward(2, params[2], h, ())
+    ct = dist.shard_tensor(np.ones(out.shape, "float32"), out.mesh, out.placements)
+    leaves, treedef = jax.tree_util.tree_flatten(pull.vjp)
+    halves = {key[1]: fn for key, fn in runner._halves.items() if key[0] == 2}
+    ct_in = ct.physical if pull.raw else ct
+    dots = {k: fn.lower(leaves, ct_in).as_text().count("dot_general") for k, fn in halves.items()}
+    fused = jax.jit(lambda leaves, ct: jax.tree_util.tree_unflatten(treedef, leaves)(ct))
+    assert dots == {0: 1, 1: 1}
+    assert fused.lower(leaves, ct_in).as_text().count("dot_general") == 2
+    fused_g, fused_dx = pull.both(ct)
+    np.testing.assert_allclose(pull.part(ct, 1, 2).numpy(), fused_dx.numpy(), rtol=1e-6)
+    for name, g in pull.part(ct, 0, 2).items():
+        np.testing.assert_allclose(g.numpy(), fused_g[name].numpy(), rtol=1e-6)
+
+
+def test_micro_batches_are_cut_without_communication():
+    """Micro-batch i holds the i-th quarter of every data-parallel shard's rows."""
+    x = np.arange(8 * 3, dtype="float32").reshape(8, 3)
+    xd = dist.shard_tensor(x, MESHES_2D[0], [S(0), R])
+    parts = dist.PipelineRunner._cut(xd, 2, 2, "x")
+    for i, part in enumerate(parts):
+        assert part.placements == [S(0), R]
+        np.testing.assert_array_equal(part.numpy(), np.concatenate([x[i * 2:i * 2 + 2],
+                                                                   x[4 + i * 2:4 + i * 2 + 2]]))
+    from autoshard.training.pipeline import _cutter
+    hlo = _cutter(2, 2, (S(0), R)).lower(xd).compile().as_text()
+    assert collectives(hlo) == []
+
+
+def test_the_example_trains_like_one_device_under_every_schedule():
+    reference, ref_params = example.one_device(steps=2)
+    for mode, m, chunks in example.RUNS:
+        losses, params, runner, _ = example.train(mode, m, chunks, steps=2)
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-6, err_msg=mode)
+        for p, ref in zip(params, ref_params):
+            for name in ref:
+                np.testing.assert_allclose(p[name].numpy(), ref[name], rtol=1e-4, atol=1e-5)
+        assert runner.schedule.name == mode and runner.schedule.micro_batches == m
+
+
+def test_pipeline_errors_name_the_fix():
+    ws, x, y, stages, params, xd, yd = _setup(MESHES_1D, 1, [R])
+    with pytest.raises(dist.StageError, match=r"batch dim 8 cannot be cut into 8 micro-batches "
+                                              r"of each of its 2 data-parallel shards"):
+        dist.PipelineRunner(stages, "1F1B", 8).value_and_grad(params, xd, yd)
+    with pytest.raises(dist.StageError, match="stage 2 is on .* rank 0, whose mesh is"):
+        dist.PipelineRunner(stages, "VPP", 2, chunks=2)
+    with pytest.raises(ScheduleError, match="cannot be cut into 3 chunks"):
+        dist.PipelineRunner(stages, "VPP", 2, chunks=3)
+    with pytest.raises(ScheduleError, match="runs 2 stages, but 4 were given"):
+        dist.PipelineRunner(stages, one_f_one_b(2, 2))
+    strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
+                                           "accumulate_steps": 2, "micro_batch_size": 2}})
+    runner = dist.PipelineRunner.from_strategy(stages, strategy)
+    assert (runner.schedule.name, runner.schedule.micro_batches) == ("1F1B", 2)
+    with pytest.raises(dist.StageError, match="micro_batch_size = 2 with accumulate_steps = 2 "
+                                              "makes batches of 4, but the batch has 8 rows"):
+        runner.value_and_grad(params, xd, yd)
+    with pytest.raises(ScheduleError, match="pipeline.enable is False"):
+        dist.PipelineRunner.from_strategy(stages, dist.Strategy())
+    with pytest.raises(dist.DistModelError, match="PipelineRunner.from_strategy"):
+        dist.to_static(lambda p, a: a, None, None, None, strategy)
