@@ -22,6 +22,7 @@ from ..placement import Placement
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
+from .cut import cut_by_mesh, meshes_named
 from .explain import Explanation
 from .gc_pause import gc_paused
 from .partition import local_function
@@ -219,6 +220,9 @@ class DistributedFunction:
     def _compile(self, static, tree, described, reduced: bool = False) -> _Compiled:
         """`reduced`: no output stays Partial (for an outer jax transformation)."""
         closed, out_tree = self._trace(static, tree, described)
+        if len(meshes_named(closed, [d.mesh for d in described])) > 1:
+            return _MeshStages(cut_by_mesh(closed, [d.mesh for d in described]), out_tree,
+                               self.__name__, self._cost_model, self._out_placements)
         program = build_program(closed, inline_solves=not reduced)
         mesh = self._mesh(program, described)
         for d in described:
@@ -313,6 +317,13 @@ class DistributedFunction:
         # differentiated later, after this call has been traced
         outer = _under_a_trace() or any(isinstance(x, jax.core.Tracer) for x in physicals)
         entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)
+        if isinstance(entry, _MeshStages):
+            if outer:
+                raise MeshMismatchError(
+                    f"{self.__name__} spans {len(entry.cut.stages)} stages on different meshes "
+                    f"and runs them one after another, which an outer jax transformation cannot "
+                    f"trace: put jax.grad / value_and_grad inside the function")
+            return jax.tree.unflatten(entry.out_tree, entry(leaves))
         physical = self._physical_inputs(entry, leaves)
         outs = entry.call(*physical)
         plan = entry.plan
@@ -342,7 +353,18 @@ class DistributedFunction:
 
     def plan(self, *args, **kwargs) -> Plan:
         """The Plan for these arguments: every value's layout, every collective and why."""
-        return self._entry(args, kwargs)[0].plan
+        entry = self._entry(args, kwargs)[0]
+        if isinstance(entry, _MeshStages):
+            raise MeshMismatchError(
+                f"{self.__name__} spans {len(entry.cut.stages)} meshes, one program each: "
+                f"their plans are .stage_plans(*args)")
+        return entry.plan
+
+    def stage_plans(self, *args, **kwargs) -> list[Plan]:
+        """Per stage (one per run of equations on one mesh), its Plan; one Plan when the
+        function runs on one mesh."""
+        entry, leaves = self._entry(args, kwargs)
+        return entry.plans(leaves) if isinstance(entry, _MeshStages) else [entry.plan]
 
     def explain(self, *args, **kwargs) -> Explanation:
         """The plan as a table (text in a terminal, HTML in a notebook)."""
@@ -352,6 +374,90 @@ class DistributedFunction:
         """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
         entry, leaves = self._entry(args, kwargs)
         return gc_paused(entry.fn.lower)(*self._physical_inputs(entry, leaves))
+
+
+class _MeshStages:
+    """A function cut into stages on different meshes (cut.py): one dist.jit program per
+    stage, run in order, values moved between meshes by cross-mesh reshards."""
+
+    def __init__(self, cut, out_tree, name: str, cost_model, out_placements):
+        self.cut, self.out_tree, self._out_placements = cut, out_tree, out_placements
+        self._free = None
+        self.programs = []
+        for k, part in enumerate(cut.stages):
+            program = DistributedFunction(_stage_function(cut, part), cost_model=cost_model)
+            program.__name__ = f"{name}[stage {k}]"
+            self.programs.append(program)
+
+    def _arguments(self, env: dict, part) -> list:
+        from ..reshard.api import reshard
+        from .cut import arrival_placements
+
+        args = []
+        for v in part.inputs:
+            x = env[v]
+            if v in part.arrivals and isinstance(x, DistTensor):
+                x = reshard(x, part.mesh, arrival_placements(x, part.mesh, part.arrivals[v]))
+            args.append(x)
+        return args
+
+    def _run(self, leaves, visit=None) -> dict:
+        env = dict(zip(self.cut.invars, leaves))
+        for part, program in zip(self.cut.stages, self.programs):
+            args = self._arguments(env, part)
+            if visit is not None:
+                visit(program, args)
+            env.update(zip(part.outputs, program(*args)))
+        return env
+
+    def __call__(self, leaves) -> list:
+        env = self._run(leaves)
+        cut = self.cut
+        if cut.free_results:  # results that read nothing placed: plain arrays, on no mesh
+            if self._free is None:
+                self._free = jax.jit(_stage_function(cut, _FreePart(cut)))
+            used = {v for e in cut.free_eqns for v in e.invars if not isinstance(v, jcore.Literal)}
+            env.update(zip(cut.free_results, self._free(
+                *[env[v] for v in cut.invars if v in used])))
+        outs = [v.val if isinstance(v, jcore.Literal) else
+                self.cut.consts[v] if v in self.cut.consts else env[v] for v in self.cut.outvars]
+        spec = self._out_placements
+        if spec is not None and not (isinstance(spec, str) and spec == KEEP):
+            from ..reshard.api import reshard
+
+            per = [spec] * len(outs) if _is_placements(spec) else list(spec)
+            outs = [reshard(o, o.mesh, p) if p is not None and isinstance(o, DistTensor) else o
+                    for o, p in zip(outs, per)]
+        return outs
+
+    def plans(self, leaves) -> list[Plan]:
+        found: list[Plan] = []
+        self._run(leaves, lambda program, args: found.append(program.plan(*args)))
+        return found
+
+
+class _FreePart:
+    """The equations of a cut's mesh-less results, shaped like a stage for _stage_function."""
+
+    def __init__(self, cut):
+        used = {v for e in cut.free_eqns for v in e.invars if not isinstance(v, jcore.Literal)}
+        self.inputs = [v for v in cut.invars if v in used]
+        self.eqns, self.outputs = cut.free_eqns, cut.free_results
+
+
+def _stage_function(cut, part) -> Callable:
+    """The equations of one stage as a function of its inputs (re-bound when traced)."""
+    from .trace import bind_eqn
+
+    def stage(*xs):
+        env = dict(cut.consts)
+        env.update(zip(part.inputs, xs))
+        for eqn in part.eqns:
+            ins = [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars]
+            env.update(zip(eqn.outvars, bind_eqn(eqn, ins)))
+        return [env[v] for v in part.outputs]
+
+    return stage
 
 
 _EAGER_WARNED: set = set()  # (layout, mesh, shape) an eager operator has warned about

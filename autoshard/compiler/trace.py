@@ -49,8 +49,22 @@ def _hint_jvp(primals, tangents, *, mesh, layout, force):
 def _hint_transpose(ct, x, *, mesh, layout, force):
     # The cotangent is left free: the engine places it by cost. Pinning it to the value's
     # layout would, for a ZeRO-3 gather (reshard to replicated), force an all-reduce of the
-    # gradient where a reduce-scatter into the param's shard is what the update wants.
-    return (ct,)
+    # gradient where a reduce-scatter into the param's shard is what the update wants. It is
+    # marked, though: when the hint moved the value to another mesh, its cotangent goes back
+    # to where the value came from (cut.py), which nothing else in the jaxpr says.
+    if type(ct) is jax.interpreters.ad.Zero:
+        return (ct,)
+    return (hint_back_p.bind(ct),)
+
+
+# The cotangent of a hinted value: an identity that build_program drops; cut.py reads it as
+# "this value may move to the mesh of whoever reads it".
+hint_back_p = jex_core.Primitive("autoshard_hint_back")
+hint_back_p.def_impl(lambda x: x)
+hint_back_p.def_abstract_eval(lambda aval: aval)
+jax.interpreters.ad.deflinear2(hint_back_p, lambda ct, _: [ct])
+jax.interpreters.batching.primitive_batchers[hint_back_p] = lambda args, dims: (args[0], dims[0])
+jax.interpreters.mlir.register_lowering(hint_back_p, lambda ctx, x: [x])
 
 
 def _hint_batch(args, dims, *, mesh, layout, force):
@@ -309,6 +323,15 @@ def _frame_line(code, lasti: int) -> str:
     return line
 
 
+def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
+    """Bind a jaxpr equation again on new operands (as jax's eval_jaxpr does), under the user's
+    source line so that the new equation reports it too."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def params_key(params: dict) -> tuple | None:
     """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
     try:
@@ -376,6 +399,9 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         for eqn in jaxpr.eqns:
             ins = [env[a] if type(a) is not Literal else const_value(a.val, a.aval)
                    for a in eqn.invars]
+            if eqn.primitive is hint_back_p:  # within one mesh, an identity
+                env[eqn.outvars[0]] = ins[0]
+                continue
             source = Where(eqn.source_info, outer)
             key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
             inner = eqn.params.get(key) if key else None
@@ -426,4 +452,4 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
 
 
-__all__ = ["hint_p", "bind_hint", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line", "Where"]
+__all__ = ["hint_p", "hint_back_p", "bind_eqn", "bind_hint", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line", "Where"]

@@ -15,7 +15,6 @@ scale, and raises it after `incr_every_n_steps` finite steps in a row.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,10 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-try:  # the user's source lines survive the replay (as in jax's own eval_jaxpr)
-    from jax._src.source_info_util import user_context as _user_context
-except ImportError:  # pragma: no cover - private jax API; only explain()'s line numbers suffer
-    _user_context = None
+from ..compiler.trace import bind_eqn
 
 LOW_PRECISION_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 # Their jvp / transpose rules are written for the primitive as declared: replaying their
@@ -63,13 +59,7 @@ def _bind_low(eqn, invals: list, dtype: Any) -> list:
     return [o.astype(v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
 
 
-def _bind(eqn, invals: list, params: dict) -> list:
-    bind_params = eqn.primitive.get_bind_params(params)
-    context = (_user_context(eqn.source_info.traceback) if _user_context is not None
-               else contextlib.nullcontext())
-    with context, eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+_bind = bind_eqn
 
 
 def _replay(jaxpr, consts: list, args: list, dtype: Any, white: frozenset) -> list:

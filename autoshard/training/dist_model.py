@@ -76,10 +76,11 @@ class DistModel:
         self.strategy = strategy if strategy is not None else Strategy()
         if self.strategy.pipeline.enable:
             raise DistModelError(
-                "to_static compiles one program on one mesh, so it cannot run "
-                "strategy.pipeline: write the model as one function per stage, each on its "
-                "mesh, and train it with dist.PipelineRunner.from_strategy([dist.Stage(fn, "
-                "mesh), ...], strategy) (see examples/seed_hybrid.py)")
+                "strategy.pipeline asks for micro-batches in a schedule, which to_static does "
+                "not run: a model whose forward moves to another mesh (dist.reshard(y, mesh1, "
+                "...)) trains here with pipeline.enable False, its stages one after another; "
+                "for a schedule write one function per stage and train it with "
+                "dist.PipelineRunner.from_strategy([dist.Stage(fn, mesh), ...], strategy)")
         self._parts = split_model(model)
         self._model = model
         self._loss_fn = loss_fn

@@ -143,9 +143,15 @@ class ShardedOptimizer:
 
     def _state_layout_tree(self, state_shapes: Any, params: Any) -> Any:
         """Placements for every state leaf: those mirroring a param follow it; others replicate."""
+        return jax.tree.map(lambda t: t.placements, self._state_targets(state_shapes, params),
+                            is_leaf=lambda x: isinstance(x, _Target))
+
+    def _state_targets(self, state_shapes: Any, params: Any) -> Any:
+        """Mesh and placements for every state leaf: those mirroring a param live where it
+        does; others (a step count) replicate on the first param's mesh."""
         params_tree = jax.tree.structure(params, is_leaf=_is_dt)
         mesh = next(p.mesh for p in jax.tree.leaves(params, is_leaf=_is_dt) if _is_dt(p))
-        replicated = [Replicate()] * mesh.ndim
+        replicated = _Target(mesh, [Replicate()] * mesh.ndim)
 
         def mirrors_params(node) -> bool:  # a subtree shaped like the params (adam's mu, nu)
             return jax.tree.structure(node) == params_tree
@@ -154,7 +160,7 @@ class ShardedOptimizer:
             if not mirrors_params(node):
                 return replicated
             return jax.tree.map(
-                lambda s, p: (self._custom(p, s) or self.state_placements(p))
+                lambda s, p: _Target(p.mesh, self._custom(p, s) or self.state_placements(p))
                 if _is_dt(p) and tuple(s.shape) == tuple(p.shape) else replicated,
                 node, params, is_leaf=_is_dt)
 
@@ -178,18 +184,41 @@ class ShardedOptimizer:
         logical = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype) if _is_dt(p) else p,
                                params, is_leaf=_is_dt)
         shapes = jax.eval_shape(self.tx.init, logical)
-        placements = self._state_layout_tree(shapes, params)
-        flat = jax.tree.leaves(placements, is_leaf=lambda x: isinstance(x, list))
+        targets = self._state_targets(shapes, params)
+        flat = jax.tree.leaves(targets, is_leaf=lambda x: isinstance(x, _Target))
         if not jax.tree.leaves(shapes):
             return self.tx.init(params)
-        del mesh
-        return jit(self.tx.init, out_placements=flat)(params)
+        state = jit(self.tx.init, out_placements=[t.placements for t in flat])(params)
+        if all(t.mesh == mesh for t in flat):
+            return state
+        # params on several meshes (pipeline stages): a state made from nothing placed (zeros
+        # like a param) comes back unplaced; each goes where its param lives
+        leaves, tree = jax.tree.flatten(state, is_leaf=_is_dt)
+        return jax.tree.unflatten(tree, [_put(x, t) for x, t in zip(leaves, flat)])
 
     def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return self.tx.update(grads, state, params)
 
     def state_out_placements(self, state: Any) -> list:
         return [x.placements if _is_dt(x) else None for x in jax.tree.leaves(state, is_leaf=_is_dt)]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one optimizer state leaf lives."""
+
+    mesh: Any
+    placements: list
+
+
+def _put(x: Any, target: _Target) -> DistTensor:
+    from ..creation import shard_tensor
+    from ..reshard.api import reshard
+
+    if _is_dt(x):
+        return x if (x.mesh, x.placements) == (target.mesh, target.placements) else reshard(
+            x, target.mesh, target.placements)
+    return shard_tensor(x, target.mesh, target.placements)
 
 
 def shard_optimizer(optimizer: Any, shard_fn: Any = None,

@@ -1,0 +1,181 @@
+"""Cut: a function whose values live on several meshes → one program per stage, in order.
+
+Paddle's pipeline idiom moves an activation to the next stage's mesh inside the model:
+`y = dist.reshard(y, mesh1, [Shard(0), Shard(2)])`. One SPMD program cannot span two meshes,
+so dist.jit cuts the traced function where values change mesh: every equation is given the
+mesh of its operands (a reshard / shard_tensor hint gives the mesh it names), and equations are
+grouped into stages — maximal runs on one mesh, ordered so that each stage reads only what
+earlier stages made. Each stage becomes a dist.jit program on its mesh; values that cross are
+moved between meshes by the cross-mesh reshard, arriving with the hint's placements.
+
+A train step traced with jax.grad inside crosses back: the cotangent of a hinted value is
+marked (`hint_back_p`, trace.py) and goes to the mesh of whoever reads it, as do 0-d values (a
+step count, a learning rate, the loss): moving those is cheap and the user never placed them
+on purpose. Any other value read on a mesh it does not live on is an error that names both
+meshes and the line — the user moves it with dist.reshard, as in Paddle.
+
+Equations that read no placed value (iota, constants) run in every stage that needs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from ..errors import MeshMismatchError
+from ..layout import Layout
+from ..mesh import ProcessMesh
+from .trace import hint_back_p, hint_p, source_line
+
+
+@dataclass
+class StagePart:
+    """One stage: equations of the traced jaxpr that run on `mesh`."""
+
+    mesh: ProcessMesh
+    eqns: list = field(default_factory=list)      # in program order, free ones it needs included
+    inputs: list = field(default_factory=list)    # Vars read from outside the stage
+    outputs: list = field(default_factory=list)   # Vars that later stages or the result read
+    arrivals: dict = field(default_factory=dict)  # Var -> Layout | None, for values that move
+    # here from another mesh (None: keep their placements if this mesh can, else replicate)
+
+
+@dataclass
+class Cut:
+    stages: list[StagePart]
+    consts: dict          # constvar -> value
+    invars: list          # the jaxpr's inputs, in order
+    outvars: list         # the jaxpr's outputs (Vars or Literals)
+    meshes: dict          # Var -> the mesh it lives on (None: unplaced)
+    free_eqns: list       # what computes the results that read nothing placed...
+    free_results: list    # ...those results: plain arrays, on no mesh
+
+
+def meshes_named(closed: Any, in_meshes: list) -> list[ProcessMesh]:
+    """The distinct meshes of the inputs and of the top-level hints, in order of appearance."""
+    found: list[ProcessMesh] = []
+    for m in [*in_meshes, *(e.params["mesh"] for e in closed.jaxpr.eqns if e.primitive is hint_p)]:
+        if m is not None and m not in found:
+            found.append(m)
+    return found
+
+
+def _is_var(a) -> bool:
+    return not isinstance(a, jex_core.Literal)
+
+
+def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
+    """Stages of `closed` (a ClosedJaxpr) whose inputs live on `in_meshes` (None: unplaced)."""
+    jaxpr = closed.jaxpr
+    mesh_of: dict = {}
+    movable: set = set()   # values that go to their reader's mesh
+    stage_of: dict = {}    # Var -> index of the stage that makes it
+    free: dict = {}        # Var -> the equation (reading no placed value) that makes it
+    parts: list[StagePart] = []
+    for v, m in zip(jaxpr.invars, in_meshes):
+        mesh_of[v] = m
+        if m is not None and v.aval.shape == ():
+            movable.add(v)
+    for v in jaxpr.constvars:
+        mesh_of[v] = None
+
+    for eqn in jaxpr.eqns:
+        ins = [a for a in eqn.invars if _is_var(a)]
+        if eqn.primitive is hint_p:
+            mesh, loose = eqn.params["mesh"], False
+        else:
+            fixed = []
+            for v in ins:
+                m = mesh_of[v]
+                if m is not None and v not in movable and m not in fixed:
+                    fixed.append(m)
+            if len(fixed) > 1:
+                raise MeshMismatchError(
+                    f"values on {fixed[0]!r} and on {fixed[1]!r} meet in `{eqn.primitive.name}`: "
+                    f"an operation runs on one mesh — move one of them first with "
+                    f"dist.reshard(x, mesh, placements) (pipeline stages pass activations so)",
+                    where=source_line(eqn.source_info))
+            placed = [mesh_of[v] for v in ins if mesh_of[v] is not None]
+            mesh = fixed[0] if fixed else (placed[0] if placed else None)
+            loose = eqn.primitive is hint_back_p or not fixed
+        if mesh is None:  # reads nothing placed: made wherever it is needed
+            for v in eqn.outvars:
+                mesh_of[v] = None
+                free[v] = eqn
+            continue
+        after = max((stage_of[v] for v in ins if v in stage_of), default=0)
+        k = next((i for i in range(after, len(parts)) if parts[i].mesh == mesh), None)
+        if k is None:
+            k = len(parts)
+            parts.append(StagePart(mesh))
+        parts[k].eqns.append(eqn)
+        for v in eqn.outvars:
+            mesh_of[v], stage_of[v] = mesh, k
+            if loose or v.aval.shape == ():
+                movable.add(v)
+
+    # results that read nothing placed are computed apart, as plain arrays (`free_function`)
+    free_results = [v for v in jaxpr.outvars if _is_var(v) and v in free]
+
+    consumers: dict = {}  # Var -> stages reading it
+    for k, part in enumerate(parts):
+        needed = _free_closure(part, free)
+        part.eqns = sorted(part.eqns + needed, key=_position(jaxpr))
+        made = {v for e in part.eqns for v in e.outvars}
+        constvars = set(jaxpr.constvars)
+        for e in part.eqns:
+            for v in e.invars:
+                if not _is_var(v) or v in made or v in constvars or v in part.inputs:
+                    continue
+                part.inputs.append(v)
+                consumers.setdefault(v, set()).add(k)
+                home = mesh_of[v]
+                if home is not None and home != part.mesh and v not in part.arrivals:
+                    part.arrivals[v] = (e.params["layout"] if e.primitive is hint_p else None)
+    results = {v for v in jaxpr.outvars if _is_var(v)}
+    for k, part in enumerate(parts):
+        made = [v for e in part.eqns for v in e.outvars]
+        part.outputs = [v for v in dict.fromkeys(made)
+                        if v in results and stage_of.get(v) == k
+                        or any(j != k for j in consumers.get(v, ()))]
+    return Cut(parts, dict(zip(jaxpr.constvars, closed.consts)), list(jaxpr.invars),
+               list(jaxpr.outvars), mesh_of,
+               sorted(_free_closure(StagePart(None, outputs=free_results), free),
+                      key=_position(jaxpr)), free_results)
+
+
+def _position(jaxpr):
+    index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+    return lambda e: index[id(e)]
+
+
+def _free_closure(part: StagePart, free: dict) -> list:
+    """The free equations whose results this stage reads (transitively), each once."""
+    todo = [v for e in part.eqns for v in e.invars if _is_var(v) and v in free]
+    todo += [v for v in part.outputs if v in free]
+    picked: dict = {}
+    while todo:
+        v = todo.pop()
+        e = free[v]
+        if id(e) in picked:
+            continue
+        picked[id(e)] = e
+        todo += [u for u in e.invars if _is_var(u) and u in free]
+    return list(picked.values())
+
+
+def arrival_placements(x: Any, mesh: ProcessMesh, layout: Layout | None) -> list:
+    """Where a value moving to `mesh` lands: the hint's layout, else its own placements when
+    this mesh has the same dims (a cotangent going back to its stage), else replicated."""
+    from ..placement import Replicate
+
+    if layout is not None:
+        return layout.placements(mesh)
+    own = getattr(x, "mesh", None)
+    if own is not None and own.shape == mesh.shape and not x.layout.partial:
+        return x.placements
+    return [Replicate()] * mesh.ndim
+
+
+__all__ = ["Cut", "StagePart", "cut_by_mesh", "meshes_named", "arrival_placements"]

@@ -1,0 +1,205 @@
+"""dist.jit of a function whose values move between meshes (Paddle's pipeline idiom,
+`dist.reshard(y, mesh1, ...)` inside the forward): cut into one program per stage, run in
+order — forward, gradients and optimizer updates equal one device; each stage's compiled
+program has the collectives its plan lists; values read on the wrong mesh are errors that
+say what to write."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoshard as dist
+from autoshard.hlo import collectives
+
+R, S = dist.Replicate(), dist.Shard
+MESH0 = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+MESH1 = dist.ProcessMesh([[4, 5], [6, 7]], dim_names=["x", "y"])
+
+rng = np.random.default_rng(0)
+W0 = rng.normal(size=(64, 256)).astype("float32") * 0.05
+W1 = rng.normal(size=(256, 64)).astype("float32") * 0.05
+X = rng.uniform(size=(4, 16, 64)).astype("float32")
+Y = rng.uniform(size=(4, 16, 64)).astype("float32")
+
+
+def forward(p, x, move=True):
+    """The seed's §4.4 forward: w0 column-split on mesh0, w1 row-split on mesh1."""
+    y = jnp.matmul(x, p["w0"])
+    if move:
+        y = dist.reshard(y, MESH1, [S(0), S(2)])
+    return jnp.matmul(jax.nn.gelu(y), p["w1"])
+
+
+def loss_fn(p, x, label, move=True):
+    return jnp.mean((forward(p, x, move) - label) ** 2)
+
+
+def placed():
+    return ({"w0": dist.shard_tensor(W0, MESH0, [R, S(1)]),
+             "w1": dist.shard_tensor(W1, MESH1, [R, S(0)])},
+            dist.shard_tensor(X, MESH0, [S(0), R]), dist.shard_tensor(Y, MESH1, [S(0), R]))
+
+
+def _stage_runs(f, *args):
+    """(program, its arguments) of every stage, as dist.jit runs them."""
+    entry, leaves = f._entry(args, {})
+    runs = []
+    entry._run(leaves, lambda program, a: runs.append((program, a)))
+    return runs
+
+
+def test_forward_across_two_meshes_equals_one_device():
+    p, x, label = placed()
+    f = dist.jit(loss_fn)
+    out = f(p, x, label)
+    assert out.mesh == MESH1 and out.shape == ()
+    ref = loss_fn({"w0": W0, "w1": W1}, X, Y, move=False)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5)
+    plans = f.stage_plans(p, x, label)
+    assert [pl.mesh for pl in plans] == [MESH0, MESH1]
+    # stage 0: batch on x, w0 columns on y — no communication; stage 1 receives y as
+    # [S(0), S(2)] (the hint), contracts the row-split w1 and reduces the mean
+    for (program, args), plan in zip(_stage_runs(f, p, x, label), plans):
+        hlo = program.lower(*args).compile().as_text()
+        assert len(collectives(hlo)) == len(plan.collectives), program.__name__
+    assert plans[0].collectives == []
+    assert plans[1].collectives
+
+
+def test_a_train_step_with_grad_and_adamw_inside_runs_as_three_stages():
+    """Forward on mesh0, forward + backward + w1's update on mesh1, backward + w0's update on
+    mesh0 — the cotangent goes back to the mesh its value came from."""
+    p, x, label = placed()
+    tx = optax.adamw(1e-2)
+    state = tx.init(p)
+
+    @dist.jit
+    def step(p, state, x, label):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, label)
+        updates, state = tx.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    @jax.jit
+    def ref_step(p, state, x, label):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, label, False)
+        updates, state = tx.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    ref_p = {"w0": W0, "w1": W1}
+    ref_state = tx.init(ref_p)
+    for _ in range(3):
+        p, state, loss = step(p, state, x, label)
+        ref_p, ref_state, ref_loss = ref_step(ref_p, ref_state, X, Y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for name in ref_p:
+        np.testing.assert_allclose(p[name].numpy(), ref_p[name], rtol=1e-4, atol=1e-6)
+    assert (p["w0"].mesh, p["w0"].placements) == (MESH0, [R, S(1)])
+    assert (p["w1"].mesh, p["w1"].placements) == (MESH1, [R, S(0)])
+    assert [pl.mesh for pl in step.stage_plans(p, state, x, label)] == [MESH0, MESH1, MESH0]
+
+
+def test_a_chain_back_to_the_first_mesh_with_a_scalar_param_moving_along():
+    """mesh0 → mesh1 → mesh0; a 0-d param on mesh0 is used on mesh1 (scalars move freely)."""
+    w = [rng.normal(size=(16, 16)).astype("float32") * 0.3 for _ in range(3)]
+    scale = np.float32(1.5)
+    x = rng.normal(size=(8, 16)).astype("float32")
+
+    def f(p, x, move=True):
+        h = jnp.tanh(x @ p["a"])
+        if move:
+            h = dist.reshard(h, MESH1, [S(0), R])
+        h = jnp.tanh(h @ p["b"]) * p["scale"]
+        if move:
+            h = dist.reshard(h, MESH0, [S(0), R])
+        return jnp.sum(jnp.tanh(h @ p["c"]) ** 2)
+
+    p = {"a": dist.shard_tensor(w[0], MESH0, [R, S(1)]),
+         "b": dist.shard_tensor(w[1], MESH1, [R, S(0)]),
+         "c": dist.shard_tensor(w[2], MESH0, [R, R]),
+         "scale": dist.shard_tensor(scale, MESH0, [R, R])}
+    loss, grads = dist.jit(jax.value_and_grad(f))(p, dist.shard_tensor(x, MESH0, [S(0), R]))
+    ref = {"a": w[0], "b": w[1], "c": w[2], "scale": scale}
+    ref_loss, ref_grads = jax.value_and_grad(lambda q: f(q, x, False))(ref)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for name in ref:
+        np.testing.assert_allclose(grads[name].numpy(), ref_grads[name], rtol=1e-4, atol=1e-6)
+        assert grads[name].mesh == p[name].mesh or grads[name].shape == (), name
+
+
+class Hybrid(nnx.Module):
+    """Seed §4.4's MlpModel in flax nnx, its forward as written in Paddle."""
+
+    def __init__(self, placed_: bool = True):
+        w0, w1 = W0, W1
+        if placed_:
+            w0 = dist.shard_tensor(w0, MESH0, [R, S(1)])
+            w1 = dist.shard_tensor(w1, MESH1, [R, S(0)])
+        self.w0, self.w1 = nnx.Param(w0), nnx.Param(w1)
+        self.placed = placed_
+
+    def __call__(self, x):
+        y = jnp.matmul(x, self.w0)
+        if self.placed:
+            y = dist.reshard(y, MESH1, [S(0), S(2)])
+        return jnp.matmul(y, self.w1)
+
+
+def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh():
+    batches = [(X[:2] + k, Y[:2] * k) for k in range(3)]
+    loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
+    mse = lambda out, label: jnp.mean((out - label) ** 2)  # noqa: E731
+    model = Hybrid()
+    dm = dist.to_static(model, loader, mse, optax.adamw(1e-3))
+    losses = [float(dm(x, y).numpy()) for x, y in loader()]
+
+    ref = Hybrid(placed_=False)
+    opt = nnx.Optimizer(ref, optax.adamw(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
+        opt.update(model, grads)
+        return loss
+
+    ref_losses = [float(ref_step(ref, opt, x, y)) for x, y in batches]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(model.w1[...].numpy(), ref.w1[...], rtol=1e-4, atol=1e-6)
+    states = jax.tree.leaves(dm.opt_state, is_leaf=lambda v: isinstance(v, dist.DistTensor))
+    moments = [s for s in states if isinstance(s, dist.DistTensor) and s.ndim == 2]
+    assert sorted((m.mesh.process_ids[0], m.shape) for m in moments) == [
+        (0, (64, 256)), (0, (64, 256)), (4, (256, 64)), (4, (256, 64))]
+
+
+def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_write():
+    p, x, label = placed()
+
+    def forgot_to_move(p, x):
+        return jnp.sum(jnp.matmul(x, p["w0"]) @ p["w1"])  # w1 lives on mesh1
+
+    with pytest.raises(dist.MeshMismatchError,
+                       match=r"values on ProcessMesh\(\[\[0, 1\], \[2, 3\]\].* and on "
+                             r"ProcessMesh\(\[\[4, 5\], \[6, 7\]\].* meet in `dot_general`.*"
+                             r"dist\.reshard\(x, mesh, placements\)") as err:
+        dist.jit(forgot_to_move)(p, x)
+    assert re.search(r"test_cut\.py:\d+", str(err.value))
+    f = dist.jit(loss_fn)
+    with pytest.raises(dist.MeshMismatchError, match="put jax.grad / value_and_grad inside"):
+        jax.grad(lambda q: f(q, x, label))(p)
+    with pytest.raises(dist.MeshMismatchError, match=r"spans 2 meshes.*\.stage_plans"):
+        f.plan(p, x, label)
+
+
+def test_results_that_read_nothing_placed_are_plain_arrays_and_optimizer_states_follow_params():
+    p, x, _ = placed()
+    zeros, loss = dist.jit(lambda p, x: (jnp.zeros(3), jnp.sum(forward(p, x))))(p, x)
+    assert not isinstance(zeros, dist.DistTensor) and np.all(np.asarray(zeros) == 0)
+    assert loss.mesh == MESH1
+    state = dist.shard_optimizer(optax.adam(1e-3)).init(p)
+    mu = state[0].mu
+    assert (mu["w0"].mesh, mu["w0"].placements) == (MESH0, [R, S(1)])
+    assert (mu["w1"].mesh, mu["w1"].placements) == (MESH1, [R, S(0)])
+    np.testing.assert_array_equal(mu["w1"].numpy(), np.zeros_like(W1))
