@@ -6,10 +6,14 @@ The Paddle code of the seed, ported: an MLP whose w0 lives on mesh0 = [[0, 1], [
 by columns and whose w1 lives on mesh1 = [[4, 5], [6, 7]] split by rows; the batch is split
 over mesh dim 'x' (data parallel), the weights over 'y' (tensor parallel), and the forward
 crosses from mesh0 to mesh1 at the seed's `dist.reshard(y, mesh1, [Shard(0), Shard(2)])`
-(pipeline parallel). One dist.jit program cannot span two meshes, so the forward is cut at
-that reshard into one stage per mesh, run by dist.StageRunner (unscheduled: one batch at a
-time). Trained with dist.shard_optimizer(AdamW); every loss and the final weights are checked
-against the same steps on one device. Sizes are scaled down from the seed's for CPUs.
+(pipeline parallel). Trained twice with dist.shard_optimizer(AdamW):
+- as the seed writes it (`train_as_written`): the forward with its reshard inside one
+  dist.jit train step, which dist.jit cuts into a program per stage (forward on mesh0; forward,
+  backward and w1's update on mesh1; backward and w0's update on mesh0);
+- as explicit stages (`train_hybrid`): the forward cut by hand at that reshard, one function
+  per mesh, run by dist.StageRunner (what dist.PipelineRunner schedules over micro-batches).
+Every loss and the final weights are checked against the same steps on one device. Sizes are
+scaled down from the seed's for CPUs.
 """
 import os
 from typing import NamedTuple
@@ -61,6 +65,40 @@ class MlpModel(nnx.Module):
             w0 = dist.shard_tensor(w0, mesh0, [dist.Replicate(), dist.Shard(1)])  # column split
             w1 = dist.shard_tensor(w1, mesh1, [dist.Replicate(), dist.Shard(0)])  # row split
         self.w0, self.w1 = nnx.Param(w0), nnx.Param(w1)
+
+
+def forward(params, x):
+    """The seed's MlpModel.forward, line for line."""
+    y = jnp.matmul(x, params["w0"])
+    y = dist.reshard(y, mesh1, [dist.Shard(0), dist.Shard(2)])  # pipeline parallel
+    z = jnp.matmul(y, params["w1"])
+    return z
+
+
+def train_as_written(steps: int = STEPS) -> tuple[list[float], dict]:
+    """The seed's loop, its forward as written: dist.jit cuts the step at the reshard."""
+    model = MlpModel()
+    dataset = RandomDataset(SEQ, HIDDEN, num_samples=BATCH * steps)
+    dataloader = dist.shard_dataloader(data_loader(dataset, BATCH), meshes=[mesh0, mesh1],
+                                       shard_dims="x")
+    opt = dist.shard_optimizer(optax.adamw(learning_rate=0.001))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = opt.init(params)  # each moment on its weight's mesh, placed like it
+
+    @dist.jit
+    def step(params, state, data):
+        def loss_fn(params):
+            logits = forward(params, data)  # logits = model(data)
+            return jnp.mean(logits)         # loss = paddle.mean(logits)
+        loss, grads = jax.value_and_grad(loss_fn)(params)  # loss.backward()
+        updates, state = opt.update(grads, state, params)  # opt.step()
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for inputs in dataloader():
+        params, state, loss = step(params, state, inputs[0])
+        losses.append(float(loss.numpy()))
+    return losses, params
 
 
 # The seed's forward, cut at its `y = dist.reshard(y, mesh1, [Shard(0), Shard(2)])`; the
@@ -137,9 +175,14 @@ def one_device(steps: int = STEPS):
 
 
 def main() -> None:
-    losses, params, _, _ = train_hybrid()
     reference, ref_params = one_device()
-    print(f"{'§4.4 3D hybrid':<16} losses {[round(v, 6) for v in losses]}")
+    written, written_params = train_as_written()
+    print(f"{'§4.4 as written':<16} losses {[round(v, 6) for v in written]}")
+    np.testing.assert_allclose(written, reference, rtol=1e-5, atol=1e-6)
+    for name, ref in {**ref_params[0], **ref_params[1]}.items():
+        np.testing.assert_allclose(written_params[name].numpy(), ref, rtol=1e-4, atol=1e-6)
+    losses, params, _, _ = train_hybrid()
+    print(f"{'§4.4 as stages':<16} losses {[round(v, 6) for v in losses]}")
     print(f"{'one device':<16} losses {[round(v, 6) for v in reference]}")
     for stage, (p, ref) in enumerate(zip(params, ref_params)):
         for name in p:

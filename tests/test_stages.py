@@ -34,6 +34,16 @@ def test_seed_hybrid_equals_one_device(hybrid):
             np.testing.assert_allclose(params[name].numpy(), ref[name], rtol=1e-4, atol=1e-6)
 
 
+def test_seed_forward_as_written_is_cut_by_dist_jit_and_equals_one_device():
+    """The seed's forward with its reshard inside one dist.jit train step (test_cut.py)."""
+    losses, params = seed_hybrid.train_as_written(steps=3)
+    ref_losses, ref_params = seed_hybrid.one_device(steps=3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for name, ref in {**ref_params[0], **ref_params[1]}.items():
+        np.testing.assert_allclose(params[name].numpy(), ref, rtol=1e-4, atol=1e-6)
+    assert (params["w0"].mesh, params["w1"].mesh) == (MESH0, MESH1)
+
+
 def test_seed_hybrid_params_and_states_stay_on_their_stage(hybrid):
     R, S = dist.Replicate, dist.Shard
     (p0, p1), (s0, s1) = hybrid.params, hybrid.states
