@@ -29,6 +29,7 @@ from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInp
                               SequenceParallelEnd, parallelize, shard_layer)
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
+from .parallel_env import init_parallel_env
 from .training.pipeline import PipelineRunner
 from .training.schedule import Schedule, ScheduleError
 from .training.stages import Stage, StageError, StageRunner
@@ -46,7 +47,7 @@ __all__ = [
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
-    "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule",
+    "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule", "init_parallel_env",
     "ScheduleError", "shard_layer", "parallelize",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",

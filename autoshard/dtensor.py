@@ -97,8 +97,9 @@ class DistTensor:
             raise DeviceNotFoundError(
                 f"device {device_id} is not in this tensor's mesh {self._mesh!r}: ask for one of "
                 f"{self._mesh.process_ids}")
+        device = self._mesh.device_for(device_id)
         for shard in self._value.addressable_shards:
-            if shard.device.id == device_id:
+            if shard.device == device:
                 data = shard.data[0] if self._layout.partial else shard.data
                 # an uneven dim's last blocks end in padding: only the rows the device owns
                 bounds = self.block_bounds(device_id)

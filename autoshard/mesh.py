@@ -6,7 +6,7 @@ without any device, and a missing device is reported where the mesh is first use
 """
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -40,6 +40,21 @@ def _to_id_array(mesh: Any) -> np.ndarray:
         raise MeshError(f"device ids {ids[counts > 1].tolist()} appear more than once in mesh "
                         f"{arr.tolist()}: each device may sit at one mesh position only")
     return arr.astype(np.int64)
+
+
+@lru_cache(maxsize=256)
+def _device_table(ids: tuple[int, ...]) -> dict | None:
+    """Mesh entry -> jax device, for the entries `ids` (see ProcessMesh.device_for); None when
+    they name no devices this process knows of."""
+    import jax
+
+    devices = jax.devices()
+    by_id = {d.id: d for d in devices}
+    if all(i in by_id for i in ids):
+        return {i: by_id[i] for i in ids}
+    if all(i < len(devices) for i in ids):
+        return {i: devices[i] for i in ids}
+    return None
 
 
 class ProcessMesh:
@@ -150,17 +165,32 @@ class ProcessMesh:
     # -- jax -------------------------------------------------------------------------------
     def devices(self) -> np.ndarray:
         """The jax devices in mesh order; raises DeviceNotFoundError for unknown ids."""
-        import jax
+        out = np.empty(self._ids.shape, dtype=object)
+        for index, i in np.ndenumerate(self._ids):
+            out[index] = self.device_for(int(i))
+        return out
 
-        by_id = {d.id: d for d in jax.devices()}
-        missing = [i for i in self.process_ids if i not in by_id]
-        if missing:
+    def device_for(self, device_id: int):
+        """The jax device that mesh entry `device_id` names.
+
+        Entries are jax device ids; when some are not (several CPU processes number their
+        devices 0.. and 2048..), they are global ranks, as in Paddle: the position in
+        `jax.devices()`, process by process. One process's GPUs are both."""
+        table = _device_table(tuple(self.process_ids))
+        if table is None:
+            import jax
+
+            ids = sorted(d.id for d in jax.devices())
+            missing = [i for i in self.process_ids if i not in ids]
             raise DeviceNotFoundError(
-                f"{self!r} uses device ids {missing}, but this process sees {len(by_id)} devices "
-                f"with ids {sorted(by_id)}: build the mesh from those ids, or (on CPU) simulate "
-                f"more devices with XLA_FLAGS=--xla_force_host_platform_device_count=N set before "
-                f"jax is imported")
-        return np.vectorize(by_id.__getitem__, otypes=[object])(self._ids)
+                f"{self!r} uses device ids {missing}, but this process sees {len(ids)} devices "
+                f"with ids {ids} (global ranks 0..{len(ids) - 1}): build the mesh from those, or "
+                f"(on CPU) simulate more devices with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax is imported")
+        if device_id not in table:
+            raise DeviceNotFoundError(f"device {device_id} is not in {self!r}; its devices are "
+                                      f"{self.process_ids}")
+        return table[device_id]
 
     @cached_property
     def _jax_mesh(self):

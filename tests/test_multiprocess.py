@@ -1,0 +1,123 @@
+"""Several processes, one mesh: `python -m autoshard.launch` starts them, `init_parallel_env`
+joins them; training across processes equals one device; a failing process fails the launch."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _launch(script: pathlib.Path, nproc: int = 2, devices: int = 4, timeout: float = 240):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets them
+    return subprocess.run([sys.executable, "-m", "autoshard.launch", "--nproc", str(nproc),
+                           "--devices", str(devices), str(script)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_dp_across_processes_tp_inside_equals_one_device():
+    """examples/multiprocess.py: each process feeds only its half of every batch."""
+    out = _launch(ROOT / "examples" / "multiprocess.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] process {rank} of 2: 4 devices of 8" in out.stdout
+        assert f"[rank {rank}] process {rank}: every loss and weight equals" in out.stdout
+    assert "peer ranks" not in out.stdout  # gloo's connection chatter is dropped
+
+
+SCRIPT = '''
+import os, sys
+import autoshard as dist
+dist.init_parallel_env()
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+R, S = dist.Replicate(), dist.Shard
+mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+init = np.random.default_rng(0)
+UP = init.normal(size=(32, 128)).astype("float32") * 0.1
+DOWN = init.normal(size=(128, 32)).astype("float32") * 0.1
+
+class MLP(nnx.Module):
+    def __init__(self, placed):
+        up, down = UP, DOWN
+        if placed:
+            up, down = dist.shard_tensor(up, mesh, [R, S(1)]), dist.shard_tensor(down, mesh, [R, S(0)])
+        self.up, self.down = nnx.Param(up), nnx.Param(down)
+    def __call__(self, x):
+        return jax.nn.gelu(x @ self.up) @ self.down
+
+rng = np.random.default_rng(1)
+data = [(rng.normal(size=(8, 32)).astype("float32"), rng.normal(size=(8, 32)).astype("float32"))
+        for _ in range(3)]
+mse = lambda o, l: jnp.mean((o - l) ** 2)
+loader = dist.shard_dataloader(data, meshes=mesh, shard_dims="dp")
+model = MLP(True)
+dm = dist.to_static(model, loader, mse, dist.shard_optimizer(optax.adamw(1e-2), dist.ShardingStage1("dp")))
+losses = [float(dm(x, y).numpy()) for x, y in loader()]
+
+with jax.default_device(jax.local_devices()[0]):
+    ref = MLP(False)
+    opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+    @nnx.jit
+    def step(m, opt, x, y):
+        loss, g = nnx.value_and_grad(lambda m: mse(m(x), y))(m)
+        opt.update(m, g)
+        return loss
+    ref_losses = [float(step(ref, opt, x, y)) for x, y in data]
+np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+np.testing.assert_allclose(model.down[...].numpy(), np.asarray(ref.down[...]), rtol=1e-4, atol=1e-6)
+
+# a checkpoint written by both processes, read back into a fresh state dict
+path = sys.argv[1] if len(sys.argv) > 1 else os.environ["CKPT"]
+state = dm.state_dict()
+dist.save_state_dict(state, path)
+target = {k: dist.shard_tensor(np.zeros(v.shape, v.dtype), v.mesh, v.placements) for k, v in state.items()}
+dist.load_state_dict(target, path)
+for k in state:
+    np.testing.assert_array_equal(target[k].numpy(), state[k].numpy())
+print(f"process {jax.process_index()}: to_static, ZeRO-1 and the checkpoint equal one device")
+'''
+
+
+def test_to_static_zero1_and_checkpoints_across_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    os.environ["CKPT"] = str(tmp_path / "ckpt")
+    try:
+        out = _launch(script)
+    finally:
+        del os.environ["CKPT"]
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] process {rank}: to_static, ZeRO-1 and the checkpoint" in out.stdout
+
+
+def test_a_failing_process_fails_the_launch_and_stops_the_others(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent('''
+        import os, time
+        if os.environ["AUTOSHARD_RANK"] == "1":
+            raise SystemExit(3)
+        time.sleep(120)  # would wait for rank 1 forever
+    '''))
+    out = _launch(script, timeout=60)
+    assert out.returncode == 3
+
+
+def test_init_parallel_env_alone_is_a_no_op(monkeypatch):
+    import autoshard as dist
+    for key in ("AUTOSHARD_COORDINATOR", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    dist.init_parallel_env()
+    import jax
+    assert jax.process_count() == 1
+
+
+def test_launch_rejects_no_processes():
+    from autoshard.launch import LaunchError, launch
+    with pytest.raises(LaunchError, match="--nproc must be at least 1"):
+        launch("x.py", nproc=0)
