@@ -261,3 +261,93 @@ def test_pipeline_errors_name_the_fix():
         dist.PipelineRunner.from_strategy(stages, dist.Strategy())
     with pytest.raises(dist.DistModelError, match="PipelineRunner.from_strategy"):
         dist.to_static(lambda p, a: a, None, None, None, strategy)
+
+
+# ------------------------------------------------------- one loss function, cut into stages
+def _chain_loss(meshes, skip=False, tied=False):
+    """Four blocks; block k runs on meshes[k % len(meshes)] after a dist.reshard (none when
+    `meshes` is None: the one-device reference). `skip`: block 3 also adds block 0's output
+    (moved along); `tied`: block 2 reuses block 0's weight (both on mesh 0)."""
+    def loss(ps, x, y):
+        h, first = x, None
+        for k in range(4):
+            if meshes is not None and k:
+                h = dist.reshard(h, meshes[k % len(meshes)], [S(0)] + [R] * (meshes[0].ndim - 1))
+            w = ps[0]["w"] if (tied and k == 2) else ps[k]["w"]
+            h = jnp.tanh(h @ w + ps[k]["b"])
+            if k == 0:
+                first = h
+            if skip and k == 3:
+                moved = first if meshes is None else dist.reshard(
+                    first, meshes[3 % len(meshes)], [S(0)] + [R] * (meshes[0].ndim - 1))
+                h = h + moved
+        return jnp.mean((h - y) ** 2)
+    return loss
+
+
+@pytest.mark.parametrize("mode,m,chunks,n_meshes,skip,tied", [
+    ("1F1B", 2, 1, 4, False, False),
+    ("FThenB", 4, 1, 4, True, False),
+    ("ZBH1", 2, 1, 4, True, False),
+    ("VPP", 2, 2, 2, False, True),
+])
+def test_a_loss_function_is_cut_into_stages_and_scheduled(mode, m, chunks, n_meshes, skip, tied):
+    meshes = MESHES_1D[:n_meshes]
+    ws, x, y, _, _, _, _ = _setup(meshes, chunks, [R])
+    params = [{k: dist.shard_tensor(v, meshes[s % n_meshes], [R]) for k, v in w.items()}
+              for s, w in enumerate(ws)]
+    xd = dist.shard_tensor(x, meshes[0], [S(0)])
+    yd = dist.shard_tensor(y, meshes[3 % n_meshes], [S(0)])
+    runner = dist.PipelineRunner.from_function(_chain_loss(meshes, skip, tied), mode, m,
+                                               chunks=chunks)
+    loss, grads = runner.value_and_grad(params, xd, yd)
+    ref_loss, ref_grads = jax.value_and_grad(
+        lambda ps: _chain_loss(None, skip, tied)(ps, x, y))(ws)
+    np.testing.assert_allclose(float(loss.numpy()), float(ref_loss), rtol=1e-5)
+    for s, (g, ref) in enumerate(zip(grads, ref_grads)):
+        for name in ref:
+            np.testing.assert_allclose(g[name].numpy(), ref[name], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"block {s} {name}")
+            assert g[name].mesh == params[s][name].mesh
+    (inner,) = runner._runners.values()
+    assert inner.schedule.name == mode and len(inner.stages) == 4
+    np.testing.assert_allclose(float(runner.forward(params, xd, yd).numpy()), float(ref_loss),
+                               rtol=1e-5)
+
+
+def test_the_seed_forward_as_written_runs_in_a_1f1b_pipeline():
+    """Seed §4.4's forward (2-d meshes, dp × mp, the reshard inside) on 2 micro-batches."""
+    m0, m1 = MESHES_2D
+    rng = np.random.default_rng(5)
+    w0 = rng.normal(size=(16, 64)).astype("float32") * 0.1
+    w1 = rng.normal(size=(64, 16)).astype("float32") * 0.1
+    x = rng.normal(size=(4, 8, 16)).astype("float32")
+
+    def loss(p, x, move=True):
+        y = jnp.matmul(x, p["w0"])
+        if move:
+            y = dist.reshard(y, m1, [S(0), S(2)])
+        return jnp.mean(jnp.matmul(y, p["w1"]))
+
+    p = {"w0": dist.shard_tensor(w0, m0, [R, S(1)]), "w1": dist.shard_tensor(w1, m1, [R, S(0)])}
+    runner = dist.PipelineRunner.from_function(loss, "1F1B", 2)
+    value, grads = runner.value_and_grad(p, dist.shard_tensor(x, m0, [S(0), R]))
+    ref, ref_grads = jax.value_and_grad(lambda q: loss(q, x, False))({"w0": w0, "w1": w1})
+    np.testing.assert_allclose(float(value.numpy()), float(ref), rtol=1e-5)
+    for name in ref_grads:
+        np.testing.assert_allclose(grads[name].numpy(), ref_grads[name], rtol=1e-4, atol=1e-7)
+    assert (grads["w0"].placements, grads["w1"].placements) == ([R, S(1)], [R, S(0)])
+
+
+def test_a_cut_stage_reading_the_batch_after_the_first_is_an_error():
+    m0, m1 = MESHES_1D[:2]
+
+    def loss(p, x):
+        h = dist.reshard(x @ p["a"], m1, [S(0)])
+        return jnp.mean(h @ p["b"]) + jnp.mean(dist.reshard(x, m1, [S(0)]))
+
+    p = {"a": dist.shard_tensor(np.ones((4, 4), "float32"), m0, [R]),
+         "b": dist.shard_tensor(np.ones((4, 4), "float32"), m1, [R])}
+    with pytest.raises(dist.StageError, match="stage 1 reads the batch inputs"):
+        dist.PipelineRunner.from_function(loss, "1F1B", 2).value_and_grad(
+            p, dist.shard_tensor(np.ones((4, 4), "float32"), m0, [S(0)]))

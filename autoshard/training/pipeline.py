@@ -78,8 +78,11 @@ class _Pullback:
         self.vjp, self.raw, self.first, self.owner = vjp, raw, first, owner
         self.signature = signature  # the stage program's operands: what its backward depends on
 
-    def _ct(self, ct: DistTensor):
-        return ct.physical if self.raw else ct
+    def _ct(self, ct: Any):
+        if not self.raw:
+            return ct
+        return jax.tree.map(lambda t: t.physical if isinstance(t, DistTensor) else t, ct,
+                            is_leaf=_is_leaf)
 
     def both(self, ct: DistTensor) -> tuple[Params, Any]:
         out = self.vjp(self._ct(ct))
@@ -115,6 +118,13 @@ def _placed(tree):
             return DistTensor(jax.device_put(t.physical, t.sharding), t.mesh, t.layout, t.shape)
         return t
     return jax.tree.map(fix, tree, is_leaf=_is_leaf)
+
+
+def _send_back(d_input: Any, where: Any) -> Any:
+    """A cotangent (or a tuple of them) moved to where its value was made."""
+    if isinstance(d_input, (tuple, list)):
+        return tuple(reshard(d, *w) for d, w in zip(d_input, where))
+    return reshard(d_input, *where)
 
 
 @jit
@@ -164,6 +174,17 @@ class PipelineRunner(StageRunner):
         # the pipeline benchmark measures against
         self.blocking = False
 
+    @staticmethod
+    def from_function(fn, schedule: str | Schedule = "1F1B", micro_batches: int = 1, *,
+                      chunks: int = 1, costs: dict | None = None):
+        """A pipeline of one loss function `fn(params, inputs, *loss_args)` written with
+        `dist.reshard(y, next_mesh, ...)` where activations move on: its stages are cut where
+        values change mesh, as dist.jit cuts (auto_pipeline.py). `.value_and_grad(params,
+        inputs, *loss_args)` gives the loss and gradients shaped like `params`."""
+        from .auto_pipeline import FunctionPipeline
+
+        return FunctionPipeline(fn, schedule, micro_batches, chunks=chunks, costs=costs)
+
     @classmethod
     def from_strategy(cls, stages: Sequence[Stage], strategy: Any) -> "PipelineRunner":
         """Paddle's pipeline settings: `schedule_mode`, `accumulate_steps` (micro-batches per
@@ -204,7 +225,8 @@ class PipelineRunner(StageRunner):
                 if s == last:
                     losses[i] = self._check_loss(y)
                 else:
-                    outs[(s, i)], sent[(s, i)] = y, (y.mesh, y.placements)
+                    outs[(s, i)], sent[(s, i)] = y, jax.tree.map(
+                        lambda t: (t.mesh, t.placements), y, is_leaf=_is_leaf)
             elif a.kind == "B":
                 ct = self._seed(losses[i], m) if s == last else cts.pop((s, i))
                 pull = pulls[(s, i)] if split else pulls.pop((s, i))
@@ -215,8 +237,7 @@ class PipelineRunner(StageRunner):
                     g, d_input = pull.both(ct)
                     accumulate(s, g)
                 if s > 0:
-                    mesh, placements = sent.pop((s - 1, i))
-                    cts[(s - 1, i)] = reshard(d_input, mesh, placements)
+                    cts[(s - 1, i)] = _send_back(d_input, sent.pop((s - 1, i)))
             else:  # W: the weight gradient the split backward left
                 accumulate(s, pulls.pop((s, i)).part(cts.pop(("W", s, i)), 0, s))
             if self.blocking:
@@ -266,8 +287,16 @@ class PipelineRunner(StageRunner):
         else:
             out, vjp = jax.vjp(lambda p, a: program(p, a, *extra), params, x)
         args = (params, x, *extra)
-        y = self._as_dtensor(s, program, args, out)
-        return y, _Pullback(vjp, not isinstance(out, DistTensor), s == 0, self, _signature(args))
+        if isinstance(out, (tuple, list)):  # several values go on (a cut function's stages)
+            raw = not all(isinstance(o, DistTensor) for o in out)
+            plan = program.plan(*args) if raw else None
+            y = tuple(o if isinstance(o, DistTensor) else
+                      make_dtensor(o, plan.mesh, plan.outputs[k].without_partial(), o.shape)
+                      for k, o in enumerate(out))
+        else:
+            raw = not isinstance(out, DistTensor)
+            y = self._as_dtensor(s, program, args, out)
+        return y, _Pullback(vjp, raw, s == 0, self, _signature(args))
 
     @staticmethod
     def _check_loss(y: DistTensor) -> DistTensor:
