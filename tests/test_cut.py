@@ -174,6 +174,39 @@ def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh():
         (0, (64, 256)), (0, (64, 256)), (4, (256, 64)), (4, (256, 64))]
 
 
+@pytest.mark.parametrize("mode", ["1F1B", "ZBH1"])
+def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_batches(mode):
+    """Paddle's strategy.pipeline (schedule_mode, accumulate_steps) on the same model: the loss
+    over 2 micro-batches per step, the weights as one device's whole-batch steps."""
+    batches = [(X + k, Y * k) for k in range(3)]  # 4 rows: 2 data-parallel shards × 2 micro
+    loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
+    mse = lambda out, label: jnp.mean((out - label) ** 2)  # noqa: E731
+    strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": mode,
+                                           "accumulate_steps": 2}})
+    model = Hybrid()
+    dm = dist.to_static(model, loader, mse, optax.sgd(0.05), strategy)
+    losses = [float(dm(x, y).numpy()) for x, y in loader()]
+
+    ref = Hybrid(placed_=False)
+    opt = nnx.Optimizer(ref, optax.sgd(0.05), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
+        opt.update(model, grads)
+        return loss
+
+    ref_losses = [float(ref_step(ref, opt, x, y)) for x, y in batches]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(model.w0[...].numpy(), ref.w0[...], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(model.w1[...].numpy(), ref.w1[...], rtol=1e-4, atol=1e-6)
+    (runner,) = dm._pipeline._runners.values()
+    assert (runner.schedule.name, runner.schedule.micro_batches, len(runner.stages)) == (mode, 2, 2)
+    with pytest.raises(dist.DistModelError, match="does not combine with gradient_merge"):
+        dist.to_static(Hybrid(), loader, mse, optax.sgd(0.05), dist.Strategy(
+            {"pipeline": {"enable": True}, "gradient_merge": {"enable": True, "k_steps": 2}}))
+
+
 def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_write():
     p, x, label = placed()
 

@@ -74,13 +74,6 @@ class DistModel:
     def __init__(self, model: Any, loader: Any, loss_fn: Callable | None, optimizer: Any,
                  strategy: Strategy | None = None):
         self.strategy = strategy if strategy is not None else Strategy()
-        if self.strategy.pipeline.enable:
-            raise DistModelError(
-                "strategy.pipeline asks for micro-batches in a schedule, which to_static does "
-                "not run: a model whose forward moves to another mesh (dist.reshard(y, mesh1, "
-                "...)) trains here with pipeline.enable False, its stages one after another; "
-                "for a schedule write one function per stage and train it with "
-                "dist.PipelineRunner.from_strategy([dist.Stage(fn, mesh), ...], strategy)")
         self._parts = split_model(model)
         self._model = model
         self._loss_fn = loss_fn
@@ -103,8 +96,51 @@ class DistModel:
         self._acc = None
         self._mode = "train"
         self._programs: dict[str, Any] = {}
+        self._pipeline = self._pipeline_runner()
 
     # -- configuration ----------------------------------------------------------------------
+    def _pipeline_runner(self) -> Any:
+        """strategy.pipeline: the loss cut into stages where the model's forward moves to
+        another mesh, run over `accumulate_steps` micro-batches in `schedule_mode`'s order
+        (PipelineRunner.from_function); the optimizer then updates every stage's params."""
+        pp = self.strategy.pipeline
+        if not pp.enable:
+            return None
+        unsupported = [name for name, on in (
+            ("gradient_merge", self.strategy.gradient_merge.enable),
+            ("amp with float16 loss scaling", self._loss_scaler() is not None),
+            ("sharding stage 3", self.optimizer is not None and self.optimizer.stage == 3),
+            ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
+        ) if on]
+        if unsupported:
+            raise DistModelError(f"strategy.pipeline does not combine with {unsupported[0]} yet: "
+                                 f"turn one of them off")
+        from .pipeline import PipelineRunner
+
+        def loss(params, inputs, *labels):
+            out, _ = self._forward("train", params, self.state, inputs)
+            return self._loss_fn(out, *labels).astype(jnp.float32)
+
+        return PipelineRunner.from_function(loss, pp.schedule_mode, pp.accumulate_steps,
+                                            chunks=pp.vpp_degree)
+
+    def _pipelined_step(self, *batch: Any) -> DistTensor:
+        """One train step through the pipeline: loss and gradients over the micro-batches,
+        then one optimizer update."""
+        if self._loss_fn is None:
+            raise DistModelError("this DistModel has no loss_fn: pass one to dist.to_static")
+        batch = self._batch(batch)
+        inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
+        loss, grads = self._pipeline.value_and_grad(self.params, inputs, *labels)
+        if "update" not in self._programs:
+            out = [x.placements if _is_dt(x) else None
+                   for x in jax.tree.leaves((self.params, self.opt_state), is_leaf=_is_dt)]
+            self._programs["update"] = jit(
+                lambda p, s, g: self._update(p, s, g, {})[:2], out_placements=out)
+        self.params, self.opt_state = self._programs["update"](self.params, self.opt_state, grads)
+        self._parts.write_back(self.params, self.state)
+        return loss
+
     def _replicated(self, value: Any) -> DistTensor:
         return shard_tensor(np.asarray(value), self.mesh, [Replicate()] * self.mesh.ndim)
 
@@ -360,6 +396,8 @@ class DistModel:
             return self._run(self._mode, *batch)
         if self.optimizer is None:
             raise DistModelError("train mode needs an optimizer: pass one to dist.to_static")
+        if self._pipeline is not None:
+            return self._pipelined_step(*batch)
         if self.k_steps == 1:
             return self._run("train", *batch)
         self._micro += 1
