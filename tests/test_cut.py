@@ -219,6 +219,13 @@ def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_w
                              r"dist\.reshard\(x, mesh, placements\)") as err:
         dist.jit(forgot_to_move)(p, x)
     assert re.search(r"test_cut\.py:\d+", str(err.value))
+    @jax.checkpoint
+    def moves_inside(w0, x):
+        return dist.reshard(x @ w0, MESH1, [S(0), S(2)])
+
+    with pytest.raises(dist.MeshMismatchError, match=r"`remat2` \(the body of a jax.checkpoint.*"
+                                                     r"moves values to ProcessMesh\(\[\[4, 5\]"):
+        dist.jit(lambda p, x: jnp.sum(moves_inside(p["w0"], x) @ p["w1"]))(p, x)
     f = dist.jit(loss_fn)
     with pytest.raises(dist.MeshMismatchError, match="put jax.grad / value_and_grad inside"):
         jax.grad(lambda q: f(q, x, label))(p)

@@ -90,6 +90,13 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
                 m = mesh_of[v]
                 if m is not None and v not in movable and m not in fixed:
                     fixed.append(m)
+            elsewhere = [m for m in _hint_meshes_inside(eqn) if m not in fixed[:1]]
+            if elsewhere and (fixed or len(set(elsewhere)) > 1):
+                raise MeshMismatchError(
+                    f"`{eqn.primitive.name}` (the body of a jax.checkpoint, jax.jit or custom "
+                    f"derivative) moves values to {elsewhere[0]!r} inside it; a body runs on one "
+                    f"mesh — call dist.reshard before or after it, outside the body",
+                    where=source_line(eqn.source_info))
             if len(fixed) > 1:
                 raise MeshMismatchError(
                     f"values on {fixed[0]!r} and on {fixed[1]!r} meet in `{eqn.primitive.name}`: "
@@ -143,6 +150,31 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
                list(jaxpr.outvars), mesh_of,
                sorted(_free_closure(StagePart(None, outputs=free_results), free),
                       key=_position(jaxpr)), free_results)
+
+
+def _hint_meshes_inside(eqn) -> list:
+    """Meshes that hints inside an equation's sub-jaxprs name (any depth)."""
+    found: list = []
+
+    def visit(jaxpr) -> None:
+        for e in jaxpr.eqns:
+            if e.primitive is hint_p and e.params["mesh"] not in found:
+                found.append(e.params["mesh"])
+            for sub in _sub_jaxprs(e.params):
+                visit(sub)
+
+    for sub in _sub_jaxprs(eqn.params):
+        visit(sub)
+    return found
+
+
+def _sub_jaxprs(params: dict):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jex_core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex_core.Jaxpr):
+                yield v
 
 
 def _position(jaxpr):

@@ -110,6 +110,8 @@ class DistModel:
             ("gradient_merge", self.strategy.gradient_merge.enable),
             ("amp with float16 loss scaling", self._loss_scaler() is not None),
             ("sharding stage 3", self.optimizer is not None and self.optimizer.stage == 3),
+            ("recompute (a jax.checkpoint around the whole forward keeps it on one mesh)",
+             self.strategy.recompute.enable),
             ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
         ) if on]
         if unsupported:
