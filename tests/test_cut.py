@@ -148,24 +148,33 @@ class Hybrid(nnx.Module):
         return jnp.matmul(y, self.w1)
 
 
+def _mse(out, label):
+    return jnp.mean((out - label) ** 2)
+
+
+def _one_device(batches, tx):
+    """The unplaced model trained on `batches` with nnx + optax: (model, losses)."""
+    ref = Hybrid(placed_=False)
+    opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: _mse(m(x), y))(model)
+        opt.update(model, grads)
+        return loss
+
+    return ref, [float(ref_step(ref, opt, x, y)) for x, y in batches]
+
+
 def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh():
     batches = [(X[:2] + k, Y[:2] * k) for k in range(3)]
     loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
-    mse = lambda out, label: jnp.mean((out - label) ** 2)  # noqa: E731
+    mse = _mse
     model = Hybrid()
     dm = dist.to_static(model, loader, mse, optax.adamw(1e-3))
     losses = [float(dm(x, y).numpy()) for x, y in loader()]
 
-    ref = Hybrid(placed_=False)
-    opt = nnx.Optimizer(ref, optax.adamw(1e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def ref_step(model, opt, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
-        opt.update(model, grads)
-        return loss
-
-    ref_losses = [float(ref_step(ref, opt, x, y)) for x, y in batches]
+    ref, ref_losses = _one_device(batches, optax.adamw(1e-3))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(model.w1[...].numpy(), ref.w1[...], rtol=1e-4, atol=1e-6)
     states = jax.tree.leaves(dm.opt_state, is_leaf=lambda v: isinstance(v, dist.DistTensor))
@@ -180,23 +189,14 @@ def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_ba
     over 2 micro-batches per step, the weights as one device's whole-batch steps."""
     batches = [(X + k, Y * k) for k in range(3)]  # 4 rows: 2 data-parallel shards × 2 micro
     loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
-    mse = lambda out, label: jnp.mean((out - label) ** 2)  # noqa: E731
+    mse = _mse
     strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": mode,
                                            "accumulate_steps": 2}})
     model = Hybrid()
     dm = dist.to_static(model, loader, mse, optax.sgd(0.05), strategy)
     losses = [float(dm(x, y).numpy()) for x, y in loader()]
 
-    ref = Hybrid(placed_=False)
-    opt = nnx.Optimizer(ref, optax.sgd(0.05), wrt=nnx.Param)
-
-    @nnx.jit
-    def ref_step(model, opt, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
-        opt.update(model, grads)
-        return loss
-
-    ref_losses = [float(ref_step(ref, opt, x, y)) for x, y in batches]
+    ref, ref_losses = _one_device(batches, optax.sgd(0.05))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(model.w0[...].numpy(), ref.w0[...], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(model.w1[...].numpy(), ref.w1[...], rtol=1e-4, atol=1e-6)

@@ -12,10 +12,9 @@ looks at compile-time scaling.
 """
 from __future__ import annotations
 
-import json
-
 from .gpt_workloads import gpt_dp_tp
 from .measure import build, communication, pass_times
+from .report import print_rows
 
 
 def measure(layers: int, form: str) -> dict:
@@ -44,11 +43,5 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
             "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes",
             "xla_bytes", "bytes_ratio", "collectives", "xla_collectives", "collective_ops",
             "xla_collective_ops"]
-    widths = [max(14, len(c)) for c in cols]
-    print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(f"{str(r.get(c, '—')):>{w}}" for c, w in zip(cols, widths)))
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    print_rows(rows, cols, 14, json_path)
     return rows

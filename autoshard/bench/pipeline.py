@@ -11,7 +11,6 @@ accelerators. Values are checked against the unscheduled one-batch StageRunner.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -20,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import autoshard as dist
+
+from .report import print_rows
 
 RUNS = [("1F1B", 1, 1), ("FThenB", 4, 1), ("1F1B", 4, 1), ("ZBH1", 4, 1), ("VPP", 4, 2),
         ("1F1B", 8, 1)]
@@ -79,12 +80,5 @@ def measure(mode: str, micro: int, chunks: int, hidden: int, batch: int,
 def run(hidden: int = 512, batch: int = 256, json_path: str | None = None,
         runs=RUNS, repeats: int = 5) -> list[dict]:
     rows = [measure(mode, m, v, hidden, batch, repeats) for mode, m, v in runs]
-    cols = list(rows[0])
-    widths = [max(8, len(c)) for c in cols]
-    print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(f"{str(r[c]):>{w}}" for c, w in zip(cols, widths)))
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    print_rows(rows, list(rows[0]), 8, json_path)
     return rows

@@ -48,6 +48,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), sep] + [line(r) for r in rows])
 
 
+def print_rows(rows: Sequence[dict], cols: Sequence[str], min_width: int,
+               json_path: str | None = None) -> None:
+    """A suite's rows as right-aligned columns on stdout ('—' where a row has no value), and
+    as a JSON list when asked (the small suites: compiler, pipeline)."""
+    widths = [max(min_width, len(c)) for c in cols]
+    print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(f"{str(r.get(c, '—')):>{w}}" for c, w in zip(cols, widths)))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(list(rows), fh, indent=1)
+
+
 def communication_table(rows: Sequence[dict]) -> str:
     headers = ["workload", "collectives (ours/xla/min)", "ops (ours/xla)", "bytes ours",
                "bytes xla", "ours/xla", "minimum", "ours/min", "wire ours/xla", "peak mem ours", "peak mem xla",
