@@ -244,6 +244,9 @@ def test_pipeline_errors_name_the_fix():
     with pytest.raises(dist.StageError, match=r"batch dim 8 cannot be cut into 8 micro-batches "
                                               r"of each of its 2 data-parallel shards"):
         dist.PipelineRunner(stages, "1F1B", 8).value_and_grad(params, xd, yd)
+    with pytest.raises(dist.StageError, match=r"loss argument 1 has an array of shape \[16\] "
+                                              r"whose dim 0 is not the batch \(8 rows\)"):
+        dist.PipelineRunner(stages, "1F1B", 2).value_and_grad(params, xd, yd, np.ones(16))
     with pytest.raises(dist.StageError, match="stage 2 is on .* rank 0, whose mesh is"):
         dist.PipelineRunner(stages, "VPP", 2, chunks=2)
     with pytest.raises(ScheduleError, match="cannot be cut into 3 chunks"):

@@ -274,6 +274,17 @@ class PipelineRunner(StageRunner):
             raise StageError(f"strategy.pipeline.micro_batch_size = {self._micro_batch_size} "
                              f"with accumulate_steps = {m} makes batches of "
                              f"{self._micro_batch_size * m}, but the batch has {batch} rows")
+        # every array is cut along dim 0: one that is not batch-shaped would be cut too
+        for what, tree in [("the first stage's input", inputs),
+                           *((f"loss argument {k}", a) for k, a in enumerate(loss_args))]:
+            for leaf in jax.tree.leaves(tree, is_leaf=_is_leaf):
+                shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+                if shape and batch is not None and shape[0] != batch:
+                    raise StageError(
+                        f"{what} has an array of shape {list(shape)} whose dim 0 is not the "
+                        f"batch ({batch} rows): every array given to the pipeline is cut into "
+                        f"micro-batches along dim 0 — close over arrays that are not per-sample "
+                        f"(class weights, masks) in the stage function instead")
         micro_in = self._cut(inputs, groups, m, "the first stage's input")
         micro_args = list(zip(*[self._cut(a, groups, m, f"loss argument {k}")
                                 for k, a in enumerate(loss_args)])) or [()] * m
