@@ -48,7 +48,7 @@ def _stage_runs(f, *args):
     """(program, its arguments) of every stage, as dist.jit runs them."""
     entry, leaves = f._entry(args, {})
     runs = []
-    entry._run(leaves, lambda program, a: runs.append((program, a)))
+    entry._run(leaves, lambda program, a, _moves: runs.append((program, a)))
     return runs
 
 
@@ -68,6 +68,13 @@ def test_forward_across_two_meshes_equals_one_device():
         assert len(collectives(hlo)) == len(plan.collectives), program.__name__
     assert plans[0].collectives == []
     assert plans[1].collectives
+    # explain(): each stage's plan, and what moves onto its mesh, with bytes and the line
+    text = str(f.explain(p, x, label))
+    assert text.startswith("autoshard: loss_fn runs as 2 stages on 2 meshes")
+    moved = [line for line in text.splitlines() if "arrives:" in line]
+    assert len(moved) == 1  # the activation, with the hint's placements (the label lives there)
+    assert re.search(r"arrives: float32\[4, 16, 256\] from devices \[0, 1, 2, 3\] .* at "
+                     r"test_cut\.py:\d+: 16\.0 KiB/device", moved[0]), moved[0]
 
 
 def test_a_train_step_with_grad_and_adamw_inside_runs_as_three_stages():

@@ -39,6 +39,7 @@ class StagePart:
     outputs: list = field(default_factory=list)   # Vars that later stages or the result read
     arrivals: dict = field(default_factory=dict)  # Var -> Layout | None, for values that move
     # here from another mesh (None: keep their placements if this mesh can, else replicate)
+    lines: dict = field(default_factory=dict)     # Var -> the user's line that reads it there
 
 
 @dataclass
@@ -140,6 +141,7 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
                 home = mesh_of[v]
                 if home is not None and home != part.mesh and v not in part.arrivals:
                     part.arrivals[v] = (e.params["layout"] if e.primitive is hint_p else None)
+                    part.lines[v] = source_line(e.source_info)
     results = {v for v in jaxpr.outvars if _is_var(v)}
     for k, part in enumerate(parts):
         made = [v for e in part.eqns for v in e.outvars]

@@ -75,4 +75,31 @@ class Explanation:
         return explain_html(self.plan)
 
 
-__all__ = ["explain_text", "explain_html", "Explanation"]
+class StagedExplanation:
+    """f.explain() of a function cut into stages on several meshes (cut.py): each stage's
+    plan, and before it the values that move onto its mesh, with their bytes and lines."""
+
+    def __init__(self, name: str, stages: list):
+        self.name = name
+        self.stages = stages  # [(plan, [(what, source line, reshard plan)])]
+
+    def __str__(self) -> str:
+        meshes = {str(plan.mesh.process_ids) for plan, _ in self.stages}
+        lines = [f"autoshard: {self.name} runs as {len(self.stages)} stages on "
+                 f"{len(meshes)} meshes, one program each, in order"]
+        for k, (plan, moves) in enumerate(self.stages):
+            lines.append(f"── stage {k}, devices {plan.mesh.process_ids}")
+            for what, line, rp in moves:
+                lines.append(f"  arrives: {what} from devices {rp.src_mesh.process_ids} "
+                             f"{rp.src.describe(rp.src_mesh)} → {rp.dst.describe(rp.dst_mesh)} at "
+                             f"{line or '?'}: {format_bytes(rp.total_bytes)}/device")
+            lines += ["  " + x for x in explain_text(plan).splitlines()]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return "<pre>" + html.escape(str(self)) + "</pre>"
+
+
+__all__ = ["explain_text", "explain_html", "Explanation", "StagedExplanation"]

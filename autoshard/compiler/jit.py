@@ -23,7 +23,7 @@ from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
 from .cut import cut_by_mesh, meshes_named
-from .explain import Explanation
+from .explain import Explanation, StagedExplanation
 from .gc_pause import gc_paused
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
@@ -364,11 +364,17 @@ class DistributedFunction:
         """Per stage (one per run of equations on one mesh), its Plan; one Plan when the
         function runs on one mesh."""
         entry, leaves = self._entry(args, kwargs)
-        return entry.plans(leaves) if isinstance(entry, _MeshStages) else [entry.plan]
+        if isinstance(entry, _MeshStages):
+            return [plan for plan, _ in entry.plans(leaves)]
+        return [entry.plan]
 
-    def explain(self, *args, **kwargs) -> Explanation:
-        """The plan as a table (text in a terminal, HTML in a notebook)."""
-        return Explanation(self.plan(*args, **kwargs))
+    def explain(self, *args, **kwargs) -> Explanation | StagedExplanation:
+        """The plan as a table (text in a terminal, HTML in a notebook); for a function cut
+        into stages on several meshes, each stage's, with what moves between them."""
+        entry, leaves = self._entry(args, kwargs)
+        if isinstance(entry, _MeshStages):
+            return StagedExplanation(self.__name__, entry.plans(leaves))
+        return Explanation(entry.plan)
 
     def lower(self, *args, **kwargs):
         """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
@@ -389,24 +395,29 @@ class _MeshStages:
             program.__name__ = f"{name}[stage {k}]"
             self.programs.append(program)
 
-    def _arguments(self, env: dict, part) -> list:
-        from ..reshard.api import reshard
+    def _arguments(self, env: dict, part, moves: list | None = None) -> list:
+        from ..reshard.api import plan_reshard, reshard
         from .cut import arrival_placements
 
         args = []
         for v in part.inputs:
             x = env[v]
             if v in part.arrivals and isinstance(x, DistTensor):
-                x = reshard(x, part.mesh, arrival_placements(x, part.mesh, part.arrivals[v]))
+                placements = arrival_placements(x, part.mesh, part.arrivals[v])
+                if moves is not None:
+                    moves.append((f"{x.dtype}{list(x.shape)}", part.lines.get(v),
+                                  plan_reshard(x, part.mesh, placements)))
+                x = reshard(x, part.mesh, placements)
             args.append(x)
         return args
 
     def _run(self, leaves, visit=None) -> dict:
         env = dict(zip(self.cut.invars, leaves))
         for part, program in zip(self.cut.stages, self.programs):
-            args = self._arguments(env, part)
+            moves = [] if visit is not None else None
+            args = self._arguments(env, part, moves)
             if visit is not None:
-                visit(program, args)
+                visit(program, args, moves)
             env.update(zip(part.outputs, program(*args)))
         return env
 
@@ -430,9 +441,11 @@ class _MeshStages:
                     for o, p in zip(outs, per)]
         return outs
 
-    def plans(self, leaves) -> list[Plan]:
-        found: list[Plan] = []
-        self._run(leaves, lambda program, args: found.append(program.plan(*args)))
+    def plans(self, leaves) -> list[tuple[Plan, list]]:
+        """Per stage: its Plan and the values that move onto its mesh before it runs
+        (what, the user's line, the cross-mesh reshard plan). Runs the stages."""
+        found: list = []
+        self._run(leaves, lambda program, args, moves: found.append((program.plan(*args), moves)))
         return found
 
 
