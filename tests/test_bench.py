@@ -78,3 +78,4 @@ def test_pipeline_suite(tmp_path):
         assert r["step_ms"] > 0 and r["blocking_ms"] > 0
         assert r["sim_bubble"] == pytest.approx(3 / 7, abs=1e-3)  # (p-1)/(m+p-1), p = m = 4
     assert [r["peak_in_flight"] for r in rows] == [4, 4]
+    assert all(r["held_mib"] > 0 for r in rows)  # measured from jax's live arrays

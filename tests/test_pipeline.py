@@ -166,10 +166,12 @@ CASES = [  # (schedule, micro-batches, chunks, meshes, weight placements)
 ]
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("mode,m,chunks,meshes,placements", CASES)
-def test_pipelined_loss_and_gradients_equal_one_device(mode, m, chunks, meshes, placements):
+def test_pipelined_loss_and_gradients_equal_one_device(mode, m, chunks, meshes, placements,
+                                                       recompute):
     ws, x, y, stages, params, xd, yd = _setup(meshes, chunks, placements)
-    runner = dist.PipelineRunner(stages, mode, m, chunks=chunks)
+    runner = dist.PipelineRunner(stages, mode, m, chunks=chunks, recompute=recompute)
     loss, grads = runner.value_and_grad(params, xd, yd)
     ref_loss, ref_grads = _one_device(ws, x, y)
     np.testing.assert_allclose(float(loss.numpy()), float(ref_loss), rtol=1e-5)

@@ -101,6 +101,47 @@ class _Pullback:
         return _placed(fn(leaves, ct))
 
 
+class _Recomputed:
+    """A stage's backward that keeps only its operands (params by reference, the micro-batch
+    activation) and runs forward and backward together in one jitted function when asked:
+    what is held between F and B is the activation the schedule counts, nothing more.
+
+    Without it, jax's vjp of a shard_map program keeps, per micro-batch, the operands of every
+    matmul as residuals — replicated weights included, as per-device copies (a weight cast to
+    vary over the batch's mesh axis is a new value)."""
+
+    __slots__ = ("program", "args", "first", "owner", "stage")
+
+    def __init__(self, program, args: tuple, first: bool, owner: "PipelineRunner", stage: int):
+        self.program, self.args, self.first, self.owner, self.stage = (program, args, first,
+                                                                       owner, stage)
+
+    def _run(self, ct: Any, index: int | None):
+        params, x, extra = self.args
+        key = ("recompute", self.stage, index, _signature((params, x, *extra)))
+        fn = self.owner._halves.get(key)
+        if fn is None:
+            program, first = self.program, self.first
+
+            def backward(params, x, extra, ct):
+                if first:
+                    grads = (jax.vjp(lambda p: program(p, x, *extra), params)[1](ct)[0], None)
+                else:
+                    grads = jax.vjp(lambda p, a: program(p, a, *extra), params, x)[1](ct)
+                return grads if index is None else grads[index]
+
+            fn = self.owner._halves[key] = jax.jit(backward)
+        ct = jax.tree.map(lambda t: t.physical if isinstance(t, DistTensor) else t, ct,
+                          is_leaf=_is_leaf)
+        return _placed(fn(params, x, extra, ct))
+
+    def both(self, ct: Any) -> tuple[Params, Any]:
+        return self._run(ct, None)
+
+    def part(self, ct: Any, index: int, stage: int):
+        return self._run(ct, index)
+
+
 def _signature(args: tuple) -> tuple:
     """Operands as the stage program sees them: structure, and per leaf shape, dtype, mesh and
     layout (a numpy or jax leaf by shape and dtype)."""
@@ -142,11 +183,15 @@ class PipelineRunner(StageRunner):
     `schedule`: "FThenB", "1F1B", "VPP" (with `chunks` model chunks per rank: stage s runs
     on the mesh of stage s mod p, p = len(stages) / chunks) or "ZBH1", or a `Schedule` made by
     hand. `costs`: relative action costs for ordering ({"F": 1, "B": 2} by default).
+    `recompute`: hold only each stage's operands between its forward and backward and run the
+    forward again in the backward (less memory per micro-batch in flight, one more forward).
     """
 
     def __init__(self, stages: Sequence[Stage], schedule: str | Schedule = "1F1B",
-                 micro_batches: int = 1, *, chunks: int = 1, costs: dict | None = None):
+                 micro_batches: int = 1, *, chunks: int = 1, costs: dict | None = None,
+                 recompute: bool = False):
         super().__init__(stages)
+        self.recompute = recompute
         n = len(self.stages)
         if isinstance(schedule, Schedule):
             made = schedule
@@ -173,6 +218,7 @@ class PipelineRunner(StageRunner):
         # waits for each action's results before issuing the next: the no-overlap baseline
         # the pipeline benchmark measures against
         self.blocking = False
+        self.after_action = None  # called with each Action once issued (the benchmark's probe)
 
     @staticmethod
     def from_function(fn, schedule: str | Schedule = "1F1B", micro_batches: int = 1, *,
@@ -242,6 +288,8 @@ class PipelineRunner(StageRunner):
                 accumulate(s, pulls.pop((s, i)).part(cts.pop(("W", s, i)), 0, s))
             if self.blocking:
                 jax.block_until_ready((list(outs.values()), list(cts.values()), losses, grads))
+            if self.after_action is not None:
+                self.after_action(a)
         return self._mean(losses), grads
 
     def forward(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> DistTensor:
@@ -293,6 +341,9 @@ class PipelineRunner(StageRunner):
     def _forward(self, s: int, params: Params, x: Any, extra: tuple) -> tuple[DistTensor,
                                                                               _Pullback]:
         program = self.programs[s]
+        if self.recompute:  # keep only the stage's operands; the backward runs the forward again
+            y = program(params, x, *extra)
+            return y, _Recomputed(program, (params, x, extra), s == 0, self, s)
         if s == 0:  # the batch needs no cotangent
             out, vjp = jax.vjp(lambda p: program(p, x, *extra), params)
         else:
