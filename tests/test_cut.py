@@ -250,3 +250,43 @@ def test_results_that_read_nothing_placed_are_plain_arrays_and_optimizer_states_
     assert (mu["w0"].mesh, mu["w0"].placements) == (MESH0, [R, S(1)])
     assert (mu["w1"].mesh, mu["w1"].placements) == (MESH1, [R, S(0)])
     np.testing.assert_array_equal(mu["w1"].numpy(), np.zeros_like(W1))
+
+
+# -- random chains across meshes ---------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+CHAIN_MESHES = [dist.ProcessMesh([0, 1, 2, 3], ["x"]), dist.ProcessMesh([4, 5, 6, 7], ["x"]),
+                dist.ProcessMesh([1, 3, 5, 7], ["x"])]
+CHOICES = [[R], [S(0)], [S(1)]]
+ACTS = [jnp.tanh, jnp.sin, lambda h: h + 0.1 * h * h]
+
+
+@given(steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2),
+                                st.integers(0, 2)), min_size=1, max_size=5),
+       x_place=st.integers(0, 2))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_chains_across_meshes_train_like_one_device(steps, x_place):
+    """Each step: on mesh `m` (moving the activation there with placements `move` when it
+    changes), h = act(h @ w) with w placed `w_place`; then jax.value_and_grad inside dist.jit."""
+    r = np.random.default_rng(len(steps))
+    ws = [r.normal(size=(8, 8)).astype("float32") * 0.4 for _ in steps]
+    x = r.normal(size=(8, 8)).astype("float32")
+
+    def loss(ws, x, placed=True):
+        h, here = x, steps[0][0]
+        for (m, w_place, move, act), w in zip(steps, ws):
+            if placed and m != here:
+                h = dist.reshard(h, CHAIN_MESHES[m], CHOICES[move])
+            here = m
+            h = ACTS[act](h @ w)
+        return jnp.mean(h * h)
+
+    params = [dist.shard_tensor(w, CHAIN_MESHES[m], CHOICES[wp])
+              for (m, wp, _, _), w in zip(steps, ws)]
+    xd = dist.shard_tensor(x, CHAIN_MESHES[steps[0][0]], CHOICES[x_place])
+    value, grads = dist.jit(jax.value_and_grad(loss))(params, xd)
+    ref, ref_grads = jax.value_and_grad(lambda q: loss(q, x, False))(ws)
+    np.testing.assert_allclose(value.numpy(), ref, rtol=1e-5, atol=1e-7)
+    for g, rg, p in zip(grads, ref_grads, params):
+        np.testing.assert_allclose(g.numpy(), rg, rtol=1e-4, atol=1e-6)
+        assert g.mesh == p.mesh
