@@ -190,15 +190,17 @@ def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh():
         (0, (64, 256)), (0, (64, 256)), (4, (256, 64)), (4, (256, 64))]
 
 
-@pytest.mark.parametrize("mode", ["1F1B", "ZBH1"])
-def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_batches(mode):
+@pytest.mark.parametrize("mode,recompute", [("1F1B", False), ("ZBH1", False), ("1F1B", True)])
+def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_batches(mode,
+                                                                                     recompute):
     """Paddle's strategy.pipeline (schedule_mode, accumulate_steps) on the same model: the loss
     over 2 micro-batches per step, the weights as one device's whole-batch steps."""
     batches = [(X + k, Y * k) for k in range(3)]  # 4 rows: 2 data-parallel shards × 2 micro
     loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
     mse = _mse
     strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": mode,
-                                           "accumulate_steps": 2}})
+                                           "accumulate_steps": 2},
+                              "recompute": {"enable": recompute}})
     model = Hybrid()
     dm = dist.to_static(model, loader, mse, optax.sgd(0.05), strategy)
     losses = [float(dm(x, y).numpy()) for x, y in loader()]
@@ -209,6 +211,7 @@ def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_ba
     np.testing.assert_allclose(model.w1[...].numpy(), ref.w1[...], rtol=1e-4, atol=1e-6)
     (runner,) = dm._pipeline._runners.values()
     assert (runner.schedule.name, runner.schedule.micro_batches, len(runner.stages)) == (mode, 2, 2)
+    assert runner.recompute is recompute
     with pytest.raises(dist.DistModelError, match="does not combine with gradient_merge"):
         dist.to_static(Hybrid(), loader, mse, optax.sgd(0.05), dist.Strategy(
             {"pipeline": {"enable": True}, "gradient_merge": {"enable": True, "k_steps": 2}}))

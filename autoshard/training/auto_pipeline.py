@@ -32,9 +32,10 @@ class FunctionPipeline:
     """A PipelineRunner over the stages of one loss function (see the module docstring)."""
 
     def __init__(self, fn, schedule: str | Schedule = "1F1B", micro_batches: int = 1, *,
-                 chunks: int = 1, costs: dict | None = None):
+                 chunks: int = 1, costs: dict | None = None, recompute: bool = False):
         self.fn = fn
         self._options = (schedule, micro_batches, chunks, costs)
+        self.recompute = recompute
         self._runners: dict = {}
 
     def value_and_grad(self, params: Any, inputs: Any, *loss_args: Any):
@@ -74,7 +75,7 @@ class FunctionPipeline:
         avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
         closed = jax.make_jaxpr(flat)(*avals)
         cut = cut_by_mesh(closed, [d.mesh for d in described])
-        return _CutRunner(cut, n_p, n_i, p_tree, schedule, m, chunks, costs)
+        return _CutRunner(cut, n_p, n_i, p_tree, schedule, m, chunks, costs, self.recompute)
 
 
 def _micro_aval(x, m: int):
@@ -92,7 +93,8 @@ def _micro_aval(x, m: int):
 class _CutRunner(PipelineRunner):
     """PipelineRunner whose stages come from a cut; activations are tuples of values."""
 
-    def __init__(self, cut, n_params: int, n_inputs: int, p_tree, schedule, m, chunks, costs):
+    def __init__(self, cut, n_params: int, n_inputs: int, p_tree, schedule, m, chunks, costs,
+                 recompute: bool = False):
         parts = cut.stages
         if not parts or len(cut.outvars) != 1:
             raise StageError("a pipeline loss function returns one scalar loss computed on the "
@@ -129,7 +131,7 @@ class _CutRunner(PipelineRunner):
                                   invars[n_params + n_inputs:] if k == last else [],
                                   cut.outvars if k == last else carries[k]),
                         part.mesh) for k, part in enumerate(parts)]
-        super().__init__(stages, schedule, m, chunks=chunks, costs=costs)
+        super().__init__(stages, schedule, m, chunks=chunks, costs=costs, recompute=recompute)
 
     def split(self, params: Any) -> list:
         leaves = jax.tree.leaves(params, is_leaf=_is_leaf)

@@ -110,8 +110,6 @@ class DistModel:
             ("gradient_merge", self.strategy.gradient_merge.enable),
             ("amp with float16 loss scaling", self._loss_scaler() is not None),
             ("sharding stage 3", self.optimizer is not None and self.optimizer.stage == 3),
-            ("recompute (a jax.checkpoint around the whole forward keeps it on one mesh)",
-             self.strategy.recompute.enable),
             ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
         ) if on]
         if unsupported:
@@ -120,11 +118,14 @@ class DistModel:
         from .pipeline import PipelineRunner
 
         def loss(params, inputs, *labels):
-            out, _ = self._forward("train", params, self.state, inputs)
+            # recompute is the runner's (each stage's forward again in its backward): a
+            # jax.checkpoint around the whole forward would keep it on one mesh
+            out, _ = self._forward("train", params, self.state, inputs, remat=False)
             return self._loss_fn(out, *labels).astype(jnp.float32)
 
         return PipelineRunner.from_function(loss, pp.schedule_mode, pp.accumulate_steps,
-                                            chunks=pp.vpp_degree)
+                                            chunks=pp.vpp_degree,
+                                            recompute=self.strategy.recompute.enable)
 
     def _pipelined_step(self, *batch: Any) -> DistTensor:
         """One train step through the pipeline: loss and gradients over the micro-batches,
@@ -205,7 +206,7 @@ class DistModel:
                                   is_leaf=_is_placements)
         return params
 
-    def _apply_fn(self, mode: str) -> Callable:
+    def _apply_fn(self, mode: str, remat: bool = True) -> Callable:
         """apply(params, state, *inputs) → (outputs, state) with AMP and recompute wrapped in."""
         parts = self._parts
 
@@ -217,19 +218,20 @@ class DistModel:
             apply = autocast(apply, amp.dtype, o1_primitives(amp.custom_white_list,
                                                              amp.custom_black_list))
         recompute = self.strategy.recompute
-        if recompute.enable and mode == "train":
+        if recompute.enable and mode == "train" and remat:
             policy = recompute.policy
             if isinstance(policy, str):
                 policy = getattr(jax.checkpoint_policies, policy)
             apply = jax.checkpoint(apply, policy=policy)
         return apply
 
-    def _forward(self, mode: str, params: Any, state: dict, inputs: tuple) -> tuple[Any, dict]:
+    def _forward(self, mode: str, params: Any, state: dict, inputs: tuple,
+                 remat: bool = True) -> tuple[Any, dict]:
         params = self._compute_view(params)
         amp = self.strategy.amp
         if amp.enable and amp.level == "o2":  # the whole forward in low precision
             params, inputs = cast_floating(params, amp.dtype), cast_floating(inputs, amp.dtype)
-        out, state = self._apply_fn(mode)(params, state, *inputs)
+        out, state = self._apply_fn(mode, remat)(params, state, *inputs)
         if amp.enable:  # the loss (and what predict returns) in float32
             out = cast_floating(out, jnp.float32)
         return out, state

@@ -222,14 +222,15 @@ class PipelineRunner(StageRunner):
 
     @staticmethod
     def from_function(fn, schedule: str | Schedule = "1F1B", micro_batches: int = 1, *,
-                      chunks: int = 1, costs: dict | None = None):
+                      chunks: int = 1, costs: dict | None = None, recompute: bool = False):
         """A pipeline of one loss function `fn(params, inputs, *loss_args)` written with
         `dist.reshard(y, next_mesh, ...)` where activations move on: its stages are cut where
         values change mesh, as dist.jit cuts (auto_pipeline.py). `.value_and_grad(params,
         inputs, *loss_args)` gives the loss and gradients shaped like `params`."""
         from .auto_pipeline import FunctionPipeline
 
-        return FunctionPipeline(fn, schedule, micro_batches, chunks=chunks, costs=costs)
+        return FunctionPipeline(fn, schedule, micro_batches, chunks=chunks, costs=costs,
+                                recompute=recompute)
 
     @classmethod
     def from_strategy(cls, stages: Sequence[Stage], strategy: Any) -> "PipelineRunner":
