@@ -83,11 +83,8 @@ def _micro_aval(x, m: int):
     shape = tuple(np.shape(x))
     if shape and shape[0] % m == 0:
         shape = (shape[0] // m,) + shape[1:]
-    if isinstance(x, DistTensor):
-        d = _describe_leaf(x)
-        return type(d)(shape, d.dtype, d.mesh, d.layout)
     d = _describe_leaf(x)
-    return type(d)(shape, d.dtype, None, None)
+    return type(d)(shape, d.dtype, d.mesh, d.layout)
 
 
 class _CutRunner(PipelineRunner):
