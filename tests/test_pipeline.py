@@ -354,3 +354,24 @@ def test_a_cut_stage_reading_the_batch_after_the_first_is_an_error():
     with pytest.raises(dist.StageError, match="stage 1 reads the batch inputs"):
         dist.PipelineRunner.from_function(loss, "1F1B", 2).value_and_grad(
             p, dist.shard_tensor(np.ones((4, 4), "float32"), m0, [S(0)]))
+
+
+def test_explain_shows_the_schedule_the_moves_and_each_stage_communication():
+    ws, x, y, stages, params, xd, yd = _setup(MESHES_2D, 2, [R, S(1)])
+    runner = dist.PipelineRunner(stages, "VPP", 2, chunks=2)
+    text = runner.explain(params, xd, yd)
+    assert text.startswith("pipeline: 4 stages on 2 ranks, schedule VPP, 2 micro-batches")
+    moves = [line for line in text.splitlines() if line.lstrip().startswith("→ stage")]
+    # each micro-batch activation [4, 16] crosses 3 times, split over both mesh dims
+    assert moves == [f"  → stage {s}: float32[4, 16] [S(0), S(1)] → [S(0), S(1)], 64 B/device"
+                     for s in (1, 2, 3)]
+    stage_lines = [line for line in text.splitlines() if line.startswith("  stage ")]
+    assert stage_lines[0] == "  stage 0 on devices [0, 1, 2, 3]: no collectives, 0 B/device"
+    # the last stage's line is its plan for one micro-batch
+    h = runner._cut(xd, 2, 2, "x")[0]
+    for s in range(3):
+        h = runner.programs[s](params[s], runner._arrive(s, h))
+    plan = runner.programs[3].plan(params[3], runner._arrive(3, h), runner._cut(yd, 2, 2, "y")[0])
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items()))
+    assert counts and f": {counts}, " in stage_lines[3]
+    assert str(runner.schedule) in text

@@ -311,6 +311,40 @@ class PipelineRunner(StageRunner):
                 outs[(s, i)] = y
         return self._mean(losses)
 
+    def explain(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> str:
+        """The schedule (simulated bubble, held micro-batches, each rank's order) and, for one
+        micro-batch, what moves between stages and what each stage's forward communicates."""
+        from ..reshard.api import plan_reshard
+        from ..reshard.planner import format_bytes
+        from .schedule import table
+
+        micro_in, micro_args = self._micro_batches(inputs, loss_args)
+        sched = self.schedule
+        lines = [f"pipeline: {len(self.stages)} stages on {sched.ranks} ranks, schedule "
+                 f"{sched.name}, {sched.micro_batches} micro-batches", table([self.timeline]),
+                 "per micro-batch (forward):"]
+        x, last = micro_in[0], len(self.stages) - 1
+        for s, program in enumerate(self.programs):
+            if s:
+                sent, x = x, self._arrive(s, x)
+                pairs = zip(sent, x) if isinstance(x, tuple) else [(sent, x)]
+                for a, b in pairs:
+                    if isinstance(a, DistTensor) and a.mesh != b.mesh:
+                        rp = plan_reshard(a, b.mesh, b.placements)
+                        lines.append(f"  → stage {s}: {a.dtype}{list(a.shape)} "
+                                     f"{a.layout.describe(a.mesh)} → "
+                                     f"{b.layout.describe(b.mesh)}, "
+                                     f"{format_bytes(rp.total_bytes)}/device")
+            args = (params[s], x, *(micro_args[0] if s == last else ()))
+            plan = program.plan(*args)
+            counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items()))
+            lines.append(f"  stage {s} on devices {self.stages[s].mesh.process_ids}: "
+                         f"{counts or 'no collectives'}, {format_bytes(plan.total_bytes)}/device")
+            x = program(*args)
+        lines.append("order per rank:")
+        lines.append(str(sched))
+        return "\n".join(lines)
+
     # -- helpers -------------------------------------------------------------------------------
     def _micro_batches(self, inputs: Any, loss_args: tuple) -> tuple[list, list]:
         """Per micro-batch: the first stage's input and the last stage's extra arguments."""
