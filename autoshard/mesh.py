@@ -165,9 +165,10 @@ class ProcessMesh:
     # -- jax -------------------------------------------------------------------------------
     def devices(self) -> np.ndarray:
         """The jax devices in mesh order; raises DeviceNotFoundError for unknown ids."""
+        table = self._device_table()
         out = np.empty(self._ids.shape, dtype=object)
         for index, i in np.ndenumerate(self._ids):
-            out[index] = self.device_for(int(i))
+            out[index] = table[int(i)]
         return out
 
     def device_for(self, device_id: int):
@@ -176,6 +177,13 @@ class ProcessMesh:
         Entries are jax device ids; when some are not (several CPU processes number their
         devices 0.. and 2048..), they are global ranks, as in Paddle: the position in
         `jax.devices()`, process by process. One process's GPUs are both."""
+        table = self._device_table()
+        if device_id not in table:
+            raise DeviceNotFoundError(f"device {device_id} is not in {self!r}; its devices are "
+                                      f"{self.process_ids}")
+        return table[device_id]
+
+    def _device_table(self) -> dict:
         table = _device_table(tuple(self.process_ids))
         if table is None:
             import jax
@@ -187,10 +195,7 @@ class ProcessMesh:
                 f"with ids {ids} (global ranks 0..{len(ids) - 1}): build the mesh from those, or "
                 f"(on CPU) simulate more devices with "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax is imported")
-        if device_id not in table:
-            raise DeviceNotFoundError(f"device {device_id} is not in {self!r}; its devices are "
-                                      f"{self.process_ids}")
-        return table[device_id]
+        return table
 
     @cached_property
     def _jax_mesh(self):

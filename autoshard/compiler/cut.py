@@ -23,10 +23,11 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
+from ..dtensor import DistTensor
 from ..errors import MeshMismatchError
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from .trace import hint_back_p, hint_p, source_line
+from .trace import bind_eqn, hint_back_p, hint_p, source_line
 
 
 @dataclass
@@ -199,6 +200,25 @@ def _free_closure(part: StagePart, free: dict) -> list:
     return list(picked.values())
 
 
+def eval_eqns(eqns: list, env: dict) -> dict:
+    """Bind `eqns` again (a stage's, traced by its program) on the values in `env`, which
+    gains their results."""
+    for eqn in eqns:
+        ins = [a.val if isinstance(a, jex_core.Literal) else env[a] for a in eqn.invars]
+        env.update(zip(eqn.outvars, bind_eqn(eqn, ins)))
+    return env
+
+
+def arrive(x: Any, part: StagePart, v: Any) -> Any:
+    """Value `v` of an earlier stage as stage `part` reads it: moved onto its mesh when it
+    lives elsewhere (see `arrival_placements`)."""
+    from ..reshard.api import reshard
+
+    if not isinstance(x, DistTensor) or x.mesh == part.mesh:
+        return x
+    return reshard(x, part.mesh, arrival_placements(x, part.mesh, part.arrivals.get(v)))
+
+
 def arrival_placements(x: Any, mesh: ProcessMesh, layout: Layout | None) -> list:
     """Where a value moving to `mesh` lands: the hint's layout, else its own placements when
     this mesh has the same dims (a cotangent going back to its stage), else replicated."""
@@ -212,4 +232,5 @@ def arrival_placements(x: Any, mesh: ProcessMesh, layout: Layout | None) -> list
     return [Replicate()] * mesh.ndim
 
 
-__all__ = ["Cut", "StagePart", "cut_by_mesh", "meshes_named", "arrival_placements"]
+__all__ = ["Cut", "StagePart", "cut_by_mesh", "meshes_named", "arrival_placements", "arrive",
+           "eval_eqns"]

@@ -22,7 +22,7 @@ from ..placement import Placement
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
-from .cut import cut_by_mesh, meshes_named
+from .cut import arrive, cut_by_mesh, eval_eqns, meshes_named
 from .explain import Explanation, StagedExplanation
 from .gc_pause import gc_paused
 from .partition import local_function
@@ -396,18 +396,14 @@ class _MeshStages:
             self.programs.append(program)
 
     def _arguments(self, env: dict, part, moves: list | None = None) -> list:
-        from ..reshard.api import plan_reshard, reshard
-        from .cut import arrival_placements
+        from ..reshard.api import plan_reshard
 
         args = []
         for v in part.inputs:
-            x = env[v]
-            if v in part.arrivals and isinstance(x, DistTensor):
-                placements = arrival_placements(x, part.mesh, part.arrivals[v])
-                if moves is not None:
-                    moves.append((f"{x.dtype}{list(x.shape)}", part.lines.get(v),
-                                  plan_reshard(x, part.mesh, placements)))
-                x = reshard(x, part.mesh, placements)
+            x = arrive(env[v], part, v)
+            if moves is not None and x is not env[v]:
+                moves.append((f"{x.dtype}{list(x.shape)}", part.lines.get(v),
+                              plan_reshard(env[v], x.mesh, x.placements)))
             args.append(x)
         return args
 
@@ -426,10 +422,10 @@ class _MeshStages:
         cut = self.cut
         if cut.free_results:  # results that read nothing placed: plain arrays, on no mesh
             if self._free is None:
-                self._free = jax.jit(_stage_function(cut, _FreePart(cut)))
-            used = {v for e in cut.free_eqns for v in e.invars if not isinstance(v, jcore.Literal)}
-            env.update(zip(cut.free_results, self._free(
-                *[env[v] for v in cut.invars if v in used])))
+                part = _FreePart(cut)
+                self._free = part, jax.jit(_stage_function(cut, part))
+            part, fn = self._free
+            env.update(zip(cut.free_results, fn(*[env[v] for v in part.inputs])))
         outs = [v.val if isinstance(v, jcore.Literal) else
                 self.cut.consts[v] if v in self.cut.consts else env[v] for v in self.cut.outvars]
         spec = self._out_placements
@@ -460,14 +456,8 @@ class _FreePart:
 
 def _stage_function(cut, part) -> Callable:
     """The equations of one stage as a function of its inputs (re-bound when traced)."""
-    from .trace import bind_eqn
-
     def stage(*xs):
-        env = dict(cut.consts)
-        env.update(zip(part.inputs, xs))
-        for eqn in part.eqns:
-            ins = [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars]
-            env.update(zip(eqn.outvars, bind_eqn(eqn, ins)))
+        env = eval_eqns(part.eqns, {**cut.consts, **dict(zip(part.inputs, xs))})
         return [env[v] for v in part.outputs]
 
     return stage

@@ -16,14 +16,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from ..compiler.cut import arrival_placements, cut_by_mesh
+from ..compiler.cut import arrive, cut_by_mesh, eval_eqns
 from ..compiler.jit import _describe_leaf
-from ..compiler.trace import bind_eqn
 from ..dtensor import DistTensor
-from ..reshard.api import reshard
-from .pipeline import PipelineRunner, _is_leaf
+from .pipeline import PipelineRunner, _add, _is_leaf
 from .schedule import Schedule
 from .stages import Stage, StageError
 
@@ -140,7 +137,7 @@ class _CutRunner(PipelineRunner):
         total: list = [None] * self._n_params
         for reads, g in zip(self._reads, grads):
             for j, x in zip(reads, g or ()):
-                total[j] = x if total[j] is None else _add_leaf(total[j], x)
+                total[j] = x if total[j] is None else _add(total[j], x)
         leaves = jax.tree.leaves(params, is_leaf=_is_leaf)
         total = [_zeros_like(p) if t is None else t for t, p in zip(total, leaves)]
         return jax.tree.unflatten(self._p_tree, total)
@@ -149,13 +146,7 @@ class _CutRunner(PipelineRunner):
         if i == 0:
             return x
         part = self._made_by.stages[i]
-        out = []
-        for v, leaf in zip(self._carries[i - 1], x):
-            if isinstance(leaf, DistTensor) and leaf.mesh != part.mesh:
-                leaf = reshard(leaf, part.mesh,
-                               arrival_placements(leaf, part.mesh, part.arrivals.get(v)))
-            out.append(leaf)
-        return tuple(out)
+        return tuple(arrive(leaf, part, v) for v, leaf in zip(self._carries[i - 1], x))
 
 
 def _zeros_like(p: Any) -> Any:
@@ -163,12 +154,6 @@ def _zeros_like(p: Any) -> Any:
 
     zeros = np.zeros(np.shape(p), p.dtype)
     return shard_tensor(zeros, p.mesh, p.placements) if isinstance(p, DistTensor) else zeros
-
-
-def _add_leaf(a, b):
-    from .pipeline import _add
-
-    return _add(a, b)
 
 
 def _stage_fn(cut, part, k, params_vars, reads, carry_in, input_vars, arg_vars, outs):
@@ -181,9 +166,7 @@ def _stage_fn(cut, part, k, params_vars, reads, carry_in, input_vars, arg_vars, 
         else:
             env.update(zip(carry_in, x))
         env.update(zip(arg_vars, jax.tree.leaves(args, is_leaf=_is_leaf)))
-        for eqn in part.eqns:
-            ins = [a.val if isinstance(a, jex_core.Literal) else env[a] for a in eqn.invars]
-            env.update(zip(eqn.outvars, bind_eqn(eqn, ins)))
+        eval_eqns(part.eqns, env)
         result = [env[v] for v in outs]
         return result[0] if outs is cut.outvars else tuple(result)
 

@@ -141,11 +141,6 @@ class ShardedOptimizer:
                                     self.shard_fn.axis(param.mesh))
         return list(param.placements)
 
-    def _state_layout_tree(self, state_shapes: Any, params: Any) -> Any:
-        """Placements for every state leaf: those mirroring a param follow it; others replicate."""
-        return jax.tree.map(lambda t: t.placements, self._state_targets(state_shapes, params),
-                            is_leaf=lambda x: isinstance(x, _Target))
-
     def _state_targets(self, state_shapes: Any, params: Any) -> Any:
         """Mesh and placements for every state leaf: those mirroring a param live where it
         does; others (a step count) replicate on the first param's mesh."""

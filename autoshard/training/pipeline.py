@@ -79,10 +79,7 @@ class _Pullback:
         self.signature = signature  # the stage program's operands: what its backward depends on
 
     def _ct(self, ct: Any):
-        if not self.raw:
-            return ct
-        return jax.tree.map(lambda t: t.physical if isinstance(t, DistTensor) else t, ct,
-                            is_leaf=_is_leaf)
+        return _physical(ct) if self.raw else ct
 
     def both(self, ct: DistTensor) -> tuple[Params, Any]:
         out = self.vjp(self._ct(ct))
@@ -118,7 +115,7 @@ class _Recomputed:
 
     def _run(self, ct: Any, index: int | None):
         params, x, extra = self.args
-        key = ("recompute", self.stage, index, _signature((params, x, *extra)))
+        key = ("recompute", self.stage, index)  # jax.jit retraces for other operand layouts
         fn = self.owner._halves.get(key)
         if fn is None:
             program, first = self.program, self.first
@@ -131,9 +128,7 @@ class _Recomputed:
                 return grads if index is None else grads[index]
 
             fn = self.owner._halves[key] = jax.jit(backward)
-        ct = jax.tree.map(lambda t: t.physical if isinstance(t, DistTensor) else t, ct,
-                          is_leaf=_is_leaf)
-        return _placed(fn(params, x, extra, ct))
+        return _placed(fn(params, x, extra, _physical(ct)))
 
     def both(self, ct: Any) -> tuple[Params, Any]:
         return self._run(ct, None)
@@ -148,6 +143,12 @@ def _signature(args: tuple) -> tuple:
     leaves, treedef = jax.tree.flatten(args, is_leaf=_is_leaf)
     return (treedef, tuple((x.shape, x.dtype, x.mesh, x.layout) if isinstance(x, DistTensor)
                            else (np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+
+
+def _physical(tree: Any) -> Any:
+    """DistTensor leaves as their stored arrays (a cotangent for a vjp that returned arrays)."""
+    return jax.tree.map(lambda t: t.physical if isinstance(t, DistTensor) else t, tree,
+                        is_leaf=_is_leaf)
 
 
 def _placed(tree):
