@@ -174,4 +174,27 @@ def unshard_dtensor(x: DistTensor) -> jax.Array:
     return reshard(x, x.mesh, [Replicate()] * x.mesh.ndim).physical
 
 
-__all__ = ["shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor"]
+def host_value(x: DistTensor) -> np.ndarray:
+    """The logical value of `x` as numpy, in every process (DistTensor.numpy).
+
+    A mesh without a device of some process (a pipeline stage on another host) is first copied
+    to one device of every process — a collective: every process must ask, as every process
+    runs the same program."""
+    import jax
+
+    value = unshard_dtensor(x)
+    owners = {d.process_index for d in x.mesh.devices().flat}
+    if len(owners) < jax.process_count():
+        from .reshard.api import reshard
+
+        first = {}
+        for d in jax.devices():
+            first.setdefault(d.process_index, d.id)
+        world = ProcessMesh(sorted(first.values()), ["process"])
+        replicated = make_dtensor(value, x.mesh, Layout.replicated(len(x.shape)), x.shape)
+        value = reshard(replicated, world, [Replicate()]).physical
+    return np.asarray(value)
+
+
+__all__ = ["shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",
+           "host_value"]

@@ -115,9 +115,9 @@ class DistTensor:
 
     def numpy(self) -> np.ndarray:
         """The logical global value, as numpy (Partial values reduced)."""
-        from .creation import unshard_dtensor
+        from .creation import host_value
 
-        return np.asarray(unshard_dtensor(self))
+        return host_value(self)
 
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()

@@ -20,15 +20,17 @@ from typing import NamedTuple
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import autoshard as dist  # noqa: E402
+
+dist.init_parallel_env()  # under `python -m autoshard.launch`; alone, nothing to join
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import autoshard as dist  # noqa: E402
-
-HIDDEN, FFN, SEQ, BATCH, STEPS = 64, 256, 16, 2, 5
+HIDDEN, FFN, SEQ, BATCH, STEPS = 64, 256, 16, 4, 5
 
 mesh0 = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
 mesh1 = dist.ProcessMesh([[4, 5], [6, 7]], dim_names=["x", "y"])
@@ -66,6 +68,9 @@ class MlpModel(nnx.Module):
             w1 = dist.shard_tensor(w1, mesh1, [dist.Replicate(), dist.Shard(0)])  # row split
         self.w0, self.w1 = nnx.Param(w0), nnx.Param(w1)
 
+    def __call__(self, x):
+        return forward({"w0": self.w0[...], "w1": self.w1[...]}, x)
+
 
 def forward(params, x):
     """The seed's MlpModel.forward, line for line."""
@@ -99,6 +104,21 @@ def train_as_written(steps: int = STEPS) -> tuple[list[float], dict]:
         params, state, loss = step(params, state, inputs[0])
         losses.append(float(loss.numpy()))
     return losses, params
+
+
+def train_pipelined(steps: int = STEPS) -> tuple[list[float], dict]:
+    """The seed's model compiled by `dist.to_static` with Paddle's `strategy.pipeline`: the
+    stages cut at the reshard run 1F1B over 2 micro-batches per step."""
+    model = MlpModel()
+    dataset = RandomDataset(SEQ, HIDDEN, num_samples=BATCH * steps)
+    dataloader = dist.shard_dataloader(data_loader(dataset, BATCH), meshes=[mesh0, mesh1],
+                                       shard_dims="x")
+    strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
+                                           "accumulate_steps": 2}})
+    dm = dist.to_static(model, dataloader, lambda logits, _label: jnp.mean(logits),
+                        dist.shard_optimizer(optax.adamw(learning_rate=0.001)), strategy)
+    losses = [float(dm(data, label).numpy()) for data, label in dataloader()]
+    return losses, {"w0": model.w0[...], "w1": model.w1[...]}
 
 
 # The seed's forward, cut at its `y = dist.reshard(y, mesh1, [Shard(0), Shard(2)])`; the
@@ -181,6 +201,11 @@ def main() -> None:
     np.testing.assert_allclose(written, reference, rtol=1e-5, atol=1e-6)
     for name, ref in {**ref_params[0], **ref_params[1]}.items():
         np.testing.assert_allclose(written_params[name].numpy(), ref, rtol=1e-4, atol=1e-6)
+    pipelined, pipelined_params = train_pipelined()
+    print(f"{'§4.4 pipelined':<16} losses {[round(v, 6) for v in pipelined]}")
+    np.testing.assert_allclose(pipelined, reference, rtol=1e-5, atol=1e-6)
+    for name, ref in {**ref_params[0], **ref_params[1]}.items():
+        np.testing.assert_allclose(pipelined_params[name].numpy(), ref, rtol=1e-4, atol=1e-6)
     losses, params, _, _ = train_hybrid()
     print(f"{'§4.4 as stages':<16} losses {[round(v, 6) for v in losses]}")
     print(f"{'one device':<16} losses {[round(v, 6) for v in reference]}")

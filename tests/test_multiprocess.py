@@ -95,6 +95,83 @@ def test_to_static_zero1_and_checkpoints_across_processes(tmp_path):
         assert f"[rank {rank}] process {rank}: to_static, ZeRO-1 and the checkpoint" in out.stdout
 
 
+def test_the_seed_hybrid_runs_with_each_pipeline_stage_in_its_own_process():
+    """examples/seed_hybrid.py under the launcher: mesh0 = ranks 0..3 is process 0's devices,
+    mesh1 = ranks 4..7 process 1's, so every activation and gradient crossing the stage boundary
+    moves between processes — as written (dist.jit cut), to_static with a 1F1B pipeline, and
+    explicit stages each equal one device."""
+    out = _launch(ROOT / "examples" / "seed_hybrid.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        for what in ("as written", "pipelined", "as stages"):
+            assert f"[rank {rank}] §4.4 {what}" in out.stdout
+        assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
+
+
+MOVES = """import autoshard as dist
+dist.init_parallel_env()
+import jax, numpy as np
+from autoshard.reshard import sends
+R, S, P = dist.Replicate(), dist.Shard, dist.Partial
+me = jax.process_index()
+A = dist.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])          # process 0
+B = dist.ProcessMesh([[4, 5], [6, 7]], ["x", "y"])          # process 1
+B1 = dist.ProcessMesh([7, 6, 5, 4], ["z"])                  # process 1, reordered
+W = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])  # both
+rng = np.random.default_rng(0)
+x = rng.normal(size=(8, 12)).astype("float32")
+xa = dist.shard_tensor(x, A, [S(0), S(1)])
+# one round: each of A's 4 devices sends its [4, 6] block to the device of B at its position
+before = dict(sends.STATS)
+xb = dist.reshard(xa, B, [S(0), S(1)])
+rounds = sends.STATS["rounds"] - before["rounds"]
+got = sends.STATS["received_bytes"] - before["received_bytes"]
+assert rounds == 1, rounds
+assert got == (4 * 4 * 6 * 4 if me == 1 else 0), got
+devs = tuple(sorted(list(A.devices().flat) + list(B.devices().flat), key=lambda d: d.id))
+hlo = sends.permute_program(devs, tuple((i, i + 4) for i in range(4))).lower(
+    jax.ShapeDtypeStruct((8, 4, 6), np.float32, sharding=jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(devs), ("_send",)), jax.sharding.PartitionSpec("_send")))
+).compile().as_text()
+assert "collective-permute" in hlo and "{0,4},{1,5},{2,6},{3,7}" in hlo, hlo
+np.testing.assert_array_equal(xb.numpy(), x)
+cases = [
+    (x, A, [S(0), S(1)], B1, [S(1)]),
+    (x, A, [R, S(0)], B, [S(1), R]),
+    (rng.normal(size=(7, 5)).astype("float32"), A, [S(0), S(1)], B, [S(1), S(0)]),  # uneven
+    (x, W, [S(0), S(1)], B, [R, S(0)]),     # both processes -> one
+    (x, B, [S(1), S(0)], W, [S(1), R]),     # one -> both
+    (np.float32(3.5), A, [R, R], B1, [R]),  # 0-d
+]
+for k, (v, m1, p1, m2, p2) in enumerate(cases):
+    there = dist.reshard(dist.shard_tensor(v, m1, p1), m2, p2)
+    assert (there.mesh, there.placements) == (m2, p2)
+    np.testing.assert_array_equal(there.numpy(), v, err_msg=str(k))
+    back = dist.reshard(there, m1, p1)
+    np.testing.assert_array_equal(back.numpy(), v, err_msg=str(k))
+# a Partial value: reduced (or reduce-scattered) on its way over
+xp = dist.reshard(xa, A, [dist.Partial(), S(1)])
+for p2 in ([S(0), R], [dist.Partial(), R]):
+    there = dist.reshard(xp, B, p2)
+    np.testing.assert_allclose(there.numpy(), x, rtol=1e-6)
+print(f"process {me}: every move between the processes' meshes equals its input", flush=True)
+"""
+
+
+def test_reshards_between_the_meshes_of_different_processes_equal_their_input(tmp_path):
+    """Blocks move between processes by collective permutes (reshard/sends.py): one round when
+    each device sends one block, the received bytes are the destination blocks, the compiled
+    round is a collective-permute; meshes of one process, of both, reordered, uneven, 0-d and
+    Partial values, there and back; .numpy() of a value on the other process's mesh."""
+    script = tmp_path / "moves.py"
+    script.write_text(MOVES)
+    out = _launch(script)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert (f"[rank {rank}] process {rank}: every move between the processes' meshes "
+                f"equals its input") in out.stdout
+
+
 def test_a_failing_process_fails_the_launch_and_stops_the_others(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent('''

@@ -1,5 +1,6 @@
 """Running a ReshardPlan: each same-mesh stretch of steps is one jitted shard_map program of
-collectives (cached); a cross-mesh transfer is a set of device-to-device copies."""
+collectives (cached); a cross-mesh transfer is a set of device-to-device copies (between
+processes: collective permutes, sends.py)."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +12,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..physical import physical_sharding, physical_spec
 from .planner import PlannedStep, ReshardPlan
+from .sends import Send, crosses, exchange
 from .transfer import Transfer
 
 
@@ -49,17 +51,36 @@ def program(mesh: ProcessMesh, src: Layout, dst: Layout, steps: tuple[PlannedSte
 
 def _run_transfer(transfer: Transfer, value: jax.Array, dst_mesh: ProcessMesh, landing: Layout,
                   shape: tuple[int, ...]) -> jax.Array:
+    """Each destination block this process owns, assembled from the pieces of its route: a
+    piece from a device of this process by `device_put`, one from another process's device by
+    a collective permute that both processes run (sends.py)."""
+    me = jax.process_index()
     held = {s.device.id: s.data for s in value.addressable_shards}
-    devices = {d.id: d for d in dst_mesh.devices().flat}
+    src_device, dst_device = transfer.src_mesh.device_for, dst_mesh.device_for
+
+    def cut(src, piece) -> jax.Array:
+        data = held[src.id]
+        if tuple(data.shape) != tuple(hi - lo for lo, hi in piece.src_slices):
+            data = data[tuple(slice(lo, hi) for lo, hi in piece.src_slices)]
+        return data
+
+    remote = [Send((r, k), src_device(p.src_device), dst_device(route.dst_device),
+                   tuple(hi - lo for lo, hi in p.src_slices))
+              for r, route in enumerate(transfer.routes) for k, p in enumerate(route.pieces)
+              if crosses(src_device(p.src_device), dst_device(route.dst_device))]
+    received = exchange(remote, lambda s: cut(s.src, transfer.routes[s.key[0]]
+                                              .pieces[s.key[1]]), value.dtype) if remote else {}
     blocks = []
-    for route in transfer.routes:
-        device = devices[route.dst_device]
+    for r, route in enumerate(transfer.routes):
+        device = dst_device(route.dst_device)
+        if device.process_index != me:
+            continue  # its process assembles it
         parts = []
-        for piece in route.pieces:
-            data = held[piece.src_device]
-            if tuple(data.shape) != tuple(hi - lo for lo, hi in piece.src_slices):
-                data = data[tuple(slice(lo, hi) for lo, hi in piece.src_slices)]
-            parts.append((piece.dst_offset, jax.device_put(data, device)))
+        for k, piece in enumerate(route.pieces):
+            data = received.get((r, k))
+            if data is None:
+                data = jax.device_put(cut(src_device(piece.src_device), piece), device)
+            parts.append((piece.dst_offset, data))
         if len(parts) == 1 and tuple(parts[0][1].shape) == route.block_shape:
             block = parts[0][1]
         else:
@@ -68,7 +89,7 @@ def _run_transfer(transfer: Transfer, value: jax.Array, dst_mesh: ProcessMesh, l
                 block = jax.lax.dynamic_update_slice(block, data, offset)
         blocks.append(block)
     return jax.make_array_from_single_device_arrays(
-        shape, physical_sharding(landing, dst_mesh), blocks)
+        shape, physical_sharding(landing, dst_mesh), blocks, dtype=value.dtype)
 
 
 def execute(plan: ReshardPlan, value: jax.Array) -> jax.Array:
