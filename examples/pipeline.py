@@ -2,24 +2,30 @@
 FThenB, 1F1B, interleaved 1F1B (VPP) and zero-bubble ZBH1, each checked against one device.
 
     python examples/pipeline.py
+    python -m autoshard.launch --nproc 2 --devices 4 examples/pipeline.py
 
 Every stage is one dist.jit program on its own sub-mesh ("pp" rank), data parallel over the
 mesh's "dp" dim; the batch is cut into micro-batches and the stages run forward and backward
 in the schedule's order (dist.PipelineRunner, configured from Paddle's
 `strategy.pipeline` settings). Prints each schedule's simulated bubble and peak activations,
-the measured step time, and the losses, which equal one device's.
+the measured step time, and the losses, which equal one device's. Under the launcher, stages
+0-1 live in process 0 and stages 2-3 in process 1 (global ranks 0..3 and 4..7): what crosses
+between them moves between the processes.
 """
 import os
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import autoshard as dist  # noqa: E402
+
+dist.init_parallel_env()  # under `python -m autoshard.launch`; alone, nothing to join
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import autoshard as dist  # noqa: E402
 from autoshard.training.schedule import table  # noqa: E402
 
 HIDDEN, BATCH, STEPS, STAGES = 64, 16, 3, 4

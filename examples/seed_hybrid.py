@@ -1,19 +1,24 @@
 """Seed 002 §4.4 (3D hybrid: data, tensor and pipeline parallel) with flax + optax.
 
     python examples/seed_hybrid.py
+    python -m autoshard.launch --nproc 2 --devices 4 examples/seed_hybrid.py
 
 The Paddle code of the seed, ported: an MLP whose w0 lives on mesh0 = [[0, 1], [2, 3]] split
 by columns and whose w1 lives on mesh1 = [[4, 5], [6, 7]] split by rows; the batch is split
 over mesh dim 'x' (data parallel), the weights over 'y' (tensor parallel), and the forward
 crosses from mesh0 to mesh1 at the seed's `dist.reshard(y, mesh1, [Shard(0), Shard(2)])`
-(pipeline parallel). Trained twice with dist.shard_optimizer(AdamW):
+(pipeline parallel). Trained three ways with dist.shard_optimizer(AdamW):
 - as the seed writes it (`train_as_written`): the forward with its reshard inside one
   dist.jit train step, which dist.jit cuts into a program per stage (forward on mesh0; forward,
   backward and w1's update on mesh1; backward and w0's update on mesh0);
+- compiled by `dist.to_static` with Paddle's `strategy.pipeline` (`train_pipelined`): those
+  stages run 1F1B over 2 micro-batches per step;
 - as explicit stages (`train_hybrid`): the forward cut by hand at that reshard, one function
   per mesh, run by dist.StageRunner (what dist.PipelineRunner schedules over micro-batches).
 Every loss and the final weights are checked against the same steps on one device. Sizes are
-scaled down from the seed's for CPUs.
+scaled down from the seed's for CPUs. Under the launcher (two processes of four devices, as two
+hosts), mesh0 is process 0's devices and mesh1 process 1's: each stage runs in its own process
+and the activations and gradients between them move from process to process.
 """
 import os
 from typing import NamedTuple

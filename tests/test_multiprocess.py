@@ -108,6 +108,17 @@ def test_the_seed_hybrid_runs_with_each_pipeline_stage_in_its_own_process():
         assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
 
 
+def test_a_four_stage_pipeline_with_two_stages_per_process_equals_one_device():
+    """examples/pipeline.py under the launcher: FThenB, 1F1B, VPP and ZBH1 schedules with
+    stages 0-1 in process 0 and 2-3 in process 1."""
+    out = _launch(ROOT / "examples" / "pipeline.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        for mode in ("FThenB", "1F1B", "ZBH1"):
+            assert f"[rank {rank}] {mode} m=4" in out.stdout
+        assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
+
+
 MOVES = """import autoshard as dist
 dist.init_parallel_env()
 import jax, numpy as np
