@@ -8,7 +8,8 @@ Every stage is one dist.jit program on its own sub-mesh ("pp" rank), data parall
 mesh's "dp" dim; the batch is cut into micro-batches and the stages run forward and backward
 in the schedule's order (dist.PipelineRunner, configured from Paddle's
 `strategy.pipeline` settings). Prints each schedule's simulated bubble and peak activations,
-the measured step time, and the losses, which equal one device's. Under the launcher, stages
+the measured step time, the losses, which equal one device's, and a measured profile of
+1F1B (each stage's forward and backward alone, per-rank busy time, the stage balance). Under the launcher, stages
 0-1 live in process 0 and stages 2-3 in process 1 (global ranks 0..3 and 4..7): what crosses
 between them moves between the processes.
 """
@@ -140,8 +141,17 @@ def main() -> None:
                 np.testing.assert_allclose(p[name].numpy(), ref[name], rtol=1e-4, atol=1e-5)
     print("\nsimulated schedules (F = 1, B = 2 or B = W = 1; per rank):")
     print(table(timelines))
+    runner = dist.PipelineRunner(stages_for(1), "1F1B", 4)
     print("\n1F1B's order per rank:")
-    print(dist.PipelineRunner(stages_for(1), "1F1B", 4).schedule)
+    print(runner.schedule)
+    # measured: each stage's forward and backward alone, and the schedule replayed with them
+    stages = stages_for(1)
+    params = [{k: dist.shard_tensor(v, st.mesh, [R]) for k, v in p.items()}
+              for p, st in zip(init_params(), stages)]
+    x, y = next(batches(1))
+    print()
+    print(runner.profile(params, dist.shard_tensor(x, stages[0].mesh, [S(0)]),
+                         dist.shard_tensor(y, stages[-1].mesh, [S(0)])))
     print("every loss and weight equals the one-device run")
 
 

@@ -375,3 +375,62 @@ def test_explain_shows_the_schedule_the_moves_and_each_stage_communication():
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items()))
     assert counts and f": {counts}, " in stage_lines[3]
     assert str(runner.schedule) in text
+
+
+# ------------------------------------------------------------------------------ profiling
+def test_measured_costs_per_stage_drive_the_simulation():
+    """simulate with (stage, kind) costs: a slow last stage sets the pace (hand-computed)."""
+    costs = {(0, "F"): 1.0, (0, "B"): 1.0, (1, "F"): 3.0, (1, "B"): 3.0}
+    t = simulate(fthenb(2, 2), costs)
+    # rank 0: F0.0 [0,1] F0.1 [1,2]; rank 1: F1.0 [1,4] F1.1 [4,7] B1.0 [7,10] B1.1 [10,13];
+    # rank 0 then runs B0.0 [10,11] and B0.1 [13,14]
+    assert t.makespan == pytest.approx(14.0)
+    assert t.busy == pytest.approx((4.0, 12.0))
+    assert t.bubble == pytest.approx(1 - 16 / 28)
+    # costs per kind still apply where no stage overrides them
+    assert simulate(fthenb(2, 2), {"F": 1.0, "B": 1.0}).makespan == pytest.approx(6.0)  # (m+p-1)(F+B)
+    _assert_complete_and_ordered(zero_bubble_h1(3, 5, {(2, "F"): 4.0, "W": 0.5}))
+
+
+@pytest.mark.parametrize("mode,chunks,meshes", [("1F1B", 1, MESHES_1D), ("ZBH1", 1, MESHES_1D),
+                                                ("VPP", 2, MESHES_2D)])
+def test_profile_measures_every_action_and_replays_the_schedule_with_those_costs(mode, chunks,
+                                                                                 meshes):
+    ws, x, y, stages, params, xd, yd = _setup(meshes, chunks, [R] * meshes[0].ndim)
+    runner = dist.PipelineRunner(stages, mode, 2, chunks=chunks)
+    prof = runner.profile(params, xd, yd, steps=2)
+    kinds = "FBW" if mode == "ZBH1" else "FB"
+    assert sorted(prof.costs) == sorted((s, k) for s in range(4) for k in kinds)
+    assert all(c > 0 for c in prof.costs.values())
+    # the timeline is the schedule run with exactly these costs: each rank is busy m times its
+    # stages' costs, and no step is shorter than its busiest rank
+    for r in range(runner.schedule.ranks):
+        mine = [s for s in range(4) if runner.schedule.rank_of(s) == r]
+        assert prof.busy[r] == pytest.approx(2 * sum(prof.costs[(s, k)] for s in mine
+                                                     for k in kinds))
+    assert prof.predicted_s >= max(prof.busy) - 1e-12
+    assert prof.imbalance >= 1.0 and prof.step_s > 0 and prof.serial_s > 0
+    text = str(prof)
+    assert text.startswith(f"pipeline profile: {mode}, 4 stages on {runner.schedule.ranks} ranks")
+    assert len([ln for ln in text.splitlines() if ln[:5].strip().isdigit()]) == 4
+    # the runner is left as it was, and a runner ordered by the measured costs still trains
+    assert runner.blocking is False and runner.after_action is None
+    tuned = dist.PipelineRunner(stages, mode, 2, chunks=chunks, costs=prof.costs)
+    loss, grads = tuned.value_and_grad(params, xd, yd)
+    ref_loss, _ = runner.value_and_grad(params, xd, yd)
+    np.testing.assert_allclose(float(loss.numpy()), float(ref_loss.numpy()), rtol=1e-6)
+
+
+def test_profile_of_a_cut_loss_function():
+    meshes = MESHES_1D
+    rng = np.random.default_rng(5)
+    ws = [{"w": rng.normal(size=(16, 16)).astype("float32") * 0.3,
+           "b": np.zeros(16, "float32")} for _ in range(4)]
+    params = [{k: dist.shard_tensor(v, meshes[s], [R]) for k, v in w.items()}
+              for s, w in enumerate(ws)]
+    x, y = rng.normal(size=(8, 16)).astype("float32"), rng.normal(size=(8, 16)).astype("float32")
+    runner = dist.PipelineRunner.from_function(_chain_loss(meshes), "1F1B", 2)
+    prof = runner.profile(params, dist.shard_tensor(x, meshes[0], [S(0)]),
+                          dist.shard_tensor(y, meshes[3], [S(0)]), steps=1)
+    assert sorted(prof.costs) == sorted((s, k) for s in range(4) for k in "FB")
+    assert "stage balance: slowest stage" in str(prof)

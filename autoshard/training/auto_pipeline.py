@@ -40,6 +40,14 @@ class FunctionPipeline:
         loss, grads = runner.value_and_grad(split(params), inputs, *loss_args)
         return loss, runner.join(grads, params)
 
+    def profile(self, params: Any, inputs: Any, *loss_args: Any, steps: int = 3):
+        """PipelineRunner.profile of the cut stages."""
+        from .pipeline_profile import measure
+
+        runner, split = self._runner(params, inputs, loss_args)
+        return measure(runner, lambda: runner.value_and_grad(split(params), inputs, *loss_args),
+                       steps)
+
     def forward(self, params: Any, inputs: Any, *loss_args: Any):
         runner, split = self._runner(params, inputs, loss_args)
         return runner.forward(split(params), inputs, *loss_args)

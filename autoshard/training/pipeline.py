@@ -20,7 +20,7 @@ so samples stay paired with their labels.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ from ..dtensor import DistTensor, make_dtensor
 from ..reshard.api import reshard
 from .schedule import Schedule, ScheduleError, dispatch_order, make_schedule, simulate, validate
 from .stages import Params, Stage, StageError, StageRunner
+
+if TYPE_CHECKING:
+    from .pipeline_profile import PipelineProfile
 
 
 def _shards_of_dim0(x: DistTensor) -> int:
@@ -200,7 +203,7 @@ class PipelineRunner(StageRunner):
             if not isinstance(chunks, int) or chunks < 1 or n % chunks:
                 raise ScheduleError(f"{n} stages cannot be cut into {chunks!r} chunks per "
                                     f"pipeline rank: give a number of stages divisible by chunks")
-            made = make_schedule(schedule, n // chunks, micro_batches, chunks)
+            made = make_schedule(schedule, n // chunks, micro_batches, chunks, costs)
         if made.stages != n:
             raise ScheduleError(f"the schedule {made.name!r} runs {made.stages} stages, but "
                                 f"{n} were given")
@@ -293,6 +296,15 @@ class PipelineRunner(StageRunner):
             if self.after_action is not None:
                 self.after_action(a)
         return self._mean(losses), grads
+
+    def profile(self, params: Sequence[Params], inputs: Any, *loss_args: Any,
+                steps: int = 3) -> "PipelineProfile":
+        """Measure this step (pipeline_profile.py): each stage's F / B / W time run alone, each
+        rank's busy time, the schedule simulated with those costs, the measured step. Pass
+        `profile.costs` as `costs=` to a new runner to order its actions by them."""
+        from .pipeline_profile import measure
+
+        return measure(self, lambda: self.value_and_grad(params, inputs, *loss_args), steps)
 
     def forward(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> DistTensor:
         """The mean loss over the micro-batches (forwards only, in the schedule's F order)."""

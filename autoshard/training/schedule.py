@@ -141,7 +141,8 @@ def zero_bubble_h1(ranks: int, micro_batches: int, costs: dict | None = None) ->
     (W) waits in its rank's queue and runs when the rank would otherwise wait for a neighbour,
     or before a forward that would make the rank hold more micro-batches than 1F1B's first rank
     does, p (a micro-batch is held from its forward to its W), or at the end: the peak memory
-    is 1F1B's. The order comes from simulating the ranks with `costs` (default F = B = W = 1)."""
+    is 1F1B's. The order comes from simulating the ranks with `costs` (default F = B = W = 1;
+    per stage as in `simulate`)."""
     base = one_f_one_b(ranks, micro_batches)
     costs = {"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}
     orders: list[list[Action]] = [[] for _ in range(ranks)]
@@ -155,7 +156,7 @@ def zero_bubble_h1(ranks: int, micro_batches: int, costs: dict | None = None) ->
     def run(r: int, a: Action, at: float) -> None:
         orders[r].append(a)
         alive[r] += 1 if a.kind == "F" else -1 if a.kind == "W" else 0
-        free[r] = done[a] = at + costs[a.kind]
+        free[r] = done[a] = at + costs.get((a.stage, a.kind), costs[a.kind])
         if a.kind == "B":
             queued[r].append(Action("W", a.stage, a.micro))
 
@@ -188,8 +189,9 @@ def zero_bubble_h1(ranks: int, micro_batches: int, costs: dict | None = None) ->
 MODES = ("FThenB", "1F1B", "VPP", "ZBH1")  # Paddle's strategy.pipeline.schedule_mode names
 
 
-def make_schedule(mode: str, ranks: int, micro_batches: int, chunks: int = 1) -> Schedule:
-    """A schedule by Paddle's name for it."""
+def make_schedule(mode: str, ranks: int, micro_batches: int, chunks: int = 1,
+                  costs: dict | None = None) -> Schedule:
+    """A schedule by Paddle's name for it (`costs`: what ZBH1 places its W passes by)."""
     if mode == "FThenB":
         made = fthenb(ranks, micro_batches)
     elif mode == "1F1B":
@@ -197,7 +199,7 @@ def make_schedule(mode: str, ranks: int, micro_batches: int, chunks: int = 1) ->
     elif mode == "VPP":
         made = interleaved(ranks, micro_batches, chunks)
     elif mode == "ZBH1":
-        made = zero_bubble_h1(ranks, micro_batches)
+        made = zero_bubble_h1(ranks, micro_batches, costs)
     else:
         raise ScheduleError(f"unknown pipeline schedule {mode!r}; the schedules are {list(MODES)}")
     if chunks != made.chunks:
@@ -273,7 +275,10 @@ def default_costs(schedule: Schedule) -> dict[str, float]:
 
 def simulate(schedule: Schedule, costs: dict | None = None) -> Timeline:
     """Run the schedule's fixed per-rank orders as a list schedule (no communication time):
-    each action starts when its rank is free and its dependencies have finished."""
+    each action starts when its rank is free and its dependencies have finished.
+
+    `costs`: per kind ({"F": 1, "B": 2}) and, overriding those, per stage and kind
+    ({(stage, "F"): seconds}: measured costs, PipelineRunner.profile)."""
     costs = {**default_costs(schedule), **(costs or {})}
     stages = schedule.stages
     pos = [0] * schedule.ranks
@@ -298,9 +303,10 @@ def simulate(schedule: Schedule, costs: dict | None = None) -> Timeline:
             raise ScheduleError(f"{schedule.name} deadlocks: the next actions {stuck} each wait "
                                 f"for an action that runs after another of them")
         at, r, a = best
-        start[a], finish[a] = at, at + costs[a.kind]
+        cost = costs.get((a.stage, a.kind), costs[a.kind])
+        start[a], finish[a] = at, at + cost
         free[r] = finish[a]
-        busy[r] += costs[a.kind]
+        busy[r] += cost
         pos[r] += 1
         remaining -= 1
     return Timeline(schedule, start, finish, max(finish.values(), default=0.0), tuple(busy),
