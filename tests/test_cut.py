@@ -212,9 +212,39 @@ def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_ba
     (runner,) = dm._pipeline._runners.values()
     assert (runner.schedule.name, runner.schedule.micro_batches, len(runner.stages)) == (mode, 2, 2)
     assert runner.recompute is recompute
-    with pytest.raises(dist.DistModelError, match="does not combine with gradient_merge"):
-        dist.to_static(Hybrid(), loader, mse, optax.sgd(0.05), dist.Strategy(
-            {"pipeline": {"enable": True}, "gradient_merge": {"enable": True, "k_steps": 2}}))
+
+
+@pytest.mark.parametrize("sharding", [None, "stage3"])
+def test_to_static_pipeline_with_gradient_merge_and_zero3(sharding):
+    """strategy.pipeline with gradient_merge (k=2, averaged): one update per two calls, on
+    the mean of their gradients; with sharding stage 3 the params stay stored split over 'x'
+    on their own stage's mesh and are gathered inside each stage's programs."""
+    batches = [(X + k, Y * (k + 1)) for k in range(4)]
+    loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
+    config = {"pipeline": {"enable": True, "schedule_mode": "1F1B", "accumulate_steps": 2},
+              "gradient_merge": {"enable": True, "k_steps": 2, "avg": True}}
+    if sharding:
+        config["sharding"] = {"enable": True, "stage": 3, "mesh_dim": "x"}
+    model = Hybrid()
+    dm = dist.to_static(model, loader, _mse, optax.sgd(0.05), dist.Strategy(config))
+    losses = [float(dm(x, y).numpy()) for x, y in loader()]
+
+    ref = Hybrid(placed_=False)
+    w = {"w0": np.asarray(ref.w0[...]), "w1": np.asarray(ref.w1[...])}
+    grad = jax.jit(jax.value_and_grad(lambda p, x, y: _mse(jnp.matmul(x @ p["w0"], p["w1"]), y)))
+    ref_losses = []
+    for pair in (batches[:2], batches[2:]):
+        results = [grad(w, x, y) for x, y in pair]
+        ref_losses += [float(v) for v, _ in results]
+        w = {k: w[k] - 0.05 * (results[0][1][k] + results[1][1][k]) / 2 for k in w}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(model.w0[...].numpy(), w["w0"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(model.w1[...].numpy(), w["w1"], rtol=1e-4, atol=1e-6)
+    stored = {k: (v.mesh, v.placements) for k, v in dm.params.items()}
+    if sharding:  # ZeRO-3 adds 'x' on a free dim of each weight, on its own stage's mesh
+        assert stored == {"w0": (MESH0, [S(0), S(1)]), "w1": (MESH1, [S(1), S(0)])}
+    else:
+        assert stored == {"w0": (MESH0, [R, S(1)]), "w1": (MESH1, [R, S(0)])}
 
 
 def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_write():
@@ -293,3 +323,12 @@ def test_random_chains_across_meshes_train_like_one_device(steps, x_place):
     for g, rg, p in zip(grads, ref_grads, params):
         np.testing.assert_allclose(g.numpy(), rg, rtol=1e-4, atol=1e-6)
         assert g.mesh == p.mesh
+
+
+def test_to_static_pipeline_with_float16_loss_scaling_says_it_is_not_supported_yet():
+    loader = dist.shard_dataloader([(X, Y)], meshes=[MESH0, MESH1], shard_dims="x")
+    with pytest.raises(dist.DistModelError, match="does not combine with amp with float16 loss "
+                                                  "scaling yet"):
+        dist.to_static(Hybrid(), loader, _mse, optax.sgd(0.05), dist.Strategy(
+            {"pipeline": {"enable": True}, "amp": {"enable": True, "dtype": "float16"}}))
+

@@ -82,6 +82,7 @@ class DistModel:
         params = jax.tree.map(lambda p: p if _is_dt(p) else self._replicated(p),
                               self._parts.params, is_leaf=_is_dt)
         self._compute = jax.tree.map(lambda p: list(p.placements), params, is_leaf=_is_dt)
+        self._homes = jax.tree.map(lambda p: p.mesh, params, is_leaf=_is_dt)  # pipeline stages
         self.optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
         self.params = place_params(params, self.optimizer) if self.optimizer else params
         self.opt_state = self.optimizer.init(self.params) if self.optimizer else None
@@ -107,9 +108,7 @@ class DistModel:
         if not pp.enable:
             return None
         unsupported = [name for name, on in (
-            ("gradient_merge", self.strategy.gradient_merge.enable),
             ("amp with float16 loss scaling", self._loss_scaler() is not None),
-            ("sharding stage 3", self.optimizer is not None and self.optimizer.stage == 3),
             ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
         ) if on]
         if unsupported:
@@ -129,17 +128,36 @@ class DistModel:
 
     def _pipelined_step(self, *batch: Any) -> DistTensor:
         """One train step through the pipeline: loss and gradients over the micro-batches,
-        then one optimizer update."""
+        then one optimizer update (with gradient merge, every k-th call, on the gradients of
+        the k calls summed, or averaged with `avg`)."""
         if self._loss_fn is None:
             raise DistModelError("this DistModel has no loss_fn: pass one to dist.to_static")
         batch = self._batch(batch)
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         loss, grads = self._pipeline.value_and_grad(self.params, inputs, *labels)
+        if self.k_steps > 1:  # gradient merge: k pipeline steps, then one update
+            if self._acc is None:
+                self._acc = grads
+            else:
+                if "add" not in self._programs:
+                    self._programs["add"] = jit(lambda a, g: jax.tree.map(jnp.add, a, g))
+                self._acc = self._programs["add"](self._acc, grads)
+            self._micro += 1
+            if self._micro < self.k_steps:
+                return loss
+            grads, self._acc, self._micro = self._acc, None, 0
         if "update" not in self._programs:
             out = [x.placements if _is_dt(x) else None
                    for x in jax.tree.leaves((self.params, self.opt_state), is_leaf=_is_dt)]
-            self._programs["update"] = jit(
-                lambda p, s, g: self._update(p, s, g, {})[:2], out_placements=out)
+            scale = (1.0 / self.k_steps if self.k_steps > 1 and self.strategy.gradient_merge.avg
+                     else None)
+
+            def update(p, s, g):
+                if scale is not None:
+                    g = jax.tree.map(lambda x: x * scale, g)
+                return self._update(p, s, g, {})[:2]
+
+            self._programs["update"] = jit(update, out_placements=out)
         self.params, self.opt_state = self._programs["update"](self.params, self.opt_state, grads)
         self._parts.write_back(self.params, self.state)
         return loss
@@ -202,8 +220,8 @@ class DistModel:
     def _compute_view(self, params: Any) -> Any:
         """Params as the forward uses them: gathered from ZeRO-3 storage."""
         if self.optimizer is not None and self.optimizer.stage == 3:
-            params = jax.tree.map(lambda p, pl: reshard(p, self.mesh, pl), params, self._compute,
-                                  is_leaf=_is_placements)
+            params = jax.tree.map(lambda p, pl, mesh: reshard(p, mesh, pl), params,
+                                  self._compute, self._homes, is_leaf=_is_placements)
         return params
 
     def _apply_fn(self, mode: str, remat: bool = True) -> Callable:
