@@ -173,12 +173,14 @@ def _one_device(batches, tx):
     return ref, [float(ref_step(ref, opt, x, y)) for x, y in batches]
 
 
-def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh():
+@pytest.mark.parametrize("zero3", [False, True])
+def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh(zero3):
     batches = [(X[:2] + k, Y[:2] * k) for k in range(3)]
     loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
     mse = _mse
     model = Hybrid()
-    dm = dist.to_static(model, loader, mse, optax.adamw(1e-3))
+    strategy = dist.Strategy({"sharding": {"enable": zero3, "stage": 3, "mesh_dim": "x"}})
+    dm = dist.to_static(model, loader, mse, optax.adamw(1e-3), strategy)
     losses = [float(dm(x, y).numpy()) for x, y in loader()]
 
     ref, ref_losses = _one_device(batches, optax.adamw(1e-3))
@@ -188,6 +190,9 @@ def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh():
     moments = [s for s in states if isinstance(s, dist.DistTensor) and s.ndim == 2]
     assert sorted((m.mesh.process_ids[0], m.shape) for m in moments) == [
         (0, (64, 256)), (0, (64, 256)), (4, (256, 64)), (4, (256, 64))]
+    if zero3:  # stored split over 'x' on each weight's own mesh, gathered where it is used
+        assert [(p.mesh, p.placements) for p in dm.params.values()] == [(MESH0, [S(0), S(1)]),
+                                                                       (MESH1, [S(1), S(0)])]
 
 
 @pytest.mark.parametrize("mode,recompute", [("1F1B", False), ("ZBH1", False), ("1F1B", True)])
