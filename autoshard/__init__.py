@@ -31,6 +31,7 @@ from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage
                                  ShardingStage3, shard_optimizer)
 from .parallel_env import init_parallel_env
 from .training.pipeline import PipelineRunner
+from .training.pipeline_split import SplitPoint
 from .training.schedule import Schedule, ScheduleError
 from .training.stages import Stage, StageError, StageRunner
 from .training.strategy import Strategy, StrategyError
@@ -48,7 +49,7 @@ __all__ = [
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
     "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule", "init_parallel_env",
-    "ScheduleError", "shard_layer", "parallelize",
+    "ScheduleError", "shard_layer", "parallelize", "SplitPoint",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "save_state_dict", "load_state_dict", "CheckpointError",

@@ -103,7 +103,10 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
                 raise MeshMismatchError(
                     f"values on {fixed[0]!r} and on {fixed[1]!r} meet in `{eqn.primitive.name}`: "
                     f"an operation runs on one mesh — move one of them first with "
-                    f"dist.reshard(x, mesh, placements) (pipeline stages pass activations so)",
+                    f"dist.reshard(x, mesh, placements) (pipeline stages pass activations so; "
+                    f"a parameter that layers of two stages share, such as tied input and output "
+                    f"embeddings, needs a copy on each mesh: untie it, or keep those layers in "
+                    f"one stage)",
                     where=source_line(eqn.source_info))
             placed = [mesh_of[v] for v in ins if mesh_of[v] is not None]
             mesh = fixed[0] if fixed else (placed[0] if placed else None)

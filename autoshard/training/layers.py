@@ -3,7 +3,7 @@ by hand (a shard_fn) or from a plan of name patterns (Megatron column/row and se
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Sequence
 
@@ -16,6 +16,7 @@ from ..layout import layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Placement, Replicate, Shard
 from ..uneven import is_uneven, warn_uneven
+from .pipeline_split import definition_order, module_stages, move_inputs, stage_starts
 
 
 class ParallelizeError(AutoshardError, ValueError):
@@ -346,6 +347,12 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
             f"{type(model).__name__}: for a linen Module pass `model.init(key, x)` (its params)")
     mesh = _model_mesh(model, mesh, is_nnx)
     level, dp_named, mp_named, plan = _read_config(config)
+    pp = (config or {}).get("pp_config")
+    if pp is not None and not is_nnx:
+        raise ParallelizeError("pp_config needs an nnx Module: its layers are cut into stages "
+                               "and the first layer of each stage moves its inputs on")
+    # with a pipeline, each stage lives on its slice of the mesh's pp dim (dp and mp inside)
+    stage_meshes = _stage_meshes(mesh, dict(pp)) if pp is not None else [mesh]
 
     if is_nnx:
         modules, params = _nnx_modules(model), _nnx_params(model)
@@ -353,20 +360,31 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
     else:
         modules, shapes = _tree_paths(model)
     targets = _match(plan, modules, shapes)
-    decided = _resolve_dims(mesh, dp_named, mp_named, level, targets)
+    decided = _resolve_dims(stage_meshes[0], dp_named, mp_named, level, targets)
 
     placements = _param_placements(targets, shapes, decided)
     if is_nnx:
-        for path, pl in placements.items():
-            params[path].set_value(shard_tensor(params[path].get_value(), mesh, pl))
-        shard_layer(model, mesh)
+        stage_of, starts = _module_stages(model, modules, pp, len(stage_meshes))
+
+        def stage(path: str) -> int:
+            return stage_of.get(path, 0)
+
+        for path, param in params.items():
+            home = stage_meshes[stage(_parent(path))]
+            pl = placements.get(path, [Replicate()] * home.ndim)
+            param.set_value(_on_mesh(param.get_value(), home, path) if path not in placements
+                            else shard_tensor(param.get_value(), home, pl))
         for path, hook_plans in targets.hooks.items():
             ins, outs = [], []
+            here = replace(decided, mesh=stage_meshes[stage(path)])
             for p in hook_plans:
-                i, o = p.hooks(decided, path)
+                i, o = p.hooks(here, path)
                 ins += i
                 outs += o
             _add_hooks(modules[path], path, ins, outs)
+        for path in starts:  # the first layer of each later stage moves its inputs there
+            _add_hooks(modules[path], path, [functools.partial(
+                move_inputs, stage_meshes[stage(path)], decided.dp_dim)])
         model._autoshard_parallel = decided
     else:
         if targets.hooks:
@@ -386,13 +404,40 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
     return model, _wrap_optimizer(optimizer, decided)
 
 
+def _stage_meshes(mesh: ProcessMesh, pp: dict) -> list[ProcessMesh]:
+    unknown = set(pp) - {"split_spec", "mesh_dim"}
+    if unknown or "split_spec" not in pp:
+        raise ParallelizeError(f"config['pp_config'] takes 'split_spec' (a layer-list path or "
+                               f"{{layer: dist.SplitPoint}}) and optionally 'mesh_dim', got "
+                               f"{sorted(pp)}")
+    dim = pp.get("mesh_dim", "pp")
+    if dim not in mesh.dim_names:
+        raise ParallelizeError(f"pp_config splits the model over mesh dim {dim!r}, but the mesh "
+                               f"has dims {mesh.dim_names}: build it with a 'pp' dim, e.g. "
+                               f"dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), "
+                               f"dim_names=['pp', 'dp', 'mp']), or name it in "
+                               f"pp_config['mesh_dim']")
+    return [mesh.get_mesh_with_dim(dim, s) for s in range(mesh.get_dim_size(dim))]
+
+
+def _module_stages(model: Any, modules: Mapping[str, Any], pp: Mapping | None,
+                   stages: int) -> tuple[dict[str, int], list[str]]:
+    """Each layer's pipeline stage, and the first layer of each stage after the first."""
+    if pp is None:
+        return {}, []
+    order = definition_order(model)
+    starts = stage_starts(order, dict(modules), pp["split_spec"], stages)
+    return module_stages(order, starts), starts
+
+
 def _wrap_optimizer(optimizer: Any, config: ParallelConfig) -> Any:
     try:
         from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
     except ImportError:
         return optimizer  # no optimizer layer in this install: its states stay as optax makes them
     stage = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}.get(config.sharding_level)
-    return shard_optimizer(optimizer, stage(config.dp_dim, config.mesh) if stage else None)
+    # no mesh of its own: with pipeline stages each param's states follow its own stage mesh
+    return shard_optimizer(optimizer, stage(config.dp_dim) if stage else None)
 
 
 def _model_mesh(model: Any, mesh: ProcessMesh | None, is_nnx: bool) -> ProcessMesh:
@@ -411,12 +456,11 @@ def _read_config(config: Mapping[str, Any] | None
                  ) -> tuple[int, Any, Any, list[tuple[str, ParallelPlan]]]:
     config = dict(config or {})
     known = {"dp_config": {"sharding_level", "mesh_dim"},
-             "mp_config": {"parallelize_plan", "mesh_dim"}}
+             "mp_config": {"parallelize_plan", "mesh_dim"},
+             "pp_config": {"split_spec", "mesh_dim"}}
     for key, section in config.items():
         if key not in known:
-            hint = (" (pipeline parallelism is not supported by parallelize)"
-                    if key == "pp_config" else "")
-            raise ParallelizeError(f"unknown parallelize config key {key!r}{hint}: the keys are "
+            raise ParallelizeError(f"unknown parallelize config key {key!r}: the keys are "
                                    f"{sorted(known)}")
         if not isinstance(section, Mapping) or set(section) - known[key]:
             raise ParallelizeError(f"config[{key!r}] must be a dict with keys from "

@@ -1,0 +1,136 @@
+"""Pipeline stages of an nnx model for `dist.parallelize`'s pp_config (Paddle's `split_spec`
+and `SplitPoint`): which stage each layer belongs to, and where activations move on.
+
+Layers are taken in definition order (the order their attributes were set in `__init__`,
+depth first), as Paddle takes `named_sublayers()`: everything before the first split belongs
+to stage 0, everything after the last to the last stage. `split_spec` is either the dotted path
+of a layer list (`"blocks"`, an nnx.List), cut into as many equal runs as the mesh's pp dim
+has stages, or `{layer path: SplitPoint.END or SplitPoint.BEGINNING}` naming each cut. The
+first layer of every later stage gets an input hook that moves its positional array arguments
+to its stage's mesh (`dist.reshard`, the batch split over dp) — the reshard a Paddle user writes
+by hand in the forward, which dist.jit / to_static then cut into one program per stage.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..dtensor import DistTensor
+from ..errors import AutoshardError
+from ..mesh import ProcessMesh
+from ..placement import Placement, Replicate, Shard
+
+
+class SplitPoint(enum.Enum):
+    """Where a pipeline stage ends: before (BEGINNING) or after (END) the named layer."""
+
+    BEGINNING = "BEGINNING"
+    END = "END"
+
+
+def definition_order(model: Any) -> list[str]:
+    """Dotted paths of the model's submodules, depth first in attribute-definition order (the
+    root is ""). nnx's own graph walk sorts attributes by name, which says nothing about the
+    order layers run in; the order they were defined in usually does."""
+    from flax import nnx
+
+    order: list[str] = []
+
+    def walk(module: Any, path: str) -> None:
+        order.append(path)
+        for key, value in vars(module).items():
+            if key.startswith("_") or not isinstance(value, nnx.Module):
+                continue
+            walk(value, f"{path}.{key}" if path else str(key))
+
+    walk(model, "")
+    return order
+
+
+def _error(message: str) -> AutoshardError:
+    from .layers import ParallelizeError
+
+    return ParallelizeError(message)
+
+
+def stage_starts(order: list[str], modules: dict, spec: Any, stages: int) -> list[str]:
+    """The first layer of each stage after the first (stages - 1 paths, in order)."""
+    position = {path: k for k, path in enumerate(order)}
+
+    def after(path: str) -> str:
+        """The first layer after `path` and everything inside it."""
+        inside = path + "."
+        for later in order[position[path] + 1:]:
+            if not later.startswith(inside):
+                return later
+        raise _error(f"pp_config split_spec: nothing is defined after layer {path!r}, so no "
+                     f"stage can start there: split at an earlier layer")
+
+    if isinstance(spec, str):
+        if spec not in modules:
+            raise _error(f"pp_config split_spec {spec!r} names no layer; the layers are "
+                         f"{order[1:13]}{' ...' if len(order) > 13 else ''}")
+        items = [p for p in order if p.startswith(spec + ".") and "." not in p[len(spec) + 1:]]
+        if not items:
+            raise _error(f"pp_config split_spec {spec!r} is a {type(modules[spec]).__name__} "
+                         f"without layers in it: name a layer list (e.g. an nnx.List of blocks)")
+        if len(items) % stages:
+            raise _error(f"pp_config split_spec {spec!r} has {len(items)} layers, which do not cut "
+                         f"into {stages} equal stages (the mesh's pp dim): use a number of layers "
+                         f"divisible by {stages}, or name each cut with {{layer: "
+                         f"dist.SplitPoint.END}}")
+        per = len(items) // stages
+        return [items[k * per] for k in range(1, stages)]
+    if not isinstance(spec, dict):
+        raise _error(f"pp_config split_spec must be a layer-list path (str) or a dict {{layer "
+                     f"path: dist.SplitPoint}}, got {type(spec).__name__}")
+    starts = []
+    for path, point in spec.items():
+        if path not in modules:
+            raise _error(f"pp_config split_spec names layer {path!r}, which the model does not "
+                         f"have; its layers are {order[1:13]}{' ...' if len(order) > 13 else ''}")
+        if not isinstance(point, SplitPoint):
+            raise _error(f"pp_config split_spec[{path!r}] is {point!r}: write "
+                         f"dist.SplitPoint.END or dist.SplitPoint.BEGINNING")
+        starts.append(path if point is SplitPoint.BEGINNING else after(path))
+    if len(set(starts)) != stages - 1:
+        raise _error(f"pp_config split_spec makes {len(set(starts)) + 1} stages, but the mesh's "
+                     f"pp dim has {stages}: name {stages - 1} distinct cuts")
+    return sorted(set(starts), key=position.__getitem__)
+
+
+def module_stages(order: list[str], starts: list[str]) -> dict[str, int]:
+    """Each layer's stage: the number of stage starts at or before it in definition order."""
+    out, stage, begins = {}, 0, set(starts)
+    for path in order:
+        if path in begins:
+            stage += 1
+        out[path] = stage
+    return out
+
+
+def batch_placements(mesh: ProcessMesh, dp_dim: str, x: Any) -> list[Placement]:
+    """An activation's placements on a stage mesh: the batch (dim 0) split over dp where it
+    divides, everything else replicated."""
+    shape = tuple(np.shape(x))
+    return [Shard(0) if name == dp_dim and shape and shape[0] % mesh.get_dim_size(name) == 0
+            else Replicate() for name in mesh.dim_names]
+
+
+def move_inputs(mesh: ProcessMesh, dp_dim: str, args: tuple) -> tuple:
+    """The stage's input hook: its positional array arguments moved onto its mesh."""
+    from ..reshard.api import reshard
+
+    def move(x: Any) -> Any:
+        if isinstance(x, (DistTensor, jax.core.Tracer)):
+            return reshard(x, mesh, batch_placements(mesh, dp_dim, x))
+        return x
+
+    return tuple(move(a) for a in args)
+
+
+__all__ = ["SplitPoint", "definition_order", "stage_starts", "module_stages", "batch_placements",
+           "move_inputs"]

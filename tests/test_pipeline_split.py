@@ -1,0 +1,170 @@
+"""dist.parallelize with pp_config (Paddle's split_spec / SplitPoint): an nnx transformer built
+from flax's own layers is cut into pipeline stages on the slices of the mesh's pp dim, each stage
+tensor parallel inside, and trains — cut by dist.jit or scheduled 1F1B by to_static — exactly
+like one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoshard as dist
+from autoshard.training.pipeline_split import definition_order, module_stages, stage_starts
+
+R, S = dist.Replicate(), dist.Shard
+V, D, H, T, B = 64, 32, 4, 8, 8
+MESH = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["pp", "dp", "mp"])
+PLAN = {"head": dist.ColWiseParallel(),
+        "*.attn.query": dist.ColWiseParallel(), "*.attn.key": dist.ColWiseParallel(),
+        "*.attn.value": dist.ColWiseParallel(), "*.attn.out": dist.RowWiseParallel(),
+        "*.up": dist.ColWiseParallel(), "*.down": dist.RowWiseParallel()}
+
+
+class Block(nnx.Module):
+    def __init__(self, dropout: float, rngs):
+        self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=H, in_features=D, qkv_features=D,
+                                           decode=False, rngs=rngs)
+        self.ln2 = nnx.RMSNorm(D, rngs=rngs)
+        self.up = nnx.Linear(D, 4 * D, rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs if dropout else None)
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.drop(self.down(jax.nn.gelu(self.up(self.ln2(x)))))
+
+
+class GPT(nnx.Module):
+    """Defined in the order it runs: embeddings, blocks, final norm, head (untied)."""
+
+    def __init__(self, layers: int, dropout: float = 0.0):
+        rngs = nnx.Rngs(0)
+        self.wte = nnx.Embed(V, D, rngs=rngs)
+        self.wpe = nnx.Param(jax.random.normal(rngs.params(), (T, D)) * 0.02)
+        self.blocks = nnx.List([Block(dropout, rngs) for _ in range(layers)])
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.wte(ids) + self.wpe[...][None]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _data(steps: int = 3):
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, V, (B, T)).astype(np.int32),
+             rng.integers(0, V, (B, T)).astype(np.int32)) for _ in range(steps)]
+
+
+def _one_device(model, data, tx):
+    model.train()
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(m, o, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: ce(m(x), y))(m)
+        o.update(m, grads)
+        return loss
+
+    return [float(step(model, opt, x, y)) for x, y in data]
+
+
+def _params(model) -> dict:
+    return {".".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+@pytest.mark.parametrize("layers,spec,schedule,dropout,level", [
+    (2, "blocks", None, 0.1, 0),                            # cut by to_static's dist.jit
+    (4, "blocks", "1F1B", 0.0, 1),                          # 2 blocks per stage, ZeRO-1
+    (2, {"blocks.0": dist.SplitPoint.END}, "FThenB", 0.0, 0),
+    (2, {"blocks.1": dist.SplitPoint.BEGINNING}, "1F1B", 0.0, 3),
+])
+def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layers, spec, schedule,
+                                                                           dropout, level):
+    data = _data()
+    model = GPT(layers, dropout)
+    model, opt = dist.parallelize(model, optax.sgd(0.5), MESH, {
+        "dp_config": {"sharding_level": level}, "mp_config": {"parallelize_plan": PLAN},
+        "pp_config": {"split_spec": spec}})
+    first, last = MESH["pp", 0], MESH["pp", 1]
+    half = layers // 2
+    for path, param in _params(model).items():
+        value = param.get_value()
+        late = path.startswith(("ln.", "head.")) or (
+            path.startswith("blocks.") and int(path.split(".")[1]) >= half)
+        assert value.mesh == (last if late else first), path
+    placements = {p: v.get_value().placements for p, v in _params(model).items()}
+    assert placements["head.kernel"] == [R, S(1)]  # (dp, mp) of the stage mesh: column parallel
+    assert placements[f"blocks.{layers - 1}.down.kernel"] == [R, S(0)]  # row parallel
+    assert placements["wpe"] == [R, R]
+
+    loader = dist.shard_dataloader(data, meshes=[first, last], shard_dims="dp")
+    strategy = dist.Strategy({"pipeline": {"enable": schedule is not None,
+                                           "schedule_mode": schedule or "1F1B",
+                                           "accumulate_steps": 2}})
+    dm = dist.to_static(model, loader, ce, opt, strategy)
+    losses = [float(dm(x, y).numpy()) for x, y in loader()]
+
+    ref = GPT(layers, dropout)
+    ref_losses = _one_device(ref, data, optax.sgd(0.5))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    ref_params = _params(ref)
+    for path, param in _params(model).items():
+        np.testing.assert_allclose(param.get_value().numpy(), np.asarray(ref_params[path][...]),
+                                   rtol=2e-4, atol=2e-6, err_msg=path)
+    if level == 3:  # stored split over dp as well, each on its own stage's mesh
+        kernel = model.head.kernel.get_value()
+        assert (kernel.mesh, kernel.placements) == (last, [S(0), S(1)])
+    if schedule is not None:
+        (runner,) = dm._pipeline._runners.values()
+        assert (runner.schedule.name, len(runner.stages)) == (schedule, 2)
+        assert [s.mesh for s in runner.stages] == [first, last]
+
+
+def test_stages_follow_definition_order():
+    model = GPT(4)
+    order = definition_order(model)
+    assert order[:4] == ["", "wte", "blocks", "blocks.0"] and order[-2:] == ["ln", "head"]
+    modules = dict.fromkeys(order)
+    assert stage_starts(order, modules, "blocks", 2) == ["blocks.2"]
+    assert stage_starts(order, modules, "blocks", 4) == ["blocks.1", "blocks.2", "blocks.3"]
+    starts = stage_starts(order, modules, {"blocks.3": dist.SplitPoint.END,
+                                           "blocks.0": dist.SplitPoint.END}, 3)
+    assert starts == ["blocks.1", "ln"]
+    stages = module_stages(order, starts)
+    assert [stages[p] for p in ("wte", "blocks.0.attn", "blocks.1.attn", "blocks.3.up", "ln",
+                                "head")] == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("config,mesh,match", [
+    ({"split_spec": "blocks"}, dist.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]),
+     r"splits the model over mesh dim 'pp', but the mesh has dims \['dp', 'mp'\]"),
+    ({"split_spec": "layers"}, MESH, r"split_spec 'layers' names no layer"),
+    ({"split_spec": "blocks"}, dist.ProcessMesh(np.arange(8).reshape(4, 2), ["pp", "dp"]),
+     r"has 2 layers, which do not cut into 4 equal stages"),
+    ({"split_spec": {"blocks.0": "END"}}, MESH, r"write dist.SplitPoint.END"),
+    ({"split_spec": {"head": dist.SplitPoint.END}}, MESH, r"nothing is defined after layer 'head'"),
+    ({"split_spec": {}}, MESH, r"makes 1 stages, but the mesh's pp dim has 2"),
+    ({"split_spec": ["blocks"]}, MESH, r"must be a layer-list path \(str\) or a dict"),
+    ({"stages": 2}, MESH, r"config\['pp_config'\] must be a dict with keys from \['mesh_dim', "
+                          r"'split_spec'\]"),
+    ({"mesh_dim": "pp"}, MESH, r"config\['pp_config'\] takes 'split_spec'"),
+])
+def test_pp_config_errors_say_what_to_write(config, mesh, match):
+    with pytest.raises(dist.ParallelizeError, match=match):
+        dist.parallelize(GPT(2), None, mesh, {"pp_config": config})
+
+
+def test_pp_config_needs_an_nnx_module():
+    params = {"w": np.ones((4, 4), "float32")}
+    with pytest.raises(dist.ParallelizeError, match="pp_config needs an nnx Module"):
+        dist.parallelize(params, None, MESH, {"pp_config": {"split_spec": "blocks"}})
