@@ -119,6 +119,15 @@ def test_a_four_stage_pipeline_with_two_stages_per_process_equals_one_device():
         assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
 
 
+def test_a_flax_transformer_in_pipeline_x_data_x_tensor_parallel_across_two_processes():
+    """examples/pipeline_gpt.py under the launcher: parallelize's pp_config puts each stage in
+    its own process, tensor and data parallel (ZeRO-1) inside; to_static runs them 1F1B."""
+    out = _launch(ROOT / "examples" / "pipeline_gpt.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
+
+
 MOVES = """import autoshard as dist
 dist.init_parallel_env()
 import jax, numpy as np
