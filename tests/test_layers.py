@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import autoshard as dist
+from autoshard.hlo import collectives
 from autoshard.testing import mse_step, nnx_apply
 from autoshard.training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
                                        RowWiseParallel, SequenceParallelBegin,
@@ -296,3 +297,36 @@ def test_parallelize_errors_name_the_parameter():
     with pytest.raises(ParallelizeError, match="needs an nnx module"):
         parallelize({"params": {"w": np.ones(4)}}, mesh=MESH,
                     config={"mp_config": {"parallelize_plan": {"params": SequenceParallelBegin()}}})
+
+
+class SelfAttention(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=16, decode=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.attn(x)
+
+
+def test_multi_head_attention_is_split_by_heads():
+    """nnx.MultiHeadAttention's projections are LinearGeneral kernels (in, heads, head_dim) and
+    (heads, head_dim, out): column / row parallel split the heads, so each device attends with
+    whole heads and the forward needs one all-reduce (after the output projection) — splitting
+    head_dim would make every score a partial sum."""
+    plan = {"attn.query": ColWiseParallel(), "attn.key": ColWiseParallel(),
+            "attn.value": ColWiseParallel(), "attn.out": RowWiseParallel()}
+    model = parallelize(SelfAttention(nnx.Rngs(0)), mesh=MESH, config=_mp(plan))
+    got = {p: v.get_value().placements for p, v in nnx.iter_graph(model)
+           if isinstance(v, nnx.Param) for p in [".".join(map(str, p))]}
+    for name in ("query", "key", "value"):
+        assert got[f"attn.{name}.kernel"] == [R, S(1)] and got[f"attn.{name}.bias"] == [R, S(0)]
+    assert got["attn.out.kernel"] == [R, S(0)] and got["attn.out.bias"] == [R, R]
+
+    x = np.random.default_rng(0).normal(size=(4, 6, 16)).astype("float32")
+    graphdef, state = nnx.split(model)
+    f = dist.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    xd = dist.shard_tensor(x, MESH, [S(0), R])
+    out = f(state, xd)
+    ref = SelfAttention(nnx.Rngs(0))
+    np.testing.assert_allclose(out.numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
+    hlo = f.lower(state, xd).compile().as_text()
+    assert collectives(hlo) == ["all-reduce"], collectives(hlo)

@@ -236,6 +236,11 @@ class ParallelPlan:
         """(input hooks, output hooks) to run around the calls of the layer at `path`."""
         return [], []
 
+    def feature_dim(self, ndim: int, features: tuple | None) -> int | None:
+        """`param_dim`, knowing the parameter's (first input-feature dim, first output-feature
+        dim) when its layer says (a multi-dim nnx.LinearGeneral kernel: (in, heads, head_dim))."""
+        return self.param_dim(ndim)
+
     @property
     def places_params(self) -> bool:
         return type(self).param_dim is not ParallelPlan.param_dim
@@ -249,6 +254,11 @@ class ColWiseParallel(ParallelPlan):
     def param_dim(self, ndim: int) -> int | None:
         return ndim - 1 if ndim >= 1 else None
 
+    def feature_dim(self, ndim: int, features: tuple | None) -> int | None:
+        # the first output dim: attention's heads (not head_dim) for a (in, heads, head_dim)
+        # kernel, so each device owns whole heads and attention needs no collective
+        return features[1] if features is not None else self.param_dim(ndim)
+
 
 @dataclass(frozen=True)
 class RowWiseParallel(ParallelPlan):
@@ -257,6 +267,9 @@ class RowWiseParallel(ParallelPlan):
 
     def param_dim(self, ndim: int) -> int | None:
         return ndim - 2 if ndim >= 2 else None
+
+    def feature_dim(self, ndim: int, features: tuple | None) -> int | None:
+        return features[0] if features is not None else self.param_dim(ndim)
 
 
 @dataclass(frozen=True)
@@ -362,7 +375,7 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
     targets = _match(plan, modules, shapes)
     decided = _resolve_dims(stage_meshes[0], dp_named, mp_named, level, targets)
 
-    placements = _param_placements(targets, shapes, decided)
+    placements = _param_placements(targets, shapes, decided, modules)
     if is_nnx:
         stage_of, starts = _module_stages(model, modules, pp, len(stage_meshes))
 
@@ -561,11 +574,23 @@ def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
     return ParallelConfig(mesh, dp, mp, level)
 
 
-def _param_placements(targets: _Targets, shapes: Mapping[str, tuple],
-                      config: ParallelConfig) -> dict[str, list[Placement]]:
+def _features(modules: Mapping[str, Any], path: str) -> tuple | None:
+    """(first input-feature dim, first output-feature dim) of parameter `path` of an nnx
+    linear layer (kernel: batch dims, input features, output features; bias: batch dims, output
+    features), None for anything else."""
+    module = modules.get(_parent(path))
+    nnx = _nnx() if module is not None and not isinstance(module, Mapping) else None
+    if nnx is None or not isinstance(module, nnx.LinearGeneral):
+        return None
+    nb, ni = len(module.batch_axis), len(module.in_features)
+    return {"kernel": (nb, nb + ni), "bias": (None, nb)}.get(path.rpartition(".")[2])
+
+
+def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: ParallelConfig,
+                      modules: Mapping[str, Any]) -> dict[str, list[Placement]]:
     mesh, mp, out = config.mesh, config.mp_dim, {}
     for path, (pattern, plan) in targets.params.items():
-        dim = plan.param_dim(len(shapes[path]))
+        dim = plan.feature_dim(len(shapes[path]), _features(modules, path))
         if dim is None:
             continue
         placements = [Shard(dim) if n == mp else Replicate() for n in mesh.dim_names]
