@@ -330,3 +330,29 @@ def test_multi_head_attention_is_split_by_heads():
     np.testing.assert_allclose(out.numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
     hlo = f.lower(state, xd).compile().as_text()
     assert collectives(hlo) == ["all-reduce"], collectives(hlo)
+
+
+def test_linen_attention_params_are_split_by_heads_too():
+    """A linen params tree has no modules: a kernel whose trailing dims are its bias's has its
+    outputs there (query / key / value: (in, heads, head_dim)), and attention's output
+    projection (siblings query, key, value) its inputs first — a 1-d conv kernel
+    (width, in, out) keeps the input-channel split."""
+    attn = linen.MultiHeadDotProductAttention(num_heads=4)
+    x = np.random.default_rng(1).normal(size=(4, 6, 16)).astype("float32")
+    variables = attn.init(jax.random.key(0), x, x)
+    plan = {"params.query": ColWiseParallel(), "params.key": ColWiseParallel(),
+            "params.value": ColWiseParallel(), "params.out": RowWiseParallel()}
+    placed = parallelize(variables, mesh=MESH, config=_mp(plan))
+    p = placed["params"]
+    assert (p["query"]["kernel"].placements, p["query"]["bias"].placements) == ([R, S(1)], [R, S(0)])
+    assert (p["out"]["kernel"].placements, p["out"]["bias"].placements) == ([R, S(0)], [R, R])
+    f = dist.jit(lambda v, x: attn.apply(v, x, x))
+    xd = dist.shard_tensor(x, MESH, [S(0), R])
+    np.testing.assert_allclose(f(placed, xd).numpy(), np.asarray(attn.apply(variables, x, x)),
+                               rtol=1e-5, atol=1e-6)
+    assert collectives(f.lower(placed, xd).compile().as_text()) == ["all-reduce"]
+
+    conv = {"params": {"conv": {"kernel": np.ones((3, 8, 16), "float32"),
+                                "bias": np.zeros(16, "float32")}}}
+    placed = parallelize(conv, mesh=MESH, config=_mp({"params.conv": RowWiseParallel()}))
+    assert placed["params"]["conv"]["kernel"].placements == [R, S(1)]

@@ -8,6 +8,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
@@ -575,15 +576,30 @@ def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
 
 
 def _features(modules: Mapping[str, Any], path: str) -> tuple | None:
-    """(first input-feature dim, first output-feature dim) of parameter `path` of an nnx
-    linear layer (kernel: batch dims, input features, output features; bias: batch dims, output
-    features), None for anything else."""
+    """(first input-feature dim, first output-feature dim) of parameter `path` of a linear
+    layer (kernel: batch dims, input features, output features; bias: batch dims, output
+    features): from the nnx.LinearGeneral module, or in a linen params dict from a kernel
+    whose trailing dims are its bias's (no batch dims; the inputs of a multi-dim kernel are
+    known for attention's output projection only); None for anything else."""
     module = modules.get(_parent(path))
-    nnx = _nnx() if module is not None and not isinstance(module, Mapping) else None
-    if nnx is None or not isinstance(module, nnx.LinearGeneral):
+    name = path.rpartition(".")[2]
+    if isinstance(module, Mapping):  # a linen params dict: the bias says where outputs start
+        kernel, bias = (tuple(np.shape(module.get(k))) if k in module else None
+                        for k in ("kernel", "bias"))
+        if (kernel is None or bias is None or not bias or len(bias) >= len(kernel)
+                or kernel[len(kernel) - len(bias):] != bias):
+            return None
+        # inputs start at 0 only for attention's output projection (its siblings are query,
+        # key, value): a 1-d conv kernel (width, in, out) has the same shape
+        owner = modules.get(_parent(_parent(path)))
+        attention = isinstance(owner, Mapping) and {"query", "key", "value"} <= set(owner)
+        inputs = 0 if attention else len(kernel) - 2
+        return {"kernel": (inputs, len(kernel) - len(bias)), "bias": (None, 0)}.get(name)
+    nnx = _nnx()
+    if not isinstance(module, nnx.LinearGeneral):
         return None
     nb, ni = len(module.batch_axis), len(module.in_features)
-    return {"kernel": (nb, nb + ni), "bias": (None, nb)}.get(path.rpartition(".")[2])
+    return {"kernel": (nb, nb + ni), "bias": (None, nb)}.get(name)
 
 
 def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: ParallelConfig,
