@@ -91,6 +91,11 @@ class DistModel:
         self.scaler_state = (jax.tree.map(self._replicated, self._scaler.init_state())
                              if self._scaler else None)
         self._dp = "dp" if "dp" in self.mesh.dim_names else self.mesh.dim_names[0]
+        # where unplaced inputs and labels go: the first and last pipeline stage's meshes
+        stages = (getattr(loader, "meshes", None)
+                  or getattr(getattr(model, "_autoshard_parallel", None), "stage_meshes", None)
+                  or [self.mesh])
+        self._io_meshes = (stages[0], stages[-1])
         gm = self.strategy.gradient_merge
         self.k_steps = gm.k_steps if gm.enable else 1
         self._micro = 0
@@ -384,11 +389,15 @@ class DistModel:
         if len(batch) == 1 and isinstance(batch[0], dict):
             batch = self._ordered(batch[0])
         out = []
-        n = self.mesh.get_dim_size(self._dp)
-        for x in batch:  # unplaced arrays are split over the data-parallel dim when they can be
-            if not _is_dt(x) and np.ndim(x) and np.shape(x)[0] % n == 0:
-                placements = [Shard(0) if d == self._dp else Replicate() for d in self.mesh.dim_names]
-                x = shard_tensor(x, self.mesh, placements)
+        first, last = self._io_meshes
+        for k, x in enumerate(batch):
+            # unplaced arrays are split over the data-parallel dim when they can be; the label
+            # (last, with a loss) goes where the last pipeline stage computes the loss
+            mesh = last if (k == len(batch) - 1 and k and self._mode != "predict") else first
+            dp = self._dp if self._dp in mesh.dim_names else mesh.dim_names[0]
+            if not _is_dt(x) and np.ndim(x) and np.shape(x)[0] % mesh.get_dim_size(dp) == 0:
+                placements = [Shard(0) if d == dp else Replicate() for d in mesh.dim_names]
+                x = shard_tensor(x, mesh, placements)
             out.append(x)
         return tuple(out)
 

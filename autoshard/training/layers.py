@@ -224,6 +224,7 @@ class ParallelConfig:
     dp_dim: str
     mp_dim: str
     sharding_level: int
+    stage_meshes: tuple = ()  # with pp_config: each pipeline stage's mesh, in order
 
 
 class ParallelPlan:
@@ -399,7 +400,8 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
         for path in starts:  # the first layer of each later stage moves its inputs there
             _add_hooks(modules[path], path, [functools.partial(
                 move_inputs, stage_meshes[stage(path)], decided.dp_dim)])
-        model._autoshard_parallel = decided
+        model._autoshard_parallel = replace(
+            decided, stage_meshes=tuple(stage_meshes) if pp is not None else ())
     else:
         if targets.hooks:
             path, plans = next(iter(targets.hooks.items()))
