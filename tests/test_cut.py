@@ -190,6 +190,10 @@ def test_to_static_trains_a_model_whose_forward_moves_to_another_mesh(zero3):
     moments = [s for s in states if isinstance(s, dist.DistTensor) and s.ndim == 2]
     assert sorted((m.mesh.process_ids[0], m.shape) for m in moments) == [
         (0, (64, 256)), (0, (64, 256)), (4, (256, 64)), (4, (256, 64))]
+    stages = dm.summary(*batches[0]).splitlines()[1:]
+    assert [line.split(":")[0] for line in stages] == [
+        "stage 0 on devices [0, 1, 2, 3]", "stage 1 on devices [4, 5, 6, 7]",
+        "stage 2 on devices [0, 1, 2, 3]"]
     if zero3:  # stored split over 'x' on each weight's own mesh, gathered where it is used
         assert [(p.mesh, p.placements) for p in dm.params.values()] == [(MESH0, [S(0), S(1)]),
                                                                        (MESH1, [S(1), S(0)])]

@@ -182,6 +182,11 @@ def test_a_pipelined_model_evaluates_unplaced_batches_and_its_checkpoint_loads_w
     dm = dist.to_static(model, None, ce, opt, strategy)
     for x, y in data:
         dm(x, y)  # numpy batches, placed by the DistModel
+    text = dm.summary(*data[0])
+    assert "pipeline: 2 stages on 2 ranks, schedule 1F1B, 2 micro-batches" in text
+    # per micro-batch: each block's attention and MLP outputs are all-reduced over mp
+    assert "  stage 0 on devices [0, 1, 2, 3]: 2 all-reduce" in text
+    assert "  → stage 1: float32[4, 8, 32] [S(0), R] → [S(0), R]" in text
     ref = GPT(2)
     _one_device(ref, data, optax.sgd(0.5))
     x, y = _data(3)[2]

@@ -40,6 +40,11 @@ class FunctionPipeline:
         loss, grads = runner.value_and_grad(split(params), inputs, *loss_args)
         return loss, runner.join(grads, params)
 
+    def explain(self, params: Any, inputs: Any, *loss_args: Any) -> str:
+        """PipelineRunner.explain of the cut stages."""
+        runner, split = self._runner(params, inputs, loss_args)
+        return runner.explain(split(params), inputs, *loss_args)
+
     def profile(self, params: Any, inputs: Any, *loss_args: Any, steps: int = 3):
         """PipelineRunner.profile of the cut stages."""
         from .pipeline_profile import measure

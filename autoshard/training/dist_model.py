@@ -439,25 +439,41 @@ class DistModel:
         return loss
 
     def summary(self, *batch: Any) -> str:
-        """The train step's plan in a few lines: collectives, bytes, memory per device."""
+        """The train step's plan in a few lines: collectives, bytes, memory per device; for a
+        model cut into stages, each stage's collectives, and with strategy.pipeline the
+        schedule and what crosses between stages per micro-batch."""
         from ..reshard.planner import format_bytes
 
+        amp = self.strategy.amp
+        head = (f"mesh {self.mesh.shape} {self.mesh.dim_names}; strategy: sharding stage "
+                f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
+                f"amp {f'{amp.dtype} {amp.level}' if amp.enable else 'off'}, recompute "
+                f"{'on' if self.strategy.recompute.enable else 'off'}")
+        if self._pipeline is not None:  # the stages, the schedule and what moves between them
+            placed = self._batch(batch)
+            inputs, labels = ((placed, ()) if len(placed) == 1
+                              else (placed[:-1], placed[-1:]))
+            return "\n".join([head, self._pipeline.explain(self.params, inputs, *labels)])
         name = "train" if self.k_steps == 1 else "merge"
         args = self.program_args(name, *batch)
         f = self._program(name, args)
-        plan = f.plan(*args)
+        plans = f.stage_plans(*args)
+
+        def counts(plan) -> str:
+            return ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) \
+                or "no collectives"
+
+        if len(plans) > 1:  # a model whose forward moves to other meshes: a program per stage
+            return "\n".join([head] + [
+                f"stage {k} on devices {plan.mesh.process_ids}: {counts(plan)}; "
+                f"{format_bytes(plan.total_bytes)} sent per device" for k, plan in enumerate(plans)])
         memory = f.lower(*args).compile().memory_analysis()
-        counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) or "none"
-        amp = self.strategy.amp
-        lines = [f"mesh {self.mesh.shape} {self.mesh.dim_names}; strategy: sharding stage "
-                 f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
-                 f"amp {f'{amp.dtype} {amp.level}' if amp.enable else 'off'}, recompute "
-                 f"{'on' if self.strategy.recompute.enable else 'off'}",
-                 f"per step: {counts}; {format_bytes(plan.total_bytes)} sent per device",
-                 f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
-                 f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
-                 f"{format_bytes(memory.output_size_in_bytes)}"]
-        return "\n".join(lines)
+        return "\n".join([
+            head, f"per step: {counts(plans[0])}; {format_bytes(plans[0].total_bytes)} sent per "
+                  f"device",
+            f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
+            f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
+            f"{format_bytes(memory.output_size_in_bytes)}"])
 
     def programs(self) -> dict[str, Any]:
         """The compiled programs built so far, by mode (their .plan / .explain / .lower)."""
