@@ -95,36 +95,22 @@ def test_to_static_zero1_and_checkpoints_across_processes(tmp_path):
         assert f"[rank {rank}] process {rank}: to_static, ZeRO-1 and the checkpoint" in out.stdout
 
 
-def test_the_seed_hybrid_runs_with_each_pipeline_stage_in_its_own_process():
-    """examples/seed_hybrid.py under the launcher: mesh0 = ranks 0..3 is process 0's devices,
-    mesh1 = ranks 4..7 process 1's, so every activation and gradient crossing the stage boundary
-    moves between processes — as written (dist.jit cut), to_static with a 1F1B pipeline, and
-    explicit stages each equal one device."""
-    out = _launch(ROOT / "examples" / "seed_hybrid.py")
+@pytest.mark.parametrize("script,expect", [
+    # mesh0 = ranks 0..3 (process 0), mesh1 = ranks 4..7 (process 1): as written (dist.jit
+    # cut), to_static with a 1F1B pipeline, explicit stages
+    ("seed_hybrid.py", ["§4.4 as written", "§4.4 pipelined", "§4.4 as stages"]),
+    # four stages, two per process, under FThenB, 1F1B, VPP and ZBH1
+    ("pipeline.py", ["FThenB m=4", "1F1B m=4", "ZBH1 m=4"]),
+    # a flax transformer: parallelize's pp_config puts a stage in each process, dp x mp inside
+    ("pipeline_gpt.py", ["pipelined  losses"]),
+])
+def test_pipeline_examples_with_stages_in_different_processes_equal_one_device(script, expect):
+    """Every activation and gradient crossing a stage boundary moves between the processes."""
+    out = _launch(ROOT / "examples" / script)
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
-        for what in ("as written", "pipelined", "as stages"):
-            assert f"[rank {rank}] §4.4 {what}" in out.stdout
-        assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
-
-
-def test_a_four_stage_pipeline_with_two_stages_per_process_equals_one_device():
-    """examples/pipeline.py under the launcher: FThenB, 1F1B, VPP and ZBH1 schedules with
-    stages 0-1 in process 0 and 2-3 in process 1."""
-    out = _launch(ROOT / "examples" / "pipeline.py")
-    assert out.returncode == 0, out.stdout + out.stderr
-    for rank in (0, 1):
-        for mode in ("FThenB", "1F1B", "ZBH1"):
-            assert f"[rank {rank}] {mode} m=4" in out.stdout
-        assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
-
-
-def test_a_flax_transformer_in_pipeline_x_data_x_tensor_parallel_across_two_processes():
-    """examples/pipeline_gpt.py under the launcher: parallelize's pp_config puts each stage in
-    its own process, tensor and data parallel (ZeRO-1) inside; to_static runs them 1F1B."""
-    out = _launch(ROOT / "examples" / "pipeline_gpt.py")
-    assert out.returncode == 0, out.stdout + out.stderr
-    for rank in (0, 1):
+        for text in expect:
+            assert f"[rank {rank}] {text}" in out.stdout
         assert f"[rank {rank}] every loss and weight equals the one-device run" in out.stdout
 
 
