@@ -341,3 +341,20 @@ def test_to_static_pipeline_with_float16_loss_scaling_says_it_is_not_supported_y
         dist.to_static(Hybrid(), loader, _mse, optax.sgd(0.05), dist.Strategy(
             {"pipeline": {"enable": True}, "amp": {"enable": True, "dtype": "float16"}}))
 
+
+def test_to_static_recompute_on_a_model_across_meshes_recomputes_each_stage():
+    """A jax.checkpoint around the whole forward could not be cut into stages: recompute on a
+    model whose params live on two meshes runs each stage's forward again in its backward
+    (a one-micro-batch pipeline with the runner's recompute) — and trains like one device."""
+    batches = [(X[:2] + k, Y[:2] * k) for k in range(3)]
+    loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
+    model = Hybrid()
+    dm = dist.to_static(model, loader, _mse, optax.adamw(1e-3),
+                        dist.Strategy({"recompute": {"enable": True}}))
+    losses = [float(dm(x, y).numpy()) for x, y in loader()]
+    ref, ref_losses = _one_device(batches, optax.adamw(1e-3))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(model.w0[...].numpy(), ref.w0[...], rtol=1e-4, atol=1e-6)
+    (runner,) = dm._pipeline._runners.values()
+    assert (runner.schedule.micro_batches, len(runner.stages), runner.recompute) == (1, 2, True)
+

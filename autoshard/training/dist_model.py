@@ -110,14 +110,21 @@ class DistModel:
         another mesh, run over `accumulate_steps` micro-batches in `schedule_mode`'s order
         (PipelineRunner.from_function); the optimizer then updates every stage's params."""
         pp = self.strategy.pipeline
-        if not pp.enable:
+        meshes = {m for m in jax.tree.leaves(self._homes) if isinstance(m, ProcessMesh)}
+        # recompute on stages of several meshes: a jax.checkpoint around the whole forward
+        # cannot be cut into stages, so each stage recomputes its own forward in its backward,
+        # as a pipeline of one micro-batch does
+        staged_recompute = self.strategy.recompute.enable and len(meshes) > 1
+        if not pp.enable and not staged_recompute:
             return None
+        what = ("strategy.pipeline" if pp.enable else "strategy.recompute on a model whose "
+                "params live on several meshes (each stage recomputes its own forward)")
         unsupported = [name for name, on in (
             ("amp with float16 loss scaling", self._loss_scaler() is not None),
             ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
         ) if on]
         if unsupported:
-            raise DistModelError(f"strategy.pipeline does not combine with {unsupported[0]} yet: "
+            raise DistModelError(f"{what} does not combine with {unsupported[0]} yet: "
                                  f"turn one of them off")
         from .pipeline import PipelineRunner
 
@@ -127,6 +134,8 @@ class DistModel:
             out, _ = self._forward("train", params, self.state, inputs, remat=False)
             return self._loss_fn(out, *labels).astype(jnp.float32)
 
+        if not pp.enable:
+            return PipelineRunner.from_function(loss, "1F1B", 1, recompute=True)
         return PipelineRunner.from_function(loss, pp.schedule_mode, pp.accumulate_steps,
                                             chunks=pp.vpp_degree,
                                             recompute=self.strategy.recompute.enable)
