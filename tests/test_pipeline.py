@@ -7,6 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -434,3 +435,38 @@ def test_profile_of_a_cut_loss_function():
                           dist.shard_tensor(y, meshes[3], [S(0)]), steps=1)
     assert sorted(prof.costs) == sorted((s, k) for s in range(4) for k in "FB")
     assert "stage balance: slowest stage" in str(prof)
+
+
+def test_a_weight_two_stages_share_is_moved_where_it_is_read_and_its_gradients_summed():
+    """Tied input and output embeddings across stages: the table lives on the first stage's
+    mesh, the last stage reads a copy (`dist.reshard` in the function); the copy's gradient goes
+    back and is summed with the lookup's — under dist.jit's cut (a train step) and a pipeline."""
+    m0, m1 = MESHES_2D
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(16, 8)).astype("float32")
+    w = rng.normal(size=(8, 8)).astype("float32") * 0.3
+    ids = rng.integers(0, 16, (4, 6)).astype(np.int32)
+    labels = rng.integers(0, 16, (4, 6)).astype(np.int32)
+
+    def loss(p, ids, labels, placed=True):
+        x = p["emb"][ids]
+        if placed:
+            x = dist.reshard(x, m1, [S(0), R])
+        x = jnp.tanh(x @ p["w"])
+        table = dist.reshard(p["emb"], m1, [R, R]) if placed else p["emb"]  # the head's copy
+        logits = x @ table.T
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def placed():
+        return {"emb": dist.shard_tensor(emb, m0, [R, S(0)]), "w": dist.shard_tensor(w, m1, [R, R])}
+
+    idd, lab = dist.shard_tensor(ids, m0, [S(0), R]), dist.shard_tensor(labels, m1, [S(0), R])
+    ref_loss, ref_grads = jax.value_and_grad(lambda q: loss(q, ids, labels, False))(
+        {"emb": emb, "w": w})
+    for value, grads in (dist.jit(jax.value_and_grad(loss))(placed(), idd, lab),
+                         dist.PipelineRunner.from_function(loss, "1F1B", 2).value_and_grad(
+                             placed(), idd, lab)):
+        np.testing.assert_allclose(float(value.numpy()), float(ref_loss), rtol=1e-5)
+        np.testing.assert_allclose(grads["emb"].numpy(), ref_grads["emb"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(grads["w"].numpy(), ref_grads["w"], rtol=1e-4, atol=1e-6)
+        assert grads["emb"].mesh == m0  # back on the table's mesh

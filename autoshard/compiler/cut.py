@@ -105,8 +105,9 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
                     f"an operation runs on one mesh — move one of them first with "
                     f"dist.reshard(x, mesh, placements) (pipeline stages pass activations so; "
                     f"a parameter that layers of two stages share, such as tied input and output "
-                    f"embeddings, needs a copy on each mesh: untie it, or keep those layers in "
-                    f"one stage)",
+                    f"embeddings, needs a copy on each mesh: dist.reshard(param, mesh, "
+                    f"placements) where it is read — its gradient goes back and is summed — or "
+                    f"keep those layers in one stage)",
                     where=source_line(eqn.source_info))
             placed = [mesh_of[v] for v in ins if mesh_of[v] is not None]
             mesh = fixed[0] if fixed else (placed[0] if placed else None)

@@ -20,6 +20,7 @@ import numpy as np
 from ..compiler.cut import arrive, cut_by_mesh, eval_eqns
 from ..compiler.jit import _describe_leaf
 from ..dtensor import DistTensor
+from ..reshard.api import reshard
 from .pipeline import PipelineRunner, _add, _is_leaf
 from .schedule import Schedule
 from .stages import Stage, StageError
@@ -141,17 +142,25 @@ class _CutRunner(PipelineRunner):
         super().__init__(stages, schedule, m, chunks=chunks, costs=costs, recompute=recompute)
 
     def split(self, params: Any) -> list:
+        """Per stage, the params it reads — one that lives on another stage's mesh (a weight
+        two stages share, moved by a `dist.reshard` in the function) as a copy on this one."""
         leaves = jax.tree.leaves(params, is_leaf=_is_leaf)
-        return [tuple(leaves[j] for j in reads) for reads in self._reads]
+        params_vars = self._made_by.invars[:self._n_params]
+        return [tuple(arrive(leaves[j], part, params_vars[j]) for j in reads)
+                for reads, part in zip(self._reads, self._made_by.stages)]
 
     def join(self, grads: list, params: Any) -> Any:
-        """Per-stage gradients as one tree like `params`: a param two stages read gets the sum,
-        one that no stage reads a zero gradient (as jax.grad gives it)."""
+        """Per-stage gradients as one tree like `params`: a param two stages read gets the sum
+        (a copy's gradient moved back to the param's mesh first), one that no stage reads a zero
+        gradient (as jax.grad gives it)."""
+        leaves = jax.tree.leaves(params, is_leaf=_is_leaf)
         total: list = [None] * self._n_params
         for reads, g in zip(self._reads, grads):
             for j, x in zip(reads, g or ()):
+                p = leaves[j]
+                if isinstance(x, DistTensor) and isinstance(p, DistTensor) and x.mesh != p.mesh:
+                    x = reshard(x, p.mesh, p.placements)
                 total[j] = x if total[j] is None else _add(total[j], x)
-        leaves = jax.tree.leaves(params, is_leaf=_is_leaf)
         total = [_zeros_like(p) if t is None else t for t, p in zip(total, leaves)]
         return jax.tree.unflatten(self._p_tree, total)
 
