@@ -334,12 +334,32 @@ def test_random_chains_across_meshes_train_like_one_device(steps, x_place):
         assert g.mesh == p.mesh
 
 
-def test_to_static_pipeline_with_float16_loss_scaling_says_it_is_not_supported_yet():
-    loader = dist.shard_dataloader([(X, Y)], meshes=[MESH0, MESH1], shard_dims="x")
-    with pytest.raises(dist.DistModelError, match="does not combine with amp with float16 loss "
-                                                  "scaling yet"):
-        dist.to_static(Hybrid(), loader, _mse, optax.sgd(0.05), dist.Strategy(
-            {"pipeline": {"enable": True}, "amp": {"enable": True, "dtype": "float16"}}))
+def test_to_static_pipeline_with_float16_loss_scaling_trains_like_without_the_pipeline():
+    """float16 (o1) with dynamic loss scaling through a pipeline: the loss seeds the backward
+    scaled, the gradients are unscaled before the update, the scale grows after finite steps
+    and a step whose gradients overflow is skipped — as the same DistModel without pipeline."""
+    batches = [(X + k, Y * (k + 1)) for k in range(4)] + [(X * 1e6, Y)]  # the last overflows
+    loader = dist.shard_dataloader(batches, meshes=[MESH0, MESH1], shard_dims="x")
+    amp = {"enable": True, "dtype": "float16", "level": "o1", "init_loss_scaling": 1024.0,
+           "incr_every_n_steps": 2}
+    runs = []
+    for pipeline in (True, False):
+        model = Hybrid()
+        dm = dist.to_static(model, loader, _mse, optax.sgd(0.05), dist.Strategy(
+            {"amp": amp, "pipeline": {"enable": pipeline, "schedule_mode": "1F1B",
+                                      "accumulate_steps": 2}}))
+        losses, scales = [], []
+        for x, y in loader():
+            losses.append(float(dm(x, y).numpy()))
+            scales.append(dm.loss_scale)
+        runs.append((losses, scales, model.w0[...].numpy()))
+    (losses, scales, w0), (ref_losses, ref_scales, ref_w0) = runs
+    # doubled after every 2 finite steps; one overflow is skipped (the scale shrinks after 2)
+    assert scales == ref_scales == [1024.0, 2048.0, 2048.0, 4096.0, 4096.0]
+    np.testing.assert_allclose(losses[:4], ref_losses[:4], rtol=2e-3)
+    assert not np.isfinite(losses[4]) and not np.isfinite(ref_losses[4])
+    assert np.isfinite(w0).all()  # the overflowing step changed nothing
+    np.testing.assert_allclose(w0, ref_w0, rtol=2e-3, atol=1e-5)
 
 
 def test_to_static_recompute_on_a_model_across_meshes_recomputes_each_stage():

@@ -120,7 +120,6 @@ class DistModel:
         what = ("strategy.pipeline" if pp.enable else "strategy.recompute on a model whose "
                 "params live on several meshes (each stage recomputes its own forward)")
         unsupported = [name for name, on in (
-            ("amp with float16 loss scaling", self._loss_scaler() is not None),
             ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
         ) if on]
         if unsupported:
@@ -128,11 +127,16 @@ class DistModel:
                                  f"turn one of them off")
         from .pipeline import PipelineRunner
 
+        scaled = self._loss_scaler() is not None
+
         def loss(params, inputs, *labels):
             # recompute is the runner's (each stage's forward again in its backward): a
             # jax.checkpoint around the whole forward would keep it on one mesh
+            if scaled:  # float16: the loss scale comes last (0-d: every micro-batch's)
+                *labels, scale = labels
             out, _ = self._forward("train", params, self.state, inputs, remat=False)
-            return self._loss_fn(out, *labels).astype(jnp.float32)
+            value = self._loss_fn(out, *labels).astype(jnp.float32)
+            return value * scale if scaled else value
 
         if not pp.enable:
             return PipelineRunner.from_function(loss, "1F1B", 1, recompute=True)
@@ -148,7 +152,14 @@ class DistModel:
             raise DistModelError("this DistModel has no loss_fn: pass one to dist.to_static")
         batch = self._batch(batch)
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
-        loss, grads = self._pipeline.value_and_grad(self.params, inputs, *labels)
+        scaler = self.scaler_state
+        extra = (scaler["scale"],) if scaler else ()
+        loss, grads = self._pipeline.value_and_grad(self.params, inputs, *labels, *extra)
+        if scaler:  # float16: the loss and gradients came scaled
+            if "unscale" not in self._programs:
+                self._programs["unscale"] = jit(lambda v, g, sc: (
+                    v / sc["scale"], self._scaler.unscale(g, sc)))
+            loss, grads = self._programs["unscale"](loss, grads, scaler)
         if self.k_steps > 1:  # gradient merge: k pipeline steps, then one update
             if self._acc is None:
                 self._acc = grads
@@ -161,18 +172,21 @@ class DistModel:
                 return loss
             grads, self._acc, self._micro = self._acc, None, 0
         if "update" not in self._programs:
-            out = [x.placements if _is_dt(x) else None
-                   for x in jax.tree.leaves((self.params, self.opt_state), is_leaf=_is_dt)]
+            out = [x.placements if _is_dt(x) else None for x in jax.tree.leaves(
+                (self.params, self.opt_state, scaler or {}), is_leaf=_is_dt)]
             scale = (1.0 / self.k_steps if self.k_steps > 1 and self.strategy.gradient_merge.avg
                      else None)
 
-            def update(p, s, g):
+            def update(p, s, g, sc):
                 if scale is not None:
                     g = jax.tree.map(lambda x: x * scale, g)
-                return self._update(p, s, g, {})[:2]
+                return self._update(p, s, g, sc)  # float16: skipped unless every grad is finite
 
             self._programs["update"] = jit(update, out_placements=out)
-        self.params, self.opt_state = self._programs["update"](self.params, self.opt_state, grads)
+        self.params, self.opt_state, scaler = self._programs["update"](
+            self.params, self.opt_state, grads, scaler or {})
+        if self.scaler_state:
+            self.scaler_state = scaler
         self._parts.write_back(self.params, self.state)
         return loss
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..compiler.jit import jit
 from ..dtensor import DistTensor, make_dtensor
+from ..placement import Replicate
 from ..reshard.api import reshard
 from .schedule import Schedule, ScheduleError, dispatch_order, make_schedule, simulate, validate
 from .stages import Params, Stage, StageError, StageRunner
@@ -381,6 +382,12 @@ class PipelineRunner(StageRunner):
                         f"batch ({batch} rows): every array given to the pipeline is cut into "
                         f"micro-batches along dim 0 — close over arrays that are not per-sample "
                         f"(class weights, masks) in the stage function instead")
+        # a 0-d loss argument placed elsewhere (a float16 loss scale) joins the last stage
+        home = self.stages[-1].mesh
+        loss_args = jax.tree.map(
+            lambda a: reshard(a, home, [Replicate()] * home.ndim)
+            if isinstance(a, DistTensor) and not a.shape and a.mesh != home else a,
+            loss_args, is_leaf=_is_leaf)
         micro_in = self._cut(inputs, groups, m, "the first stage's input")
         micro_args = list(zip(*[self._cut(a, groups, m, f"loss argument {k}")
                                 for k, a in enumerate(loss_args)])) or [()] * m
