@@ -187,6 +187,9 @@ def test_a_pipelined_model_evaluates_unplaced_batches_and_its_checkpoint_loads_w
     # per micro-batch: each block's attention and MLP outputs are all-reduced over mp
     assert "  stage 0 on devices [0, 1, 2, 3]: 2 all-reduce" in text
     assert "  → stage 1: float32[4, 8, 32] [S(0), R] → [S(0), R]" in text
+    prof = dm.profile(*data[0], steps=1)
+    assert sorted(prof.costs) == [(0, "B"), (0, "F"), (1, "B"), (1, "F")]
+    assert "stage balance: slowest stage" in str(prof)
     ref = GPT(2)
     _one_device(ref, data, optax.sgd(0.5))
     x, y = _data(3)[2]

@@ -498,6 +498,19 @@ class DistModel:
             f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
             f"{format_bytes(memory.output_size_in_bytes)}"])
 
+    def profile(self, *batch: Any, steps: int = 3):
+        """With strategy.pipeline: each stage's forward and backward measured on this batch
+        (PipelineRunner.profile: per-stage times, busy time per rank, stage balance, the
+        schedule replayed with the measured costs). Runs the step's forward and backward
+        `2 * steps + 1` times without updating anything."""
+        if self._pipeline is None:
+            raise DistModelError("profile measures pipeline stages: this DistModel has no "
+                                 "strategy.pipeline (see summary() for its one program)")
+        placed = self._batch(batch)
+        inputs, labels = (placed, ()) if len(placed) == 1 else (placed[:-1], placed[-1:])
+        extra = (self.scaler_state["scale"],) if self.scaler_state else ()
+        return self._pipeline.profile(self.params, inputs, *labels, *extra, steps=steps)
+
     def programs(self) -> dict[str, Any]:
         """The compiled programs built so far, by mode (their .plan / .explain / .lower)."""
         return dict(self._programs)
