@@ -87,6 +87,8 @@ def _params(model) -> dict:
     (4, "blocks", "1F1B", 0.0, 1),                          # 2 blocks per stage, ZeRO-1
     (2, {"blocks.0": dist.SplitPoint.END}, "FThenB", 0.0, 0),
     (2, {"blocks.1": dist.SplitPoint.BEGINNING}, "1F1B", 0.0, 3),
+    # four model chunks on the two pp ranks, interleaved: blocks 0 and 2 on rank 0
+    (4, {f"blocks.{k}": dist.SplitPoint.END for k in range(3)}, "VPP", 0.0, 0),
 ])
 def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layers, spec, schedule,
                                                                            dropout, level):
@@ -96,12 +98,13 @@ def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layer
         "dp_config": {"sharding_level": level}, "mp_config": {"parallelize_plan": PLAN},
         "pp_config": {"split_spec": spec}})
     first, last = MESH["pp", 0], MESH["pp", 1]
-    half = layers // 2
+    chunks = 2 if schedule == "VPP" else 1
+    per = layers // (2 * chunks)  # blocks per model chunk
     for path, param in _params(model).items():
         value = param.get_value()
-        late = path.startswith(("ln.", "head.")) or (
-            path.startswith("blocks.") and int(path.split(".")[1]) >= half)
-        assert value.mesh == (last if late else first), path
+        chunk = (2 * chunks - 1 if path.startswith(("ln.", "head.")) else
+                 int(path.split(".")[1]) // per if path.startswith("blocks.") else 0)
+        assert value.mesh == (first, last)[chunk % 2], path
     placements = {p: v.get_value().placements for p, v in _params(model).items()}
     assert placements["head.kernel"] == [R, S(1)]  # (dp, mp) of the stage mesh: column parallel
     assert placements[f"blocks.{layers - 1}.down.kernel"] == [R, S(0)]  # row parallel
@@ -110,7 +113,7 @@ def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layer
     loader = dist.shard_dataloader(data, meshes=[first, last], shard_dims="dp")
     strategy = dist.Strategy({"pipeline": {"enable": schedule is not None,
                                            "schedule_mode": schedule or "1F1B",
-                                           "accumulate_steps": 2}})
+                                           "accumulate_steps": 2, "vpp_degree": chunks}})
     dm = dist.to_static(model, loader, ce, opt, strategy)
     losses = [float(dm(x, y).numpy()) for x, y in loader()]
 
@@ -126,8 +129,8 @@ def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layer
         assert (kernel.mesh, kernel.placements) == (last, [S(0), S(1)])
     if schedule is not None:
         (runner,) = dm._pipeline._runners.values()
-        assert (runner.schedule.name, len(runner.stages)) == (schedule, 2)
-        assert [s.mesh for s in runner.stages] == [first, last]
+        assert (runner.schedule.name, len(runner.stages)) == (schedule, 2 * chunks)
+        assert [s.mesh for s in runner.stages] == [first, last] * chunks
 
 
 def test_stages_follow_definition_order():
@@ -154,6 +157,8 @@ def test_stages_follow_definition_order():
     ({"split_spec": {"blocks.0": "END"}}, MESH, r"write dist.SplitPoint.END"),
     ({"split_spec": {"head": dist.SplitPoint.END}}, MESH, r"nothing is defined after layer 'head'"),
     ({"split_spec": {}}, MESH, r"makes 1 stages, but the mesh's pp dim has 2"),
+    ({"split_spec": {"blocks.0": dist.SplitPoint.END, "wte": dist.SplitPoint.END}}, MESH,
+     r"makes 3 stages, but the mesh's pp dim has 2"),
     ({"split_spec": ["blocks"]}, MESH, r"must be a layer-list path \(str\) or a dict"),
     ({"stages": 2}, MESH, r"config\['pp_config'\] must be a dict with keys from \['mesh_dim', "
                           r"'split_spec'\]"),

@@ -124,22 +124,28 @@ class _CutRunner(PipelineRunner):
                     raise StageError(f"stage {k} reads the batch inputs: only the first stage "
                                      f"may (pass what later stages need through the "
                                      f"activations)")
-                if v in arg_vars and k != last:
-                    raise StageError(f"stage {k} reads a loss argument: only the last stage may")
         for k in range(len(parts)):
             later = {v for part in parts[k + 1:] for v in part.inputs}
             carries.append([v for v in dict.fromkeys(v for part in parts[:k + 1]
                                                       for e in part.eqns for v in e.outvars)
                             if v in later and made_in.get(v, -1) <= k])
+        # the loss arguments go to every stage that reads them (label preprocessing that reads
+        # nothing else lands in the first stage on the label's mesh); the last always takes them
+        self._arg_readers = {k for k, part in enumerate(parts)
+                             if any(v in arg_vars for v in part.inputs)} | {last}
         self._carries, self._made_by, self._n_params = carries, cut, n_params
         self._p_tree = p_tree
         stages = [Stage(_stage_fn(cut, part, k, params_vars, self._reads[k],
                                   carries[k - 1] if k else [],
                                   invars[n_params:n_params + n_inputs] if k == 0 else [],
-                                  invars[n_params + n_inputs:] if k == last else [],
+                                  invars[n_params + n_inputs:] if k in self._arg_readers
+                                  else [],
                                   cut.outvars if k == last else carries[k]),
                         part.mesh) for k, part in enumerate(parts)]
         super().__init__(stages, schedule, m, chunks=chunks, costs=costs, recompute=recompute)
+
+    def _reads_args(self, s: int) -> bool:
+        return s in self._arg_readers
 
     def split(self, params: Any) -> list:
         """Per stage, the params it reads — one that lives on another stage's mesh (a weight

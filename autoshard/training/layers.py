@@ -384,14 +384,14 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
         def stage(path: str) -> int:
             return stage_of.get(path, 0)
 
-        for path, param in params.items():
-            home = stage_meshes[stage(_parent(path))]
+        for path, param in params.items():  # model chunk c lives on pp rank c mod pp
+            home = stage_meshes[stage(_parent(path)) % len(stage_meshes)]
             pl = placements.get(path, [Replicate()] * home.ndim)
             param.set_value(_on_mesh(param.get_value(), home, path) if path not in placements
                             else shard_tensor(param.get_value(), home, pl))
         for path, hook_plans in targets.hooks.items():
             ins, outs = [], []
-            here = replace(decided, mesh=stage_meshes[stage(path)])
+            here = replace(decided, mesh=stage_meshes[stage(path) % len(stage_meshes)])
             for p in hook_plans:
                 i, o = p.hooks(here, path)
                 ins += i
@@ -399,7 +399,7 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
             _add_hooks(modules[path], path, ins, outs)
         for path in starts:  # the first layer of each later stage moves its inputs there
             _add_hooks(modules[path], path, [functools.partial(
-                move_inputs, stage_meshes[stage(path)], decided.dp_dim)])
+                move_inputs, stage_meshes[stage(path) % len(stage_meshes)], decided.dp_dim)])
         model._autoshard_parallel = replace(
             decided, stage_meshes=tuple(stage_meshes) if pp is not None else ())
     else:

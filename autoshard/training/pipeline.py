@@ -168,9 +168,15 @@ def _placed(tree):
 
 def _send_back(d_input: Any, where: Any) -> Any:
     """A cotangent (or a tuple of them) moved to where its value was made."""
+    def back(d: Any, w: tuple) -> Any:
+        # an integer value's cotangent is a float0 zero array, on no mesh: nothing to move
+        if not isinstance(d, DistTensor) or d.dtype == jax.dtypes.float0:
+            return d
+        return reshard(d, *w)
+
     if isinstance(d_input, (tuple, list)):
-        return tuple(reshard(d, *w) for d, w in zip(d_input, where))
-    return reshard(d_input, *where)
+        return tuple(back(d, w) for d, w in zip(d_input, where))
+    return back(d_input, where)
 
 
 @jit
@@ -272,8 +278,8 @@ class PipelineRunner(StageRunner):
             s, i = a.stage, a.micro
             if a.kind == "F":
                 x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
-                y, pulls[(s, i)] = self._forward(s, params[s], x, micro_args[i] if s == last
-                                                 else ())
+                y, pulls[(s, i)] = self._forward(s, params[s], x, micro_args[i]
+                                                 if self._reads_args(s) else ())
                 if s == last:
                     losses[i] = self._check_loss(y)
                 else:
@@ -318,7 +324,7 @@ class PipelineRunner(StageRunner):
                 continue
             s, i = a.stage, a.micro
             x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
-            y = self.programs[s](params[s], x, *(micro_args[i] if s == last else ()))
+            y = self.programs[s](params[s], x, *(micro_args[i] if self._reads_args(s) else ()))
             if s == last:
                 losses[i] = self._check_loss(y)
             else:
@@ -349,7 +355,7 @@ class PipelineRunner(StageRunner):
                                      f"{a.layout.describe(a.mesh)} → "
                                      f"{b.layout.describe(b.mesh)}, "
                                      f"{format_bytes(rp.total_bytes)}/device")
-            args = (params[s], x, *(micro_args[0] if s == last else ()))
+            args = (params[s], x, *(micro_args[0] if self._reads_args(s) else ()))
             plan = program.plan(*args)
             counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items()))
             lines.append(f"  stage {s} on devices {self.stages[s].mesh.process_ids}: "
@@ -360,6 +366,10 @@ class PipelineRunner(StageRunner):
         return "\n".join(lines)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _reads_args(self, s: int) -> bool:
+        """Whether stage s takes the loss arguments (the last stage computes the loss)."""
+        return s == len(self.stages) - 1
+
     def _micro_batches(self, inputs: Any, loss_args: tuple) -> tuple[list, list]:
         """Per micro-batch: the first stage's input and the last stage's extra arguments."""
         m = self.schedule.micro_batches

@@ -5,10 +5,12 @@ Layers are taken in definition order (the order their attributes were set in `__
 depth first), as Paddle takes `named_sublayers()`: everything before the first split belongs
 to stage 0, everything after the last to the last stage. `split_spec` is either the dotted path
 of a layer list (`"blocks"`, an nnx.List), cut into as many equal runs as the mesh's pp dim
-has stages, or `{layer path: SplitPoint.END or SplitPoint.BEGINNING}` naming each cut. The
-first layer of every later stage gets an input hook that moves its positional array arguments
-to its stage's mesh (`dist.reshard`, the batch split over dp) — the reshard a Paddle user writes
-by hand in the forward, which dist.jit / to_static then cut into one program per stage.
+has stages, or `{layer path: SplitPoint.END or SplitPoint.BEGINNING}` naming each cut — a
+multiple of pp stages gives each pp rank several model chunks (stage c on rank c mod pp, the
+interleaved "VPP" layout). The first layer of every later stage gets an input hook that moves
+its positional array arguments to its stage's mesh (`dist.reshard`, the batch split over dp) —
+the reshard a Paddle user writes by hand in the forward, which dist.jit / to_static then cut
+into one program per stage.
 """
 from __future__ import annotations
 
@@ -96,9 +98,10 @@ def stage_starts(order: list[str], modules: dict, spec: Any, stages: int) -> lis
             raise _error(f"pp_config split_spec[{path!r}] is {point!r}: write "
                          f"dist.SplitPoint.END or dist.SplitPoint.BEGINNING")
         starts.append(path if point is SplitPoint.BEGINNING else after(path))
-    if len(set(starts)) != stages - 1:
+    if not starts or (len(set(starts)) + 1) % stages:
         raise _error(f"pp_config split_spec makes {len(set(starts)) + 1} stages, but the mesh's "
-                     f"pp dim has {stages}: name {stages - 1} distinct cuts")
+                     f"pp dim has {stages}: name {stages - 1} distinct cuts (or a multiple of "
+                     f"{stages} stages less one, for several model chunks per pp rank)")
     return sorted(set(starts), key=position.__getitem__)
 
 
