@@ -188,6 +188,8 @@ def test_a_pipelined_model_evaluates_unplaced_batches_and_its_checkpoint_loads_w
     for x, y in data:
         dm(x, y)  # numpy batches, placed by the DistModel
     text = dm.summary(*data[0])
+    assert text.startswith("meshes [2, 2] ['dp', 'mp'] on [0, 1, 2, 3] | [2, 2] ['dp', 'mp'] on "
+                           "[4, 5, 6, 7]; strategy: sharding stage 0")
     assert "pipeline: 2 stages on 2 ranks, schedule 1F1B, 2 micro-batches" in text
     # per micro-batch: each block's attention and MLP outputs are all-reduced over mp
     assert "  stage 0 on devices [0, 1, 2, 3]: 2 all-reduce" in text

@@ -468,7 +468,12 @@ class DistModel:
         from ..reshard.planner import format_bytes
 
         amp = self.strategy.amp
-        head = (f"mesh {self.mesh.shape} {self.mesh.dim_names}; strategy: sharding stage "
+        meshes = list(dict.fromkeys(m for m in jax.tree.leaves(self._homes)
+                                    if isinstance(m, ProcessMesh)))
+        where = (f"mesh {self.mesh.shape} {self.mesh.dim_names}" if len(meshes) <= 1 else
+                 "meshes " + " | ".join(f"{m.shape} {m.dim_names} on {m.process_ids}"
+                                        for m in meshes))
+        head = (f"{where}; strategy: sharding stage "
                 f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
                 f"amp {f'{amp.dtype} {amp.level}' if amp.enable else 'off'}, recompute "
                 f"{'on' if self.strategy.recompute.enable else 'off'}")
