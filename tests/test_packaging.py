@@ -24,7 +24,7 @@ def test_rules_importable_from_this_install():
 def test_rules_importable_from_a_built_wheel(tmp_path):
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                             "-q", "-w", str(tmp_path / "wheel"), str(ROOT)],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (tmp_path / "wheel").glob("autoshard-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
