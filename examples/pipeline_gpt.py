@@ -10,7 +10,8 @@ final norm and head the last), `mp_config` makes attention and MLP Megatron colu
 parallel inside each stage, `dp_config` adds ZeRO-1. `dist.to_static` with Paddle's
 `strategy.pipeline` runs the stages 1F1B over 4 micro-batches. Under the launcher each
 stage lives in its own process (two "hosts"). Every loss and weight is checked against the
-same steps on one device.
+same steps on one device; the DistModel's summary (schedule, per-micro-batch moves and
+collectives) and a measured profile of the stages are printed.
 """
 import os
 
@@ -90,7 +91,10 @@ def train():
     strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
                                            "accumulate_steps": 4}})
     dm = dist.to_static(model, loader, loss_fn, opt, strategy)
-    return model, [float(dm(ids, labels).numpy()) for ids, labels in loader()]
+    losses = [float(dm(ids, labels).numpy()) for ids, labels in loader()]
+    print(dm.summary(*batches()[0]))  # the schedule, what crosses per micro-batch, collectives
+    print(dm.profile(*batches()[0], steps=1))  # each stage measured: is the split balanced?
+    return model, losses
 
 
 def one_device():
