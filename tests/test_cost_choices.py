@@ -185,3 +185,34 @@ def test_a_calibrated_cost_model_is_measured_per_axis_and_plans_a_correct_step()
     np.testing.assert_allclose(f(wd, xd).numpy(), _dot_step(w, x), rtol=1e-4, atol=1e-5)
     assert count_collectives(f.lower(wd, xd).compile().as_text()) == \
         Counter(c.kind for c in f.plan(wd, xd).collectives)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_a_reshape_mp_cannot_follow_keeps_the_batch_split(kv_heads):
+    # grouped-query attention: the column-parallel k projection's (kv_heads * head_dim)
+    # features split over mp = 4 cannot become a split of (kv_heads, head_dim) when kv_heads
+    # < 4; only mp is given up there — the batch stays split over dp (it was gathered too)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16, 32)).astype(np.float32)
+    w = (rng.normal(size=(32, kv_heads * 8)) * 0.1).astype(np.float32)
+
+    def attend(x, w):
+        k = (x @ w).reshape(8, 16, kv_heads, 8)
+        k = jnp.repeat(k, 8 // kv_heads, axis=2)  # 8 query heads
+        return jnp.einsum("bthd,bshd->bhts", k, k)
+
+    xd = dist.shard_tensor(x, MESH, [S(0), R()])
+    wd = dist.shard_tensor(w, MESH, [R(), S(1)])
+    f = dist.jit(attend)
+    np.testing.assert_allclose(f(xd, wd).numpy(), attend(x, w), rtol=1e-4, atol=1e-4)
+    plan = f.plan(xd, wd)
+    assert all(c.axes == ("mp",) for c in plan.collectives), plan.collectives
+    hlo = f.lower(xd, wd).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    base = jax.jit(attend).lower(xd.physical, wd.physical).compile().as_text()
+    assert sum(collective_bytes(hlo).values()) <= sum(collective_bytes(base).values())
+    if kv_heads == 2:  # this device's rows of k gathered over mp where it is reshaped
+        assert [(c.kind, c.bytes_per_device) for c in plan.collectives] == \
+            [("all-gather", 4 * 16 * 16 * 4 * 3 // 4)]
+    if kv_heads == 4:
+        assert not plan.collectives

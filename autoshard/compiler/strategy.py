@@ -270,6 +270,35 @@ def chooser(mesh: ProcessMesh, cost_model: CostModel):
     return pick
 
 
+def _repaired(opsh: OpSharding, s: Strategy, in_shapes, out_shapes, sizes) -> Strategy:
+    """`s` without the assignments that make it invalid here: a mesh axis whose factor it does
+    not divide (a reshape's (kv_heads * head_dim) → (kv_heads, head_dim) with fewer kv heads
+    than mp devices) is dropped, the others kept. Without this, one such axis threw away every
+    axis of the strategy — a batch dim's dp split included — and the operand was gathered whole."""
+    kept: list[tuple[str, int]] = []
+    for a, f in s.assign:
+        trial = Strategy(tuple(kept) + ((a, f),))
+        if layouts(opsh, trial, in_shapes, out_shapes, sizes) is not None:
+            kept.append((a, f))
+    return Strategy(tuple(kept), s.partial)
+
+
+def _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
+    """(strategy, its layouts) of the valid candidates, an invalid one replaced by its repair
+    (when that is not a candidate already)."""
+    tried = set(cands)
+    for s in cands:
+        implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
+        if implied is None and s.assign:
+            s = _repaired(opsh, s, in_shapes, out_shapes, sizes)
+            if s in tried:
+                continue
+            tried.add(s)
+            implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
+        if implied is not None:
+            yield s, implied
+
+
 def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: CostModel,
             single_use, available, parameters) -> Choice:
     opsh, in_avals, out_avals = sig.opsh, sig.in_avals, sig.out_avals
@@ -278,10 +307,7 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
     out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
     cands = candidates(opsh, actual, preferred, single_use, available)
-    for s in cands:
-        implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
-        if implied is None:
-            continue
+    for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
         cost = 0.0
         for L, R, aval, moved, param in zip(actual, ins, in_avals, available, parameters):
