@@ -219,6 +219,10 @@ def test_strategy_sections_and_errors():
     assert s.to_dict()["gradient_merge"]["k_steps"] == 4 and s.sharding.stage == 2
     with pytest.raises(dist.StrategyError, match="stage = 4 is not one of"):
         s.sharding.stage = 4
+    s.amp.level = "O2"  # Paddle's spelling in paddle.amp; the strategy's is "o2"
+    assert s.amp.level == "o2" and dist.Strategy({"amp": {"level": "O1"}}).amp.level == "o1"
+    with pytest.raises(dist.StrategyError, match="is not one of"):
+        s.amp.level = "O3"
     with pytest.raises(dist.StrategyError, match="no setting 'stages'"):
         dist.Strategy({"sharding": {"stages": 2}})
     with pytest.raises(dist.StrategyError, match="unknown strategy sections"):

@@ -55,6 +55,8 @@ class _Section:
         if key not in _SECTIONS[name]:
             raise StrategyError(f"strategy.{name} has no setting {key!r}; its settings are "
                                 f"{sorted(_SECTIONS[name])}")
+        if (name, key) == ("amp", "level") and isinstance(value, str):
+            value = value.lower()  # Paddle's docs write both "O2" and "o2"
         allowed = _CHOICES.get((name, key))
         if allowed is not None and value not in allowed:
             raise StrategyError(f"strategy.{name}.{key} = {value!r} is not one of {list(allowed)}")
