@@ -356,3 +356,53 @@ def test_linen_attention_params_are_split_by_heads_too():
                                 "bias": np.zeros(16, "float32")}}}
     placed = parallelize(conv, mesh=MESH, config=_mp({"params.conv": RowWiseParallel()}))
     assert placed["params"]["conv"]["kernel"].placements == [R, S(1)]
+
+
+class ScannedMLPs(nnx.Module):
+    """Three MLPs stacked (params with a leading layer dim) by nnx.vmap, run by nnx.scan."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return MLP(rngs)
+        self.layers = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(layer, x):
+            return x + layer(x)
+        return body(self.layers, x)
+
+
+def test_stacked_layers_are_split_on_their_feature_dims():
+    """A stacked layer's params carry a leading layer dim: its features are counted from the
+    end — the row-parallel bias stays replicated (it was split on the layer dim)."""
+    plan = {"layers.up": ColWiseParallel(), "layers.down": RowWiseParallel()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no uneven-split warning for a 3-layer dim
+        model = parallelize(ScannedMLPs(nnx.Rngs(0)), mesh=MESH, config=_mp(plan))
+    assert _placements(model) == {"layers.up.kernel": [R, S(2)], "layers.up.bias": [R, S(1)],
+                                  "layers.down.kernel": [R, S(1)], "layers.down.bias": [R, R]}
+    x, y = _data()
+    f, losses, params = _train_nnx(model, x, y)
+    _, ref_losses, ref_params = _train_nnx(ScannedMLPs(nnx.Rngs(0)), x, y)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    # Megatron inside the loop: the forward's one all-reduce per layer, in the scan's body
+    graphdef, state = nnx.split(model)
+    forward = dist.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    xd = dist.shard_tensor(x, MESH, [S(0), R])
+    np.testing.assert_allclose(forward(state, xd).numpy(), ScannedMLPs(nnx.Rngs(0))(x),
+                               rtol=1e-5, atol=1e-6)
+    hlo = forward.lower(state, xd).compile().as_text()
+    assert collectives(hlo) == ["all-reduce"], collectives(hlo)
+    assert re.search(r"while\(", hlo)  # still one loop, not three unrolled layers
+
+
+def test_pipeline_split_names_stacked_layers_in_its_error():
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["pp", "dp", "mp"])
+    with pytest.raises(ParallelizeError, match="stacked layers .* keep the layers in an nnx.List"):
+        parallelize(ScannedMLPs(nnx.Rngs(0)), mesh=mesh,
+                    config={"pp_config": {"split_spec": "layers"}})

@@ -62,10 +62,35 @@ def _loop_carries(make, carries: list[Layout], n_outputs_after: int):
         sub = make(carries, [KEEP] * (n + n_outputs_after))
         out = sub.outputs[:n]
         if list(out) == list(carries):
-            return carries, sub
+            return _complete_if_reduced(make, carries, sub, n_outputs_after)
         carries = list(out)
     # No fixpoint: force the body to hand back what it was given.
     return carries, make(carries, carries + [KEEP] * n_outputs_after)
+
+
+def _reduced_inside(sub, i: int) -> bool:
+    """Whether the body reduces its Partial carry input i where it reads it."""
+    v, partial = sub.program.inputs[i], set(sub.inputs[i].partial)
+    for e, ep in zip(sub.program.eqns, sub.eqns):
+        for k, rp in ep.reshards:
+            if e.inputs[k] is v and not partial <= set(rp.dst.partial):
+                return True
+    return False
+
+
+def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int):
+    """A Partial carry that the body reduces where it reads it (a residual stream whose
+    Partial update joined the carry) is reduced once per iteration either way, and once more
+    after the loop; reduced before it is carried, it needs no reduction after the loop and the
+    first iteration reads the complete value it was given. A carry only accumulated into (a
+    gradient summed across the loop) is left Partial: reduced once, after the loop."""
+    from .plan import KEEP
+
+    fixed = [L.without_partial() if L.partial and _reduced_inside(sub, i) else L
+             for i, L in enumerate(carries)]
+    if fixed == list(carries):
+        return carries, sub
+    return fixed, make(fixed, fixed + [KEEP] * n_outputs_after)
 
 
 def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):

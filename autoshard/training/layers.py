@@ -577,12 +577,14 @@ def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
     return ParallelConfig(mesh, dp, mp, level)
 
 
-def _features(modules: Mapping[str, Any], path: str) -> tuple | None:
-    """(first input-feature dim, first output-feature dim) of parameter `path` of a linear
-    layer (kernel: batch dims, input features, output features; bias: batch dims, output
-    features): from the nnx.LinearGeneral module, or in a linen params dict from a kernel
-    whose trailing dims are its bias's (no batch dims; the inputs of a multi-dim kernel are
-    known for attention's output projection only); None for anything else."""
+def _features(modules: Mapping[str, Any], path: str, ndim: int) -> tuple | None:
+    """(first input-feature dim, first output-feature dim) of parameter `path` (of `ndim`
+    dims) of a linear layer (kernel: batch dims, input features, output features; bias: batch
+    dims, output features): from the nnx module — whose params may carry leading layer dims
+    (layers made by nnx.vmap and applied by nnx.scan), so dims are counted from the end — or
+    in a linen params dict from a kernel whose trailing dims are its bias's (no batch dims; the
+    inputs of a multi-dim kernel are known for attention's output projection only); None for
+    anything else."""
     module = modules.get(_parent(path))
     name = path.rpartition(".")[2]
     if isinstance(module, Mapping):  # a linen params dict: the bias says where outputs start
@@ -598,17 +600,27 @@ def _features(modules: Mapping[str, Any], path: str) -> tuple | None:
         inputs = 0 if attention else len(kernel) - 2
         return {"kernel": (inputs, len(kernel) - len(bias)), "bias": (None, 0)}.get(name)
     nnx = _nnx()
-    if not isinstance(module, nnx.LinearGeneral):
-        return None
-    nb, ni = len(module.batch_axis), len(module.in_features)
-    return {"kernel": (nb, nb + ni), "bias": (None, nb)}.get(name)
+    if isinstance(module, nnx.LinearGeneral):
+        nb, ni = len(module.batch_axis), len(module.in_features)
+        no = len(module.out_features)
+        if name == "kernel":
+            first = ndim - (nb + ni + no) + nb  # past any stacked layer dims and the batch dims
+            return first, first + ni
+        return (None, ndim - no) if name == "bias" else None
+    if isinstance(module, (nnx.Linear, nnx.Embed)):
+        # kernel (in, out) / embedding (vocab, features); a bias (out,): the last dims
+        if name in ("kernel", "embedding") and ndim >= 2:
+            return ndim - 2, ndim - 1
+        return (None, ndim - 1) if name == "bias" and ndim >= 1 else None
+    return None
 
 
 def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: ParallelConfig,
                       modules: Mapping[str, Any]) -> dict[str, list[Placement]]:
     mesh, mp, out = config.mesh, config.mp_dim, {}
     for path, (pattern, plan) in targets.params.items():
-        dim = plan.feature_dim(len(shapes[path]), _features(modules, path))
+        ndim = len(shapes[path])
+        dim = plan.feature_dim(ndim, _features(modules, path, ndim))
         if dim is None:
             continue
         placements = [Shard(dim) if n == mp else Replicate() for n in mesh.dim_names]

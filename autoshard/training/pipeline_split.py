@@ -79,6 +79,12 @@ def stage_starts(order: list[str], modules: dict, spec: Any, stages: int) -> lis
         if not items:
             raise _error(f"pp_config split_spec {spec!r} is a {type(modules[spec]).__name__} "
                          f"without layers in it: name a layer list (e.g. an nnx.List of blocks)")
+        if not all(p.rpartition(".")[2].isdigit() for p in items):
+            raise _error(f"pp_config split_spec {spec!r} is a {type(modules[spec]).__name__} whose "
+                         f"parts ({', '.join(p[len(spec) + 1:] for p in items[:6])}) are not a "
+                         f"list of layers; stacked layers (one module whose params carry a leading "
+                         f"layer dim, made by nnx.vmap and run by nnx.scan) cannot be cut into "
+                         f"stages: keep the layers in an nnx.List to pipeline them")
         if len(items) % stages:
             raise _error(f"pp_config split_spec {spec!r} has {len(items)} layers, which do not cut "
                          f"into {stages} equal stages (the mesh's pp dim): use a number of layers "
