@@ -202,6 +202,71 @@ def test_predict_eval_and_state_dict_round_trip():
     assert fresh.params["w0"].placements == [R(), R()]   # loaded into the target's placements
 
 
+class _TwoInputs:
+    """A model of two same-shaped inputs (swapping them is wrong, but runs)."""
+
+    @staticmethod
+    def apply(p, x, gain):
+        return apply(p, x + 0.5 * gain)
+
+
+def _dict_batches(n=3, order=("x", "gain", "y")):
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(n):
+        b = {"x": rng.normal(size=(16, 16)), "gain": rng.normal(size=(16, 16)),
+             "y": rng.normal(size=(16, 8))}
+        batches.append({k: b[k].astype(np.float32) for k in order})
+    return batches
+
+
+def _two_input_reference(weights, batches, tx):
+    p = jax.tree.map(jnp.asarray, weights)
+    s, losses = tx.init(p), []
+    for b in batches:
+        value, g = jax.value_and_grad(
+            lambda p: mse(_TwoInputs.apply(p, b["x"], b["gain"]), b["y"]))(p)
+        u, s = tx.update(g, s, p)
+        p, losses = optax.apply_updates(p, u), losses + [float(value)]
+    return losses
+
+
+def test_dict_batches_feed_the_inputs_in_the_batch_order():
+    # jax's tree functions sort dict keys: {"x", "gain"} reached the model as (gain, x)
+    weights, batches = _weights(), _dict_batches()
+    mesh = MESH24
+    params = {k: dist.shard_tensor(v, mesh, PLACEMENTS["tp"][1][k]) for k, v in weights.items()}
+    loader = dist.shard_dataloader(batches, meshes=mesh, input_keys=["x", "y"], shard_dims="dp")
+    assert list(next(iter(loader))) == ["x", "gain", "y"]
+    m = dist.to_static((_TwoInputs.apply, params), loader, mse, optax.sgd(0.1))
+    losses = [float(m(b).numpy()) for b in loader()]
+    np.testing.assert_allclose(losses, _two_input_reference(weights, batches, optax.sgd(0.1)),
+                               rtol=1e-5)
+
+
+def test_dict_batches_follow_the_models_parameter_names():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, weights):
+            self.w0, self.b0, self.w1 = (nnx.Param(jnp.asarray(weights[k]))
+                                         for k in ("w0", "b0", "w1"))
+
+        def __call__(self, x, gain):
+            p = {"w0": self.w0[...], "b0": self.b0[...], "w1": self.w1[...]}
+            return _TwoInputs.apply(p, x, gain)
+
+    weights = _weights()
+    batches = _dict_batches(order=("gain", "y", "x"))  # neither sorted nor the call's order
+    loader = dist.shard_dataloader(batches, meshes=MESH24, input_keys=["x", "y"], shard_dims="dp")
+    m = dist.to_static(Model(weights), loader, mse, optax.sgd(0.1))
+    losses = [float(m(b).numpy()) for b in loader()]
+    np.testing.assert_allclose(losses, _two_input_reference(weights, batches, optax.sgd(0.1)),
+                               rtol=1e-5)
+    out = m.predict()({"gain": batches[0]["gain"], "x": batches[0]["x"]})  # no label: inputs
+    assert out.shape == (16, 8)
+
+
 def test_to_static_with_shard_dataloader_seed_4_5():
     weights, batches = _weights(), _batches(n=4)
     mesh, model = _model("dp", weights)

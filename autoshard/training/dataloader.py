@@ -227,7 +227,8 @@ class ShardDataloader:
             mesh = self._meshes[self._mesh_index(batch, top)]
             return self._place_leaf(leaf, mesh, self._dim_spec(batch, top), "batch" + keystr(path))
 
-        return tree_map_with_path(place, batch, is_leaf=lambda x: isinstance(x, DistTensor))
+        placed = tree_map_with_path(place, batch, is_leaf=lambda x: isinstance(x, DistTensor))
+        return _in_order_of(batch, placed)
 
     def _sharding(self, mesh: ProcessMesh, axis: str | None,
                   ndim: int) -> tuple[Layout, NamedSharding]:
@@ -281,6 +282,21 @@ class ShardDataloader:
             value = jax.make_array_from_callback(data.shape, sharding, data.__getitem__,
                                                  dtype=data.dtype)
         return make_dtensor(value, mesh, layout, value.shape)
+
+
+def _in_order_of(original: Any, placed: Any) -> Any:
+    """`placed` with its dicts' keys in `original`'s order: jax's tree functions sort dict
+    keys, and a dict batch's inputs are the model's arguments in the batch's order."""
+    if isinstance(original, Mapping) and isinstance(placed, Mapping):
+        pairs = [(k, _in_order_of(original[k], placed[k])) for k in original]
+        try:
+            return type(placed)(pairs)
+        except TypeError:  # a mapping type built otherwise (defaultdict): a plain dict
+            return dict(pairs)
+    if isinstance(original, (list, tuple)) and type(original) is type(placed):
+        items = [_in_order_of(o, q) for o, q in zip(original, placed)]
+        return type(placed)(*items) if hasattr(placed, "_fields") else type(placed)(items)
+    return placed
 
 
 def shard_dataloader(loader: Any, meshes: ProcessMesh | Sequence[ProcessMesh],

@@ -14,6 +14,7 @@ accumulator is the gradient shard instead: each micro-step reduce-scatters (1/N 
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -435,13 +436,30 @@ class DistModel:
             raise DistModelError(
                 f"a dict batch with input_keys={keys!r} has no argument order: call "
                 f"dist_model(batch[...], ...) with the model's inputs and then the label")
-        missing = [k for k in keys if k not in batch]
+        missing = [k for k in keys if k not in batch
+                   and not (k == keys[1] and self._mode == "predict")]
         if missing:
             raise DistModelError(f"the batch has no {missing} (its keys are {sorted(batch)}); "
                                  f"input_keys are {keys}")
-        # As shard_dataloader reads them: the label key last, every other key an input.
+        # As shard_dataloader reads them: the label key last, every other key an input — in
+        # the order of the model's parameters when they are named so (model(input_ids,
+        # attention_mask) fed {"attention_mask": ..., "input_ids": ...}), else the batch's
         label = keys[1]
-        return tuple(batch[k] for k in batch if k != label) + (batch[label],)
+        inputs = self._by_signature([k for k in batch if k != label])
+        if self._mode == "predict" and label not in batch:
+            return tuple(batch[k] for k in inputs)
+        return tuple(batch[k] for k in inputs) + (batch[label],)
+
+    def _by_signature(self, keys: list) -> list:
+        fn = getattr(self._model, "__call__", None) if not isinstance(self._model, tuple) else None
+        try:
+            names = [n for n, p in inspect.signature(fn).parameters.items()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            return keys
+        if not all(k in names for k in keys):
+            return keys
+        return sorted(keys, key=names.index)
 
     # -- calls ----------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> DistTensor:
