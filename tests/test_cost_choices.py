@@ -216,3 +216,27 @@ def test_a_reshape_mp_cannot_follow_keeps_the_batch_split(kv_heads):
             [("all-gather", 4 * 16 * 16 * 4 * 3 // 4)]
     if kv_heads == 4:
         assert not plan.collectives
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_sequence_parallel_backward_reuses_the_gathered_cotangent(layers):
+    # Megatron-SP per block: an all-gather of the sequence before attention and before the
+    # MLP, a reduce-scatter after each — forward and backward — plus the head's. The
+    # backward of attention's output projection gathers the cotangent for the weight gradient
+    # first; the input gradient must reuse that copy with the row-split weight as it lies (it
+    # gathered the weight too, then moved the result back with an all-to-all).
+    from autoshard.bench.gpt_workloads import gpt_sequence_parallel
+
+    w = gpt_sequence_parallel(layers)
+    f = dist.jit(w.step, out_placements=w.out_placements)
+    plan = f.plan(*w.args)
+    over_mp = Counter(c.kind for c in plan.collectives if c.axes == ("mp",)
+                      and c.kind != "all-reduce")  # (the softmax rows' tiny reductions)
+    # (+1 all-gather: the token embedding's table, gathered for the lookup)
+    assert over_mp == {"all-gather": 4 * layers + 2, "reduce-scatter": 4 * layers + 1}, over_mp
+    hlo = f.lower(*w.args).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    ours, ref = f(*w.args), jax.jit(w.step)(*[
+        jax.tree.map(lambda x: x.numpy() if isinstance(x, dist.DistTensor) else x, a,
+                     is_leaf=lambda x: isinstance(x, dist.DistTensor)) for a in w.args])
+    np.testing.assert_allclose(ours[1].numpy(), ref[1], rtol=1e-5)

@@ -124,10 +124,15 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
              for i, L in enumerate(actual) if L is not None]
     seeds += [_seed_from(opsh.results[j], L, opsh, None) for j, L in enumerate(preferred)
               if L is not None]
-    extra = [_seed_from(opsh.operands[i], L, opsh, i, single_use[i])
+    extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i]))
              for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
-    out += [_merge([s]) for s in seeds + extra]
+    out += [_merge([s]) for s in seeds + [e for _, e in extra]]
+    # a copy made for an earlier consumer, completed by another operand's axes as it lies:
+    # the sequence-parallel backward reuses the gathered cotangent with the row-split weight,
+    # where the other seeds gather the weight too
+    out += [_merge([e, _seed_from(opsh.operands[j], actual[j], opsh, j, single_use[j])])
+            for i, e in extra for j in range(len(actual)) if j != i and actual[j] is not None]
     out.append(Strategy())
     unique: list[Strategy] = []
     for s in out:
