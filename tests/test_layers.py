@@ -406,3 +406,46 @@ def test_pipeline_split_names_stacked_layers_in_its_error():
     with pytest.raises(ParallelizeError, match="stacked layers .* keep the layers in an nnx.List"):
         parallelize(ScannedMLPs(nnx.Rngs(0)), mesh=mesh,
                     config={"pp_config": {"split_spec": "layers"}})
+
+
+class _LinenBlock(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):
+        h = linen.Dense(32, name="up")(x)
+        return x + linen.Dense(8, name="down")(jax.nn.relu(h)), None
+
+
+class _LinenScanned(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        stack = linen.scan(_LinenBlock, variable_axes={"params": 0},
+                           split_rngs={"params": True}, length=3)
+        return stack(name="layers")(x, None)[0]
+
+
+def test_linen_scanned_layers_are_split_on_their_feature_dims():
+    """nn.scan stacks a linen layer's kernel (layers, in, out) and bias (layers, out): the
+    row-parallel bias stays replicated; a plan written as for the module ('layers.up') finds
+    the variables' 'params.layers.up'."""
+    model = _LinenScanned()
+    x, y = _data()
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        placed = parallelize(variables, mesh=MESH, config=_mp(
+            {"layers.up": ColWiseParallel(), "layers.down": RowWiseParallel()}))
+    p = placed["params"]["layers"]
+    assert (p["up"]["kernel"].placements, p["up"]["bias"].placements) == ([R, S(2)], [R, S(1)])
+    assert (p["down"]["kernel"].placements, p["down"]["bias"].placements) == ([R, S(1)], [R, R])
+
+    def step(v, x, y):
+        loss, g = jax.value_and_grad(lambda v: jnp.mean((model.apply(v, x) - y) ** 2))(v)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, v, g), loss
+
+    f = dist.jit(step)
+    xd, yd = dist.shard_tensor(x, MESH, [S(0), R]), dist.shard_tensor(y, MESH, [S(0), R])
+    (got, loss), (want, ref_loss) = f(placed, xd, yd), jax.jit(step)(variables, x, y)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got, is_leaf=_is_dt), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-7)
+    assert set(collectives(f.lower(placed, xd, yd).compile().as_text())) == {"all-reduce"}

@@ -529,6 +529,12 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
     targets = _Targets({}, {})
     for pattern, plan in entries:
         hit_modules = [m for m in modules if fnmatchcase(m, pattern)]
+        if not hit_modules and not any(fnmatchcase(p, pattern) for p in shapes) \
+                and "params" in modules:
+            # a linen variables dict: the plan may be written as for the module ('layers.up'),
+            # without the 'params' collection its paths start with
+            pattern = "params." + pattern
+            hit_modules = [m for m in modules if fnmatchcase(m, pattern)]
         if plan.places_params:
             hits = {p for p in shapes if fnmatchcase(p, pattern)}
             hits |= {p for p in shapes if _parent(p) in hit_modules}
@@ -590,15 +596,20 @@ def _features(modules: Mapping[str, Any], path: str, ndim: int) -> tuple | None:
     if isinstance(module, Mapping):  # a linen params dict: the bias says where outputs start
         kernel, bias = (tuple(np.shape(module.get(k))) if k in module else None
                         for k in ("kernel", "bias"))
-        if (kernel is None or bias is None or not bias or len(bias) >= len(kernel)
-                or kernel[len(kernel) - len(bias):] != bias):
+        if kernel is None or bias is None or not bias or len(bias) >= len(kernel):
             return None
+        # `stack` leading dims shared by kernel and bias: layers stacked by nn.scan / nn.vmap
+        stack = next((k for k in range(len(bias)) if kernel[:k] == bias[:k]
+                      and kernel[len(kernel) - len(bias) + k:] == bias[k:]), None)
+        if stack is None:
+            return None
+        outputs = len(kernel) - len(bias) + stack
         # inputs start at 0 only for attention's output projection (its siblings are query,
         # key, value): a 1-d conv kernel (width, in, out) has the same shape
         owner = modules.get(_parent(_parent(path)))
         attention = isinstance(owner, Mapping) and {"query", "key", "value"} <= set(owner)
-        inputs = 0 if attention else len(kernel) - 2
-        return {"kernel": (inputs, len(kernel) - len(bias)), "bias": (None, 0)}.get(name)
+        inputs = stack if attention else (len(kernel) - 2 if not stack else outputs - 1)
+        return {"kernel": (inputs, outputs), "bias": (None, stack)}.get(name)
     nnx = _nnx()
     if isinstance(module, nnx.LinearGeneral):
         nb, ni = len(module.batch_axis), len(module.in_features)
