@@ -137,3 +137,31 @@ def test_zero3_checkpoint_gathers_params_again_in_the_backward():
         temps[remat] = compiled.memory_analysis().temp_size_in_bytes
     # recomputing costs no memory over keeping the gathered params as residuals
     assert temps[True] <= temps[False]
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_a_residual_carry_is_reduced_once_per_iteration_not_also_after_the_loop(loop):
+    # x + relu(x @ w1) @ w2 with Megatron weights: the update is Partial over mp. Kept Partial
+    # in the carry, it is reduced where the next iteration reads it and once more after the
+    # loop; reduced before it is carried, once per iteration is all (the weights are the
+    # loop's constants, which come before the carry among the body's inputs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    w1 = (rng.normal(size=(16, 32)) * 0.2).astype(np.float32)
+    w2 = (rng.normal(size=(32, 16)) * 0.2).astype(np.float32)
+
+    def f(w1, w2, x):
+        def layer(h):
+            return h + jax.nn.relu(h @ w1) @ w2
+        if loop == "scan":
+            return jax.lax.scan(lambda h, _: (layer(h), None), x, None, length=3)[0]
+        return jax.lax.fori_loop(0, 3, lambda i, h: layer(h), x)
+
+    args = (dist.shard_tensor(w1, MESH, [dist.Replicate(), dist.Shard(1)]),
+            dist.shard_tensor(w2, MESH, [dist.Replicate(), dist.Shard(0)]),
+            dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()]))
+    fn, out = run_checked(f, *args)
+    np.testing.assert_allclose(out.numpy(), f(w1, w2, x), rtol=1e-5, atol=1e-6)
+    collectives = fn.plan(*args).collectives
+    assert [(c.kind, c.axes) for c in collectives] == [("all-reduce", ("mp",))]
+    assert "inside" in collectives[0].reason

@@ -53,8 +53,9 @@ def _sub_plan(jaxpr, mesh, inputs, targets, registry, cost_model):
                      cost_model, top_level=False)
 
 
-def _loop_carries(make, carries: list[Layout], n_outputs_after: int):
-    """Plan a loop body until its carry-out layouts equal its carry-in layouts."""
+def _loop_carries(make, carries: list[Layout], n_outputs_after: int, first: int):
+    """Plan a loop body until its carry-out layouts equal its carry-in layouts (the carries
+    are the body's inputs first, first + 1, ...)."""
     from .plan import KEEP
 
     n = len(carries)
@@ -62,14 +63,14 @@ def _loop_carries(make, carries: list[Layout], n_outputs_after: int):
         sub = make(carries, [KEEP] * (n + n_outputs_after))
         out = sub.outputs[:n]
         if list(out) == list(carries):
-            return _complete_if_reduced(make, carries, sub, n_outputs_after)
+            return _complete_if_reduced(make, carries, sub, n_outputs_after, first)
         carries = list(out)
     # No fixpoint: force the body to hand back what it was given.
     return carries, make(carries, carries + [KEEP] * n_outputs_after)
 
 
 def _reduced_inside(sub, i: int) -> bool:
-    """Whether the body reduces its Partial carry input i where it reads it."""
+    """Whether the body reduces its Partial input i where it reads it."""
     v, partial = sub.program.inputs[i], set(sub.inputs[i].partial)
     for e, ep in zip(sub.program.eqns, sub.eqns):
         for k, rp in ep.reshards:
@@ -78,7 +79,8 @@ def _reduced_inside(sub, i: int) -> bool:
     return False
 
 
-def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int):
+def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int,
+                         first: int):
     """A Partial carry that the body reduces where it reads it (a residual stream whose
     Partial update joined the carry) is reduced once per iteration either way, and once more
     after the loop; reduced before it is carried, it needs no reduction after the loop and the
@@ -86,7 +88,7 @@ def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int)
     gradient summed across the loop) is left Partial: reduced once, after the loop."""
     from .plan import KEEP
 
-    fixed = [L.without_partial() if L.partial and _reduced_inside(sub, i) else L
+    fixed = [L.without_partial() if L.partial and _reduced_inside(sub, first + i) else L
              for i, L in enumerate(carries)]
     if fixed == list(carries):
         return carries, sub
@@ -108,7 +110,7 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
         def make(carries, targets):
             return _sub_plan(p["jaxpr"], mesh, consts + carries + xs_in, targets, registry, cost_model)
 
-        carries, body = _loop_carries(make, list(init), n_ys)
+        carries, body = _loop_carries(make, list(init), n_ys, nc)
         ys = [_stacked(L) for L in body.outputs[nk:]]
         return consts + carries + xs_req, carries + ys, [body], f"scan × {p['length']}"
     if e.name == "while":
@@ -118,7 +120,7 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
         def make(carries, targets):
             return _sub_plan(p["body_jaxpr"], mesh, bconsts + carries, targets, registry, cost_model)
 
-        carries, body = _loop_carries(make, list(init), 0)
+        carries, body = _loop_carries(make, list(init), 0, bn)
         cond = _sub_plan(p["cond_jaxpr"], mesh, cconsts + carries, [Layout.replicated(0)],
                          registry, cost_model)
         return cconsts + bconsts + carries, carries, [cond, body], "while loop"
