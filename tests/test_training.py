@@ -231,13 +231,15 @@ def _two_input_reference(weights, batches, tx):
     return losses
 
 
-def test_dict_batches_feed_the_inputs_in_the_batch_order():
-    # jax's tree functions sort dict keys: {"x", "gain"} reached the model as (gain, x)
-    weights, batches = _weights(), _dict_batches()
+@pytest.mark.parametrize("order", [("x", "gain", "y"), ("gain", "y", "x")])
+def test_dict_batches_feed_the_inputs_in_the_batch_order(order):
+    # jax's tree functions sort dict keys: {"x", "gain"} reached the model as (gain, x); the
+    # apply function's parameter names (p, x, gain) say the order whatever the batch's
+    weights, batches = _weights(), _dict_batches(order=order)
     mesh = MESH24
     params = {k: dist.shard_tensor(v, mesh, PLACEMENTS["tp"][1][k]) for k, v in weights.items()}
     loader = dist.shard_dataloader(batches, meshes=mesh, input_keys=["x", "y"], shard_dims="dp")
-    assert list(next(iter(loader))) == ["x", "gain", "y"]
+    assert list(next(iter(loader))) == list(order)  # the loader keeps the batch's order
     m = dist.to_static((_TwoInputs.apply, params), loader, mse, optax.sgd(0.1))
     losses = [float(m(b).numpy()) for b in loader()]
     np.testing.assert_allclose(losses, _two_input_reference(weights, batches, optax.sgd(0.1)),

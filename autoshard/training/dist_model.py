@@ -451,12 +451,18 @@ class DistModel:
         return tuple(batch[k] for k in inputs) + (batch[label],)
 
     def _by_signature(self, keys: list) -> list:
-        fn = getattr(self._model, "__call__", None) if not isinstance(self._model, tuple) else None
+        # an nnx Module's __call__; a linen (module, variables) pair's module; an (apply_fn,
+        # params) pair's apply_fn after its params argument
+        model = self._model
+        fn = model[0] if isinstance(model, tuple) else model
+        fn = getattr(fn, "__call__", None) if not inspect.isfunction(fn) else fn
         try:
             names = [n for n, p in inspect.signature(fn).parameters.items()
                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         except (TypeError, ValueError):
             return keys
+        if isinstance(model, tuple) and inspect.isfunction(model[0]):
+            names = names[1:]  # apply_fn(params, *inputs)
         if not all(k in names for k in keys):
             return keys
         return sorted(keys, key=names.index)
