@@ -165,3 +165,30 @@ def test_a_residual_carry_is_reduced_once_per_iteration_not_also_after_the_loop(
     collectives = fn.plan(*args).collectives
     assert [(c.kind, c.axes) for c in collectives] == [("all-reduce", ("mp",))]
     assert "inside" in collectives[0].reason
+
+
+def test_a_carry_that_joins_a_partial_update_before_it_is_read_is_reduced_inside():
+    # c = h + (Partial update from the scanned input): the carry itself is only added to, the
+    # sum is what gets reduced (for tanh); kept Partial, the carry needed one more reduction
+    # after the loop
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    us = rng.normal(size=(3, 8, 16)).astype(np.float32)
+    w1 = (rng.normal(size=(16, 32)) * 0.2).astype(np.float32)
+    w2 = (rng.normal(size=(32, 16)) * 0.2).astype(np.float32)
+
+    def f(w1, w2, x, us):
+        def body(h, u):
+            c = h + jax.nn.relu(u @ w1) @ w2
+            return c, jnp.tanh(c)
+        return jax.lax.scan(body, x, us)
+
+    R, S = dist.Replicate(), dist.Shard
+    args = (dist.shard_tensor(w1, MESH, [R, S(1)]), dist.shard_tensor(w2, MESH, [R, S(0)]),
+            dist.shard_tensor(x, MESH, [S(0), R]), dist.shard_tensor(us, MESH, [R, S(1)]))
+    fn, (c, ys) = run_checked(f, *args)
+    want_c, want_ys = f(w1, w2, x, us)
+    np.testing.assert_allclose(c.numpy(), want_c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ys.numpy(), want_ys, rtol=1e-5, atol=1e-6)
+    reductions = [c for c in fn.plan(*args).collectives if c.kind == "all-reduce"]
+    assert len(reductions) == 1 and "inside" in reductions[0].reason, reductions

@@ -70,12 +70,18 @@ def _loop_carries(make, carries: list[Layout], n_outputs_after: int, first: int)
 
 
 def _reduced_inside(sub, i: int) -> bool:
-    """Whether the body reduces its Partial input i where it reads it."""
-    v, partial = sub.program.inputs[i], set(sub.inputs[i].partial)
+    """Whether the body reduces its Partial input i, or a value the Partial passed into
+    (`carry + update`), where it reads it."""
+    partial = set(sub.inputs[i].partial)
+    carrying = {sub.program.inputs[i]}  # values that still carry input i's Partial
     for e, ep in zip(sub.program.eqns, sub.eqns):
-        for k, rp in ep.reshards:
-            if e.inputs[k] is v and not partial <= set(rp.dst.partial):
-                return True
+        reads = [k for k, v in enumerate(e.inputs) if v in carrying]
+        if not reads:
+            continue
+        moved = dict(ep.reshards)
+        if any(k in moved and not partial <= set(moved[k].dst.partial) for k in reads):
+            return True
+        carrying.update(v for v, L in zip(e.outputs, ep.results) if partial <= set(L.partial))
     return False
 
 
