@@ -230,3 +230,56 @@ def test_linen_batch_stats_train_like_one_device(form):
 def test_linen_variables_without_params_is_a_clear_error():
     with pytest.raises(dist.AutoshardError, match="'params' collection"):
         dist.to_static((LinenNet(), {"batch_stats": {}}), None, mse, optax.sgd(0.1))
+
+
+class LinenDropoutNet(linen.Module):
+    """LinenNet with dropout after the BatchNorm: it draws from the 'dropout' stream in training."""
+
+    @linen.compact
+    def __call__(self, x, train: bool = True):
+        x = linen.BatchNorm(use_running_average=not train, momentum=0.8)(linen.Dense(32)(x))
+        x = linen.Dropout(0.3, deterministic=not train)(jax.nn.relu(x))
+        return linen.Dense(8)(x)
+
+
+def test_linen_dropout_draws_step_k_from_fold_in_of_the_given_key(tmp_path):
+    """to_static((module, variables, rngs)): train step k runs with {name: fold_in(key, k)} —
+    one device's masks, as flax's loop with that key schedule; the step counter is state, so a
+    loaded checkpoint draws where the saved model would have."""
+    batches = _batches()
+    net, key = LinenDropoutNet(), jax.random.key(7)
+    variables = net.init(jax.random.key(0), batches[0][0], train=False)
+    tx = optax.sgd(0.1)
+    params, stats, opt_state, ref_losses = variables["params"], variables["batch_stats"], None, []
+    opt_state = tx.init(params)
+    for k, (x, y) in enumerate(batches):
+        def loss_fn(p):
+            out, new = net.apply({"params": p, "batch_stats": stats}, x, train=True,
+                                 mutable=["batch_stats"], rngs={"dropout": jax.random.fold_in(key, k)})
+            return mse(out, y), new["batch_stats"]
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ref_losses.append(float(loss))
+
+    placed = {"params": dist.shard_layer(variables["params"], MESH, lambda name, layer, mesh: {
+        "Dense_0": {"kernel": [R(), S(1)], "bias": [R(), S(0)]},
+        "Dense_1": {"kernel": [R(), S(0)]}}.get(name)), "batch_stats": variables["batch_stats"]}
+    with pytest.raises(dist.AutoshardError, match=r"draws random numbers .*'dropout': jax"):
+        dist.to_static((net, placed), None, mse, tx)(*batches[0])
+    dist_model = dist.to_static((net, placed, {"dropout": key}), None, mse, tx)
+    half = len(batches) // 2
+    losses = [float(dist_model(x, y).numpy()) for x, y in batches[:half]]
+    assert int(dist_model.state_dict()["state.rng_step"].numpy()) == half
+    dist.save_state_dict(dist_model.state_dict(), str(tmp_path / "ckpt"))
+    resumed = dist.to_static((net, placed, {"dropout": key}), None, mse, tx)
+    sd = resumed.state_dict()
+    dist.load_state_dict(sd, str(tmp_path / "ckpt"))
+    resumed.set_state_dict(sd)
+    losses += [float(resumed(x, y).numpy()) for x, y in batches[half:]]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    # eval draws nothing and leaves the counter where it is
+    x, y = batches[0]
+    want = mse(net.apply({"params": params, "batch_stats": stats}, x, train=False), y)
+    np.testing.assert_allclose(float(resumed.eval()(x, y).numpy()), float(want), rtol=1e-5)
+    assert int(resumed.state_dict()["state.rng_step"].numpy()) == len(batches)

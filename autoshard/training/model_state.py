@@ -170,12 +170,19 @@ def _linen_module(model: Any) -> Any:
     return None
 
 
-def _linen_parts(module: Any, variables: Any) -> ModelParts:
+# The train-step counter of a linen model given RNG keys: step k draws from fold_in(key, k).
+RNG_STEP = "rng_step"
+
+
+def _linen_parts(module: Any, variables: Any, rngs: Any = None) -> ModelParts:
     """params = variables['params']; state = every other collection (batch_stats, ...).
 
     In training the step runs with the state collections mutable and returns their new value;
     in eval and predict they are read only. A mode argument of the module's __call__ (`train`,
     `deterministic`, `use_running_average`) is set by the DistModel's mode unless given.
+    `rngs` ({name: key}, as for `module.apply`): train step k runs with
+    `{name: fold_in(key, k)}` — the counter is state too (`state.rng_step`), so a loaded
+    checkpoint goes on drawing where it stopped; eval and predict draw nothing.
     """
     import inspect
 
@@ -184,18 +191,39 @@ def _linen_parts(module: Any, variables: Any) -> ModelParts:
             f"to_static((module, variables)): variables must be the dict model.init returns, "
             f"with a 'params' collection; got {type(variables).__name__} with keys "
             f"{sorted(variables) if isinstance(variables, dict) else '-'}")
-    state = {k: v for k, v in variables.items() if k != "params"}
+    collections = {k: v for k, v in variables.items() if k != "params"}
+    keys = _rng_key_data(rngs)
+    state = dict(collections, **({RNG_STEP: np.zeros((), np.uint32)} if keys else {}))
     accepted = inspect.signature(type(module).__call__).parameters
     flags = {name: train for name, train in _LINEN_MODE_ARGUMENTS.items() if name in accepted}
 
     def apply(mode: str, params: Any, state: dict, *inputs: Any) -> tuple[Any, dict]:
         training = mode == "train"
         kwargs = {name: (train if training else not train) for name, train in flags.items()}
-        if training and state:
-            out, new = module.apply({"params": params, **state}, *inputs, mutable=list(state),
-                                    **kwargs)
-            return out, _keep_structure(state, dict(new))
-        return module.apply({"params": params, **state}, *inputs, **kwargs), state
+        mutable = {k: v for k, v in state.items() if k != RNG_STEP}
+        if training and keys:
+            step = state[RNG_STEP]
+            kwargs["rngs"] = {name: jax.random.fold_in(jax.random.wrap_key_data(data, impl=impl),
+                                                       step)
+                              for name, (data, impl) in keys.items()}
+        try:
+            if training and mutable:
+                out, new = module.apply({"params": params, **mutable}, *inputs,
+                                        mutable=list(mutable), **kwargs)
+                new = _keep_structure(mutable, dict(new))
+            else:
+                out, new = module.apply({"params": params, **mutable}, *inputs, **kwargs), mutable
+        except Exception as error:
+            if type(error).__name__ != "InvalidRngError":
+                raise
+            raise DistModelError(
+                f"{type(module).__name__} draws random numbers in training ({error}): give "
+                f"to_static its keys as flax's apply takes them, dist.to_static((module, "
+                f"variables, {{'dropout': jax.random.key(0)}}), ...); train step k then uses "
+                f"fold_in(key, k)") from None
+        if keys:
+            new = dict(new, **{RNG_STEP: state[RNG_STEP] + np.uint32(training)})
+        return out, new
 
     # A collection's leaf is placed like the param of the same module and shape (BatchNorm's
     # mean beside its scale): state paths start with the collection's name, params' do not.
@@ -203,6 +231,21 @@ def _linen_parts(module: Any, variables: Any) -> ModelParts:
     param_paths = {(col, *path): np.shape(v) for col in state for path, v in params_flat.items()}
     return ModelParts(variables["params"], state, apply, param_paths=param_paths,
                       param_of=lambda path: path[1:])
+
+
+def _rng_key_data(rngs: Any) -> dict:
+    """{name: raw key data} of the keys a linen model's apply takes (typed or raw keys)."""
+    if rngs is None:
+        return {}
+    if not isinstance(rngs, dict) or not rngs:
+        raise DistModelError(f"to_static((module, variables, rngs)): rngs must be a dict "
+                             f"{{name: key}} as flax's apply takes, got {rngs!r}")
+    out = {}
+    for name, key in rngs.items():
+        typed = jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
+        impl = jax.random.key_impl(key) if typed else None
+        out[name] = (np.asarray(jax.random.key_data(key) if typed else key, np.uint32), impl)
+    return out
 
 
 # ---------------------------------------------------------------------------------- pairs
@@ -214,10 +257,14 @@ def split_model(model: Any) -> ModelParts:
         nnx = None
     if nnx is not None and isinstance(model, nnx.Module):
         return _nnx_parts(model)
-    if isinstance(model, tuple) and len(model) == 2:
+    if isinstance(model, tuple) and len(model) in (2, 3):
         module = _linen_module(model)
         if module is not None:
-            return _linen_parts(module, model[1])
+            return _linen_parts(module, model[1], model[2] if len(model) == 3 else None)
+        if len(model) == 3:
+            raise DistModelError(
+                f"to_static((module, variables, rngs)) takes a linen Module first, got "
+                f"{type(model[0]).__name__}")
     if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
         apply_fn, params = model
         return ModelParts(params, {}, lambda mode, p, s, *inputs: (apply_fn(p, *inputs), s))
