@@ -184,6 +184,25 @@ class LinenNet(linen.Module):
         return linen.Dense(8)(jax.nn.relu(x))
 
 
+def _linen_one_device(net, variables, batches, tx, key=None):
+    """flax's own training idiom on one device: (params, batch_stats, losses); with `key`,
+    step k draws dropout from fold_in(key, k)."""
+    params, stats, ref_losses = variables["params"], variables["batch_stats"], []
+    opt_state = tx.init(params)
+    for k, (x, y) in enumerate(batches):
+        rngs = {"dropout": jax.random.fold_in(key, k)} if key is not None else None
+
+        def loss_fn(p):
+            out, new = net.apply({"params": p, "batch_stats": stats}, x, train=True,
+                                 mutable=["batch_stats"], rngs=rngs)
+            return mse(out, y), new["batch_stats"]
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ref_losses.append(float(loss))
+    return params, stats, ref_losses
+
+
 @pytest.mark.parametrize("form", ["module", "bound_apply"])
 def test_linen_batch_stats_train_like_one_device(form):
     """A linen model's non-params collections are the state: mutable in training, read in eval."""
@@ -193,18 +212,7 @@ def test_linen_batch_stats_train_like_one_device(form):
     variables = net.init(jax.random.key(0), train[0][0], train=False)
     tx = optax.sgd(0.1)
 
-    # one device: flax's own idiom
-    params, stats, opt_state, ref_losses = variables["params"], variables["batch_stats"], None, []
-    opt_state = tx.init(params)
-    for x, y in train:
-        def loss_fn(p):
-            out, new = net.apply({"params": p, "batch_stats": stats}, x, train=True,
-                                 mutable=["batch_stats"])
-            return mse(out, y), new["batch_stats"]
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        ref_losses.append(float(loss))
+    params, stats, ref_losses = _linen_one_device(net, variables, train, tx)
 
     placed = {"params": dist.shard_layer(variables["params"], MESH, lambda name, layer, mesh: {
         "Dense_0": {"kernel": [R(), S(1)], "bias": [R(), S(0)]},
@@ -250,17 +258,7 @@ def test_linen_dropout_draws_step_k_from_fold_in_of_the_given_key(tmp_path):
     net, key = LinenDropoutNet(), jax.random.key(7)
     variables = net.init(jax.random.key(0), batches[0][0], train=False)
     tx = optax.sgd(0.1)
-    params, stats, opt_state, ref_losses = variables["params"], variables["batch_stats"], None, []
-    opt_state = tx.init(params)
-    for k, (x, y) in enumerate(batches):
-        def loss_fn(p):
-            out, new = net.apply({"params": p, "batch_stats": stats}, x, train=True,
-                                 mutable=["batch_stats"], rngs={"dropout": jax.random.fold_in(key, k)})
-            return mse(out, y), new["batch_stats"]
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        ref_losses.append(float(loss))
+    params, stats, ref_losses = _linen_one_device(net, variables, batches, tx, key)
 
     placed = {"params": dist.shard_layer(variables["params"], MESH, lambda name, layer, mesh: {
         "Dense_0": {"kernel": [R(), S(1)], "bias": [R(), S(0)]},
