@@ -345,6 +345,11 @@ def output_cases(draw):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(output_cases())
 @example((MESHES[1], ("add", "matmul"), ["R", "P(sum)"], ["R", "R"], ["S(0)", "P(max)"], 0))
+# found: a reduction moved before a transpose was planned from the copy the transpose read
+# (after an all-to-all), a copy no longer made: the program did the all-to-all, the plan
+# did not list it
+@example((MESHES[3], ("add", "transpose"), ["R", "R", "R"], ["R", "P(sum)", "S(0)"],
+          ["S(1)", "R", "S(0)"], 0))
 def test_random_programs_with_any_output_placements(case):
     mesh, ops, px, pw, out, seed = case
     kinds = {p for p in out if p.startswith("P")}

@@ -137,8 +137,11 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             dropped.add(repr(x))
             ep.reshards = [(i, rp) for i, rp in ep.reshards if i != 0]
             if actual[x] != target:  # before the layouts change: `reshard` reads actual[x]
+                # from x itself: the copy the transpose read before (e.g. after an all-to-all)
+                # is no longer made, its move being the one replaced here
                 ep.reshards.append((0, planned(lambda: reshard(
-                    x, target, f"{e.name} (eqn {e.index})", e.where, at=e.index))))
+                    x, target, f"{e.name} (eqn {e.index})", e.where, at=e.index,
+                    from_own=True))))
             _layout_in_plan(eqn_plans, j0, operand=0, required=target, result=at_v)
             ep.strategy += "; reduced before the transpose (they commute; the dot stays canonical)"
             actual[v] = at_v

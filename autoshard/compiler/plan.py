@@ -191,19 +191,23 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     fallbacks: list[tuple[str, str | None]] = []
 
     def reshard(value: Value, dst: Layout, consumer: str, source,
-                planned: ReshardPlan | None = None, *, at: int | None = None) -> ReshardPlan:
+                planned: ReshardPlan | None = None, *, at: int | None = None,
+                from_own: bool = False) -> ReshardPlan:
         """`planned`: the plan this very move got in a block planned alike (copy_block);
-        `at`: the consuming equation's index (None: an output)."""
+        `at`: the consuming equation's index (None: an output); `from_own`: start from the
+        value's own layout, not from a copy an earlier consumer made (the hoist replaces the
+        move that made it)."""
         scope = scope_of(at)
         key = (value, dst) if scope < 0 else (value, dst, scope)
-        if key in done:  # a value resharded twice the same way (in one scope) is moved once
-            return done[key]
+        if key in done and not from_own:  # a value resharded twice the same way (in one
+            return done[key]              # scope) is moved once
         rp = planned
         if rp is None:
             # Start from the cheapest copy: the value itself or one it was already moved to (the
             # all-to-all an earlier consumer paid for is not paid again on the way to a gather).
             best = 0.0
-            for src in [actual[value], *sorted(moves(value, at), key=repr)]:
+            copies = [] if from_own else sorted(moves(value, at), key=repr)
+            for src in [actual[value], *copies]:
                 cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
                                     dst, cost_model)
                 seconds = sum(s.seconds for s in cand.steps)
