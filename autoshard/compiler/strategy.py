@@ -120,8 +120,9 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
     consumer reads the reduced value — else each branch would reduce its own view of it.
     """
     single_use = single_use if single_use is not None else [True] * len(actual)
-    seeds = [_seed_from(opsh.operands[i], L, opsh, i, single_use[i])
-             for i, L in enumerate(actual) if L is not None]
+    operand_seeds = {i: _seed_from(opsh.operands[i], L, opsh, i, single_use[i])
+                     for i, L in enumerate(actual) if L is not None}
+    seeds = list(operand_seeds.values())
     seeds += [_seed_from(opsh.results[j], L, opsh, None) for j, L in enumerate(preferred)
               if L is not None]
     extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i]))
@@ -131,8 +132,7 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
     # a copy made for an earlier consumer, completed by another operand's axes as it lies:
     # the sequence-parallel backward reuses the gathered cotangent with the row-split weight,
     # where the other seeds gather the weight too
-    out += [_merge([e, _seed_from(opsh.operands[j], actual[j], opsh, j, single_use[j])])
-            for i, e in extra for j in range(len(actual)) if j != i and actual[j] is not None]
+    out += [_merge([e, seed]) for i, e in extra for j, seed in operand_seeds.items() if j != i]
     out.append(Strategy())
     unique: list[Strategy] = []
     for s in out:

@@ -451,21 +451,29 @@ class DistModel:
         return tuple(batch[k] for k in inputs) + (batch[label],)
 
     def _by_signature(self, keys: list) -> list:
-        # an nnx Module's __call__; a linen (module, variables) pair's module; an (apply_fn,
-        # params) pair's apply_fn after its params argument
-        model = self._model
-        fn = model[0] if isinstance(model, tuple) else model
-        fn = getattr(fn, "__call__", None) if not inspect.isfunction(fn) else fn
-        try:
-            names = [n for n, p in inspect.signature(fn).parameters.items()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        except (TypeError, ValueError):
-            return keys
-        if isinstance(model, tuple) and inspect.isfunction(model[0]):
-            names = names[1:]  # apply_fn(params, *inputs)
+        names = self._input_names()
         if not all(k in names for k in keys):
             return keys
         return sorted(keys, key=names.index)
+
+    def _input_names(self) -> list:
+        """The model's positional parameter names (read once: every dict batch asks): an nnx
+        Module's __call__, a linen pair's module, an (apply_fn, params) pair's apply_fn after
+        its params argument."""
+        names = self.__dict__.get("_names")
+        if names is None:
+            model = self._model
+            fn = model[0] if isinstance(model, tuple) else model
+            fn = fn if inspect.isfunction(fn) else getattr(fn, "__call__", None)
+            try:
+                names = [n for n, p in inspect.signature(fn).parameters.items()
+                         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            except (TypeError, ValueError):
+                names = []
+            if isinstance(model, tuple) and inspect.isfunction(model[0]):
+                names = names[1:]  # apply_fn(params, *inputs)
+            self._names = names
+        return names
 
     # -- calls ----------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> DistTensor:

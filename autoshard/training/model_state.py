@@ -186,6 +186,8 @@ def _linen_parts(module: Any, variables: Any, rngs: Any = None) -> ModelParts:
     """
     import inspect
 
+    from flax.errors import InvalidRngError
+
     if not isinstance(variables, dict) or "params" not in variables:
         raise DistModelError(
             f"to_static((module, variables)): variables must be the dict model.init returns, "
@@ -213,9 +215,7 @@ def _linen_parts(module: Any, variables: Any, rngs: Any = None) -> ModelParts:
                 new = _keep_structure(mutable, dict(new))
             else:
                 out, new = module.apply({"params": params, **mutable}, *inputs, **kwargs), mutable
-        except Exception as error:
-            if type(error).__name__ != "InvalidRngError":
-                raise
+        except InvalidRngError as error:
             raise DistModelError(
                 f"{type(module).__name__} draws random numbers in training ({error}): give "
                 f"to_static its keys as flax's apply takes them, dist.to_static((module, "
