@@ -24,7 +24,7 @@ from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .gc_pause import gc_paused
-from . import combine, outline
+from . import combine, late_fill, outline
 from .plan import Plan
 from .replay import Replayer
 from .trace import hint_p
@@ -204,6 +204,8 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
                 pack_gathers(env, moved, k, stop, instances, replayer)
             plans = dict(ep.reshards)
             ins = [get(env, moved, v, plans.get(i)) for i, v in enumerate(e.inputs)]
+            if ep.reshards and late_fill.wanted(program, e, ep):
+                ins[0] = late_fill.zeros_after(ins[0], ins[2])
             outs = replayer.run(key_of(k), ins,
                                 functools.partial(_bind, e, ep, ins, registry, sizes))
             env.update(zip(e.outputs, outs))
