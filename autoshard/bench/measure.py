@@ -92,11 +92,16 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int]:
     static, leaves, tree = f._split(args, {})
     described = tuple(_describe_leaf(x) for x in leaves)
     closed, _ = f._trace(static, tree, described)
-    t0 = time.perf_counter()
-    program = build_program(closed)
-    make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),
-              _registry(), f._cost_model or dist.default_cost_model())
-    return time.perf_counter() - t0, len(program.eqns)
+
+    @gc_paused  # as in dist.jit's _compile: one collection pause over both passes
+    def passes():
+        program = build_program(closed)
+        make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),
+                  _registry(), f._cost_model or dist.default_cost_model())
+        return program
+
+    program, seconds = _timed(passes)
+    return seconds, len(program.eqns)
 
 
 def build(w: Workload, repeats: int = 3) -> Built:

@@ -217,8 +217,12 @@ class DistributedFunction:
         return [None if p is None else layout_from_placements(p, mesh, v.shape, what=f"output {k}")
                 for k, (v, p) in enumerate(zip(program.outputs, per_output))]
 
+    @gc_paused
     def _compile(self, static, tree, described, reduced: bool = False) -> _Compiled:
-        """`reduced`: no output stays Partial (for an outer jax transformation)."""
+        """`reduced`: no output stays Partial (for an outer jax transformation).
+
+        One collection pause over the passes (trace, build, plan): each pass pauses its own,
+        but a collection between them still walked the whole heap for nothing."""
         closed, out_tree = self._trace(static, tree, described)
         if len(meshes_named(closed, [d.mesh for d in described])) > 1:
             return _MeshStages(cut_by_mesh(closed, [d.mesh for d in described]), out_tree,
