@@ -172,6 +172,55 @@ def test_hints_reshard_and_out_placements():
     assert hlo_counts(g, xs) == planned(g, xs) == Counter({"all-to-all": 1})
 
 
+R, S = dist.Replicate(), dist.Shard
+
+OUT_SPECS = [  # (out_placements, the placements asked of w, b, loss; None: the plan's choice)
+    pytest.param([{"b": None, "w": [R, S(1)]}, None], ([R, S(1)], None, None),
+                 id="prefix: dict then loss"),
+    pytest.param(({"b": [R, R], "w": [R, S(1)]}, [R, R]), ([R, S(1)], [R, R], [R, R]),
+                 id="prefix: tuple, every leaf"),
+    pytest.param([[R, R], [S(0), S(1)], [R, R]], ([S(0), S(1)], [R, R], [R, R]),
+                 id="flat: one per output leaf"),
+    pytest.param([[R, R], [R, R]], ([R, R], [R, R], [R, R]),
+                 id="prefix: one list for the whole dict"),
+]
+
+
+@pytest.mark.parametrize("spec,asked", OUT_SPECS)
+def test_out_placements_as_a_pytree_prefix_of_the_result(spec, asked):
+    # `return params, loss` with params a dict: out_placements written like jax.jit's
+    # out_shardings (lists and tuples alike), or flat, one per leaf as before.
+    w = np.arange(32, dtype=np.float32).reshape(4, 8) / 32
+    params = {"w": dist.shard_tensor(w, MESH24, [R, S(1)]),
+              "b": dist.shard_tensor(np.ones(8, np.float32), MESH24, [R, R])}
+    x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [S(0), R])
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    new, loss = dist.jit(step, out_placements=spec)(params, x)
+    ref_new, ref_loss = jax.jit(step)({k: v.numpy() for k, v in params.items()}, x.numpy())
+    for got, want in zip((new["w"], new["b"], loss), asked):
+        assert want is None or got.placements == want
+    for k in ("w", "b"):
+        np.testing.assert_allclose(new[k].numpy(), ref_new[k], rtol=1e-6)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec,says", [
+    ([{"w": [R, S(1)]}, None], "has keys ['w'] where the result has ['b', 'w']"),
+    ([None, None, None, None], "4 entries where the result has 2"),
+    ([{"b": None, "w": [R, S(1)]}, None, None], "3 entries where the result has 2"),
+])
+def test_out_placements_that_do_not_match_the_result_say_where(spec, says):
+    params = {"w": np.ones((4, 8), np.float32), "b": np.ones(8, np.float32)}
+    x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [S(0), R])
+    f = dist.jit(lambda p, x: (p, jnp.sum(x)), out_placements=spec)
+    with pytest.raises(dist.PlacementTypeError, match=__import__("re").escape(says)):
+        f(params, x)
+
+
 def test_inputs_numpy_scalars_jax_arrays_and_named_shardings():
     x = np.arange(32, dtype=np.float32).reshape(8, 4)
     named = jax.device_put(x, NamedSharding(MESH24.to_jax(), P("dp", None)))

@@ -18,13 +18,13 @@ from ..errors import MeshMismatchError, PlacementTypeError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import physical_shape, physical_sharding, physical_spec
-from ..placement import Placement
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
 from .cut import arrive, cut_by_mesh, eval_eqns, meshes_named
 from .explain import Explanation, StagedExplanation
 from .gc_pause import gc_paused
+from . import out_spec
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
 from .trace import build_program, hint_p
@@ -199,22 +199,13 @@ class DistributedFunction:
                     where=where.split(" at ")[-1] if " at " in where else None)
         return mesh
 
-    def _out_targets(self, program, mesh) -> list[Layout | None]:
-        spec = self._out_placements
+    def _out_targets(self, program, mesh, out_tree=None) -> list[Layout | None]:
+        """One target per flat output (`out_spec.per_output`; `out_tree` lets out_placements
+        be a pytree prefix of the result)."""
         n = len(program.outputs)
-        if spec is None:
-            return [None] * n
-        if isinstance(spec, str) and spec == KEEP:
-            return [KEEP] * n
-        if _is_placements(spec):
-            per_output = [spec] * n
-        else:
-            per_output = list(spec)
-            if len(per_output) != n:
-                raise PlacementTypeError(
-                    f"out_placements has {len(per_output)} entries for {n} outputs: give one "
-                    f"placements list per output (None to let the plan choose), or one list for all")
-        return [None if p is None else layout_from_placements(p, mesh, v.shape, what=f"output {k}")
+        per_output = out_spec.per_output(self._out_placements, out_tree, n)
+        return [p if p is None or (isinstance(p, str) and p == KEEP) else
+                layout_from_placements(p, mesh, v.shape, what=f"output {k}")
                 for k, (v, p) in enumerate(zip(program.outputs, per_output))]
 
     @gc_paused
@@ -233,7 +224,7 @@ class DistributedFunction:
             if d.mesh is not None and d.mesh != mesh:
                 raise MeshMismatchError(f"inputs are on different meshes: {d.mesh!r} and {mesh!r}")
         cost_model = self._cost_model or default_cost_model()
-        targets = self._out_targets(program, mesh)
+        targets = self._out_targets(program, mesh, out_tree)
         if reduced:
             targets = [None if isinstance(t, str) and t == KEEP else t for t in targets]
         # Values stored unevenly enter with those dims gathered whole; outputs asked for uneven
@@ -436,7 +427,7 @@ class _MeshStages:
         if spec is not None and not (isinstance(spec, str) and spec == KEEP):
             from ..reshard.api import reshard
 
-            per = [spec] * len(outs) if _is_placements(spec) else list(spec)
+            per = out_spec.per_output(spec, self.out_tree, len(outs))
             outs = [reshard(o, o.mesh, p) if p is not None and isinstance(o, DistTensor) else o
                     for o, p in zip(outs, per)]
         return outs
@@ -545,11 +536,6 @@ def _global_array(x: DistTensor):
     return to_even(x, reduce_partial=True).physical
 
 
-def _is_placements(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
-        isinstance(p, (Placement, str)) for p in x)
-
-
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (), out_placements: Any = None,
         cost_model: CostModel | None = None):
@@ -558,8 +544,10 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
     `dist.reshard(x, mesh, placements)` forces a conversion; everything else is decided by the
     SPMD rules and the cost model. Outputs are DistTensors: pending Partial values are reduced
-    unless `out_placements` gives the placements (one list for all outputs, or one per output)
-    or is "keep" (leave every output as the plan computed it, Partial included).
+    unless `out_placements` gives the placements (one list for all outputs, one per flat
+    output, or a pytree prefix of the result as jax.jit's out_shardings: `[{"w": [R, S(1)]},
+    None]` for `return params, loss`) or is "keep" (leave every output as the plan computed
+    it, Partial included).
     """
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,

@@ -1,0 +1,87 @@
+"""`out_placements` of dist.jit, resolved to one entry per flat output.
+
+Written as jax.jit's `out_shardings` are: one placements list for every output, one entry per
+flat output, or a pytree prefix of the function's result — `[{"w": [R, S(1)], "b": None},
+None]` for a function that returns `(params, loss)`. A placements list (`[Replicate(),
+Shard(0)]`) or None stands for every output beneath it. Lists and tuples match each other
+(a Python `return a, b` is a tuple; users write lists).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ..errors import PlacementTypeError
+from ..placement import Placement
+from .plan import KEEP
+
+
+def is_placements(x: Any) -> bool:
+    """A placements list (a leaf of an out_placements tree)."""
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        isinstance(p, (Placement, str)) for p in x)
+
+
+def _is_keep(x: Any) -> bool:
+    return isinstance(x, str) and x == KEEP
+
+
+def _covers(x: Any) -> bool:
+    """Stands for every output beneath it."""
+    return x is None or _is_keep(x) or is_placements(x)
+
+
+def per_output(spec: Any, out_tree: Any, n: int) -> list:
+    """One entry (None, KEEP or a placements list) per flat output of a result shaped
+    `out_tree` (a PyTreeDef, None if unknown) with `n` leaves."""
+    if _covers(spec):
+        return [spec] * n
+    flat = isinstance(spec, (list, tuple)) and len(spec) == n and all(_covers(s) for s in spec)
+    if flat or out_tree is None:
+        if not flat:
+            raise PlacementTypeError(
+                f"out_placements has {len(spec) if isinstance(spec, (list, tuple)) else 1} "
+                f"entries for {n} outputs: give one placements list per output (None to let the "
+                f"plan choose), one list for all, or a pytree prefix of the result")
+        return list(spec)
+    result = jax.tree.unflatten(out_tree, list(range(n)))
+    found: list = [None] * n
+    _match(spec, result, found, "out_placements")
+    return found
+
+
+def _match(spec: Any, node: Any, found: list, where: str) -> None:
+    if _covers(spec):
+        for i in jax.tree.leaves(node):
+            found[i] = spec
+        return
+    if isinstance(node, dict) and isinstance(spec, dict):
+        if set(spec) != set(node):
+            raise PlacementTypeError(
+                f"{where} has keys {sorted(map(str, spec))} where the result has "
+                f"{sorted(map(str, node))}: name the same keys, or give one placements list "
+                f"(or None) for the whole dict")
+        for k in node:
+            _match(spec[k], node[k], found, f"{where}[{k!r}]")
+        return
+    if isinstance(node, (list, tuple)) and isinstance(spec, (list, tuple)):
+        if len(spec) != len(node):
+            raise PlacementTypeError(
+                f"{where} has {len(spec)} entries where the result has {len(node)}: give one "
+                f"per element, or one placements list (or None) for all of them")
+        for k, (s, x) in enumerate(zip(spec, node)):
+            _match(s, x, found, f"{where}[{k}]")
+        return
+    try:  # other pytree nodes (dataclasses, flax State): jax's own prefix matching
+        leaves = jax.tree_util.broadcast_prefix(spec, node, is_leaf=_covers)
+    except (ValueError, TypeError) as exc:
+        raise PlacementTypeError(
+            f"{where} does not match the result's structure ({type(node).__name__}): give a "
+            f"pytree prefix of the result whose leaves are placements lists or None "
+            f"({exc})") from None
+    for i, s in zip(jax.tree.leaves(node), leaves):
+        found[i] = s
+
+
+__all__ = ["is_placements", "per_output"]
