@@ -44,6 +44,7 @@ def samples() -> list[Sample]:
     import numpy as np
     from jax import lax
     from jax._src.ad_util import add_jaxvals_p
+    from jax.ad_checkpoint import checkpoint_name
 
     f2, i2, b2 = ((4, 8), "f"), ((4, 8), "i"), ((4, 8), "b")
     out: list[Sample] = []
@@ -58,7 +59,16 @@ def samples() -> list[Sample]:
     for n in unary_f:
         add(n, n, getattr(lax, n), f2)
     add("copy", "copy", lambda x: lax.copy_p.bind(x), f2)
+    pos = lambda x: jnp.abs(x) + 0.5  # noqa: E731  (the special functions' domains)
+    for n in ["bessel_i0e", "bessel_i1e"]:
+        add(n, n, getattr(lax, n), f2)
+    for n in ["igamma", "igammac", "igamma_grad_a"]:
+        add(n, n, lambda a, x, n=n: getattr(lax, n)(pos(a), pos(x)), f2, f2)
+    add("polygamma", "polygamma", lambda x: lax.polygamma(jnp.ones_like(x), pos(x)), f2)
+    add("zeta", "zeta", lambda x, q: lax.zeta(pos(x) + 1.0, pos(q)), f2, f2)
     add("stop_gradient", "stop_gradient", lambda x: lax.stop_gradient(x) * 2.0, f2)
+    add("checkpoint_name", "name",
+        lambda x: checkpoint_name(x, "saved") * 2.0, f2)
     one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("v",)),
                                      jax.sharding.PartitionSpec())
     add("sharding_constraint", "sharding_constraint",
@@ -97,6 +107,7 @@ def samples() -> list[Sample]:
             add(f"{n} axes={axes}", n, lambda x, fn=fn, axes=axes: fn(x, axis=axes), f2)
     add("reduce_and", "reduce_and", lambda x: jnp.all(x, axis=0), b2)
     add("reduce_or", "reduce_or", lambda x: jnp.any(x, axis=1), b2)
+    add("reduce_xor", "reduce_xor", lambda x: lax.reduce_xor_p.bind(x, axes=(1,)), i2)
 
     dn = lambda lc, rc, lb=(), rb=(): ((lc, rc), (lb, rb))  # noqa: E731
     add("dot (4,8)@(8,4)", "dot_general", lambda a, b: lax.dot_general(a, b, dn((1,), (0,))),

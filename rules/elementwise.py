@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 from jax._src import pjit as _pjit
+from jax._src.ad_checkpoint import name_p
 from jax._src.ad_util import add_jaxvals_p
 from jax._src.lax import lax as lax_internal
 
@@ -37,6 +38,8 @@ ALGEBRA = {
     lax.asinh_p: _INCREASING,
     lax.copy_p: (ALL, ALL, None, (_MAX, _MIN)),
     lax.stop_gradient_p: (ALL, ALL, None, (_MAX, _MIN)),  # identity on values
+    # jax.ad_checkpoint.checkpoint_name: an identity that names a value for remat policies
+    name_p: (ALL, ALL, None, (_MAX, _MIN)),
 }
 PLAIN = [
     lax.log_p, lax.log1p_p, lax.sqrt_p, lax.rem_p, lax.pow_p, lax.sign_p, lax.is_finite_p,
@@ -48,6 +51,10 @@ PLAIN = [
     lax.shift_right_arithmetic_p, lax.shift_right_logical_p, lax.population_count_p,
     lax.clz_p, lax.select_n_p, lax.clamp_p, lax.real_p, lax.imag_p, lax.conj_p, lax.complex_p,
     lax.reduce_precision_p,
+    # special functions (jax.scipy.special's gammainc, i0e, polygamma, zeta; not betainc, whose
+    # lowering is a while loop that jax cannot trace on mixed varying / invariant operands)
+    lax.bessel_i0e_p, lax.bessel_i1e_p, lax.igamma_p, lax.igammac_p, lax.igamma_grad_a_p,
+    lax.polygamma_p, lax.zeta_p,
     # total-order comparisons (searchsorted's): -0.0 < 0.0 and NaNs ordered
     lax_internal.eq_to_p, lax_internal.le_to_p, lax_internal.lt_to_p,
 ]

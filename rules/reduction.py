@@ -16,6 +16,7 @@ KINDS = {
     lax.reduce_and_p: (ReduceType.MIN, NONE, NONE),
     lax.reduce_or_p: (ReduceType.MAX, NONE, NONE),
     lax.reduce_prod_p: (None, NONE, NONE),
+    lax.reduce_xor_p: (None, NONE, NONE),
 }
 
 

@@ -88,6 +88,33 @@ def test_checkpoint_is_partitioned_inside_and_keeps_its_policy():
     assert kept and all("nothing_saveable" in ep.strategy for ep in kept)
 
 
+def test_checkpoint_names_keep_the_megatron_layout_and_the_policy():
+    # checkpoint_name (remat policies of LLM code) is an identity with a name: the column-split
+    # projection it names stays split (it ran replicated, gathering it, with a fallback warning)
+    from jax.ad_checkpoint import checkpoint_name
+
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 50
+    w1 = np.linspace(-1, 1, 128, dtype=np.float32).reshape(8, 16)
+    w2 = np.linspace(1, -1, 128, dtype=np.float32).reshape(16, 8)
+    policy = jax.checkpoint_policies.save_only_these_names("up")
+    block = jax.checkpoint(lambda x, w1, w2: jnp.tanh(checkpoint_name(x @ w1, "up")) @ w2,
+                           policy=policy)
+    loss = lambda x, w1, w2: jnp.sum(block(x, w1, w2) ** 2)  # noqa: E731
+    grad = jax.value_and_grad(loss, argnums=(1, 2))
+    args = (dist.shard_tensor(x, MESH, ["S(0)", "R"]), dist.shard_tensor(w1, MESH, ["R", "S(1)"]),
+            dist.shard_tensor(w2, MESH, ["R", "S(0)"]))
+    f, (l, (g1, g2)) = run_checked(grad, *args)
+    ref_l, (ref_g1, ref_g2) = grad(x, w1, w2)
+    np.testing.assert_allclose(l.numpy(), ref_l, rtol=1e-5)
+    np.testing.assert_allclose(g1.numpy(), ref_g1, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(g2.numpy(), ref_g2, rtol=1e-4, atol=1e-5)
+    plan = f.plan(*args)
+    named = [ep for ep in plan.eqns if ep.primitive == "name"]
+    assert named and all(ep.results[0].dims == (("dp",), ("mp",)) for ep in named)
+    # Megatron's all-reduces only: forward output, backward input gradient, and the dp ones
+    assert {c.kind for c in plan.collectives} == {"all-reduce"}
+
+
 # ------------------------------------------------------------------ ZeRO-3 under jax.checkpoint
 MESH8 = dist.ProcessMesh(list(range(8)), ["dp"])
 
