@@ -3,6 +3,7 @@ contracting dims reduce (sum)."""
 from __future__ import annotations
 
 from jax import lax
+from jax._src.lax.lax import ragged_dot_general_p
 
 from autoshard.compiler.factors import LETTERS, ONE, einsum
 
@@ -31,6 +32,46 @@ def dot_general_sharding(in_avals, out_avals, *, dimension_numbers, **params):
     return einsum(spec, [lhs.shape, rhs.shape], [out_avals[0].shape], linear=ONE)
 
 
+def ragged_dot_sharding(in_avals, out_avals, *, ragged_dot_dimension_numbers, group_offset,
+                        **params):
+    """ragged_dot_general (jax.lax.ragged_dot, a mixture of experts' grouped matmul): the
+    lhs rows are cut into groups by `group_sizes`, each multiplied by its group's rhs. The
+    contracting dims reduce and the free dims pass as in a matmul; the ragged dim and the
+    group dim stay whole (a block of rows would need its own group sizes). Two forms: ragged
+    rows with a group dim in the rhs (the forward and the lhs gradient), and a ragged
+    contracting dim that makes a group dim first in the output (the rhs gradient)."""
+    rdn = ragged_dot_dimension_numbers
+    (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+    lhs, rhs, sizes = in_avals
+    if group_offset is not None or lb or rb or len(rdn.lhs_ragged_dimensions) != 1:
+        return None
+    ragged, groups = rdn.lhs_ragged_dimensions[0], rdn.rhs_group_dimensions
+    letters = iter(LETTERS)
+    lterm, rterm = [""] * len(lhs.shape), [""] * len(rhs.shape)
+    for a, b in zip(lc, rc):
+        lterm[a] = rterm[b] = next(letters)
+    group = next(letters)
+    if ragged in lc:           # ragged contracting: out = [group, lhs free, rhs free]
+        if groups:
+            return None
+        out = [group]
+    elif len(groups) == 1:     # ragged rows: out = [lhs free (the ragged one too), rhs free]
+        rterm[groups[0]] = group
+        out = []
+    else:
+        return None
+    for term in (lterm, rterm):
+        for d, ch in enumerate(term):
+            if not ch:
+                term[d] = ch = next(letters)
+                out.append(ch)
+    if len(out) != len(out_avals[0].shape):
+        return None
+    spec = f"{''.join(lterm)},{''.join(rterm)},{group}->{''.join(out)}"
+    return einsum(spec, [lhs.shape, rhs.shape, sizes.shape], [out_avals[0].shape],
+                  replicate=group + lterm[ragged], linear=ONE, partial_operands=(0, 1))
+
+
 def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count,
                   batch_group_count, **params):
     """conv_general_dilated: the batch and output-feature dims pass, the input-feature dim is
@@ -57,12 +98,14 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
 
 
 TABLE = {lax.dot_general_p: Rule(dot_general_sharding),
+         ragged_dot_general_p: Rule(ragged_dot_sharding),
          lax.conv_general_dilated_p: Rule(conv_sharding)}
 
 
 def validation_samples() -> list:
-    """Convolutions: NHWC / HWIO and NCHW / OIHW, strided and padded, grouped, and the
-    gradients with respect to input and kernel (convolutions with swapped dimension numbers)."""
+    """ragged_dot in its three forms (forward, lhs and rhs gradients); convolutions: NHWC /
+    HWIO and NCHW / OIHW, strided and padded, grouped, and the gradients with respect to input
+    and kernel (convolutions with swapped dimension numbers)."""
     import jax
     import jax.numpy as jnp
 
@@ -75,7 +118,18 @@ def validation_samples() -> list:
     nhwc = ("NHWC", "HWIO", "NHWC")
     x_aval = jax.ShapeDtypeStruct(x[0], jnp.float32)
     k_aval = jax.ShapeDtypeStruct(k[0], jnp.float32)
+    sizes = jnp.array([1, 0, 3], jnp.int32)  # 4 rows in 3 groups, one of them empty
+    rows_aval = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    experts_aval = jax.ShapeDtypeStruct((3, 8, 4), jnp.float32)
+    ragged = lambda a, b: lax.ragged_dot(a, b, sizes)  # noqa: E731
     return [
+        ("ragged_dot", "ragged_dot_general", ragged, (((4, 8), "f"), ((3, 8, 4), "f"))),
+        ("ragged_dot lhs gradient", "ragged_dot_general",
+         lambda ct, b: jax.linear_transpose(lambda a: ragged(a, b), rows_aval)(ct)[0],
+         (((4, 4), "f"), ((3, 8, 4), "f"))),
+        ("ragged_dot rhs gradient (ragged contracting)", "ragged_dot_general",
+         lambda ct, a: jax.linear_transpose(lambda b: ragged(a, b), experts_aval)(ct)[0],
+         (((4, 4), "f"), ((4, 8), "f"))),
         ("conv NHWC", "conv_general_dilated", conv(nhwc), (x, k)),
         ("conv NCHW strided valid", "conv_general_dilated",
          conv(("NCHW", "OIHW", "NCHW"), (2, 2), "VALID"), (((4, 4, 8, 8), "f"), ((8, 4, 3, 3), "f"))),
