@@ -3,12 +3,13 @@
 Installed as `autoshard.rules`. Registration is explicit: each family module holds a TABLE and
 `install_builtin_rules` puts them in; importing a module registers nothing.
 """
-from . import cumulative, dot, elementwise, indexing, linalg, random, reduction, shape, window
+from . import (callbacks, cumulative, dot, elementwise, indexing, linalg, random, reduction, shape,
+               window)
 from .registry import REGISTRY, Rule, RuleRegistry, lookup_rule, register_rule, registered_primitives
 
 FAMILIES = {"elementwise": elementwise, "dot": dot, "reduction": reduction, "shape": shape,
             "indexing": indexing, "random": random, "cumulative": cumulative,
-            "window": window, "linalg": linalg}
+            "window": window, "linalg": linalg, "callbacks": callbacks}
 
 
 def install_builtin_rules(registry: RuleRegistry = REGISTRY) -> RuleRegistry:
