@@ -93,7 +93,7 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int]:
     described = tuple(_describe_leaf(x) for x in leaves)
     closed, _ = f._trace(static, tree, described)
 
-    @gc_paused  # as in dist.jit's _compile: one collection pause over both passes
+    @gc_paused  # as in dist.jit's _passes: one collection pause over both
     def passes():
         program = build_program(closed)
         make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),

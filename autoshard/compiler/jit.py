@@ -208,16 +208,18 @@ class DistributedFunction:
                 layout_from_placements(p, mesh, v.shape, what=f"output {k}")
                 for k, (v, p) in enumerate(zip(program.outputs, per_output))]
 
-    @gc_paused
     def _compile(self, static, tree, described, reduced: bool = False) -> _Compiled:
-        """`reduced`: no output stays Partial (for an outer jax transformation).
-
-        One collection pause over the passes (trace, build, plan): each pass pauses its own,
-        but a collection between them still walked the whole heap for nothing."""
-        closed, out_tree = self._trace(static, tree, described)
+        """`reduced`: no output stays Partial (for an outer jax transformation)."""
+        closed, out_tree = self._trace(static, tree, described)  # the user's code: gc as set
         if len(meshes_named(closed, [d.mesh for d in described])) > 1:
             return _MeshStages(cut_by_mesh(closed, [d.mesh for d in described]), out_tree,
                                self.__name__, self._cost_model, self._out_placements)
+        return self._passes(static, tree, closed, out_tree, described, reduced)
+
+    @gc_paused
+    def _passes(self, static, tree, closed, out_tree, described, reduced: bool) -> _Compiled:
+        """Build, plan and partition under one collection pause: each pass pauses its own,
+        but a collection between them still walked the whole heap for nothing."""
         program = build_program(closed, inline_solves=not reduced)
         mesh = self._mesh(program, described)
         for d in described:
