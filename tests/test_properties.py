@@ -6,7 +6,9 @@ dist.jit): a wrong Partial can leave the loss exact but not the gradients.
 from collections import Counter
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
+import jax.scipy.special
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
@@ -67,6 +69,13 @@ OPS = {
     # sorting: top_k along a dim, a permutation from argsort applied with take_along_axis
     "top_k": lambda h, w: jnp.concatenate([jax.lax.top_k(h, 3)[0], h[:, 3:] * w[:, 3:]], axis=1),
     "argsort_take": lambda h, w: jnp.take_along_axis(w, jnp.argsort(h, axis=0), axis=0),
+    # a grouped matmul (rows 0-2 by w, rows 3-7 by w / 2), a named value, special functions,
+    # and a callback that must not change anything
+    "ragged_dot": lambda h, w: jax.lax.ragged_dot(h, jnp.stack([w, w * 0.5]),
+                                                  np.array([3, 5], np.int32)),
+    "checkpoint_name": lambda h, w: jax.ad_checkpoint.checkpoint_name(h * w, "hw"),
+    "gammainc": lambda h, w: jax.scipy.special.gammainc(1.5, jnp.abs(h) + 0.1) * w,
+    "callback": lambda h, w: (jax.debug.callback(lambda v: None, h), h)[1],
 }
 
 
