@@ -29,7 +29,7 @@ _BINARY: dict[str, Callable[..., Any]] = {
     "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "truediv": jnp.true_divide,
     "floordiv": jnp.floor_divide, "mod": jnp.remainder, "pow": jnp.power, "matmul": jnp.matmul,
     "and": jnp.bitwise_and, "or": jnp.bitwise_or, "xor": jnp.bitwise_xor,
-    "lshift": jnp.left_shift, "rshift": jnp.right_shift,
+    "lshift": jnp.left_shift, "rshift": jnp.right_shift, "divmod": jnp.divmod,
 }
 _COMPARE: dict[str, Callable[..., Any]] = {
     "lt": jnp.less, "le": jnp.less_equal, "gt": jnp.greater, "ge": jnp.greater_equal,

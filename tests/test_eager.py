@@ -64,6 +64,8 @@ def test_arithmetic_comparisons_and_matmul_match_numpy(ab):
     check(a / b, A / B)
     check(a // b, A // B)
     check(a % b, A % B)
+    for out, expected in zip(divmod(a, b), divmod(A, B)):
+        check(out, expected)
     check(b ** a, B ** A, rtol=1e-5)
     check(a ** 2, A ** 2)
     check(-a, -A)
@@ -86,6 +88,7 @@ def test_python_scalars_and_numpy_on_either_side(case):
     check(1.0 / b, 1.0 / B)
     check(7 // b, 7 // B)
     check(5 % b, 5 % B)
+    check(divmod(7, b)[0], 7 // B)
     check(2.0 ** a, 2.0 ** A)
     check(a ** 3, A ** 3)
     check(abs(a) ** 0.5, np.abs(A) ** 0.5)
