@@ -144,6 +144,8 @@ def samples() -> list[Sample]:
     add("tile new leading dim", "tile", lambda x: jnp.tile(x, (2, 1, 1)), f2)
     add("stack axis 0", "stack", lambda a, b: jnp.stack([a, b], 0), f2, f2)
     add("stack axis 2", "stack", lambda a, b: jnp.stack([a, b, a], 2), f2, f2)
+    add("unstack axis 1", "unstack",  # (jnp.stack's gradient) the parts restacked reversed
+        lambda a: jnp.stack(lax_internal.unstack_p.bind(a, axis=1)[::-1]) * 2.0, ((4, 2, 8), "f"))
     from jax._src.lax import lax as lax_internal
     for n in ["eq_to", "le_to", "lt_to"]:
         add(n, n, lambda a, b, n=n: getattr(lax_internal, f"{n}_p").bind(a, b), f2, f2)

@@ -148,6 +148,15 @@ def stack_sharding(in_avals, out_avals, *, axis):
                   [out_avals[0].shape], **_KEEP)
 
 
+def unstack_sharding(in_avals, out_avals, *, axis):
+    # stack's transpose (the gradient of jnp.stack): result i is index i of the dim, which
+    # stays whole; the other dims pass
+    term = LETTERS[:len(in_avals[0].shape)]
+    out = term[:axis] + term[axis + 1:]
+    return einsum(f"{term}->" + ",".join([out] * len(out_avals)), [in_avals[0].shape],
+                  [a.shape for a in out_avals], replicate=term[axis], **_KEEP)
+
+
 def nullary_scalar_sharding(in_avals, out_avals, **params):
     # a scalar every device makes alike from no inputs: which branch of lax.platform_dependent
     # runs (jnp.diagonal uses one), or the zero a differentiated scan broadcasts into the
@@ -170,6 +179,7 @@ TABLE = {
     lax_internal.empty2_p: Rule(nullary_scalar_sharding),
     lax_internal.tile_p: Rule(tile_sharding),
     lax_internal.stack_p: Rule(stack_sharding),
+    lax_internal.unstack_p: Rule(unstack_sharding),
 }
 
 __all__ = ["TABLE"]
