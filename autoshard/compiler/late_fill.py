@@ -35,7 +35,10 @@ def wanted(program, e, ep) -> bool:
 
 
 def zeros_after(like, updates):
-    """Zeros shaped and typed as `like`, computed from one element of `updates`."""
+    """Zeros shaped and typed as `like`, computed from one element of `updates` (`like`
+    itself when there is none)."""
+    if updates.size == 0:
+        return like
     u = lax.index_in_dim(updates.reshape(-1), 0, keepdims=False)
     zero = jnp.where(jnp.isfinite(u), jnp.abs(u) * 0, jnp.zeros((), u.dtype)).astype(like.dtype)
     return lax.broadcast(zero, like.shape)
