@@ -16,6 +16,11 @@ from jax import lax
 from jax._src.random import prng
 from jax._src.random import threefry2x32 as threefry
 
+try:  # jax's own per-element sampler (private): without it, gamma draws run replicated
+    from jax._src.random.core import _gamma_one, random_gamma_p
+except ImportError:  # pragma: no cover
+    _gamma_one = random_gamma_p = None
+
 from autoshard.compiler.factors import LETTERS, REPLICATE, Factor, OpSharding, einsum
 
 from .registry import Rule
@@ -53,10 +58,8 @@ def _bits_for_one_key(key, index, bit_width):
     return bits
 
 
-def random_bits_lower(ctx, key, *, bit_width, shape):
-    nb = key.ndim
-    local = ctx.local_out_shapes[0][nb:]  # this device's block of one key's draw
-    dims = ctx.out_layouts[0].dims[nb:]
+def _global_index(ctx, local, dims, shape):
+    """The global row-major index (uint32) of each element of this device's block."""
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     index = lax.full(local, 0, np.uint32)
     for d, axes in enumerate(dims):
@@ -65,10 +68,48 @@ def random_bits_lower(ctx, key, *, bit_width, shape):
             start = lax.mul(ctx.block_index(axes), np.int32(local[d]))
             g = lax.add(g, lax.convert_element_type(start, np.uint32))
         index = lax.add(index, lax.mul(g, lax.full(local, strides[d], np.uint32)))
+    return index
+
+
+def random_bits_lower(ctx, key, *, bit_width, shape):
+    nb = key.ndim
+    local = ctx.local_out_shapes[0][nb:]  # this device's block of one key's draw
+    dims = ctx.out_layouts[0].dims[nb:]
+    index = _global_index(ctx, local, dims, shape)
     draw = lambda k: _bits_for_one_key(k, index, bit_width)  # noqa: E731
     for _ in range(nb):  # one draw per local key, as jax batches random_bits
         draw = jax.vmap(draw)
     return [draw(key)]
+
+
+def random_gamma_sharding(in_avals, out_avals, *, log_space):
+    """jax.random.gamma (and beta, dirichlet): element i of `a` draws with key i of
+    split(key, a.size); elementwise over `a`, the key whole."""
+    key, a = in_avals
+    if (key.ndim or not _is_threefry(key) or _gamma_one is None
+            or not jax.config.jax_threefry_partitionable or math.prod(a.shape) >= 2 ** 32):
+        return None
+    term = LETTERS[:len(a.shape)]
+    return einsum(f",{term}->{term}", [key.shape, a.shape], [out_avals[0].shape])
+
+
+def random_gamma_lower(ctx, key, a, *, log_space):
+    """Each device makes the split keys of its own elements (split(key, n)[i] is
+    threefry(key, (0, i)) with partitionable threefry) and samples them as jax does."""
+    from autoshard.compiler.partition import match_vma
+
+    local, dims = ctx.local_out_shapes[0], ctx.out_layouts[0].dims
+    shape = tuple(n * math.prod(ctx.sizes[ax] for ax in axes) for n, axes in zip(local, dims))
+    index = _global_index(ctx, local, dims, shape)
+    data = prng.random_unwrap(key)
+    word = lambda i: lax.index_in_dim(data, i, axis=-1, keepdims=False)  # noqa: E731
+    k1, k2, hi, lo = match_vma([word(0), word(1), lax.full(index.shape, 0, np.uint32), index])
+    bits1, bits2 = threefry.threefry2x32_p.bind(k1, k2, hi, lo)
+    keys = prng.random_wrap(lax.concatenate([bits1.reshape(-1, 1), bits2.reshape(-1, 1)], 1),
+                            impl=key.dtype._impl)
+    keys, alphas = match_vma([keys, a.reshape(-1)])
+    one = lambda k, x: _gamma_one(k, x, log_space=log_space)  # noqa: E731
+    return [jax.vmap(one)(keys, alphas).reshape(local)]
 
 
 def replicated_sharding(in_avals, out_avals, **params):
@@ -92,11 +133,15 @@ TABLE = {
     prng.random_split_p: Rule(replicated_sharding),
     prng.random_fold_in_p: Rule(replicated_sharding),
 }
+if _gamma_one is not None:
+    TABLE[random_gamma_p] = Rule(random_gamma_sharding, random_gamma_lower)
 
 
 def validation_samples() -> list:
     f2 = ((8, 8), "f")
     return [
+        ("gamma", "random_gamma",
+         lambda x: jax.random.gamma(jax.random.key(5), jax.numpy.abs(x) + 0.5), (f2,)),
         ("uniform", "random_bits",
          lambda x: x * jax.random.uniform(jax.random.key(3), x.shape), (f2,)),
         ("bernoulli dropout", "random_bits",
