@@ -67,6 +67,8 @@ def samples() -> list[Sample]:
     add("polygamma", "polygamma", lambda x: lax.polygamma(jnp.ones_like(x), pos(x)), f2)
     add("zeta", "zeta", lambda x, q: lax.zeta(pos(x) + 1.0, pos(q)), f2, f2)
     add("stop_gradient", "stop_gradient", lambda x: lax.stop_gradient(x) * 2.0, f2)
+    add("optimization_barrier", "optimization_barrier",
+        lambda a, b: jnp.sum(lax.optimization_barrier((a, b * 2.0))[1], axis=0) + a[0], f2, f2)
     add("checkpoint_name", "name",
         lambda x: checkpoint_name(x, "saved") * 2.0, f2)
     one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("v",)),

@@ -10,6 +10,7 @@ from jax._src import pjit as _pjit
 from jax._src.ad_checkpoint import name_p
 from jax._src.ad_util import add_jaxvals_p
 from jax._src.lax import lax as lax_internal
+from jax._src.lax.lax import optimization_barrier_p
 
 from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
 from autoshard.placement import ReduceType
@@ -97,10 +98,37 @@ def _bitcast_sharding(in_avals, out_avals, **params):
     return elementwise_sharding(_PLAIN)(in_avals, out_avals)
 
 
+def _barrier_sharding(in_avals, out_avals, **params):
+    # lax.optimization_barrier: result i is operand i, each laid out on its own (pending
+    # partial values are reduced first: the barrier orders work, it does not sum it)
+    letters = iter(LETTERS)
+    terms = ["".join(next(letters) for _ in a.shape) for a in in_avals]
+    spec = ",".join(terms) + "->" + ",".join(terms)
+    return einsum(spec, [a.shape for a in in_avals], [a.shape for a in out_avals])
+
+
+def _barrier_lower(ctx, *xs, **params):
+    # jax gives every result of one barrier the union of its operands' varying axes, so a
+    # replicated operand's result would vary: one barrier per group of operands that vary
+    # over the same mesh axes (each group is ordered as the user asked; values are unchanged)
+    from autoshard.reshard.steps import varying_axes
+
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(frozenset(varying_axes(x)), []).append(i)
+    out = list(xs)
+    for members in groups.values():
+        for i, y in zip(members, optimization_barrier_p.bind(*[xs[i] for i in members],
+                                                             **params)):
+            out[i] = y
+    return out
+
+
 TABLE = {p: Rule(elementwise_sharding(a)) for p, a in ALGEBRA.items()}
 TABLE.update({p: Rule(elementwise_sharding(_PLAIN)) for p in PLAIN})
 TABLE[lax.convert_element_type_p] = Rule(_convert_sharding)
 TABLE[lax.bitcast_convert_type_p] = Rule(_bitcast_sharding)
+TABLE[optimization_barrier_p] = Rule(_barrier_sharding, _barrier_lower, match_vma=False)
 
 
 def _identity_lower(ctx, x, **params):

@@ -18,6 +18,9 @@ class Rule:
     sharding: Callable[..., Any]
     lower: Callable[..., Any] | None = None
     comm: Callable[..., Any] | None = None
+    # the operands reach `lower` varying over the union of their axes (what most primitives
+    # need under check_vma); False hands them over as they are
+    match_vma: bool = True
 
 
 class RuleRegistry:

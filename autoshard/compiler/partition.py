@@ -81,7 +81,8 @@ def _bind(e, ep, ins: list, registry, sizes) -> list:
         return lower_higher_order(e, ep, ins, registry)
     local_shapes = [L.local_shape(v.shape, sizes) for v, L in zip(e.outputs, ep.results)]
     rule = None if ep.fallback else registry.lookup(e.primitive)
-    ins = match_vma(ins)
+    if rule is None or rule.match_vma:
+        ins = match_vma(ins)
     if rule is not None and rule.lower is not None:
         ctx = LowerContext(sizes, ep.required, ep.results, local_shapes)
         return rule.lower(ctx, *ins, **e.params)
