@@ -109,6 +109,28 @@ def test_a_train_step_with_grad_and_adamw_inside_runs_as_three_stages():
     assert [pl.mesh for pl in step.stage_plans(p, state, x, label)] == [MESH0, MESH1, MESH0]
 
 
+def test_a_jax_jit_body_that_moves_to_another_mesh_is_cut_like_inline_code():
+    # a jitted helper holding the stage boundary (a call is its body): spliced into the
+    # program, forward and backward, then cut as if written inline
+    @jax.jit
+    def second_stage(y, w1):
+        y = dist.reshard(y, MESH1, [S(0), S(2)])
+        return jnp.matmul(jax.nn.gelu(y), w1)
+
+    def wrapped(p, x, label):
+        return jnp.mean((second_stage(jnp.matmul(x, p["w0"]), p["w1"]) - label) ** 2)
+
+    p, x, label = placed()
+    f = dist.jit(jax.value_and_grad(wrapped))
+    loss, grads = f(p, x, label)
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)({"w0": W0, "w1": W1}, X, Y, False)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for name in ref_grads:
+        np.testing.assert_allclose(grads[name].numpy(), ref_grads[name], rtol=1e-4, atol=1e-7)
+        assert grads[name].mesh == p[name].mesh
+    assert [pl.mesh for pl in f.stage_plans(p, x, label)] == [MESH0, MESH1, MESH0]
+
+
 def test_a_chain_back_to_the_first_mesh_with_a_scalar_param_moving_along():
     """mesh0 → mesh1 → mesh0; a 0-d param on mesh0 is used on mesh1 (scalars move freely)."""
     w = [rng.normal(size=(16, 16)).astype("float32") * 0.3 for _ in range(3)]

@@ -55,12 +55,75 @@ class Cut:
 
 
 def meshes_named(closed: Any, in_meshes: list) -> list[ProcessMesh]:
-    """The distinct meshes of the inputs and of the top-level hints, in order of appearance."""
+    """The distinct meshes of the inputs and of the hints (inside calls too), in order of
+    appearance."""
     found: list[ProcessMesh] = []
-    for m in [*in_meshes, *(e.params["mesh"] for e in closed.jaxpr.eqns if e.primitive is hint_p)]:
+    named = []
+    for e in closed.jaxpr.eqns:
+        named += [e.params["mesh"]] if e.primitive is hint_p else _hint_meshes_inside(e)
+    for m in [*in_meshes, *named]:
         if m is not None and m not in found:
             found.append(m)
     return found
+
+
+_CALLS = {"pjit", "jit", "closed_call", "core_call"}  # a call is its body: the same values
+
+
+def _moves_inside(eqn) -> bool:
+    """A call whose body (any depth) places values: a hint, or the cotangent of one."""
+    if eqn.primitive.name not in _CALLS:
+        return False
+
+    def visit(jaxpr) -> bool:
+        return any(e.primitive in (hint_p, hint_back_p) or any(map(visit, _sub_jaxprs(e.params)))
+                   for e in jaxpr.eqns)
+
+    return any(map(visit, _sub_jaxprs(eqn.params)))
+
+
+def inline_calls_that_move(closed: Any) -> Any:
+    """`closed` with the jax.jit bodies that move values to a mesh spliced in (any depth), so
+    that the cut can put their equations on the stages they belong to; other equations stay
+    as they are. Only for programs on several meshes (one-mesh programs keep their calls)."""
+    if not any(_moves_inside(e) for e in closed.jaxpr.eqns):
+        return closed
+    constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
+
+    def splice(jaxpr, body_consts, args: list, top: bool) -> list:
+        env: dict = {}
+        for v, c in zip(jaxpr.constvars, body_consts):
+            if top:
+                env[v] = v
+            else:
+                env[v] = fresh = jex_core.Var(v.aval)
+                constvars.append(fresh)
+                consts.append(c)
+        env.update(zip(jaxpr.invars, args))
+
+        def read(a):
+            return env.get(a, a) if _is_var(a) else a
+
+        for e in jaxpr.eqns:
+            ins = [read(a) for a in e.invars]
+            if _moves_inside(e):
+                body = e.params["jaxpr"] if "jaxpr" in e.params else e.params["call_jaxpr"]
+                inner, inner_consts = ((body.jaxpr, body.consts)
+                                       if isinstance(body, jex_core.ClosedJaxpr) else (body, ()))
+                env.update(zip(e.outvars, splice(inner, inner_consts, ins, False)))
+                continue
+            outs = list(e.outvars) if top else [
+                v if isinstance(v, jex_core.DropVar) else jex_core.Var(v.aval)
+                for v in e.outvars]
+            env.update(zip(e.outvars, outs))
+            eqns.append(e.replace(invars=ins, outvars=outs))
+        return [read(a) for a in jaxpr.outvars]
+
+    jaxpr = closed.jaxpr
+    outvars = splice(jaxpr, closed.consts, list(jaxpr.invars), True)
+    return jex_core.ClosedJaxpr(
+        jex_core.Jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info),
+        consts)
 
 
 def _is_var(a) -> bool:
@@ -69,6 +132,7 @@ def _is_var(a) -> bool:
 
 def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
     """Stages of `closed` (a ClosedJaxpr) whose inputs live on `in_meshes` (None: unplaced)."""
+    closed = inline_calls_that_move(closed)
     jaxpr = closed.jaxpr
     mesh_of: dict = {}
     movable: set = set()   # values that go to their reader's mesh
@@ -95,9 +159,10 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
             elsewhere = [m for m in _hint_meshes_inside(eqn) if m not in fixed[:1]]
             if elsewhere and (fixed or len(set(elsewhere)) > 1):
                 raise MeshMismatchError(
-                    f"`{eqn.primitive.name}` (the body of a jax.checkpoint, jax.jit or custom "
+                    f"`{eqn.primitive.name}` (the body of a jax.checkpoint or a custom "
                     f"derivative) moves values to {elsewhere[0]!r} inside it; a body runs on one "
-                    f"mesh — call dist.reshard before or after it, outside the body",
+                    f"mesh — call dist.reshard before or after it, outside the body (a jax.jit "
+                    f"body may move values: it is cut like inline code)",
                     where=source_line(eqn.source_info))
             if len(fixed) > 1:
                 raise MeshMismatchError(
