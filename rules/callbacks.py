@@ -46,10 +46,7 @@ def callback_lower(primitive):
 
         if partitioned or not ctx.sizes:
             return call()
-        first = None
-        for axis in ctx.sizes:
-            here = lax.eq(lax.axis_index(axis), np.int32(0))
-            first = here if first is None else lax.bitwise_and(first, here)
+        first = lax.eq(ctx.block_index(tuple(ctx.sizes)), np.int32(0))  # device 0 of the mesh
         lax.cond(first, lambda: (call(), None)[1], lambda: None)
         return []
 

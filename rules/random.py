@@ -43,16 +43,21 @@ def random_bits_sharding(in_avals, out_avals, *, bit_width, shape):
     return einsum(f"{batch}->{batch}{inner}", [key.shape], [tuple(key.shape) + tuple(shape)])
 
 
-def _bits_for_one_key(key, index, bit_width):
-    """threefry(key, i) at the global element indices `index` (one scalar key)."""
+def _threefry_at(key, index):
+    """The two words of threefry(key, (0, i)) at the global element indices `index` (one
+    scalar key): random_bits xors them, a split key is the pair."""
     from autoshard.compiler.partition import match_vma
 
     # lax throughout, not jnp's operators: each of those is a jitted call under tracing
     data = prng.random_unwrap(key)
     word = lambda i: lax.index_in_dim(data, i, axis=-1, keepdims=False)  # noqa: E731
     k1, k2, hi, lo = match_vma([word(0), word(1), lax.full(index.shape, 0, np.uint32), index])
-    bits1, bits2 = threefry.threefry2x32_p.bind(k1, k2, hi, lo)
-    bits = lax.bitwise_xor(bits1, bits2)
+    return threefry.threefry2x32_p.bind(k1, k2, hi, lo)
+
+
+def _bits_for_one_key(key, index, bit_width):
+    """threefry(key, i) at the global element indices `index` (one scalar key)."""
+    bits = lax.bitwise_xor(*_threefry_at(key, index))
     if bit_width != 32:
         bits = lax.convert_element_type(bits, prng.UINT_DTYPES[bit_width])
     return bits
@@ -100,11 +105,7 @@ def random_gamma_lower(ctx, key, a, *, log_space):
 
     local, dims = ctx.local_out_shapes[0], ctx.out_layouts[0].dims
     shape = tuple(n * math.prod(ctx.sizes[ax] for ax in axes) for n, axes in zip(local, dims))
-    index = _global_index(ctx, local, dims, shape)
-    data = prng.random_unwrap(key)
-    word = lambda i: lax.index_in_dim(data, i, axis=-1, keepdims=False)  # noqa: E731
-    k1, k2, hi, lo = match_vma([word(0), word(1), lax.full(index.shape, 0, np.uint32), index])
-    bits1, bits2 = threefry.threefry2x32_p.bind(k1, k2, hi, lo)
+    bits1, bits2 = _threefry_at(key, _global_index(ctx, local, dims, shape))
     keys = prng.random_wrap(lax.concatenate([bits1.reshape(-1, 1), bits2.reshape(-1, 1)], 1),
                             impl=key.dtype._impl)
     keys, alphas = match_vma([keys, a.reshape(-1)])
