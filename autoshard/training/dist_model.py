@@ -118,32 +118,30 @@ class DistModel:
         staged_recompute = self.strategy.recompute.enable and len(meshes) > 1
         if not pp.enable and not staged_recompute:
             return None
-        what = ("strategy.pipeline" if pp.enable else "strategy.recompute on a model whose "
-                "params live on several meshes (each stage recomputes its own forward)")
-        unsupported = [name for name, on in (
-            ("model state (BatchNorm statistics, RNG counters)", bool(jax.tree.leaves(self.state))),
-        ) if on]
-        if unsupported:
-            raise DistModelError(f"{what} does not combine with {unsupported[0]} yet: "
-                                 f"turn one of them off")
         from .pipeline import PipelineRunner
 
         scaled = self._loss_scaler() is not None
+        stateful = bool(jax.tree.leaves(self.state))
 
-        def loss(params, inputs, *labels):
+        def loss(params, state, inputs, *labels):
             # recompute is the runner's (each stage's forward again in its backward): a
             # jax.checkpoint around the whole forward would keep it on one mesh
             if scaled:  # float16: the loss scale comes last (0-d: every micro-batch's)
                 *labels, scale = labels
-            out, _ = self._forward("train", params, self.state, inputs, remat=False)
+            out, new_state = self._forward("train", params, state, inputs, remat=False)
             value = self._loss_fn(out, *labels).astype(jnp.float32)
-            return value * scale if scaled else value
+            return value * scale if scaled else value, new_state
 
+        # model state (dropout counters, BatchNorm statistics) is threaded through each stage's
+        # micro-batches: the step's new state is one device's after the micro-batches in turn
+        fn = loss if stateful else (lambda params, inputs, *labels:
+                                    loss(params, self.state, inputs, *labels)[0])
         if not pp.enable:
-            return PipelineRunner.from_function(loss, "1F1B", 1, recompute=True)
-        return PipelineRunner.from_function(loss, pp.schedule_mode, pp.accumulate_steps,
+            return PipelineRunner.from_function(fn, "1F1B", 1, recompute=True, stateful=stateful)
+        return PipelineRunner.from_function(fn, pp.schedule_mode, pp.accumulate_steps,
                                             chunks=pp.vpp_degree,
-                                            recompute=self.strategy.recompute.enable)
+                                            recompute=self.strategy.recompute.enable,
+                                            stateful=stateful)
 
     def _pipelined_step(self, *batch: Any) -> DistTensor:
         """One train step through the pipeline: loss and gradients over the micro-batches,
@@ -155,7 +153,11 @@ class DistModel:
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         scaler = self.scaler_state
         extra = (scaler["scale"],) if scaler else ()
-        loss, grads = self._pipeline.value_and_grad(self.params, inputs, *labels, *extra)
+        if self._pipeline.stateful:
+            loss, grads, self.state = self._pipeline.value_and_grad(
+                self.params, inputs, *labels, *extra, state=self.state)
+        else:
+            loss, grads = self._pipeline.value_and_grad(self.params, inputs, *labels, *extra)
         if scaler:  # float16: the loss and gradients came scaled
             if "unscale" not in self._programs:
                 self._programs["unscale"] = jit(lambda v, g, sc: (
@@ -205,14 +207,18 @@ class DistModel:
     def _place_state(self, state: dict) -> dict:
         """Model state placed as the user placed it, else like a same-shaped param beside it."""
         compute = flatten_dict(self._compute) if isinstance(self._compute, dict) else {}
+        homes = flatten_dict(self._homes) if isinstance(self._homes, dict) else {}
         placed = {}
         for path, value in flatten_dict(state).items():
             if _is_dt(value):
                 placed[path] = value
                 continue
             sibling = sibling_param(self._parts.param_paths, path, np.shape(value))
-            placements = compute.get(self._parts.param_of(sibling)) if sibling is not None else None
-            placed[path] = (shard_tensor(np.asarray(value), self.mesh, placements)
+            param = self._parts.param_of(sibling) if sibling is not None else None
+            placements = compute.get(param)
+            # beside its param: on that param's pipeline stage too
+            mesh = homes.get(param, self.mesh)
+            placed[path] = (shard_tensor(np.asarray(value), mesh, placements)
                             if placements is not None else self._replicated(value))
         return unflatten_dict(placed)
 
@@ -513,7 +519,8 @@ class DistModel:
             placed = self._batch(batch)
             inputs, labels = ((placed, ()) if len(placed) == 1
                               else (placed[:-1], placed[-1:]))
-            return "\n".join([head, self._pipeline.explain(self.params, inputs, *labels)])
+            return "\n".join([head, self._pipeline.explain(self.params, inputs, *labels,
+                                                                **self._pipeline_state())])
         name = "train" if self.k_steps == 1 else "merge"
         args = self.program_args(name, *batch)
         f = self._program(name, args)
@@ -546,7 +553,11 @@ class DistModel:
         placed = self._batch(batch)
         inputs, labels = (placed, ()) if len(placed) == 1 else (placed[:-1], placed[-1:])
         extra = (self.scaler_state["scale"],) if self.scaler_state else ()
-        return self._pipeline.profile(self.params, inputs, *labels, *extra, steps=steps)
+        return self._pipeline.profile(self.params, inputs, *labels, *extra, steps=steps,
+                                      **self._pipeline_state())
+
+    def _pipeline_state(self) -> dict:
+        return {"state": self.state} if self._pipeline.stateful else {}
 
     def programs(self) -> dict[str, Any]:
         """The compiled programs built so far, by mode (their .plan / .explain / .lower)."""

@@ -12,6 +12,11 @@ Values are the unpipelined step's: the loss is the mean of the micro-batch losse
 gradients are accumulated with the loss cotangent 1/m, which for a loss that is a mean over
 the batch equals the whole batch's loss and gradients (up to float rounding order).
 
+Model state (`state=`: dropout RNG counters, BatchNorm statistics) is each stage's own: stage
+s's program takes its state after its previous micro-batch and returns the next, so the state
+after a step is that of one device running the m micro-batches one after another (gradient
+accumulation), with no wait between stages.
+
 Micro-batches are cut without communication: of each shard of the batch dim (a data-parallel
 rank's rows), micro-batch i takes the i-th 1/m part, so every device keeps its own rows. The
 batch inputs of the first stage and the loss arguments of the last stage are cut the same way,
@@ -122,13 +127,15 @@ class _Recomputed:
         key = ("recompute", self.stage, index)  # jax.jit retraces for other operand layouts
         fn = self.owner._halves.get(key)
         if fn is None:
-            program, first = self.program, self.first
+            program, first, aux = self.program, self.first, self.owner._stateful
 
             def backward(params, x, extra, ct):
                 if first:
-                    grads = (jax.vjp(lambda p: program(p, x, *extra), params)[1](ct)[0], None)
+                    grads = (jax.vjp(lambda p: program(p, x, *extra), params,
+                                     has_aux=aux)[1](ct)[0], None)
                 else:
-                    grads = jax.vjp(lambda p, a: program(p, a, *extra), params, x)[1](ct)
+                    grads = jax.vjp(lambda p, a: program(p, a, *extra), params, x,
+                                    has_aux=aux)[1](ct)
                 return grads if index is None else grads[index]
 
             fn = self.owner._halves[key] = jax.jit(backward)
@@ -230,18 +237,23 @@ class PipelineRunner(StageRunner):
         # the pipeline benchmark measures against
         self.blocking = False
         self.after_action = None  # called with each Action once issued (the benchmark's probe)
+        self._stateful = False  # within value_and_grad(..., state=): programs return (y, state)
 
     @staticmethod
     def from_function(fn, schedule: str | Schedule = "1F1B", micro_batches: int = 1, *,
-                      chunks: int = 1, costs: dict | None = None, recompute: bool = False):
+                      chunks: int = 1, costs: dict | None = None, recompute: bool = False,
+                      stateful: bool = False):
         """A pipeline of one loss function `fn(params, inputs, *loss_args)` written with
         `dist.reshard(y, next_mesh, ...)` where activations move on: its stages are cut where
         values change mesh, as dist.jit cuts (auto_pipeline.py). `.value_and_grad(params,
-        inputs, *loss_args)` gives the loss and gradients shaped like `params`."""
+        inputs, *loss_args)` gives the loss and gradients shaped like `params`. With
+        `stateful=True`, `fn(params, state, inputs, *loss_args) -> (loss, new_state)` and
+        `.value_and_grad(params, inputs, *loss_args, state=state)` gives (loss, gradients,
+        the state after the micro-batches ran one after another)."""
         from .auto_pipeline import FunctionPipeline
 
         return FunctionPipeline(fn, schedule, micro_batches, chunks=chunks, costs=costs,
-                                recompute=recompute)
+                                recompute=recompute, stateful=stateful)
 
     @classmethod
     def from_strategy(cls, stages: Sequence[Stage], strategy: Any) -> "PipelineRunner":
@@ -257,12 +269,22 @@ class PipelineRunner(StageRunner):
         return runner
 
     # -- the step ------------------------------------------------------------------------------
-    def value_and_grad(self, params: Sequence[Params], inputs: Any,
-                       *loss_args: Any) -> tuple[DistTensor, list[Params]]:
-        """The mean loss over the micro-batches and, per stage, the gradients of its params."""
+    def value_and_grad(self, params: Sequence[Params], inputs: Any, *loss_args: Any,
+                       state: Sequence[Any] | None = None):
+        """The mean loss over the micro-batches and, per stage, the gradients of its params.
+
+        With `state` (per stage, a pytree: dropout counters, BatchNorm statistics), each
+        stage's fn is `fn(params, x, state, *loss_args) -> (y, new_state)`, run on its
+        micro-batches in order with the state threaded through them; the result is then
+        (loss, grads, new state per stage)."""
         self._check_params(params)
         m, last = self.schedule.micro_batches, len(self.stages) - 1
         micro_in, micro_args = self._micro_batches(inputs, loss_args)
+        states = None if state is None else list(state)
+        if states is not None and len(states) != len(self.stages):
+            raise StageError(f"got state for {len(states)} stages, but there are "
+                             f"{len(self.stages)}: pass one state pytree per stage")
+        done = [0] * len(self.stages)  # micro-batches each stage has run forward
         sent: dict = {}      # (stage, micro) -> (mesh, placements) its output was produced with
         outs: dict = {}      # (stage, micro) -> output, until the next stage has taken it
         pulls: dict = {}     # (stage, micro) -> its backward
@@ -274,35 +296,52 @@ class PipelineRunner(StageRunner):
         def accumulate(s: int, g: Params) -> None:
             grads[s] = g if grads[s] is None else _add(grads[s], g)
 
-        for a in self.order:
-            s, i = a.stage, a.micro
-            if a.kind == "F":
-                x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
-                y, pulls[(s, i)] = self._forward(s, params[s], x, micro_args[i]
-                                                 if self._reads_args(s) else ())
-                if s == last:
-                    losses[i] = self._check_loss(y)
-                else:
-                    outs[(s, i)], sent[(s, i)] = y, jax.tree.map(
-                        lambda t: (t.mesh, t.placements), y, is_leaf=_is_leaf)
-            elif a.kind == "B":
-                ct = self._seed(losses[i], m) if s == last else cts.pop((s, i))
-                pull = pulls[(s, i)] if split else pulls.pop((s, i))
-                if split:
-                    cts[("W", s, i)] = ct
-                    d_input = None if s == 0 else pull.part(ct, 1, s)
-                else:
-                    g, d_input = pull.both(ct)
-                    accumulate(s, g)
-                if s > 0:
-                    cts[(s - 1, i)] = _send_back(d_input, sent.pop((s - 1, i)))
-            else:  # W: the weight gradient the split backward left
-                accumulate(s, pulls.pop((s, i)).part(cts.pop(("W", s, i)), 0, s))
-            if self.blocking:
-                jax.block_until_ready((list(outs.values()), list(cts.values()), losses, grads))
-            if self.after_action is not None:
-                self.after_action(a)
-        return self._mean(losses), grads
+        self._stateful = states is not None
+        try:
+            for a in self.order:
+                s, i = a.stage, a.micro
+                if a.kind == "F":
+                    x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
+                    extra = micro_args[i] if self._reads_args(s) else ()
+                    if states is not None:
+                        if i != done[s]:  # the state of micro-batch i is made by i - 1
+                            raise ScheduleError(
+                                f"the schedule {self.schedule.name!r} runs micro-batch {i} "
+                                f"of stage {s} before micro-batch {done[s]}: with model "
+                                f"state each stage runs its micro-batches in order")
+                        extra = (states[s], *extra)
+                    y, pulls[(s, i)] = self._forward(s, params[s], x, extra)
+                    done[s] += 1
+                    if states is not None:
+                        y, states[s] = y
+                    if s == last:
+                        losses[i] = self._check_loss(y)
+                    else:
+                        outs[(s, i)], sent[(s, i)] = y, jax.tree.map(
+                            lambda t: (t.mesh, t.placements), y, is_leaf=_is_leaf)
+                elif a.kind == "B":
+                    ct = self._seed(losses[i], m) if s == last else cts.pop((s, i))
+                    pull = pulls[(s, i)] if split else pulls.pop((s, i))
+                    if split:
+                        cts[("W", s, i)] = ct
+                        d_input = None if s == 0 else pull.part(ct, 1, s)
+                    else:
+                        g, d_input = pull.both(ct)
+                        accumulate(s, g)
+                    if s > 0:
+                        cts[(s - 1, i)] = _send_back(d_input, sent.pop((s - 1, i)))
+                else:  # W: the weight gradient the split backward left
+                    accumulate(s, pulls.pop((s, i)).part(cts.pop(("W", s, i)), 0, s))
+                if self.blocking:
+                    jax.block_until_ready((list(outs.values()), list(cts.values()), losses,
+                                           grads))
+                if self.after_action is not None:
+                    self.after_action(a)
+        finally:
+            self._stateful = False
+        if states is None:
+            return self._mean(losses), grads
+        return self._mean(losses), grads, states
 
     def profile(self, params: Sequence[Params], inputs: Any, *loss_args: Any,
                 steps: int = 3) -> "PipelineProfile":
@@ -313,25 +352,32 @@ class PipelineRunner(StageRunner):
 
         return measure(self, lambda: self.value_and_grad(params, inputs, *loss_args), steps)
 
-    def forward(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> DistTensor:
-        """The mean loss over the micro-batches (forwards only, in the schedule's F order)."""
+    def forward(self, params: Sequence[Params], inputs: Any, *loss_args: Any,
+                state: Sequence[Any] | None = None) -> DistTensor:
+        """The mean loss over the micro-batches (forwards only, in the schedule's F order);
+        with `state`, stage fns as in value_and_grad and the state they leave is dropped."""
         self._check_params(params)
         m, last = self.schedule.micro_batches, len(self.stages) - 1
         micro_in, micro_args = self._micro_batches(inputs, loss_args)
+        states = None if state is None else list(state)
         outs, losses = {}, [None] * m
         for a in self.order:
             if a.kind != "F":
                 continue
             s, i = a.stage, a.micro
             x = micro_in[i] if s == 0 else self._arrive(s, outs.pop((s - 1, i)))
-            y = self.programs[s](params[s], x, *(micro_args[i] if self._reads_args(s) else ()))
+            extra = micro_args[i] if self._reads_args(s) else ()
+            y = self.programs[s](params[s], x, *(() if states is None else (states[s],)), *extra)
+            if states is not None:
+                y, states[s] = y
             if s == last:
                 losses[i] = self._check_loss(y)
             else:
                 outs[(s, i)] = y
         return self._mean(losses)
 
-    def explain(self, params: Sequence[Params], inputs: Any, *loss_args: Any) -> str:
+    def explain(self, params: Sequence[Params], inputs: Any, *loss_args: Any,
+                state: Sequence[Any] | None = None) -> str:
         """The schedule (simulated bubble, held micro-batches, each rank's order) and, for one
         micro-batch, what moves between stages and what each stage's forward communicates."""
         from ..reshard.api import plan_reshard
@@ -355,12 +401,15 @@ class PipelineRunner(StageRunner):
                                      f"{a.layout.describe(a.mesh)} → "
                                      f"{b.layout.describe(b.mesh)}, "
                                      f"{format_bytes(rp.total_bytes)}/device")
-            args = (params[s], x, *(micro_args[0] if self._reads_args(s) else ()))
+            args = (params[s], x, *((state[s],) if state is not None else ()),
+                    *(micro_args[0] if self._reads_args(s) else ()))
             plan = program.plan(*args)
             counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items()))
             lines.append(f"  stage {s} on devices {self.stages[s].mesh.process_ids}: "
                          f"{counts or 'no collectives'}, {format_bytes(plan.total_bytes)}/device")
             x = program(*args)
+            if state is not None:
+                x = x[0]
         lines.append("order per rank:")
         lines.append(str(sched))
         return "\n".join(lines)
@@ -403,26 +452,36 @@ class PipelineRunner(StageRunner):
                                 for k, a in enumerate(loss_args)])) or [()] * m
         return micro_in, micro_args
 
-    def _forward(self, s: int, params: Params, x: Any, extra: tuple) -> tuple[DistTensor,
-                                                                              _Pullback]:
+    def _forward(self, s: int, params: Params, x: Any, extra: tuple) -> tuple[Any, Any]:
+        """Stage s's output for one micro-batch (with model state: (output, new state)) and
+        what its backward needs."""
         program = self.programs[s]
         if self.recompute:  # keep only the stage's operands; the backward runs the forward again
             y = program(params, x, *extra)
             return y, _Recomputed(program, (params, x, extra), s == 0, self, s)
+        aux = self._stateful
         if s == 0:  # the batch needs no cotangent
-            out, vjp = jax.vjp(lambda p: program(p, x, *extra), params)
+            out, vjp, *new = jax.vjp(lambda p: program(p, x, *extra), params, has_aux=aux)
         else:
-            out, vjp = jax.vjp(lambda p, a: program(p, a, *extra), params, x)
+            out, vjp, *new = jax.vjp(lambda p, a: program(p, a, *extra), params, x, has_aux=aux)
         args = (params, x, *extra)
-        if isinstance(out, (tuple, list)):  # several values go on (a cut function's stages)
-            raw = not all(isinstance(o, DistTensor) for o in out)
-            plan = program.plan(*args) if raw else None
-            y = tuple(o if isinstance(o, DistTensor) else
-                      make_dtensor(o, plan.mesh, plan.outputs[k].without_partial(), o.shape)
-                      for k, o in enumerate(out))
-        else:
-            raw = not isinstance(out, DistTensor)
+        if not aux and not isinstance(out, (tuple, list)):
             y = self._as_dtensor(s, program, args, out)
+            return y, _Pullback(vjp, not isinstance(out, DistTensor), s == 0, self,
+                                _signature(args))
+        # Under jax.vjp dist.jit hands back arrays: give them their meshes and layouts again
+        # (the plan's outputs are the flat leaves of (activation, new state))
+        raw = not all(isinstance(o, DistTensor) for o in jax.tree.leaves(out, is_leaf=_is_leaf))
+        leaves, tree = jax.tree.flatten((out, new[0]) if aux else out, is_leaf=_is_leaf)
+        if not all(isinstance(o, DistTensor) for o in leaves):
+            plan = program.plan(*args)
+            leaves = [make_dtensor(o, plan.mesh, plan.outputs[k].without_partial(), o.shape)
+                      if isinstance(o, jax.Array) else o for k, o in enumerate(leaves)]
+        y = jax.tree.unflatten(tree, leaves)
+        if aux:
+            y = (tuple(y[0]) if isinstance(y[0], list) else y[0], y[1])
+        elif isinstance(y, list):
+            y = tuple(y)
         return y, _Pullback(vjp, raw, s == 0, self, _signature(args))
 
     @staticmethod
