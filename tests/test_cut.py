@@ -291,8 +291,8 @@ def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_w
         dist.jit(forgot_to_move)(p, x)
     assert re.search(r"test_cut\.py:\d+", str(err.value))
     @jax.checkpoint
-    def moves_inside(w0, x):
-        return dist.reshard(x @ w0, MESH1, [S(0), S(2)])
+    def moves_inside(w0, x):  # a move at the body's edge is taken out of it; this one is not
+        return jnp.tanh(dist.reshard(x @ w0, MESH1, [S(0), S(2)]))
 
     with pytest.raises(dist.MeshMismatchError, match=r"`remat2` \(the body of a jax.checkpoint.*"
                                                      r"moves values to ProcessMesh\(\[\[4, 5\]"):
@@ -302,6 +302,48 @@ def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_w
         jax.grad(lambda q: f(q, x, label))(p)
     with pytest.raises(dist.MeshMismatchError, match=r"spans 2 meshes.*\.stage_plans"):
         f.plan(p, x, label)
+
+
+@pytest.mark.parametrize("edge", ["start", "end"])
+def test_a_remat_layer_with_the_stage_move_at_its_edge_keeps_its_remat_on_one_mesh(edge):
+    """pp_config puts the stage boundary's reshard first in a layer's call; with the layer
+    under jax.checkpoint the move (and in the backward its cotangent's move back) is at the
+    body's edge: it is made just outside, the body runs on one stage with its remat kept, and
+    loss and gradients equal one device."""
+    from autoshard.compiler.cut import cut_by_mesh
+    from autoshard.compiler.trace import hint_back_p, hint_p
+
+    @jax.checkpoint
+    def layer(w1, y):
+        if edge == "start":
+            y = dist.reshard(y, MESH1, [S(0), S(2)])
+        out = jnp.matmul(jax.nn.gelu(y), w1)
+        return out if edge == "start" else dist.reshard(out, MESH1, [S(0), R])
+
+    def loss(p, x, label):
+        y = jnp.matmul(x, p["w0"])
+        w1 = p["w1"] if edge == "start" else dist.reshard(p["w1"], MESH0, [R, R])
+        return jnp.mean((layer(w1, y) - label) ** 2)
+
+    p, x, label = placed()
+    value, grads = dist.jit(jax.value_and_grad(loss))(p, x, label)
+    ref_value, ref_grads = jax.value_and_grad(loss)({"w0": W0, "w1": W1}, X, Y)
+    np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
+    for k in ("w0", "w1"):
+        np.testing.assert_allclose(grads[k].numpy(), ref_grads[k], rtol=1e-4, atol=1e-7)
+        if k == "w0" or edge == "start":  # ("end": w1's gradient is its copy's, on mesh0)
+            assert (grads[k].mesh, grads[k].placements) == (p[k].mesh, p[k].placements)
+
+    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (W0, W1, X, Y)]
+    closed = jax.make_jaxpr(lambda w0, w1, x, y: jax.value_and_grad(loss)(
+        {"w0": w0, "w1": w1}, x, y))(*avals)
+    cut = cut_by_mesh(closed, [MESH0, MESH1, MESH0, MESH1])
+    home = MESH1 if edge == "start" else MESH0
+    remats = [(part.mesh, e) for part in cut.stages for e in part.eqns
+              if e.primitive.name == "remat2"]
+    assert remats and all(mesh == home for mesh, _ in remats)  # the backward's recompute
+    assert not any(b.primitive in (hint_p, hint_back_p)
+                   for _, e in remats for b in e.params["jaxpr"].eqns)
 
 
 def test_results_that_read_nothing_placed_are_plain_arrays_and_optimizer_states_follow_params():

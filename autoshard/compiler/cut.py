@@ -126,13 +126,101 @@ def inline_calls_that_move(closed: Any) -> Any:
         consts)
 
 
+_REMAT = {"remat2", "checkpoint"}  # jax.checkpoint / nnx.remat: the body is recomputed
+
+
+def hoist_moves_out_of_remat(closed: Any) -> Any:
+    """`closed` with the moves at a jax.checkpoint body's edges taken out of it.
+
+    pp_config puts the stage boundary's reshard first in a layer's call; a remat layer then
+    starts by moving its input to the next mesh (and its backward ends by moving the
+    input's cotangent back). Done just outside, the move is the same, and the body runs on
+    one mesh with its remat policy kept. A move of an operand read nowhere else in the body
+    is made before the call (reusing an identical move already made outside), a move that makes
+    a result after it; moves deeper inside still raise in the cut."""
+    if not any(e.primitive.name in _REMAT and _moves_at_edges(e.params["jaxpr"])
+               for e in closed.jaxpr.eqns):
+        return closed
+    eqns: list = []
+    moved: dict = {}  # (operand, params) -> the outer hint's result
+    for e in closed.jaxpr.eqns:
+        if e.primitive in (hint_p, hint_back_p) and _is_var(e.invars[0]):
+            moved.setdefault((e.primitive, e.invars[0], _hint_key(e.params)), e.outvars[0])
+        if e.primitive.name not in _REMAT:
+            eqns.append(e)
+            continue
+        body, before, after = _hoist(e.params["jaxpr"])
+        ins, outs, post = list(e.invars), list(e.outvars), []
+        for i, h in before:
+            key = (h.primitive, ins[i], _hint_key(h.params))
+            v = moved.get(key) if _is_var(ins[i]) else None
+            if v is None:
+                v = jex_core.Var(h.outvars[0].aval)
+                eqns.append(h.replace(invars=[ins[i]], outvars=[v]))
+                if _is_var(ins[i]):
+                    moved[key] = v
+            ins[i] = v
+        for k, h in after:
+            if isinstance(outs[k], jex_core.DropVar):
+                continue  # nobody reads it: no move
+            u = jex_core.Var(h.invars[0].aval)
+            post.append(h.replace(invars=[u], outvars=[outs[k]]))
+            outs[k] = u
+        eqns.append(e.replace(invars=ins, outvars=outs, params={**e.params, "jaxpr": body}))
+        eqns += post
+    return jex_core.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def _hint_key(params: dict) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+
+def _moves_at_edges(body) -> bool:
+    _, before, after = _hoist(body)
+    return bool(before or after)
+
+
+def _hoist(body) -> tuple:
+    """(body without its edge moves, [(operand index, hint)], [(result index, hint)])."""
+    uses: dict = {}
+    for e in body.eqns:
+        for a in e.invars:
+            if _is_var(a):
+                uses[a] = uses.get(a, 0) + 1
+    for a in body.outvars:
+        if _is_var(a):
+            uses[a] = uses.get(a, 0) + 1
+    invars, outvars = list(body.invars), list(body.outvars)
+    position = {v: i for i, v in enumerate(body.invars)}
+    producer = {v: e for e in body.eqns for v in e.outvars}
+    dropped: set = set()
+    before, after = [], []
+    for e in body.eqns:
+        a = e.invars[0] if e.primitive in (hint_p, hint_back_p) else None
+        if a is not None and _is_var(a) and a in position and uses[a] == 1:
+            invars[position[a]] = e.outvars[0]
+            dropped.add(id(e))
+            before.append((position[a], e))
+    for k, v in enumerate(body.outvars):
+        e = producer.get(v) if _is_var(v) else None
+        if (e is not None and e.primitive in (hint_p, hint_back_p) and uses[v] == 1
+                and id(e) not in dropped and _is_var(e.invars[0])):
+            outvars[k] = e.invars[0]
+            dropped.add(id(e))
+            after.append((k, e))
+    if not dropped:
+        return body, [], []
+    return (body.replace(invars=invars, outvars=outvars,
+                         eqns=[e for e in body.eqns if id(e) not in dropped]), before, after)
+
+
 def _is_var(a) -> bool:
     return not isinstance(a, jex_core.Literal)
 
 
 def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
     """Stages of `closed` (a ClosedJaxpr) whose inputs live on `in_meshes` (None: unplaced)."""
-    closed = inline_calls_that_move(closed)
+    closed = hoist_moves_out_of_remat(inline_calls_that_move(closed))
     jaxpr = closed.jaxpr
     mesh_of: dict = {}
     movable: set = set()   # values that go to their reader's mesh
