@@ -100,8 +100,9 @@ def _params(model) -> dict:
     (4, "blocks", "1F1B", 0.0, 1),                          # 2 blocks per stage, ZeRO-1, remat
     (2, {"blocks.0": dist.SplitPoint.END}, "FThenB", 0.1, 0),  # dropout per micro-batch
     (2, {"blocks.1": dist.SplitPoint.BEGINNING}, "1F1B", 0.0, 3),
-    # four model chunks on the two pp ranks, interleaved: blocks 0 and 2 on rank 0
-    (4, {f"blocks.{k}": dist.SplitPoint.END for k in range(3)}, "VPP", 0.0, 0),
+    # four model chunks on the two pp ranks, interleaved: blocks 0 and 2 on rank 0; dropout
+    # and recompute (each chunk's forward again in its backward)
+    (4, {f"blocks.{k}": dist.SplitPoint.END for k in range(3)}, "VPP", 0.1, 0),
 ])
 def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layers, spec, schedule,
                                                                            dropout, level):
@@ -127,7 +128,8 @@ def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layer
     loader = dist.shard_dataloader(data, meshes=[first, last], shard_dims="dp")
     strategy = dist.Strategy({"pipeline": {"enable": schedule is not None,
                                            "schedule_mode": schedule or "1F1B",
-                                           "accumulate_steps": 2, "vpp_degree": chunks}})
+                                           "accumulate_steps": 2, "vpp_degree": chunks},
+                             "recompute": {"enable": schedule == "VPP"}})
     dm = dist.to_static(model, loader, ce, opt, strategy)
     losses = [float(dm(x, y).numpy()) for x, y in loader()]
 

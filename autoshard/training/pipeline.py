@@ -166,7 +166,9 @@ def _placed(tree):
     """DistTensors whose physical arrays sit as their layouts say (a jitted half of a backward
     hands back what XLA chose: the same sharding, checked here rather than assumed)."""
     def fix(t):
-        if isinstance(t, DistTensor) and not t.physical.sharding.is_equivalent_to(
+        # (an integer value's cotangent is a float0 numpy array: it has no sharding to fix)
+        if isinstance(t, DistTensor) and isinstance(t.physical, jax.Array) and \
+                not t.physical.sharding.is_equivalent_to(
                 t.sharding, t.physical.ndim):
             return DistTensor(jax.device_put(t.physical, t.sharding), t.mesh, t.layout, t.shape)
         return t
