@@ -8,10 +8,12 @@ LayerNorm, RMSNorm, Linear). `dist.parallelize` with a mesh of dims (pp, dp, mp)
 places it: `pp_config` cuts the block list into two stages (embeddings join the first, the
 final norm and head the last), `mp_config` makes attention and MLP Megatron column/row
 parallel inside each stage, `dp_config` adds ZeRO-1. `dist.to_static` with Paddle's
-`strategy.pipeline` runs the stages 1F1B over 4 micro-batches. Under the launcher each
-stage lives in its own process (two "hosts"). Every loss and weight is checked against the
-same steps on one device; the DistModel's summary (schedule, per-micro-batch moves and
-collectives) and a measured profile of the stages are printed.
+`strategy.pipeline` runs the stages 1F1B over 4 micro-batches, with dropout in every block:
+each stage's dropout streams advance once per micro-batch. Under the launcher each stage lives
+in its own process (two "hosts"). Every loss and weight is checked against the same steps on
+one device accumulating gradients over the same 4 micro-batches; the DistModel's summary
+(schedule, per-micro-batch moves and collectives) and a measured profile of the stages are
+printed.
 """
 import os
 
@@ -28,6 +30,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH, STEPS = 64, 32, 4, 4, 8, 16, 4
+MICRO, DP, DROPOUT = 4, 2, 0.1
 
 
 class Block(nnx.Module):
@@ -40,11 +43,12 @@ class Block(nnx.Module):
         self.ln2 = nnx.RMSNorm(D, rngs=rngs)
         self.up = nnx.Linear(D, 4 * D, rngs=rngs)
         self.down = nnx.Linear(4 * D, D, rngs=rngs)
+        self.drop = nnx.Dropout(DROPOUT, rngs=rngs)
 
     def __call__(self, x):
         mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
         x = x + self.attn(self.ln1(x), mask=mask)
-        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+        return x + self.drop(self.down(jax.nn.gelu(self.up(self.ln2(x)))))
 
 
 class GPT(nnx.Module):
@@ -89,7 +93,7 @@ def train():
     loader = dist.shard_dataloader(batches(), meshes=[MESH["pp", 0], MESH["pp", -1]],
                                    shard_dims="dp")
     strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
-                                           "accumulate_steps": 4}})
+                                           "accumulate_steps": MICRO}})
     dm = dist.to_static(model, loader, loss_fn, opt, strategy)
     losses = [float(dm(ids, labels).numpy()) for ids, labels in loader()]
     print(dm.summary(*batches()[0]))  # the schedule, what crosses per micro-batch, collectives
@@ -97,18 +101,31 @@ def train():
     return model, losses
 
 
+def micro_batch(x, i: int):
+    """Micro-batch i as the pipeline cuts it: the i-th quarter of each dp shard's rows."""
+    return x.reshape(DP, MICRO, -1, *x.shape[1:])[:, i].reshape(-1, *x.shape[1:])
+
+
 def one_device():
+    """The same steps on one device: the micro-batches one after another (each drawing the
+    next dropout masks), then one AdamW update with the mean gradient."""
     model = GPT(nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    grad = nnx.jit(lambda m, ids, labels: nnx.value_and_grad(
+        lambda m: loss_fn(m(ids), labels))(m))
+    update = nnx.jit(lambda m, o, g: o.update(m, g))
 
-    @nnx.jit
-    def step(model, opt, ids, labels):
-        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(ids), labels))(model)
-        opt.update(model, grads)
-        return loss
+    def step(ids, labels):
+        losses, total = [], None
+        for i in range(MICRO):
+            loss, g = grad(model, micro_batch(ids, i), micro_batch(labels, i))
+            losses.append(float(loss))
+            total = g if total is None else jax.tree.map(jnp.add, total, g)
+        update(model, opt, jax.tree.map(lambda t: t / MICRO, total))
+        return float(np.mean(losses))
 
     with jax.default_device(jax.local_devices()[0]):
-        return model, [float(step(model, opt, ids, labels)) for ids, labels in batches()]
+        return model, [step(ids, labels) for ids, labels in batches()]
 
 
 def params(model) -> dict:
