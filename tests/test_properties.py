@@ -223,8 +223,11 @@ _BODY_OPS = sorted(k for k in OPS if k not in ("scan_rows", "per_row_keys"))
 @st.composite
 def wrapped_cases(draw):
     mesh, _, px, pw, seed = draw(cases())
-    ops = draw(st.lists(st.sampled_from(_BODY_OPS), min_size=1, max_size=4))
-    return mesh, tuple(ops), px, pw, draw(st.sampled_from(sorted(WRAPPERS))), seed
+    wrap = draw(st.sampled_from(sorted(WRAPPERS)))
+    # jax has no batching rule for ragged_dot over a dim but 0: not even one device runs it
+    allowed = [k for k in _BODY_OPS if not (wrap == "vmap" and k == "ragged_dot")]
+    ops = draw(st.lists(st.sampled_from(allowed), min_size=1, max_size=4))
+    return mesh, tuple(ops), px, pw, wrap, seed
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
