@@ -227,3 +227,20 @@ def test_explicit_stages_thread_their_state_through_the_micro_batches():
     np.testing.assert_allclose(new[1]["mean"].numpy(), means[1], rtol=1e-5, atol=1e-6)
     assert int(new[1]["n"].numpy()) == n == m
     assert new[1]["mean"].mesh == M1
+
+
+def test_summary_names_the_state_each_stage_threads():
+    model = Net(pipelined=True)
+    for path, v in nnx.iter_graph(model):
+        if isinstance(v, nnx.Param):
+            mesh = M1 if path[0] in ("l2", "bn2") else M0
+            v.set_value(dist.shard_tensor(np.asarray(v.get_value()), mesh, [R]))
+    data = _data(1)
+    loader = dist.shard_dataloader(data, meshes=[M0, M1], shard_dims="dp")
+    dm = dist.to_static(model, loader, mse, optax.sgd(0.1), dist.Strategy(
+        {"pipeline": {"enable": True, "schedule_mode": "1F1B", "accumulate_steps": 2}}))
+    text = dm.summary(*data[0])
+    stages = text.split("model state, threaded through each stage's micro-batches:")[1]
+    first, second = stages.strip().splitlines()
+    assert "bn1.mean" in first and "drop.rngs.count" in first and "bn2" not in first
+    assert "bn2.var" in second and "bn1" not in second and "drop" not in second

@@ -71,8 +71,16 @@ class FunctionPipeline:
         """PipelineRunner.explain of the cut stages."""
         self._check_state(state)
         runner, split = self._runner(params, inputs, loss_args, state)
-        return runner.explain(split(params), inputs, *loss_args,
-                              state=runner.split_state(state))
+        text = runner.explain(split(params), inputs, *loss_args, state=runner.split_state(state))
+        if state is None:
+            return text
+        paths = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_leaf)[0]]
+        lines = ["model state, threaded through each stage's micro-batches:"]
+        for k, owned in enumerate(runner._owned):
+            names = ", ".join(paths[j] for j in owned) or "none"
+            lines.append(f"  stage {k}: {names}")
+        return "\n".join([text, *lines])
 
     def profile(self, params: Any, inputs: Any, *loss_args: Any, steps: int = 3,
                 state: Any = None):
