@@ -23,7 +23,9 @@ from .placement import Placement
 class DistTensor:
     """A tensor of global `shape` laid out on `mesh` with `placements`."""
 
-    __slots__ = ("_value", "_mesh", "_layout", "_shape")
+    # _desc: dist.jit's description of this tensor as an input (shape, dtype, mesh, layout),
+    # made once: a train loop hands the same outputs back in every step
+    __slots__ = ("_value", "_mesh", "_layout", "_shape", "_desc")
 
     def __init__(self, value: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...]):
         # Trusted constructor: callers have checked that `value` is the physical array of
@@ -32,6 +34,7 @@ class DistTensor:
         self._mesh = mesh
         self._layout = layout
         self._shape = tuple(shape)
+        self._desc = None
 
     # -- pytree ------------------------------------------------------------------------------
     def tree_flatten(self):

@@ -13,6 +13,7 @@ from jax._src.interpreters import ad
 from jax.sharding import NamedSharding
 
 from ..cost_model import CostModel, default_cost_model
+from ..hashing import hash_once
 from ..dtensor import DistTensor
 from ..errors import MeshMismatchError, PlacementTypeError
 from ..layout import Layout, layout_from_placements
@@ -63,10 +64,15 @@ class _Leaf:
     mesh: ProcessMesh | None
     layout: Layout | None    # None: unplaced, the plan decides
 
+    def __hash__(self) -> int:  # every call hashes the key of all its inputs' descriptions
+        return hash_once(self, lambda: (self.shape, self.dtype, self.mesh, self.layout))
+
 
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
-        return _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout)
+        if x._desc is None:
+            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout)
+        return x._desc
     if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # tracers: no .sharding
             and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1):
         mesh = as_process_mesh(x.sharding.mesh)
@@ -85,6 +91,7 @@ class _Compiled:
     stored_outputs: list[Layout]  # the outputs' layouts as stored (plan.outputs, but uneven
     # placements the caller asked for: the program computes their even part, uneven.py)
     traced: bool = False  # jax has traced `fn` (its first call traces, lowers and compiles)
+    out_descs: list | None = None  # the outputs' descriptions as inputs, made on the first call
 
     def call(self, *physical):
         if self.traced:
@@ -329,6 +336,11 @@ class DistributedFunction:
                               jax.device_put(o, physical_sharding(L, plan.mesh)),
                               plan.mesh, L, v.shape)
                    for o, L, v in zip(outs, entry.stored_outputs, plan.program.outputs)]
+        if entry.out_descs is None:
+            entry.out_descs = [_describe_leaf(d) for d in wrapped]
+        else:  # the same descriptions each call: the next call's cache key compares by identity
+            for d, desc in zip(wrapped, entry.out_descs):
+                d._desc = desc
         if outer:
             self._check_differentiable(entry, leaves)
             if not self._always_dist or _differentiated(physicals):
