@@ -59,6 +59,8 @@ PLAIN = [
     # total-order comparisons (searchsorted's): -0.0 < 0.0 and NaNs ordered
     lax_internal.eq_to_p, lax_internal.le_to_p, lax_internal.lt_to_p,
 ]
+# primitives of later jax versions (tanh's derivative 1 - x² is one from jax 0.11)
+PLAIN += [p for p in (getattr(lax, "one_minus_square_p", None),) if p is not None]
 
 
 def _is_float(aval) -> bool:
