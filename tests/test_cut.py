@@ -131,6 +131,35 @@ def test_a_jax_jit_body_that_moves_to_another_mesh_is_cut_like_inline_code():
     assert [pl.mesh for pl in f.stage_plans(p, x, label)] == [MESH0, MESH1, MESH0]
 
 
+def test_a_jax_jit_call_reading_params_of_both_meshes_is_cut_like_inline_code():
+    # a jitted update over every param (optax's bias correction is one in jax >= 0.11) reads
+    # values of two meshes: its body is spliced in, each param updated on its own mesh
+    @jax.jit
+    def sgd(p, g):
+        return jax.tree.map(lambda a, b: a - 0.5 * b, p, g)
+
+    def step(p, x, label, move=True):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, label, move)
+        return sgd(p, grads), loss
+
+    p, x, label = placed()
+    f = dist.jit(step)
+    new, loss = f(p, x, label)
+    ref_new, ref_loss = step({"w0": W0, "w1": W1}, X, Y, False)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for name in ref_new:
+        np.testing.assert_allclose(new[name].numpy(), ref_new[name], rtol=1e-4, atol=1e-6)
+        assert (new[name].mesh, new[name].placements) == (p[name].mesh, p[name].placements)
+    assert [pl.mesh for pl in f.stage_plans(p, x, label)] == [MESH0, MESH1, MESH0]
+
+    @jax.jit
+    def mixes(w0, w1):  # inlined too, so the error names the operation that mixes them
+        return jnp.sum(w0 @ w1)
+
+    with pytest.raises(dist.MeshMismatchError, match=r"meet in `dot_general`"):
+        dist.jit(lambda p: mixes(p["w0"], p["w1"]))(p)
+
+
 def test_a_chain_back_to_the_first_mesh_with_a_scalar_param_moving_along():
     """mesh0 → mesh1 → mesh0; a 0-d param on mesh0 is used on mesh1 (scalars move freely)."""
     w = [rng.normal(size=(16, 16)).astype("float32") * 0.3 for _ in range(3)]

@@ -34,6 +34,15 @@ def _closed(jaxpr):
     return jaxpr if hasattr(jaxpr, "consts") else jex_core.ClosedJaxpr(jaxpr, [])
 
 
+def scan_counts(params: dict, n_operands: int) -> tuple[int, int]:
+    """(constants, carries) among a scan's operands: jax 0.10 names the counts, jax 0.11
+    keeps the operand groups as a flat tree (`ft_in`: constants, carries, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].update(list(range(n_operands))).unpack()
+    return len(list(consts)), len(list(carries))
+
+
 def _unsharded_leading(L: Layout) -> Layout:
     return Layout(((),) + L.dims[1:], L.partial)
 
@@ -107,7 +116,7 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
 
     p = e.params
     if e.name == "scan":
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = scan_counts(p, len(operands))
         consts, init, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
         xs_req = [_unsharded_leading(L) for L in xs]
         xs_in = [_slice_layout(L) for L in xs_req]
@@ -154,7 +163,7 @@ def lower_higher_order(e, ep, ins, registry):
     p = e.params
     fns = [local_function(sub, registry, physical=False) for sub in ep.sub_plans]
     if e.name == "scan":
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = scan_counts(p, len(ins))
         consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         carry_layouts = ep.results[:nk]
         body = fns[0]

@@ -82,11 +82,21 @@ def _moves_inside(eqn) -> bool:
     return any(map(visit, _sub_jaxprs(eqn.params)))
 
 
-def inline_calls_that_move(closed: Any) -> Any:
+def _call_body(eqn):
+    return eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+
+
+def inline_calls_that_move(closed: Any, spanning: tuple = ()) -> Any:
     """`closed` with the jax.jit bodies that move values to a mesh spliced in (any depth), so
-    that the cut can put their equations on the stages they belong to; other equations stay
-    as they are. Only for programs on several meshes (one-mesh programs keep their calls)."""
-    if not any(_moves_inside(e) for e in closed.jaxpr.eqns):
+    that the cut can put their equations on the stages they belong to; also the calls of the
+    bodies in `spanning` (bodies found reading values of several meshes, such as optax's
+    jitted bias correction over every parameter); other equations stay as they are. Only
+    for programs on several meshes (one-mesh programs keep their calls)."""
+    def inlined(e) -> bool:
+        return _moves_inside(e) or (e.primitive.name in _CALLS
+                                    and any(_call_body(e) is b for b in spanning))
+
+    if not any(inlined(e) for e in closed.jaxpr.eqns):
         return closed
     constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
 
@@ -106,8 +116,8 @@ def inline_calls_that_move(closed: Any) -> Any:
 
         for e in jaxpr.eqns:
             ins = [read(a) for a in e.invars]
-            if _moves_inside(e):
-                body = e.params["jaxpr"] if "jaxpr" in e.params else e.params["call_jaxpr"]
+            if inlined(e):
+                body = _call_body(e)
                 inner, inner_consts = ((body.jaxpr, body.consts)
                                        if isinstance(body, jex_core.ClosedJaxpr) else (body, ()))
                 env.update(zip(e.outvars, splice(inner, inner_consts, ins, False)))
@@ -218,9 +228,26 @@ def _is_var(a) -> bool:
     return not isinstance(a, jex_core.Literal)
 
 
+class _CallSpansMeshes(Exception):
+    """A call reads values of several meshes: its body is inlined and the cut made again."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+
 def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
     """Stages of `closed` (a ClosedJaxpr) whose inputs live on `in_meshes` (None: unplaced)."""
-    closed = hoist_moves_out_of_remat(inline_calls_that_move(closed))
+    spanning: tuple = ()
+    while True:
+        try:
+            return _cut(hoist_moves_out_of_remat(inline_calls_that_move(closed, spanning)),
+                        in_meshes)
+        except _CallSpansMeshes as found:
+            spanning += (found.body,)
+
+
+def _cut(closed: Any, in_meshes: list) -> Cut:
     jaxpr = closed.jaxpr
     mesh_of: dict = {}
     movable: set = set()   # values that go to their reader's mesh
@@ -252,6 +279,8 @@ def cut_by_mesh(closed: Any, in_meshes: list) -> Cut:
                     f"mesh — call dist.reshard before or after it, outside the body (a jax.jit "
                     f"body may move values: it is cut like inline code)",
                     where=source_line(eqn.source_info))
+            if len(fixed) > 1 and eqn.primitive.name in _CALLS:
+                raise _CallSpansMeshes(_call_body(eqn))  # a jax.jit body is cut like inline code
             if len(fixed) > 1:
                 raise MeshMismatchError(
                     f"values on {fixed[0]!r} and on {fixed[1]!r} meet in `{eqn.primitive.name}`: "
