@@ -59,6 +59,8 @@ def samples() -> list[Sample]:
     for n in unary_f:
         add(n, n, getattr(lax, n), f2)
     add("copy", "copy", lambda x: lax.copy_p.bind(x), f2)
+    if hasattr(lax, "one_minus_square_p"):  # jax >= 0.11: tanh's derivative
+        add("one_minus_square", "one_minus_square", lax.one_minus_square_p.bind, f2)
     pos = lambda x: jnp.abs(x) + 0.5  # noqa: E731  (the special functions' domains)
     for n in ["bessel_i0e", "bessel_i1e"]:
         add(n, n, getattr(lax, n), f2)

@@ -158,8 +158,13 @@ def test_a_table_gradient_from_gathered_updates_is_allocated_after_the_gather(po
     if poison:  # the table rows one device leaves finite are finite here too
         ref = jax.jit(step)(params, ids_np, labels_np)["wte"]
         np.testing.assert_array_equal(np.isfinite(new["wte"].numpy()), np.isfinite(ref))
-    into_table = [c.kind for c in plan.collectives if c.consumer.startswith("scatter-add")]
-    assert into_table == ["all-gather", "all-gather"]  # the ids and the updates
+    into_table = [c for c in plan.collectives if c.consumer.startswith("scatter-add")]
+    # the ids and the updates are gathered (jax >= 0.11's tanh derivative lets the pending
+    # sum reach the scatter, where it is reduce-scattered first: the same bytes); nothing the
+    # size of the table shard moves before the scatter
+    assert [c.kind for c in into_table].count("all-gather") == 2
+    assert "all-reduce" not in [c.kind for c in into_table]
+    assert all(c.bytes_per_device < vocab * dim * 4 // 4 for c in into_table)
     assert_hlo_matches_plan(f, *args)
     ours = f.lower(*args).compile().memory_analysis()
     base = jax.jit(step).lower(*jax.tree.map(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import atexit
 import difflib
 import os
+import sys
 import threading
+import warnings
 from collections.abc import MutableMapping
 from typing import Any, Callable
 
@@ -110,9 +112,27 @@ def wait_for_saves() -> None:
         _PENDING[0].wait()
 
 
-# Python shuts down its thread pools, which orbax's background commit needs, before atexit
-# handlers run; threading's own exit hooks run first, so wait there when the hook exists.
-getattr(threading, "_register_atexit", atexit.register)(wait_for_saves)
+def _wait_at_exit() -> None:
+    """Have interpreter exit wait for the pending saves while thread pools still run.
+
+    Python shuts down its thread pools, which orbax's background commit needs, before atexit
+    handlers run; threading's own exit hooks run before that, last registered first. So the
+    wait is registered there, and again once the first async save has started: by then orbax has
+    imported and registered concurrent.futures' pool shutdown (Python >= 3.12 imports it
+    lazily), and the wait runs before it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(wait_for_saves)
+    else:
+        register(wait_for_saves)  # returns at once when nothing is pending
+
+
+_wait_at_exit()
+_HOOKED_AFTER_A_SAVE: list = []  # non-empty once the wait is registered after a started save
+# CPython 3.12.0-3.12.2 refuse to start a thread once the main thread has returned
+# (python/cpython#113964, fixed in 3.12.3); orbax's commit starts some, so exit cannot finish
+# a save there.
+_EXIT_CANNOT_WAIT = (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3)
 
 
 def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
@@ -144,6 +164,16 @@ def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
     _PENDING.append(handle)
     if not async_save:
         handle.wait()
+    elif not _HOOKED_AFTER_A_SAVE:
+        _HOOKED_AFTER_A_SAVE.append(True)
+        _wait_at_exit()
+        if _EXIT_CANNOT_WAIT:
+            warnings.warn(
+                f"save_state_dict(async_save=True) on Python {sys.version.split()[0]}: this "
+                f"interpreter starts no threads at exit (CPython issue 113964, fixed in 3.12.3), "
+                f"so exit cannot finish the save; call .wait() on the returned handle (or "
+                f"autoshard.training.checkpoint.wait_for_saves()) before the program ends",
+                RuntimeWarning, stacklevel=2)
     return handle
 
 
