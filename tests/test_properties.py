@@ -168,6 +168,10 @@ def test_random_programs_with_while_loops_forward(case):
                                atol=1e-4 * max(1.0, float(np.abs(want).max())))
 
 
+JAX_0_11 = jax.__version_info__[:2] == (0, 11)
+ZERO_SIZE_RESIDUALS = {"cumprod", "cummax", "cumlogsumexp"}
+
+
 @st.composite
 def outer_cases(draw):
     # differentiating with respect to a Partial input has no meaning (see dist.jit), so the
@@ -184,6 +188,10 @@ def test_random_programs_gradients_taken_outside(case):
     # jax.grad of a dist.jit function differentiates the partitioned program itself: every
     # lowering (reshard steps, packed gathers, rule lowerings) must carry gradients
     mesh, ops, px, pw, seed = case
+    # jax 0.11's XLA crashes (segfault) compiling the gradient of a shard_map program whose
+    # residuals include a zero-size array, which the cumulative ops' derivatives
+    # (associative scans) make; fixed in jax 0.12
+    assume(not (JAX_0_11 and set(ops) & ZERO_SIZE_RESIDUALS))
     rng = np.random.default_rng(seed)
     dx = make_tensor(_data(rng), mesh, px, seed=seed)
     dw = make_tensor(_data(rng), mesh, pw, seed=seed + 1)
