@@ -2,10 +2,12 @@
 contracting dims reduce (sum)."""
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 from jax._src.lax.lax import ragged_dot_general_p
 
 from autoshard.compiler.factors import LETTERS, ONE, einsum
+from autoshard.compiler.partition import match_vma
 
 from .registry import Rule
 
@@ -36,10 +38,12 @@ def ragged_dot_sharding(in_avals, out_avals, *, ragged_dot_dimension_numbers, gr
                         **params):
     """ragged_dot_general (jax.lax.ragged_dot, a mixture of experts' grouped matmul): the
     lhs rows are cut into groups by `group_sizes`, each multiplied by its group's rhs. The
-    contracting dims reduce and the free dims pass as in a matmul; the ragged dim and the
-    group dim stay whole (a block of rows would need its own group sizes). Two forms: ragged
-    rows with a group dim in the rhs (the forward and the lhs gradient), and a ragged
-    contracting dim that makes a group dim first in the output (the rhs gradient)."""
+    contracting dims reduce and the free dims pass as in a matmul; the group dim stays whole.
+    The ragged dim may be split: each block of rows gets its own group sizes (ragged_dot_lower),
+    so tokens split over data parallelism stay split. Two forms: ragged rows with a group dim
+    in the rhs (the forward and the lhs gradient: the split passes to the output rows), and a
+    ragged contracting dim that makes a group dim first in the output (the rhs gradient: a
+    split there is contracted, each block's sum pending)."""
     rdn = ragged_dot_dimension_numbers
     (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
     lhs, rhs, sizes = in_avals
@@ -69,7 +73,30 @@ def ragged_dot_sharding(in_avals, out_avals, *, ragged_dot_dimension_numbers, gr
         return None
     spec = f"{''.join(lterm)},{''.join(rterm)},{group}->{''.join(out)}"
     return einsum(spec, [lhs.shape, rhs.shape, sizes.shape], [out_avals[0].shape],
-                  replicate=group + lterm[ragged], linear=ONE, partial_operands=(0, 1))
+                  replicate=group, linear=ONE, partial_operands=(0, 1))
+
+
+def ragged_dot_lower(ctx, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **params):
+    """A block of rows [start, start + n) keeps, of each group [begin, end), the rows inside
+    the block: the groups are contiguous and cover the rows from the first, so the kept rows
+    are the block's first ones, as ragged_dot expects; rows past every group stay zero."""
+    ragged = ragged_dot_dimension_numbers.lhs_ragged_dimensions[0]
+    axes = ctx.in_layouts[0].dims[ragged]
+    if axes:
+        n = lhs.shape[ragged]
+        dtype = group_sizes.dtype
+        start = lax.convert_element_type(lax.mul(ctx.block_index(axes), np.int32(n)), dtype)
+        end = lax.cumsum(group_sizes, axis=0)
+        begin = lax.sub(end, group_sizes)
+        zero, rows = np.zeros((), dtype), np.asarray(n, dtype)
+
+        def inside(v):
+            return lax.clamp(zero, lax.sub(v, start), rows)
+
+        lhs, rhs, group_sizes = match_vma([lhs, rhs, lax.sub(inside(end), inside(begin))])
+    return [ragged_dot_general_p.bind(lhs, rhs, group_sizes,
+                                      ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
+                                      **params)]
 
 
 def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count,
@@ -98,7 +125,7 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
 
 
 TABLE = {lax.dot_general_p: Rule(dot_general_sharding),
-         ragged_dot_general_p: Rule(ragged_dot_sharding),
+         ragged_dot_general_p: Rule(ragged_dot_sharding, ragged_dot_lower),
          lax.conv_general_dilated_p: Rule(conv_sharding)}
 
 

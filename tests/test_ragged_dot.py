@@ -26,27 +26,40 @@ def loss(x, w, sizes):
     return jnp.sum(jnp.tanh(jax.lax.ragged_dot(x, w, sizes)) ** 2)
 
 
-@pytest.mark.parametrize("x_at,w_at,reduced", [
-    pytest.param([R, R], [R, S(2)], False, id="experts' output features over mp"),
-    pytest.param([R, S(1)], [R, S(1)], True, id="contracting features over mp"),
-    pytest.param([S(0), R], [R, S(2)], False, id="rows split: gathered (groups stay whole)"),
+@pytest.mark.parametrize("x_at,w_at,reduced,rows_over", [
+    pytest.param([R, R], [R, S(2)], False, (), id="experts' output features over mp"),
+    pytest.param([R, S(1)], [R, S(1)], True, (), id="contracting features over mp"),
+    pytest.param([S(0), R], [R, S(2)], False, ("dp",),
+                 id="rows split over dp: each block's own group sizes"),
+    pytest.param([S(0), S(0)], [R, R], False, ("dp", "mp"), id="rows split over both axes"),
 ])
-def test_ragged_dot_values_and_gradients_equal_one_device(x_at, w_at, reduced):
+@pytest.mark.parametrize("sizes", [
+    pytest.param(SIZES, id="groups crossing blocks, one idle"),
+    pytest.param(np.array([2, 7, 0], np.int32), id="rows past every group stay zero"),
+])
+def test_ragged_dot_values_and_gradients_equal_one_device(x_at, w_at, reduced, rows_over, sizes):
     x = dist.shard_tensor(X, MESH24, x_at)
     w = dist.shard_tensor(W, MESH24, w_at)
-    sizes = dist.shard_tensor(SIZES, MESH24, [R, R])
+    placed_sizes = dist.shard_tensor(sizes, MESH24, [R, R])
     f = dist.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", dist.FallbackWarning)
-        value, (gx, gw) = f(x, w, sizes)
-    ref_value, (ref_gx, ref_gw) = jax.value_and_grad(loss, argnums=(0, 1))(X, W, SIZES)
+        value, (gx, gw) = f(x, w, placed_sizes)
+    ref_value, (ref_gx, ref_gw) = jax.value_and_grad(loss, argnums=(0, 1))(X, W, sizes)
     np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
     np.testing.assert_allclose(gx.numpy(), ref_gx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw.numpy(), ref_gw, rtol=1e-5, atol=1e-5)
-    plan = f.plan(x, w, sizes)
-    (forward,) = [ep for ep in plan.eqns if ep.primitive == "ragged_dot_general"][:1]
-    # the rows and the groups are never split; a split contracting dim leaves a partial sum
-    assert not forward.required[0].dims[0] and not forward.required[1].dims[0]
+    plan = f.plan(x, w, placed_sizes)
+    forward, *backward = [ep for ep in plan.eqns if ep.primitive == "ragged_dot_general"]
+    # the groups are never split; split rows stay split (no gather of the tokens), and a split
+    # contracting dim leaves a partial sum
+    assert forward.required[0].dims[0] == rows_over and not forward.required[1].dims[0]
+    assert forward.results[0].dims[0] == rows_over
     assert bool(forward.results[0].partial) == reduced
+    if rows_over:  # the experts' gradient sums its rows' blocks: pending over the row axes
+        (rhs_grad,) = [ep for ep in backward if len(ep.results[0].dims) == 3]
+        assert set(rhs_grad.results[0].partial_map) == set(rows_over)
+        assert not [c for c in plan.collectives
+                    if c.kind == "all-gather" and c.bytes_per_device >= X.nbytes // 2]
     planned = Counter(c.kind for c in plan.collectives)
-    assert count_collectives(f.lower(x, w, sizes).compile().as_text()) == planned
+    assert count_collectives(f.lower(x, w, placed_sizes).compile().as_text()) == planned
