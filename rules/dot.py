@@ -71,32 +71,60 @@ def ragged_dot_sharding(in_avals, out_avals, *, ragged_dot_dimension_numbers, gr
                 out.append(ch)
     if len(out) != len(out_avals[0].shape):
         return None
-    spec = f"{''.join(lterm)},{''.join(rterm)},{group}->{''.join(out)}"
+    # the group sizes stay whole (each block needs the groups before its own); the group dim
+    # of the rhs or of the output may split: experts over a mesh axis, each device running its
+    # own (ragged rows: the other experts' rows come out zero, so the output is a pending sum)
+    whole = next(letters)
+    spec = f"{''.join(lterm)},{''.join(rterm)},{whole}->{''.join(out)}"
     return einsum(spec, [lhs.shape, rhs.shape, sizes.shape], [out_avals[0].shape],
-                  replicate=group, linear=ONE, partial_operands=(0, 1))
+                  replicate=whole, linear=ONE, partial_operands=(0, 1))
 
 
 def ragged_dot_lower(ctx, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **params):
     """A block of rows [start, start + n) keeps, of each group [begin, end), the rows inside
     the block: the groups are contiguous and cover the rows from the first, so the kept rows
-    are the block's first ones, as ragged_dot expects; rows past every group stay zero."""
-    ragged = ragged_dot_dimension_numbers.lhs_ragged_dimensions[0]
+    are the block's first ones, as ragged_dot expects; rows past every group stay zero.
+
+    A block of groups [g0, g0 + k) (experts split) runs as k + 1 groups, the first one a zero
+    matrix taking the rows of the groups before g0; rows past the block's groups stay zero.
+    With a ragged contracting dim the extra group's output is dropped."""
+    rdn = ragged_dot_dimension_numbers
+    ragged = rdn.lhs_ragged_dimensions[0]
+    sizes = group_sizes
     axes = ctx.in_layouts[0].dims[ragged]
     if axes:
         n = lhs.shape[ragged]
-        dtype = group_sizes.dtype
-        start = lax.convert_element_type(lax.mul(ctx.block_index(axes), np.int32(n)), dtype)
-        end = lax.cumsum(group_sizes, axis=0)
-        begin = lax.sub(end, group_sizes)
-        zero, rows = np.zeros((), dtype), np.asarray(n, dtype)
+        start = _as(lax.mul(ctx.block_index(axes), np.int32(n)), sizes.dtype)
+        end = lax.cumsum(sizes, axis=0)
+        begin = lax.sub(end, sizes)
+        zero, rows = np.zeros((), sizes.dtype), np.asarray(n, sizes.dtype)
 
         def inside(v):
             return lax.clamp(zero, lax.sub(v, start), rows)
 
-        lhs, rhs, group_sizes = match_vma([lhs, rhs, lax.sub(inside(end), inside(begin))])
-    return [ragged_dot_general_p.bind(lhs, rhs, group_sizes,
-                                      ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
-                                      **params)]
+        sizes = lax.sub(inside(end), inside(begin))
+    contracting = ragged in rdn.dot_dimension_numbers[0][0]
+    group_dim = None if contracting else rdn.rhs_group_dimensions[0]
+    group_axes = ctx.out_layouts[0].dims[0] if contracting else ctx.in_layouts[1].dims[group_dim]
+    if group_axes:
+        k = ctx.local_out_shapes[0][0] if contracting else rhs.shape[group_dim]
+        g0 = _as(lax.mul(ctx.block_index(group_axes), np.int32(k)), np.int32)
+        before = lax.dynamic_slice(lax.sub(lax.cumsum(sizes, axis=0), sizes), (g0,), (1,))
+        sizes = lax.concatenate([before, lax.dynamic_slice(sizes, (g0,), (k,))], 0)
+        if not contracting:
+            shape = list(rhs.shape)
+            shape[group_dim] = 1
+            rhs = lax.concatenate([lax.full(shape, 0, rhs.dtype), rhs], group_dim)
+    if axes or group_axes:
+        lhs, rhs, sizes = match_vma([lhs, rhs, sizes])
+    out = ragged_dot_general_p.bind(lhs, rhs, sizes, ragged_dot_dimension_numbers=rdn, **params)
+    if contracting and group_axes:
+        out = lax.slice_in_dim(out, 1, out.shape[0], axis=0)
+    return [out]
+
+
+def _as(x, dtype):
+    return lax.convert_element_type(x, dtype)
 
 
 def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count,
@@ -149,6 +177,9 @@ def validation_samples() -> list:
     rows_aval = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     experts_aval = jax.ShapeDtypeStruct((3, 8, 4), jnp.float32)
     ragged = lambda a, b: lax.ragged_dot(a, b, sizes)  # noqa: E731
+    sizes4 = jnp.array([3, 0, 4, 1], jnp.int32)  # a group crossing a block of 2 or 4 rows
+    experts4_aval = jax.ShapeDtypeStruct((4, 8, 4), jnp.float32)
+    ragged4 = lambda a, b: lax.ragged_dot(a, b, sizes4)  # noqa: E731
     return [
         ("ragged_dot", "ragged_dot_general", ragged, (((4, 8), "f"), ((3, 8, 4), "f"))),
         ("ragged_dot lhs gradient", "ragged_dot_general",
@@ -157,6 +188,11 @@ def validation_samples() -> list:
         ("ragged_dot rhs gradient (ragged contracting)", "ragged_dot_general",
          lambda ct, a: jax.linear_transpose(lambda b: ragged(a, b), experts_aval)(ct)[0],
          (((4, 4), "f"), ((4, 8), "f"))),
+        # 4 experts and 8 rows: both may split over a mesh axis (expert parallelism)
+        ("ragged_dot 4 experts", "ragged_dot_general", ragged4, (((8, 8), "f"), ((4, 8, 4), "f"))),
+        ("ragged_dot 4 experts rhs gradient", "ragged_dot_general",
+         lambda ct, a: jax.linear_transpose(lambda b: ragged4(a, b), experts4_aval)(ct)[0],
+         (((8, 4), "f"), ((8, 8), "f"))),
         ("conv NHWC", "conv_general_dilated", conv(nhwc), (x, k)),
         ("conv NCHW strided valid", "conv_general_dilated",
          conv(("NCHW", "OIHW", "NCHW"), (2, 2), "VALID"), (((4, 4, 8, 8), "f"), ((8, 4, 3, 3), "f"))),

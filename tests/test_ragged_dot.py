@@ -63,3 +63,36 @@ def test_ragged_dot_values_and_gradients_equal_one_device(x_at, w_at, reduced, r
                     if c.kind == "all-gather" and c.bytes_per_device >= X.nbytes // 2]
     planned = Counter(c.kind for c in plan.collectives)
     assert count_collectives(f.lower(x, w, placed_sizes).compile().as_text()) == planned
+
+
+W4 = RNG.normal(size=(4, D, F)).astype(np.float32)
+
+
+@pytest.mark.parametrize("x_at", [pytest.param([R, R], id="tokens replicated"),
+                                  pytest.param([S(0), R], id="tokens over dp")])
+@pytest.mark.parametrize("sizes", [pytest.param(np.array([5, 0, 7, 4], np.int32), id="all rows"),
+                                   pytest.param(np.array([1, 2, 3, 1], np.int32),
+                                                id="rows past every group")])
+def test_experts_split_over_a_mesh_axis_run_their_own_rows(x_at, sizes):
+    # expert parallelism: each device holds one expert's weights and multiplies the rows of
+    # its expert (the others' come out zero: the output is a pending sum over mp); the experts'
+    # gradient comes out split the same way, never gathered
+    x = dist.shard_tensor(X, MESH24, x_at)
+    w = dist.shard_tensor(W4, MESH24, [R, S(0)])
+    placed_sizes = dist.shard_tensor(sizes, MESH24, [R, R])
+    f = dist.jit(jax.value_and_grad(loss, argnums=(0, 1)),
+                 out_placements=[[R, R], (x_at, [R, S(0)])])
+    value, (gx, gw) = f(x, w, placed_sizes)
+    ref_value, (ref_gx, ref_gw) = jax.value_and_grad(loss, argnums=(0, 1))(X, W4, sizes)
+    np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
+    np.testing.assert_allclose(gx.numpy(), ref_gx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw.numpy(), ref_gw, rtol=1e-5, atol=1e-5)
+    plan = f.plan(x, w, placed_sizes)
+    forward, *backward = [ep for ep in plan.eqns if ep.primitive == "ragged_dot_general"]
+    assert forward.required[1].dims[0] == ("mp",)
+    assert "mp" in forward.results[0].partial_map
+    (rhs_grad,) = [ep for ep in backward if len(ep.results[0].dims) == 3]
+    assert rhs_grad.results[0].dims[0] == ("mp",)
+    assert not [c for c in plan.collectives if c.kind == "all-gather"]  # no expert, no token
+    planned = Counter(c.kind for c in plan.collectives)
+    assert count_collectives(f.lower(x, w, placed_sizes).compile().as_text()) == planned
