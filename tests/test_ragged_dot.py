@@ -26,6 +26,21 @@ def loss(x, w, sizes):
     return jnp.sum(jnp.tanh(jax.lax.ragged_dot(x, w, sizes)) ** 2)
 
 
+def _equal_one_device(x_value, x_at, w_value, w_at, sizes, **jit_options):
+    """dist.jit of the loss's value and gradients: no fallback, and equal to one device."""
+    placed = (dist.shard_tensor(x_value, MESH24, x_at), dist.shard_tensor(w_value, MESH24, w_at),
+              dist.shard_tensor(sizes, MESH24, [R, R]))
+    f = dist.jit(jax.value_and_grad(loss, argnums=(0, 1)), **jit_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        value, grads = f(*placed)
+    ref_value, ref_grads = jax.value_and_grad(loss, argnums=(0, 1))(x_value, w_value, sizes)
+    np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    return f, placed
+
+
 @pytest.mark.parametrize("x_at,w_at,reduced,rows_over", [
     pytest.param([R, R], [R, S(2)], False, (), id="experts' output features over mp"),
     pytest.param([R, S(1)], [R, S(1)], True, (), id="contracting features over mp"),
@@ -38,17 +53,7 @@ def loss(x, w, sizes):
     pytest.param(np.array([2, 7, 0], np.int32), id="rows past every group stay zero"),
 ])
 def test_ragged_dot_values_and_gradients_equal_one_device(x_at, w_at, reduced, rows_over, sizes):
-    x = dist.shard_tensor(X, MESH24, x_at)
-    w = dist.shard_tensor(W, MESH24, w_at)
-    placed_sizes = dist.shard_tensor(sizes, MESH24, [R, R])
-    f = dist.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", dist.FallbackWarning)
-        value, (gx, gw) = f(x, w, placed_sizes)
-    ref_value, (ref_gx, ref_gw) = jax.value_and_grad(loss, argnums=(0, 1))(X, W, sizes)
-    np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
-    np.testing.assert_allclose(gx.numpy(), ref_gx, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gw.numpy(), ref_gw, rtol=1e-5, atol=1e-5)
+    f, (x, w, placed_sizes) = _equal_one_device(X, x_at, W, w_at, sizes)
     plan = f.plan(x, w, placed_sizes)
     forward, *backward = [ep for ep in plan.eqns if ep.primitive == "ragged_dot_general"]
     # the groups are never split; split rows stay split (no gather of the tokens), and a split
@@ -77,16 +82,8 @@ def test_experts_split_over_a_mesh_axis_run_their_own_rows(x_at, sizes):
     # expert parallelism: each device holds one expert's weights and multiplies the rows of
     # its expert (the others' come out zero: the output is a pending sum over mp); the experts'
     # gradient comes out split the same way, never gathered
-    x = dist.shard_tensor(X, MESH24, x_at)
-    w = dist.shard_tensor(W4, MESH24, [R, S(0)])
-    placed_sizes = dist.shard_tensor(sizes, MESH24, [R, R])
-    f = dist.jit(jax.value_and_grad(loss, argnums=(0, 1)),
-                 out_placements=[[R, R], (x_at, [R, S(0)])])
-    value, (gx, gw) = f(x, w, placed_sizes)
-    ref_value, (ref_gx, ref_gw) = jax.value_and_grad(loss, argnums=(0, 1))(X, W4, sizes)
-    np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
-    np.testing.assert_allclose(gx.numpy(), ref_gx, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gw.numpy(), ref_gw, rtol=1e-5, atol=1e-5)
+    f, (x, w, placed_sizes) = _equal_one_device(X, x_at, W4, [R, S(0)], sizes,
+                                                out_placements=[[R, R], (x_at, [R, S(0)])])
     plan = f.plan(x, w, placed_sizes)
     forward, *backward = [ep for ep in plan.eqns if ep.primitive == "ragged_dot_general"]
     assert forward.required[1].dims[0] == ("mp",)
