@@ -94,9 +94,9 @@ def ragged_dot_lower(ctx, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers
     axes = ctx.in_layouts[0].dims[ragged]
     if axes:
         n = lhs.shape[ragged]
-        start = _as(lax.mul(ctx.block_index(axes), np.int32(n)), sizes.dtype)
-        end = lax.cumsum(sizes, axis=0)
-        begin = lax.sub(end, sizes)
+        start = lax.convert_element_type(lax.mul(ctx.block_index(axes), np.int32(n)), sizes.dtype)
+        begin = _group_starts(sizes)
+        end = lax.add(begin, sizes)
         zero, rows = np.zeros((), sizes.dtype), np.asarray(n, sizes.dtype)
 
         def inside(v):
@@ -108,8 +108,8 @@ def ragged_dot_lower(ctx, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers
     group_axes = ctx.out_layouts[0].dims[0] if contracting else ctx.in_layouts[1].dims[group_dim]
     if group_axes:
         k = ctx.local_out_shapes[0][0] if contracting else rhs.shape[group_dim]
-        g0 = _as(lax.mul(ctx.block_index(group_axes), np.int32(k)), np.int32)
-        before = lax.dynamic_slice(lax.sub(lax.cumsum(sizes, axis=0), sizes), (g0,), (1,))
+        g0 = lax.mul(ctx.block_index(group_axes), np.int32(k))
+        before = lax.dynamic_slice(_group_starts(sizes), (g0,), (1,))
         sizes = lax.concatenate([before, lax.dynamic_slice(sizes, (g0,), (k,))], 0)
         if not contracting:
             shape = list(rhs.shape)
@@ -123,8 +123,9 @@ def ragged_dot_lower(ctx, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers
     return [out]
 
 
-def _as(x, dtype):
-    return lax.convert_element_type(x, dtype)
+def _group_starts(sizes):
+    """The first row of each group (an exclusive cumulative sum of the sizes)."""
+    return lax.sub(lax.cumsum(sizes, axis=0), sizes)
 
 
 def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count,
@@ -189,7 +190,8 @@ def validation_samples() -> list:
          lambda ct, a: jax.linear_transpose(lambda b: ragged(a, b), experts_aval)(ct)[0],
          (((4, 4), "f"), ((4, 8), "f"))),
         # 4 experts and 8 rows: both may split over a mesh axis (expert parallelism)
-        ("ragged_dot 4 experts", "ragged_dot_general", ragged4, (((8, 8), "f"), ((4, 8, 4), "f"))),
+        ("ragged_dot 4 experts", "ragged_dot_general", ragged4,
+         (((8, 8), "f"), ((4, 8, 4), "f"))),
         ("ragged_dot 4 experts rhs gradient", "ragged_dot_general",
          lambda ct, a: jax.linear_transpose(lambda b: ragged4(a, b), experts4_aval)(ct)[0],
          (((8, 4), "f"), ((8, 8), "f"))),

@@ -146,8 +146,8 @@ def test_async_save_is_complete_after_wait(tmp_path):
 
 
 @pytest.mark.skipif((3, 12, 0) <= sys.version_info[:3] < (3, 12, 3),
-                    reason="CPython 3.12.0-3.12.2 start no threads at exit (cpython#113964); "
-                           "save_state_dict warns there instead")
+                    reason="issue 5 (async checkpoints): CPython 3.12.0-3.12.2 start no threads "
+                           "at exit (cpython#113964); save_state_dict warns there instead")
 def test_exit_waits_for_an_async_save(tmp_path):
     script = (f"import numpy as np\nfrom autoshard.training.checkpoint import save_state_dict\n"
               f"save_state_dict({{'w': np.arange(1 << 20)}}, {str(tmp_path / 'c')!r}, "

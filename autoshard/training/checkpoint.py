@@ -128,11 +128,24 @@ def _wait_at_exit() -> None:
 
 
 _wait_at_exit()
-_HOOKED_AFTER_A_SAVE: list = []  # non-empty once the wait is registered after a started save
+_hooked_after_a_save = False  # the wait is registered again after the first async save
 # CPython 3.12.0-3.12.2 refuse to start a thread once the main thread has returned
 # (python/cpython#113964, fixed in 3.12.3); orbax's commit starts some, so exit cannot finish
 # a save there.
 _EXIT_CANNOT_WAIT = (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3)
+
+
+def _hook_after_a_save() -> None:
+    global _hooked_after_a_save
+    _hooked_after_a_save = True
+    _wait_at_exit()
+    if _EXIT_CANNOT_WAIT:
+        warnings.warn(
+            f"save_state_dict(async_save=True) on Python {sys.version.split()[0]}: this "
+            f"interpreter starts no threads at exit (CPython issue 113964, fixed in 3.12.3), "
+            f"so exit cannot finish the save; call .wait() on the returned handle (or "
+            f"autoshard.training.checkpoint.wait_for_saves()) before the program ends",
+            RuntimeWarning, stacklevel=3)
 
 
 def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
@@ -164,16 +177,8 @@ def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
     _PENDING.append(handle)
     if not async_save:
         handle.wait()
-    elif not _HOOKED_AFTER_A_SAVE:
-        _HOOKED_AFTER_A_SAVE.append(True)
-        _wait_at_exit()
-        if _EXIT_CANNOT_WAIT:
-            warnings.warn(
-                f"save_state_dict(async_save=True) on Python {sys.version.split()[0]}: this "
-                f"interpreter starts no threads at exit (CPython issue 113964, fixed in 3.12.3), "
-                f"so exit cannot finish the save; call .wait() on the returned handle (or "
-                f"autoshard.training.checkpoint.wait_for_saves()) before the program ends",
-                RuntimeWarning, stacklevel=2)
+    elif not _hooked_after_a_save:
+        _hook_after_a_save()
     return handle
 
 
