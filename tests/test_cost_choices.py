@@ -240,3 +240,40 @@ def test_sequence_parallel_backward_reuses_the_gathered_cotangent(layers):
         jax.tree.map(lambda x: x.numpy() if isinstance(x, dist.DistTensor) else x, a,
                      is_leaf=lambda x: isinstance(x, dist.DistTensor)) for a in w.args])
     np.testing.assert_allclose(ours[1].numpy(), ref[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("whole_reader_first", [True, False])
+def test_a_value_made_from_nothing_is_computed_whole_for_a_reader_that_needs_it_whole(
+        whole_reader_first):
+    # jax's derivative of `.at[order].set` without unique_indices: iota ids scattered into
+    # zeros, read split by the residual stream and gathered back by the (replicated) order.
+    # Split, the gather-back is a masked gather + all-reduce of the ids; computed whole on
+    # every device, nothing moves. Once a reader has taken the split layout the plan keeps it.
+    rng = np.random.default_rng(3)
+    xs = rng.normal(size=(16, 8)).astype(np.float32)
+    order = rng.permutation(16).astype(np.int32)
+
+    def f(x, order):
+        ids = jnp.zeros((16, 8), jnp.int32).at[order].set(jnp.arange(128).reshape(16, 8) + 1)
+        if whole_reader_first:
+            back = ids[order]
+            kept = jnp.where(ids % 3 == 0, x, 0.0)
+        else:
+            kept = jnp.where(ids % 3 == 0, x, 0.0)
+            back = ids[order]
+        return kept, back
+
+    x = dist.shard_tensor(xs, MESH, [S(0), R()])
+    g = dist.jit(f, out_placements=[[S(0), R()], [R(), R()]])
+    kept, back = g(x, order)
+    want_kept, want_back = jax.jit(f)(xs, order)
+    np.testing.assert_array_equal(kept.numpy(), want_kept)
+    np.testing.assert_array_equal(back.numpy(), want_back)
+    plan = g.plan(x, order)
+    hlo = g.lower(x, order).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    if whole_reader_first:
+        assert not plan.collectives
+        assert any("computed whole" in ep.strategy for ep in plan.eqns)
+    else:  # the scatter was planned split for its first reader: the gather-back moves ids
+        assert len(plan.collectives) == 1

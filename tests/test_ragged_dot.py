@@ -121,7 +121,8 @@ def _moe_step(unique: bool):
     pytest.param(([R, S(0)], [R, S(0)]), id="experts over mp"),
     pytest.param(([R, S(2)], [R, S(1)]), id="each expert's hidden features over mp"),
 ])
-def test_a_mixture_of_experts_train_step_equals_one_device(w_at):
+@pytest.mark.parametrize("unique", [True, False], ids=["unique unsort", "plain unsort"])
+def test_a_mixture_of_experts_train_step_equals_one_device(w_at, unique):
     tokens, d, f = 64, 16, 32
     params = {"router": RNG.normal(size=(d, 4)).astype(np.float32),
               "w_in": 0.1 * RNG.normal(size=(4, d, f)).astype(np.float32),
@@ -132,8 +133,9 @@ def test_a_mixture_of_experts_train_step_equals_one_device(w_at):
               "w_out": dist.shard_tensor(params["w_out"], MESH24, w_at[1])}
     x, y = (dist.shard_tensor(a, MESH24, [S(0), R]) for a in (xs, ys))
     # the tokens are a permutation of themselves: saying so (unique_indices) lets the
-    # gradient of the unsort be a plain gather, as on one device
-    step = _moe_step(unique=True)
+    # gradient of the unsort be a plain gather; without it jax scatters ids into zeros and
+    # gathers them back, which the plan computes whole (recompute.py) instead of reducing
+    step = _moe_step(unique=unique)
     f = dist.jit(step)
     with warnings.catch_warnings():
         warnings.simplefilter("error", dist.FallbackWarning)

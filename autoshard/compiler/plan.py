@@ -21,6 +21,7 @@ from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
+from . import recompute
 from .repeats import Repeats, boundary
 from .split_reduce import split_output_reductions
 from .strategy import chooser
@@ -282,11 +283,17 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 results = [Layout.replicated(len(v.shape)) for v in e.outputs]
                 strategy, considered, seconds = "replicated (no rule)", 1, 0.0
             else:
+                available = [moves(v, e.index, _NOT_MOVED) for v in e.inputs]
+                cones = whole_for_free(e, operands, available)
                 choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
-                              facts.single_use[e.index],
-                              tuple(moves(v, e.index, _NOT_MOVED) for v in e.inputs),
+                              facts.single_use[e.index], tuple(available),
                               facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
+                for i, found in cones.items():
+                    if required[i].is_replicated and actual[e.inputs[i]] is not required[i]:
+                        recompute.replan(found, f"{e.name} (eqn {e.index})", program, actual,
+                                         eqn_plans)
+                        operands[i] = actual[e.inputs[i]]
                 strategy = choice.description
                 considered, seconds = choice.considered, choice.seconds
                 rule_collectives(e, required, results)
@@ -299,6 +306,23 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         for v, L in zip(e.outputs, results):
             actual[v] = L
         return ep
+
+    failed: set = set()  # values no cone can make whole (recompute.cone)
+    floor = [0]  # plans below this index are final: a copied block's, or one copies read
+
+    def whole_for_free(e, operands: list[Layout], available: list) -> dict:
+        """Operand index -> the cone of equations that would make it whole with no
+        collective (recompute.py); its replicated layout is offered to the chooser as free."""
+        cones = {}
+        for i, (v, L) in enumerate(zip(e.inputs, operands)):
+            if L.is_replicated or v.is_const or v.producer < floor[0]:
+                continue
+            found = recompute.cone(v, e.index, floor[0], program, actual, eqn_plans, registry,
+                                   failed)
+            if found is not None and all(scope_of(j) == scope_of(e.index) for j in found):
+                cones[i] = found
+                available[i] = available[i] | {Layout.replicated(len(v.shape))}
+        return cones
 
     def copy_block(first: int, start: int, period: int) -> None:
         """Plan eqns[start:start + period] as the block at `first` was planned: every decision
@@ -340,7 +364,9 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             if first is not None:
                 copy_block(first, k, period)
                 k += period
+                floor[0] = k
                 continue
+            floor[0] = k  # later blocks of the run copy this one's plans as they stand
         eqn_plans.append(plan_eqn(eqns[k]))
         k += 1
 
