@@ -308,6 +308,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         return ep
 
     failed: set = set()  # values no cone can make whole (recompute.cone)
+    cheap: dict = {}  # primitive -> whether a cone may compute it again
     floor = [0]  # plans below this index are final: a copied block's, or one copies read
 
     def whole_for_free(e, operands: list[Layout], available: list) -> dict:
@@ -318,7 +319,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             if L.is_replicated or v.is_const or v.producer < floor[0]:
                 continue
             found = recompute.cone(v, e.index, floor[0], program, actual, eqn_plans, registry,
-                                   failed)
+                                   failed, cheap)
             if found is not None and all(scope_of(j) == scope_of(e.index) for j in found):
                 cones[i] = found
                 available[i] = available[i] | {Layout.replicated(len(v.shape))}

@@ -24,8 +24,14 @@ _NEVER = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general",
                     "rng_bit_generator", "rng_uniform"})
 
 
-def _cheap(e, registry) -> bool:
-    p = e.primitive
+def _cheap(e, registry, memo: dict) -> bool:
+    known = memo.get(e.primitive)
+    if known is None:
+        known = memo[e.primitive] = _cheap_primitive(e.primitive, registry)
+    return known
+
+
+def _cheap_primitive(p, registry) -> bool:
     if p is hint_p or p.name in HIGHER_ORDER or p.name == SHARD_MAP or p.name in _NEVER:
         return False
     if "callback" in p.name:  # a host effect runs once
@@ -35,16 +41,18 @@ def _cheap(e, registry) -> bool:
 
 
 def cone(v: Value, at: int, floor: int, program: Program, actual: dict, plans: list,
-         registry, failed: set) -> tuple[int, ...] | None:
+         registry, failed: set, memo: dict) -> tuple[int, ...] | None:
     """The equations (ascending) to plan replicated so that `v` is whole with no collective,
     or None. Each reads only constants, whole values, or the cone's own results; none is
     below `floor` (a block other plans were copied from) or read by an equation planned
-    before `at` outside the cone; none communicates or contracts. `failed` caches values
-    found impossible: readers only grow and plans before `at` only settle, so that stays so.
+    before `at` outside the cone; none communicates or contracts. `failed` caches the values
+    of cones found impossible (readers only grow and plans before `at` only settle; a value
+    whose cone would have passed in a larger one is merely not tried again); `memo` caches
+    per primitive whether it is cheap (one plan's registry).
     """
-    readers = program.readers()
     eqns = program.eqns
     found: set[int] = set()
+    seen: list[Value] = []
     stack = [v]
     while stack:
         u = stack.pop()
@@ -53,22 +61,22 @@ def cone(v: Value, at: int, floor: int, program: Program, actual: dict, plans: l
         p = u.producer
         if p in found:
             continue
-        if u in failed or p < floor:
-            failed.add(u)
+        seen.append(u)
+        if u in failed or p < floor or len(found) >= MAX_EQNS:
+            failed.update(seen)
             return None
         e, ep = eqns[p], plans[p]
-        if ep.reshards or ep.fallback or ep.sub_plans or ep.index != p or not _cheap(e, registry):
-            failed.add(u)
+        if ep.reshards or ep.fallback or ep.sub_plans or ep.index != p or not _cheap(e, registry, memo):
+            failed.update(seen)
             return None
         found.add(p)
-        if len(found) > MAX_EQNS:
-            return None
         stack.extend(e.inputs)
+    readers = program.readers()
     for p in found:
         for w in eqns[p].outputs:
             for j, _ in readers.get(w, ()):
                 if j < at and j not in found:
-                    failed.add(w)
+                    failed.update(seen)
                     return None
     return tuple(sorted(found))
 
