@@ -6,6 +6,7 @@
 """
 from .calibrate import calibrate_cost_model
 from .compiler.jit import DistributedFunction, jit
+from .compiler.constraints import IgnoredConstraintWarning
 from .compiler.plan import FallbackWarning, Plan
 from .uneven import UnevenShardingWarning
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
@@ -44,7 +45,7 @@ __all__ = [
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit",
     "DistributedFunction", "Plan",
-    "FallbackWarning", "UnevenShardingWarning", "register_rule", "Rule", "MeshMismatchError",
+    "FallbackWarning", "UnevenShardingWarning", "IgnoredConstraintWarning", "register_rule", "Rule", "MeshMismatchError",
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",

@@ -28,6 +28,7 @@ from .gc_pause import gc_paused
 from . import out_spec
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
+from . import constraints
 from .trace import build_program, hint_p
 
 
@@ -190,6 +191,7 @@ class DistributedFunction:
         for e in program.eqns:
             if e.primitive is hint_p:
                 seen.append((e.params["mesh"], f"the annotation at {e.source or '?'}"))
+        seen.extend(constraints.meshes(program))
         if not seen:
             raise MeshMismatchError(
                 "dist.jit found no mesh: no argument is a DistTensor or a sharded jax.Array and "

@@ -21,7 +21,7 @@ from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
-from . import recompute
+from . import constraints, recompute
 from .repeats import Repeats, boundary
 from .split_reduce import split_output_reductions
 from .strategy import chooser
@@ -142,6 +142,7 @@ def _repeat_ids(program: Program, facts) -> list[int]:
 def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
               output_targets: list, registry, cost_model: CostModel, *,
               top_level: bool = True) -> Plan:
+    constraints.as_hints(program, mesh)  # jax's with_sharding_constraint: a hint like ours
     fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
     for e in program.eqns:
         if e.primitive is hint_p:
