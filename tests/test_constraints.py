@@ -117,3 +117,23 @@ def test_an_unconstrained_dim_leaves_the_value_to_the_plan_with_a_warning():
         out = g(x)
     np.testing.assert_allclose(out.numpy(), np.sin(X) * 2, rtol=1e-6)
     assert not g.plan(x).collectives  # left to the plan: x stays as it came
+
+
+def test_sequence_parallel_gpt_written_for_jax_plans_as_written_with_dist_annotations():
+    # the benchmark's sequence-parallel GPT: the residual stream constrained to P(dp, mp) with
+    # with_sharding_constraint (what jax.jit is given) plans the same collectives as with
+    # dist.shard_tensor, and equals one device
+    from autoshard.bench.gpt_workloads import gpt_sequence_parallel
+
+    w = gpt_sequence_parallel(1)
+    ours = dist.jit(w.step, out_placements=w.out_placements)
+    theirs = dist.jit(w.baseline_step, out_placements=w.out_placements)
+    (new, loss), plan = ours(*w.args), ours.plan(*w.args)
+    (new2, loss2), plan2 = theirs(*w.args), theirs.plan(*w.args)
+    assert [(c.kind, c.bytes_per_device) for c in plan2.collectives] == \
+        [(c.kind, c.bytes_per_device) for c in plan.collectives]
+    np.testing.assert_allclose(loss2.numpy(), loss.numpy(), rtol=1e-6)
+    physical = jax.tree.map(lambda t: t.physical if isinstance(t, dist.DistTensor) else t,
+                            w.args, is_leaf=lambda t: isinstance(t, dist.DistTensor))
+    _, want = jax.jit(w.baseline_step)(*physical)
+    np.testing.assert_allclose(loss2.numpy(), want, rtol=1e-5)
