@@ -25,6 +25,7 @@ from .rules import Rule, register_rule
 from .training.checkpoint import CheckpointError, load_state_dict, save_state_dict
 from .training.dataloader import BatchSplitError, DataloaderError, ShardDataloader, shard_dataloader
 from .training.dist_model import DistModel, DistModelError, to_static
+from .training.annotations import AnnotationError
 from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
                               PrepareLayerOutput, RowWiseParallel, SequenceParallelBegin,
                               SequenceParallelEnd, parallelize, shard_layer)
@@ -53,7 +54,7 @@ __all__ = [
     "ScheduleError", "shard_layer", "parallelize", "SplitPoint",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
-    "ParallelizeError", "save_state_dict", "load_state_dict", "CheckpointError",
+    "ParallelizeError", "AnnotationError", "save_state_dict", "load_state_dict", "CheckpointError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",
 ]

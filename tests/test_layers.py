@@ -449,3 +449,105 @@ def test_linen_scanned_layers_are_split_on_their_feature_dims():
     for a, b in zip(jax.tree.leaves(got, is_leaf=_is_dt), jax.tree.leaves(want)):
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-7)
     assert set(collectives(f.lower(placed, xd, yd).compile().as_text())) == {"all-reduce"}
+
+
+# -- flax's own sharding annotations --------------------------------------------------------
+def _annotated_mlp(up_names, down_names):
+    init = nnx.initializers.lecun_normal()
+
+    class Annotated(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 32, kernel_init=nnx.with_partitioning(init, up_names),
+                                 rngs=rngs)
+            self.down = nnx.Linear(32, 8, kernel_init=nnx.with_partitioning(init, down_names),
+                                   rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+    return Annotated
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["sharded by flax under set_mesh",
+                                                      "metadata only"])
+def test_nnx_with_partitioning_places_params_as_annotated_and_trains(eager):
+    Annotated = _annotated_mlp((None, "mp"), ("mp", None))
+    if eager:  # flax shards annotated params as it makes them, on the mesh in context
+        with jax.sharding.set_mesh(MESH.to_jax()):
+            model = Annotated(nnx.Rngs(0))
+    else:
+        with nnx.use_eager_sharding(False):
+            model = Annotated(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+    dist.shard_layer(model, MESH)
+    assert model.up.kernel.get_value().placements == [R, S(1)]
+    assert model.down.kernel.get_value().placements == [R, S(0)]
+    assert model.up.bias.get_value().placements == [R, R]  # not annotated: replicated
+    dparams = nnx.to_pure_dict(nnx.split(model)[1])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
+    tx = optax.sgd(0.1)
+    f = dist.testing.assert_trains_like_one_device(
+        mse_step(nnx_apply(graphdef), tx), dparams, params, tx.init(params),
+        dist.shard_tensor(x, MESH, [S(0), R]), x, y)
+    # Megatron from the annotations alone: the hidden activations are never gathered
+    kinds = {c.kind for c in f.plan(dparams, tx.init(params),
+                                     dist.shard_tensor(x, MESH, [S(0), R]), y).collectives}
+    assert "all-gather" not in kinds
+
+
+def test_nnx_logical_names_go_through_flax_axis_rules():
+    Annotated = _annotated_mlp(("embed", "mlp"), ("mlp", "embed"))
+    with nnx.use_eager_sharding(False):
+        model = Annotated(nnx.Rngs(0))
+    with pytest.raises(dist.AutoshardError, match=r"'(up|down)\.kernel'.*'(embed|mlp)'.*logical axis"):
+        shard_layer(model, MESH)
+    with nnx.use_eager_sharding(False):
+        model = Annotated(nnx.Rngs(0))
+    with linen.logical_axis_rules([("embed", None), ("mlp", "mp")]):
+        shard_layer(model, MESH)
+    assert model.up.kernel.get_value().placements == [R, S(1)]
+    assert model.down.kernel.get_value().placements == [R, S(0)]
+
+
+def test_shard_fn_wins_over_an_annotation():
+    Annotated = _annotated_mlp((None, "mp"), ("mp", None))
+    with nnx.use_eager_sharding(False):
+        model = Annotated(nnx.Rngs(0))
+
+    def replicate_up(name, layer, mesh):
+        if name == "up":
+            layer.kernel.set_value(dist.shard_tensor(layer.kernel.get_value(), mesh, [R, R]))
+    shard_layer(model, MESH, replicate_up)
+    assert model.up.kernel.get_value().placements == [R, R]
+    assert model.down.kernel.get_value().placements == [R, S(0)]
+
+
+def test_linen_with_partitioning_boxes_are_placed_and_dropped():
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            init = linen.initializers.lecun_normal()
+            h = linen.relu(linen.Dense(32, kernel_init=linen.with_partitioning(init, (None, "mp")))(x))
+            return linen.Dense(8, kernel_init=linen.with_partitioning(init, ("mp", None)))(h)
+
+    x = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)
+    boxed = Net().init(jax.random.key(0), x)
+    dparams = shard_layer(boxed, MESH)
+    assert dparams["params"]["Dense_0"]["kernel"].placements == [R, S(1)]
+    assert dparams["params"]["Dense_1"]["kernel"].placements == [R, S(0)]
+    assert dparams["params"]["Dense_0"]["bias"].placements == [R, R]
+    f = dist.jit(lambda p, x: Net().apply(p, x))
+    xd = dist.shard_tensor(x, MESH, [S(0), R])
+    np.testing.assert_allclose(f(dparams, xd).numpy(), Net().apply(linen.unbox(boxed), x),
+                               rtol=1e-5, atol=1e-6)
+    assert [c.kind for c in f.plan(dparams, xd).collectives] == ["all-reduce"]  # Megatron
+
+
+def test_a_param_sharded_on_another_mesh_is_an_error():
+    Annotated = _annotated_mlp((None, "mp"), ("mp", None))
+    other = dist.ProcessMesh([[4, 5, 6, 7], [0, 1, 2, 3]], ["dp", "mp"])
+    with jax.sharding.set_mesh(other.to_jax()):
+        model = Annotated(nnx.Rngs(0))
+    with pytest.raises(dist.AutoshardError, match=r"'(up|down)\.(kernel|bias)' is sharded on .*set_mesh"):
+        shard_layer(model, MESH)

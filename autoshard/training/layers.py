@@ -17,6 +17,7 @@ from ..layout import layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Placement, Replicate, Shard
 from ..uneven import is_uneven, warn_uneven
+from . import annotations
 from .pipeline_split import definition_order, module_stages, move_inputs, stage_starts
 
 
@@ -111,9 +112,11 @@ def shard_layer(layer: Any, process_mesh: ProcessMesh, shard_fn: Callable | None
     dotted attribute path ("up", "layers.0.attn"); it shards a parameter by assigning a
     DistTensor, e.g. `sublayer.kernel.set_value(dist.shard_tensor(sublayer.kernel.get_value(),
     mesh, [dist.Replicate(), dist.Shard(1)]))` or `.value = ...` (not `kernel[...] = ...`,
-    which copies the values into the old array). Every nnx.Param it leaves alone becomes a
-    Replicate DistTensor. `input_fn(inputs, mesh)` gets the tuple of positional arguments of
-    each call and returns the new tuple (or one value); `output_fn(outputs, mesh)` gets and
+    which copies the values into the old array). Every nnx.Param it leaves alone is placed as
+    flax annotates it (`nnx.with_partitioning`, or sharded on the mesh by flax under
+    jax.set_mesh; names are mesh dims, after flax's logical axis rules), else replicated.
+    `input_fn(inputs, mesh)` gets the tuple of positional arguments of each call and returns
+    the new tuple (or one value); `output_fn(outputs, mesh)` gets and
     returns the call's result. They run around every call of the layer, also after nnx.split /
     nnx.merge, so inside dist.jit a `dist.shard_tensor` in them is a placement hint (e.g. split
     the batch over "dp").
@@ -122,7 +125,8 @@ def shard_layer(layer: Any, process_mesh: ProcessMesh, shard_fn: Callable | None
     subtree, mesh)` is called for every sub-dict, parents before children, the root with name
     "" and the others with their dotted key path ("params.Dense_0"); `subtree` is the
     unsharded sub-dict. It returns None or a dict {key: DistTensor or placements list} for keys
-    of `subtree` that hold arrays (not sub-dicts); every array not named so is replicated.
+    of `subtree` that hold arrays (not sub-dicts); every array not named so is placed as its
+    `nn.with_partitioning` box says (the box is dropped), else replicated.
     input_fn / output_fn need an nnx module.
     """
     mesh = as_process_mesh(process_mesh)
@@ -158,14 +162,20 @@ def _nnx_params(model: Any) -> dict[str, Any]:
     return {_dotted(p): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
 
-def _on_mesh(value: Any, mesh: ProcessMesh, path: str) -> DistTensor:
+def _on_mesh(value: Any, mesh: ProcessMesh, path: str,
+             annotated: Callable[[], Any] | None = None) -> DistTensor:
+    """`value` as a DistTensor on `mesh`: as placed already (a DistTensor, a jax.Array sharded
+    on the mesh), else as `annotated()` says (flax's annotations), else replicated."""
     if isinstance(value, DistTensor):
         if value.mesh != mesh:
             raise ParallelizeError(
                 f"parameter {path!r} is on {value.mesh!r}, not on the layer's mesh {mesh!r}: "
                 f"shard it onto {mesh!r} (dist.shard_tensor(x, mesh, placements))")
         return value
-    return shard_tensor(value, mesh, [Replicate()] * mesh.ndim)
+    placements = annotations.of_array(value, mesh, path)
+    if placements is None and annotated is not None:
+        placements = annotated()
+    return shard_tensor(value, mesh, placements or [Replicate()] * mesh.ndim)
 
 
 def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None:
@@ -173,7 +183,8 @@ def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None
         for name, module in _nnx_modules(model).items():
             shard_fn(name, module, mesh)
     for path, param in _nnx_params(model).items():
-        param.set_value(_on_mesh(param.get_value(), mesh, path))
+        param.set_value(_on_mesh(param.get_value(), mesh, path,
+                                 functools.partial(annotations.of_nnx, param, mesh, path)))
 
 
 def _shard_tree(tree: Mapping, mesh: ProcessMesh, shard_fn: Callable | None,
@@ -195,10 +206,14 @@ def _shard_tree(tree: Mapping, mesh: ProcessMesh, shard_fn: Callable | None,
         where = _dotted(path + (str(key),))
         if isinstance(value, Mapping):
             out[key] = _shard_tree(value, mesh, shard_fn, path + (str(key),))
-        elif key in wanted:
+            continue
+        value, spec = annotations.unbox_linen(value)  # nn.with_partitioning's box
+        if key in wanted:
             out[key] = _place_leaf(wanted[key], value, mesh, where)
         else:
-            out[key] = _on_mesh(value, mesh, where)
+            out[key] = _on_mesh(value, mesh, where, None if spec is None else functools.partial(
+                annotations.placements_of_spec, spec, mesh, tuple(value.shape), where,
+                "nn.with_partitioning"))
     return type(tree)(out)  # keeps dict / FrozenDict as given
 
 
