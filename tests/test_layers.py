@@ -544,10 +544,13 @@ def test_linen_with_partitioning_boxes_are_placed_and_dropped():
     assert [c.kind for c in f.plan(dparams, xd).collectives] == ["all-reduce"]  # Megatron
 
 
-def test_a_param_sharded_on_another_mesh_is_an_error():
+def test_a_param_flax_sharded_on_another_mesh_is_placed_by_its_annotation():
     Annotated = _annotated_mlp((None, "mp"), ("mp", None))
     other = dist.ProcessMesh([[4, 5, 6, 7], [0, 1, 2, 3]], ["dp", "mp"])
     with jax.sharding.set_mesh(other.to_jax()):
         model = Annotated(nnx.Rngs(0))
-    with pytest.raises(dist.AutoshardError, match=r"'(up|down)\.(kernel|bias)' is sharded on .*set_mesh"):
-        shard_layer(model, MESH)
+    want = np.asarray(model.up.kernel.get_value())
+    shard_layer(model, MESH)
+    assert model.up.kernel.get_value().mesh == MESH
+    assert model.up.kernel.get_value().placements == [R, S(1)]
+    np.testing.assert_array_equal(model.up.kernel.get_value().numpy(), want)

@@ -47,16 +47,14 @@ def placements_of_spec(spec: PartitionSpec | tuple, mesh: ProcessMesh, shape: tu
 
 
 def of_array(value: Any, mesh: ProcessMesh, path: str) -> list[Placement] | None:
-    """Placements of a jax.Array already sharded on `mesh` (None: not sharded over a mesh)."""
+    """Placements of a jax.Array already sharded on `mesh` (None: not sharded over it — an
+    array sharded on another mesh, say the whole mesh when `mesh` is a pipeline stage's, is
+    placed afresh on `mesh`, by its annotation where it has one)."""
     sharding = getattr(value, "sharding", None)
     if (not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer)
-            or not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1):
+            or not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1
+            or as_process_mesh(sharding.mesh) != mesh):
         return None
-    if as_process_mesh(sharding.mesh) != mesh:
-        raise AnnotationError(
-            f"parameter {path!r} is sharded on {as_process_mesh(sharding.mesh)!r}, not on the "
-            f"layer's mesh {mesh!r}: create the model under jax.set_mesh(mesh.to_jax()) or "
-            f"place the parameter with dist.shard_tensor(x, mesh, placements)")
     return placements_of_spec(sharding.spec, mesh, tuple(value.shape), path,
                               "its NamedSharding")
 

@@ -183,8 +183,13 @@ def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None
         for name, module in _nnx_modules(model).items():
             shard_fn(name, module, mesh)
     for path, param in _nnx_params(model).items():
-        param.set_value(_on_mesh(param.get_value(), mesh, path,
-                                 functools.partial(annotations.of_nnx, param, mesh, path)))
+        param.set_value(_placed(param, mesh, path))
+
+
+def _placed(param: Any, mesh: ProcessMesh, path: str) -> DistTensor:
+    """An nnx Param's value on `mesh` (`_on_mesh`, its flax annotation consulted)."""
+    return _on_mesh(param.get_value(), mesh, path,
+                    functools.partial(annotations.of_nnx, param, mesh, path))
 
 
 def _shard_tree(tree: Mapping, mesh: ProcessMesh, shard_fn: Callable | None,
@@ -402,7 +407,7 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
         for path, param in params.items():  # model chunk c lives on pp rank c mod pp
             home = stage_meshes[stage(_parent(path)) % len(stage_meshes)]
             pl = placements.get(path, [Replicate()] * home.ndim)
-            param.set_value(_on_mesh(param.get_value(), home, path) if path not in placements
+            param.set_value(_placed(param, home, path) if path not in placements
                             else shard_tensor(param.get_value(), home, pl))
         for path, hook_plans in targets.hooks.items():
             ins, outs = [], []
