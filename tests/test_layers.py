@@ -554,3 +554,31 @@ def test_a_param_flax_sharded_on_another_mesh_is_placed_by_its_annotation():
     assert model.up.kernel.get_value().mesh == MESH
     assert model.up.kernel.get_value().placements == [R, S(1)]
     np.testing.assert_array_equal(model.up.kernel.get_value().numpy(), want)
+
+
+def test_to_static_takes_a_model_flax_sharded_under_set_mesh_as_it_is():
+    # no shard_layer call: to_static finds the mesh in the params flax sharded and keeps their
+    # annotations (Megatron here), then trains like one device
+    Annotated = _annotated_mlp((None, "mp"), ("mp", None))
+    with jax.sharding.set_mesh(MESH.to_jax()):
+        model = Annotated(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+    rng = np.random.default_rng(2)
+    batches = [(rng.normal(size=(16, 8)).astype(np.float32),
+                rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
+    tx = optax.sgd(0.1)
+
+    def mse(out, y):
+        return jnp.mean((out - y) ** 2)
+    loader = dist.shard_dataloader(batches, meshes=MESH, shard_dims="dp")
+    dm = dist.to_static(model, loader, mse, dist.shard_optimizer(tx))
+    dm.train()
+    losses = [float(dm(x, y).numpy()) for x, y in loader]
+    assert model.up.kernel.get_value().placements == [R, S(1)]
+    assert model.down.kernel.get_value().placements == [R, S(0)]
+    step = jax.jit(mse_step(nnx_apply(graphdef), tx))
+    opt_state = tx.init(params)
+    for (x, y), got in zip(batches, losses):
+        params, opt_state, want = step(params, opt_state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-5)

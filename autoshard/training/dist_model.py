@@ -21,17 +21,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 from ..compiler.jit import jit
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
-from ..mesh import ProcessMesh
+from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
 from .amp import LossScaler, all_finite, autocast, cast_floating, keep_if, o1_primitives
 from .model_state import DistModelError, flatten_dict, sibling_param, split_model, unflatten_dict
 from .optimizer import (ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3,
                         place_params, shard_optimizer)
+from .layers import shard_layer
 from .strategy import Strategy
 
 _STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
@@ -59,14 +61,30 @@ def _is_placements(x: Any) -> bool:
 
 
 def _find_mesh(params: Any, loader: Any) -> ProcessMesh:
-    for leaf in jax.tree.leaves(params, is_leaf=_is_dt):
+    leaves = jax.tree.leaves(params, is_leaf=_is_dt)
+    for leaf in leaves:
         if _is_dt(leaf):
             return leaf.mesh
+    for leaf in leaves:  # flax shards annotated params on the mesh in context (jax.set_mesh)
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and isinstance(sharding, NamedSharding) and \
+                sharding.mesh.size > 1:
+            return as_process_mesh(sharding.mesh)
     meshes = getattr(loader, "meshes", None)
     if meshes:
         return meshes[0] if isinstance(meshes, (list, tuple)) else meshes
     raise DistModelError("to_static found no mesh: place the params with dist.shard_tensor / "
                          "dist.shard_layer, or pass a dist.shard_dataloader")
+
+
+def _has_unplaced(params: Any) -> bool:
+    return not all(_is_dt(p) for p in jax.tree.leaves(params, is_leaf=_is_dt))
+
+
+def _is_nnx(model: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(model, nnx.Module)
 
 
 class DistModel:
@@ -80,6 +98,10 @@ class DistModel:
         self._loss_fn = loss_fn
         self._input_keys = getattr(loader, "input_keys", None)
         self.mesh = _find_mesh(self._parts.params, loader)
+        if _has_unplaced(self._parts.params) and _is_nnx(model):
+            # placed as flax annotates them (shard_layer), else replicated, as before
+            shard_layer(model, self.mesh)
+            self._parts = split_model(model)
         params = jax.tree.map(lambda p: p if _is_dt(p) else self._replicated(p),
                               self._parts.params, is_leaf=_is_dt)
         self._compute = jax.tree.map(lambda p: list(p.placements), params, is_leaf=_is_dt)
