@@ -582,3 +582,34 @@ def test_to_static_takes_a_model_flax_sharded_under_set_mesh_as_it_is():
     for (x, y), got in zip(batches, losses):
         params, opt_state, want = step(params, opt_state, x, y)
         np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_to_static_places_linen_with_partitioning_params_as_boxed():
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            init = linen.initializers.lecun_normal()
+            h = linen.relu(linen.Dense(32, kernel_init=linen.with_partitioning(init, (None, "mp")))(x))
+            return linen.Dense(8, kernel_init=linen.with_partitioning(init, ("mp", None)))(h)
+
+    rng = np.random.default_rng(3)
+    batches = [(rng.normal(size=(16, 8)).astype(np.float32),
+                rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
+    variables = Net().init(jax.random.key(0), batches[0][0])
+    tx = optax.sgd(0.1)
+
+    def mse(out, y):
+        return jnp.mean((out - y) ** 2)
+    loader = dist.shard_dataloader(batches, meshes=MESH, shard_dims="dp")
+    dm = dist.to_static((Net(), variables), loader, mse, dist.shard_optimizer(tx))
+    dm.train()
+    losses = [float(dm(x, y).numpy()) for x, y in loader]
+    placed = dm.state_dict("param")
+    kernels = sorted((k, v.placements) for k, v in placed.items() if k.endswith("kernel"))
+    assert [p for _, p in kernels] == [[R, S(1)], [R, S(0)]], kernels
+    params = linen.unbox(variables)["params"]
+    step = jax.jit(mse_step(lambda p, x: Net().apply({"params": p}, x), tx))
+    opt_state = tx.init(params)
+    for (x, y), got in zip(batches, losses):
+        params, opt_state, want = step(params, opt_state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-5)

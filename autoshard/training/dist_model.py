@@ -77,6 +77,23 @@ def _find_mesh(params: Any, loader: Any) -> ProcessMesh:
                          "dist.shard_layer, or pass a dist.shard_dataloader")
 
 
+def _unbox_linen(model: Any, loader: Any) -> Any:
+    """A linen (module, variables[, rngs]) whose params hold `nn.with_partitioning` boxes, with
+    those params placed as the boxes say (shard_layer) — the boxes dropped, as linen's own
+    `nn.unbox` does."""
+    from flax.core import meta
+
+    def boxed(x) -> bool:
+        return isinstance(x, meta.AxisMetadata)
+    if not (isinstance(model, tuple) and len(model) in (2, 3) and isinstance(model[1], dict)
+            and any(boxed(x) for x in jax.tree.leaves(model[1].get("params", {}),
+                                                      is_leaf=boxed))):
+        return model
+    params = model[1]["params"]
+    mesh = _find_mesh(jax.tree.leaves(params, is_leaf=_is_dt), loader)
+    return (model[0], {**model[1], "params": shard_layer(params, mesh)}, *model[2:])
+
+
 def _has_unplaced(params: Any) -> bool:
     return not all(_is_dt(p) for p in jax.tree.leaves(params, is_leaf=_is_dt))
 
@@ -93,6 +110,7 @@ class DistModel:
     def __init__(self, model: Any, loader: Any, loss_fn: Callable | None, optimizer: Any,
                  strategy: Strategy | None = None):
         self.strategy = strategy if strategy is not None else Strategy()
+        model = _unbox_linen(model, loader)
         self._parts = split_model(model)
         self._model = model
         self._loss_fn = loss_fn
