@@ -122,6 +122,31 @@ class DistTensor:
 
         return host_value(self)
 
+    def __jax_array__(self) -> jax.Array:
+        """The logical value as one global jax.Array, split as this tensor is — so
+        `jnp.exp(x)` and `jax.nn.relu(x)` take a DistTensor as jax takes a sharded array, and
+        return a jax.Array (`dist.jit(f)(x)` keeps the DistTensor and its plan). Pending
+        Partial values are reduced and an uneven dim's padding dropped by jax ops on the
+        stored array, so this also holds inside a jax transformation that took the
+        DistTensor as a pytree (jax.nn.relu is a jax.jit)."""
+        import jax.numpy as jnp
+
+        from .layout import partial_axes_in_mesh_order
+
+        x = self._value
+        if self._layout.partial:
+            kinds = dict(self._layout.partial)
+            axes = partial_axes_in_mesh_order(self._layout, self._mesh)
+            x = x.reshape(tuple(self._mesh.get_dim_size(a) for a in axes) + x.shape[1:])
+            for a in axes:  # the slot axis is mesh-ordered, major first
+                kind = kinds[a].value
+                x = (jnp.max(x, axis=0) if kind == "max" else jnp.min(x, axis=0)
+                     if kind == "min" else jnp.sum(x, axis=0) if kind == "sum"
+                     else jnp.mean(x, axis=0))
+        if tuple(x.shape) != self._shape:  # an uneven dim's blocks end in padding
+            x = x[tuple(slice(0, n) for n in self._shape)]
+        return x
+
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)

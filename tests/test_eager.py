@@ -425,3 +425,28 @@ def test_an_empty_partial_result_keeps_one_slot_per_device():
     r = a[4:]  # shape (0, 8), still Partial
     assert r.placements == [dist.Partial()] and r.physical.sharding.spec == r.sharding.spec
     assert logical_value(r).shape == (0, 8)
+
+
+@pytest.mark.parametrize("mesh,placements", [
+    (MESH24, [S(0), S(1)]),
+    (MESH24, [P(), S(1)]),
+    (MESH24, ["P(max)", "P(max)"]),
+    (MESH24, ["P(avg)", "P(sum)"]),
+    (MESH8, [S(0)]),
+    (dist.ProcessMesh(list(range(3)), ["x"]), [S(0)]),  # 8 rows over 3: stored uneven
+], ids=["split", "pending sum", "pending max", "pending mean and sum", "1-d", "uneven"])
+def test_jax_functions_take_a_dtensor_as_a_sharded_array(mesh, placements):
+    # jnp / jax.nn functions read a DistTensor as its logical global array (__jax_array__),
+    # split as the tensor is where jax can say so, and return a jax.Array as for any array
+    value = np.random.default_rng(4).normal(size=(8, 4)).astype(np.float32)
+    x = make_tensor(value, mesh, placements)
+    for fn in (jnp.exp, jax.nn.relu, lambda t: jnp.sum(t, axis=0),
+               lambda t: jnp.where(t > 0, t, 0.0), lambda t: jnp.concatenate([t, t])):
+        out = fn(x)
+        assert isinstance(out, jax.Array)
+        np.testing.assert_allclose(np.asarray(out), fn(value), rtol=1e-6, atol=1e-6)
+    whole = jnp.asarray(x)
+    if not x.layout.partial and mesh.shape != [3]:
+        assert whole is x.physical  # no copy: the stored array is the global one
+        assert whole.sharding.spec == x.sharding.spec
+    np.testing.assert_allclose(np.asarray(whole), value, rtol=1e-6, atol=1e-6)
