@@ -435,6 +435,7 @@ def test_an_empty_partial_result_keeps_one_slot_per_device():
     (MESH8, [S(0)]),
     (dist.ProcessMesh(list(range(3)), ["x"]), [S(0)]),  # 8 rows over 3: stored uneven
 ], ids=["split", "pending sum", "pending max", "pending mean and sum", "1-d", "uneven"])
+@pytest.mark.filterwarnings("ignore::autoshard.UnevenShardingWarning")  # `t > 0` says it
 def test_jax_functions_take_a_dtensor_as_a_sharded_array(mesh, placements):
     # jnp / jax.nn functions read a DistTensor as its logical global array (__jax_array__),
     # split as the tensor is where jax can say so, and return a jax.Array as for any array
