@@ -78,6 +78,8 @@ def samples() -> list[Sample]:
     add("sharding_constraint", "sharding_constraint",
         lambda x: jax.lax.with_sharding_constraint(x, one) * 2.0, f2)
     add("reshard", "reshard", lambda x: jax.sharding.reshard(x, one) * 2.0, f2)
+    add("device_put", "device_put",
+        lambda x, y: jnp.sum(jax.device_put((x, y * 2.0))[1], axis=0) + x[0], f2, f2)
     add("integer_pow", "integer_pow", lambda x: lax.integer_pow(x, 3), f2)
     add("reduce_precision", "reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), f2)
     add("convert f32->f16", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.float16), f2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
+from jax._src import dispatch as _dispatch
 from jax._src import pjit as _pjit
 from jax._src.ad_checkpoint import name_p
 from jax._src.ad_util import add_jaxvals_p
@@ -143,3 +144,13 @@ def _identity_lower(ctx, x, **params):
 for _p in (getattr(_pjit, "sharding_constraint_p", None), getattr(_pjit, "reshard_p", None)):
     if _p is not None:
         TABLE[_p] = Rule(elementwise_sharding((ALL, ALL, None, (_MAX, _MIN))), _identity_lower)
+
+
+def _each_lower(ctx, *xs, **params):
+    return list(xs)
+
+
+# jax.device_put inside a traced function: each operand to its own result, unchanged here (a
+# NamedSharding on the program's mesh became a hint before planning: compiler/constraints.py)
+if getattr(_dispatch, "device_put_p", None) is not None:
+    TABLE[_dispatch.device_put_p] = Rule(_barrier_sharding, _each_lower, match_vma=False)

@@ -137,3 +137,25 @@ def test_sequence_parallel_gpt_written_for_jax_plans_as_written_with_dist_annota
                             w.args, is_leaf=lambda t: isinstance(t, dist.DistTensor))
     _, want = jax.jit(w.baseline_step)(*physical)
     np.testing.assert_allclose(loss2.numpy(), want, rtol=1e-5)
+
+
+def test_device_put_inside_the_function_places_like_a_constraint():
+    # jax.device_put(x, NamedSharding) inside a traced function asks for that layout; without
+    # a sharding (or of a pytree) it lays each value out on its own — no rule is missing
+    jm = MESH.to_jax()
+
+    def f(x):
+        y = jax.device_put(x * 2, NamedSharding(jm, P(None, "mp")))
+        a, b = jax.device_put((x, x + 1))  # no target: each value stays where it is
+        c, d = jax.device_put((x, jnp.cos(x)), (NamedSharding(jm, P("dp", "mp")),
+                                                NamedSharding(jm, P())))
+        return (jnp.sin(y) + a * b + c * d,)
+
+    x = dist.shard_tensor(X, MESH, [dist.Shard(0), dist.Replicate()])
+    g = dist.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        _, plan, _ = _check(g, (x,), jax.jit(f)(X))
+    assert sorted(_hinted(plan)) == ["[R, R]", "[R, S(1)]", "[S(0), S(1)]"]
+    # the hints move x twice (gathered over dp for y and for d); a and b move nothing
+    assert [c.kind for c in plan.collectives] == ["all-gather", "all-gather"]

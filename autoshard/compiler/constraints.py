@@ -7,7 +7,8 @@ or an abstract mesh of the same names and sizes, as a bare `PartitionSpec` under
 `jax.set_mesh` gives — the equation becomes a hint that fixes the value's layout, as
 `dist.shard_tensor` inside the function would. A concrete mesh in such a constraint also
 tells dist.jit which mesh to run on when no input is placed. A one-device sharding says
-nothing about a mesh and stays an identity, as it does on an input.
+nothing about a mesh and stays an identity, as it does on an input. `jax.device_put(x,
+NamedSharding(...))` of one array inside the function is read the same way.
 """
 from __future__ import annotations
 
@@ -22,34 +23,48 @@ from ..uneven import even_part, warn_uneven
 from .trace import Program, hint_p, params_key
 
 NAME = "sharding_constraint"
+PUT = "device_put"  # jax.device_put(x, sharding) inside a traced function means the same
 
 
 class IgnoredConstraintWarning(UserWarning):
     """A `with_sharding_constraint` that autoshard cannot express was left to the plan."""
 
 
+def _sharding(e):
+    """The sharding equation `e` asks its value to have (None: it is not such a request)."""
+    if e.name == NAME:
+        return e.params.get("sharding")
+    if e.name == PUT and len(e.inputs) == 1:
+        target = e.params.get("devices", (None,))[0]
+        return target if isinstance(target, NamedSharding) else None
+    return None
+
+
+def _what(e) -> str:
+    return "with_sharding_constraint" if e.name == NAME else "device_put"
+
+
 def meshes(program: Program) -> list[tuple[ProcessMesh, str]]:
     """(mesh, where) of each constraint whose sharding names concrete devices."""
     found = []
     for e in program.eqns:
-        if e.name == NAME:
-            sharding = e.params.get("sharding")
-            if (isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
-                    and not isinstance(sharding.mesh, AbstractMesh)):
-                found.append((as_process_mesh(sharding.mesh),
-                              f"the with_sharding_constraint at {e.source or '?'}"))
+        sharding = _sharding(e)
+        if (isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+                and not isinstance(sharding.mesh, AbstractMesh)):
+            found.append((as_process_mesh(sharding.mesh), f"the {_what(e)} at {e.source or '?'}"))
     return found
 
 
 def _layout(e, mesh: ProcessMesh) -> Layout | None:
     """The layout the constraint of equation `e` asks for on `mesh` (None: inexpressible, with
     a warning); raises where it names another mesh."""
-    sharding = e.params.get("sharding")
+    sharding = _sharding(e)
     where = e.source or "?"
+    what = _what(e)
     if getattr(sharding, "num_devices", 2) == 1:
         return None  # one device says nothing about a mesh (as a one-device input's sharding)
     if not isinstance(sharding, NamedSharding):
-        warnings.warn(f"autoshard: with_sharding_constraint at {where} gives a "
+        warnings.warn(f"autoshard: {what} at {where} gives a "
                       f"{type(sharding).__name__}, not a NamedSharding: it is ignored and the "
                       f"plan decides that value's layout — write "
                       f"NamedSharding(mesh.to_jax(), PartitionSpec(...)) or dist.shard_tensor",
@@ -59,12 +74,12 @@ def _layout(e, mesh: ProcessMesh) -> Layout | None:
     sizes = dict(zip(jm.axis_names, jm.axis_sizes))
     if not isinstance(jm, AbstractMesh) and as_process_mesh(jm) != mesh:
         raise MeshMismatchError(
-            f"with_sharding_constraint at {where} is on {as_process_mesh(jm)!r} but the program "
+            f"{what} at {where} is on {as_process_mesh(jm)!r} but the program "
             f"runs on {mesh!r}: build its NamedSharding on the program's mesh "
             f"(mesh.to_jax()), or use dist.shard_tensor(x, mesh, placements)", where=where)
     spec = tuple(sharding.spec)
     if e.params.get("unconstrained_dims") or any(p is PartitionSpec.UNCONSTRAINED for p in spec):
-        warnings.warn(f"autoshard: with_sharding_constraint at {where} leaves dims "
+        warnings.warn(f"autoshard: {what} at {where} leaves dims "
                       f"UNCONSTRAINED ({sharding.spec}): a layout is fixed whole, so this one is "
                       f"ignored and the plan decides — give every dim (None to keep it whole)",
                       IgnoredConstraintWarning, stacklevel=2)
@@ -76,7 +91,7 @@ def _layout(e, mesh: ProcessMesh) -> Layout | None:
         for a in axes:
             if a not in mesh.dim_names or sizes.get(a) != mesh.get_dim_size(a):
                 raise PlacementError(
-                    f"with_sharding_constraint at {where} splits over mesh axis {a!r} "
+                    f"{what} at {where} splits over mesh axis {a!r} "
                     f"(size {sizes.get(a)}), which the program's mesh {mesh!r} does not have "
                     f"with that size: name its dims {list(mesh.dim_names)}", where=where)
         dims.append(axes)
@@ -91,7 +106,7 @@ def _layout(e, mesh: ProcessMesh) -> Layout | None:
 def as_hints(program: Program, mesh: ProcessMesh) -> None:
     """Rewrite, in place, each expressible constraint of `program` as a hint on `mesh`."""
     for e in program.eqns:
-        if e.name != NAME:
+        if _sharding(e) is None:
             continue
         layout = _layout(e, mesh)
         if layout is None:

@@ -430,6 +430,17 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                                                     list(outs), start, len(eqns)))
                 env.update(zip(eqn.outvars, outs))
                 continue
+            if eqn.primitive.name == "device_put" and len(ins) > 1:
+                # jax.device_put of a pytree is one equation; per array it lays out (and may
+                # constrain) each value on its own, as its own equation
+                for i, (x, out) in enumerate(zip(ins, eqn.outvars)):
+                    one = {k: (v[i],) if isinstance(v, tuple) and len(v) == len(ins) else v
+                           for k, v in eqn.params.items()}
+                    made = fresh(out.aval)
+                    eqns.append(Eqn(eqn.primitive, [x], [made], one, source,
+                                    params_key=params_key(one)))
+                    env[out] = made
+                continue
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
             if key is not None and key in seen:
