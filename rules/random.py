@@ -31,15 +31,23 @@ def _is_threefry(aval) -> bool:
     return impl is not None and str(getattr(impl, "name", "")) == "threefry2x32"
 
 
+def _by_index(key, bit_width, shape) -> bool:
+    """Can each device draw its own block of `random_bits` (threefry over global indices)?"""
+    return (_is_threefry(key) and bit_width in (8, 16, 32)
+            and jax.config.jax_threefry_partitionable and math.prod(shape) < 2 ** 32)
+
+
 def random_bits_sharding(in_avals, out_avals, *, bit_width, shape):
-    key = in_avals[0]
-    if (not _is_threefry(key) or bit_width not in (8, 16, 32)
-            or not jax.config.jax_threefry_partitionable or math.prod(shape) >= 2 ** 32):
-        return None  # other generators, huge draws: run replicated
     # A batch of keys (split keys under vmap) draws one block per key: the result is
     # (*key dims, *shape), and a key dim may be split along with the draws that use it.
+    key = in_avals[0]
     batch = LETTERS[:key.ndim]
     inner = LETTERS[key.ndim:key.ndim + len(shape)]
+    if not _by_index(key, bit_width, shape):
+        # other generators (rbg keys), 64-bit or huge draws: drawn whole on every device from
+        # the (replicated) keys — no communication. Not even a key dim splits: an rbg batch
+        # drawn in parts differs from the batch drawn at once.
+        batch, inner = "." * key.ndim, "." * len(shape)
     return einsum(f"{batch}->{batch}{inner}", [key.shape], [tuple(key.shape) + tuple(shape)])
 
 
@@ -77,6 +85,8 @@ def _global_index(ctx, local, dims, shape):
 
 
 def random_bits_lower(ctx, key, *, bit_width, shape):
+    if not _by_index(key, bit_width, shape):  # whole draws, from every key
+        return [prng.random_bits_p.bind(key, bit_width=bit_width, shape=shape)]
     nb = key.ndim
     local = ctx.local_out_shapes[0][nb:]  # this device's block of one key's draw
     dims = ctx.out_layouts[0].dims[nb:]

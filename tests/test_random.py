@@ -176,3 +176,25 @@ def test_gpt_dropout_mask_conversions_no_more_than_jax_jit():
 
     ours, base = _compiled_pair(gpt_workloads.gpt_dp_tp(3))
     assert _uniform_conversions(ours) <= _uniform_conversions(base)
+
+
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_other_generators_draw_whole_from_replicated_keys_with_no_warning(impl):
+    # rbg keys have no per-element formula: every device draws the whole array (the keys are
+    # replicated, so nothing moves) and keeps its block — one device's values, no fallback.
+    # Not even a batch of keys splits: rbg draws a batch at once unlike its parts.
+    mesh = MESHES["2x4"]
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+
+    def f(x):
+        key = jax.random.key(3, impl=impl)
+        rows = jax.vmap(lambda k: jax.random.uniform(k, (16,)))(jax.random.split(key, 8))
+        return x * jax.random.normal(key, x.shape) + rows
+
+    xd = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Shard(1)])
+    g = dist.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = g(xd)
+    np.testing.assert_array_equal(out.numpy(), jax.jit(f)(x))
+    assert out.placements == xd.placements and not g.plan(xd).collectives
