@@ -78,6 +78,10 @@ def samples() -> list[Sample]:
     add("sharding_constraint", "sharding_constraint",
         lambda x: jax.lax.with_sharding_constraint(x, one) * 2.0, f2)
     add("reshard", "reshard", lambda x: jax.sharding.reshard(x, one) * 2.0, f2)
+    add("reduce (variadic)", "reduce",
+        lambda x, y: sum(lax.reduce((x, y), (-jnp.inf, 0.0),
+                                    lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), (1,))),
+        f2, f2)
     add("device_put", "device_put",
         lambda x, y: jnp.sum(jax.device_put((x, y * 2.0))[1], axis=0) + x[0], f2, f2)
     add("integer_pow", "integer_pow", lambda x: lax.integer_pow(x, 3), f2)

@@ -37,4 +37,18 @@ def reduction_sharding(kind):
     return rule
 
 
+def reduce_sharding(in_avals, out_avals, *, dimensions, **params):
+    """lax.reduce with the user's own computation (variadic: n operands, then n scalar initial
+    values): the kept dims pass, every operand alike; a reduced dim stays whole — what the
+    computation does across shards is unknown, so no Partial is claimed."""
+    n = len(out_avals)
+    shape = in_avals[0].shape
+    term = LETTERS[:len(shape)]
+    out = "".join(ch for d, ch in enumerate(term) if d not in dimensions)
+    spec = ",".join([term] * n + [""] * n) + "->" + ",".join([out] * n)
+    return einsum(spec, [a.shape for a in in_avals], [a.shape for a in out_avals],
+                  replicate="".join(term[d] for d in dimensions))
+
+
 TABLE = {p: Rule(reduction_sharding(k)) for p, k in KINDS.items()}
+TABLE[lax.reduce_p] = Rule(reduce_sharding)
