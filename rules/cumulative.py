@@ -197,12 +197,25 @@ def top_k_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, k, axis=-
              _nbytes(local, out_avals[1].dtype) * (n - 1))]
 
 
+def approx_top_k_sharding(in_avals, out_avals, *, reduction_dimension, **params):
+    # lax.approx_max_k / approx_min_k: approximate where the platform makes it so (TPU), so
+    # candidates combined across shards could differ from one device's answer: the searched
+    # dim stays whole, the others split
+    shape = in_avals[0].shape
+    term = LETTERS[:len(shape)]
+    axis = reduction_dimension % len(shape)
+    out = term[:axis] + "." + term[axis + 1:]
+    return einsum(f"{term}->{out},{out}", [shape], [a.shape for a in out_avals],
+                  replicate=term[axis])
+
+
 TABLE = {p: Rule(cumulative_sharding, cumulative_lower(p), cumulative_comm) for p in _COMBINE}
 TABLE.update({
     lax.argmax_p: Rule(arg_sharding, arg_lower(True), arg_comm),
     lax.argmin_p: Rule(arg_sharding, arg_lower(False), arg_comm),
     lax.sort_p: Rule(sort_sharding),
     lax.top_k_p: Rule(top_k_sharding, top_k_lower, top_k_comm),
+    lax.approx_top_k_p: Rule(approx_top_k_sharding),
 })
 
 
@@ -228,6 +241,9 @@ def validation_samples() -> list:
     out.append(("top_k", "top_k", lambda x: lax.top_k(x, 3)[0] + lax.top_k(x, 3)[1], (f2,)))
     out.append(("top_k k > block", "top_k", lambda x: lax.top_k(x, 6)[0] * lax.top_k(x, 6)[1], (f2,)))
     out.append(("top_k axis=0", "top_k", lambda x: lax.top_k(x, 3, axis=0)[1], (f2,)))
+    out.append(("approx_max_k", "approx_top_k",
+                lambda x: lax.approx_max_k(x, 3)[0] + lax.approx_min_k(x, 2, reduction_dimension=0)[1].sum(),
+                (f2,)))
     return out
 
 
