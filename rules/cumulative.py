@@ -141,14 +141,19 @@ def sort_sharding(in_avals, out_avals, *, dimension, is_stable, num_keys):
                   replicate=term[dimension])
 
 
-def top_k_sharding(in_avals, out_avals, *, k, axis=-1, **params):
+def _search(in_avals, out_avals, axis: int, *, combined: bool):
+    """(values, indices) of the best k along `axis`: the k dim of the results is never split;
+    the searched dim is COMBINE (candidates merged by the lowering) or whole."""
     shape = in_avals[0].shape
     term = LETTERS[:len(shape)]
     axis = axis % len(shape)
-    # the k dim of the results is never split; the searched dim may be (combined candidates)
     out = term[:axis] + "." + term[axis + 1:]
     return einsum(f"{term}->{out},{out}", [shape], [a.shape for a in out_avals],
-                  combine=term[axis])
+                  **{"combine" if combined else "replicate": term[axis]})
+
+
+def top_k_sharding(in_avals, out_avals, *, k, axis=-1, **params):
+    return _search(in_avals, out_avals, axis, combined=True)
 
 
 def _candidates_cost_more(block: int, k: int, value_dtype, index_dtype) -> bool:
@@ -201,12 +206,7 @@ def approx_top_k_sharding(in_avals, out_avals, *, reduction_dimension, **params)
     # lax.approx_max_k / approx_min_k: approximate where the platform makes it so (TPU), so
     # candidates combined across shards could differ from one device's answer: the searched
     # dim stays whole, the others split
-    shape = in_avals[0].shape
-    term = LETTERS[:len(shape)]
-    axis = reduction_dimension % len(shape)
-    out = term[:axis] + "." + term[axis + 1:]
-    return einsum(f"{term}->{out},{out}", [shape], [a.shape for a in out_avals],
-                  replicate=term[axis])
+    return _search(in_avals, out_avals, reduction_dimension, combined=False)
 
 
 TABLE = {p: Rule(cumulative_sharding, cumulative_lower(p), cumulative_comm) for p in _COMBINE}

@@ -523,14 +523,22 @@ def test_shard_fn_wins_over_an_annotation():
     assert model.down.kernel.get_value().placements == [R, S(0)]
 
 
-def test_linen_with_partitioning_boxes_are_placed_and_dropped():
-    class Net(linen.Module):
-        @linen.compact
-        def __call__(self, x):
-            init = linen.initializers.lecun_normal()
-            h = linen.relu(linen.Dense(32, kernel_init=linen.with_partitioning(init, (None, "mp")))(x))
-            return linen.Dense(8, kernel_init=linen.with_partitioning(init, ("mp", None)))(h)
+class _BoxedNet(linen.Module):
+    """Megatron by linen's own annotations: column-parallel up, row-parallel down."""
 
+    @linen.compact
+    def __call__(self, x):
+        init = linen.initializers.lecun_normal()
+        h = linen.relu(linen.Dense(32, kernel_init=linen.with_partitioning(init, (None, "mp")))(x))
+        return linen.Dense(8, kernel_init=linen.with_partitioning(init, ("mp", None)))(h)
+
+
+def _mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def test_linen_with_partitioning_boxes_are_placed_and_dropped():
+    Net = _BoxedNet
     x = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)
     boxed = Net().init(jax.random.key(0), x)
     dparams = shard_layer(boxed, MESH)
@@ -568,9 +576,7 @@ def test_to_static_takes_a_model_flax_sharded_under_set_mesh_as_it_is():
     batches = [(rng.normal(size=(16, 8)).astype(np.float32),
                 rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
     tx = optax.sgd(0.1)
-
-    def mse(out, y):
-        return jnp.mean((out - y) ** 2)
+    mse = _mse
     loader = dist.shard_dataloader(batches, meshes=MESH, shard_dims="dp")
     dm = dist.to_static(model, loader, mse, dist.shard_optimizer(tx))
     dm.train()
@@ -585,21 +591,13 @@ def test_to_static_takes_a_model_flax_sharded_under_set_mesh_as_it_is():
 
 
 def test_to_static_places_linen_with_partitioning_params_as_boxed():
-    class Net(linen.Module):
-        @linen.compact
-        def __call__(self, x):
-            init = linen.initializers.lecun_normal()
-            h = linen.relu(linen.Dense(32, kernel_init=linen.with_partitioning(init, (None, "mp")))(x))
-            return linen.Dense(8, kernel_init=linen.with_partitioning(init, ("mp", None)))(h)
-
+    Net = _BoxedNet
     rng = np.random.default_rng(3)
     batches = [(rng.normal(size=(16, 8)).astype(np.float32),
                 rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
     variables = Net().init(jax.random.key(0), batches[0][0])
     tx = optax.sgd(0.1)
-
-    def mse(out, y):
-        return jnp.mean((out - y) ** 2)
+    mse = _mse
     loader = dist.shard_dataloader(batches, meshes=MESH, shard_dims="dp")
     dm = dist.to_static((Net(), variables), loader, mse, dist.shard_optimizer(tx))
     dm.train()
