@@ -77,6 +77,10 @@ OPS = {
     "gammainc": lambda h, w: jax.scipy.special.gammainc(1.5, jnp.abs(h) + 0.1) * w,
     "callback": lambda h, w: (jax.debug.callback(lambda v: None, h), h)[1],
     "barrier": lambda h, w: jax.lax.optimization_barrier((h, w * 2.0))[0] * w,
+    # values made from nothing sharded (recompute.py): an iota mask, and a permutation set
+    # without unique_indices, whose derivative scatters ids into zeros and gathers them back
+    "iota_mask": lambda h, w: jnp.where(jnp.arange(8)[:, None] >= jnp.arange(8)[None], h, 0.0),
+    "unsort": lambda h, w: jnp.zeros_like(h).at[np.array([3, 1, 4, 0, 5, 7, 2, 6])].set(h * w),
 }
 
 
