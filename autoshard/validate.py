@@ -82,6 +82,9 @@ def samples() -> list[Sample]:
         lambda x, y: sum(lax.reduce((x, y), (-jnp.inf, 0.0),
                                     lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), (1,))),
         f2, f2)
+    add("mulhi", "mulhi", lambda x, y: lax.mulhi(lax.convert_element_type(x * 1e9, jnp.int32),
+                                                 lax.convert_element_type(y * 1e9, jnp.int32)),
+        f2, f2)
     add("device_put", "device_put",
         lambda x, y: jnp.sum(jax.device_put((x, y * 2.0))[1], axis=0) + x[0], f2, f2)
     add("integer_pow", "integer_pow", lambda x: lax.integer_pow(x, 3), f2)

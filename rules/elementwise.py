@@ -60,6 +60,42 @@ PLAIN = [
     # total-order comparisons (searchsorted's): -0.0 < 0.0 and NaNs ordered
     lax_internal.eq_to_p, lax_internal.le_to_p, lax_internal.lt_to_p,
 ]
+def _mulhi_unsigned(x, y, half: int):
+    """The high half of x * y for unsigned x, y of 2 * `half` bits, in that type: the product
+    of `half`-bit pieces fits, so no wider type is needed."""
+    mask = lax.full_like(x, (1 << half) - 1)
+    shift = lax.full_like(x, half)
+    x_lo, x_hi = lax.bitwise_and(x, mask), lax.shift_right_logical(x, shift)
+    y_lo, y_hi = lax.bitwise_and(y, mask), lax.shift_right_logical(y, shift)
+    ll, lh, hl, hh = x_lo * y_lo, x_lo * y_hi, x_hi * y_lo, x_hi * y_hi
+    mid = (lax.shift_right_logical(ll, shift) + lax.bitwise_and(lh, mask)
+           + lax.bitwise_and(hl, mask))
+    return (hh + lax.shift_right_logical(lh, shift) + lax.shift_right_logical(hl, shift)
+            + lax.shift_right_logical(mid, shift))
+
+
+def _mulhi_lower(ctx, x, y):
+    # XLA's multiply-high does not lower inside shard_map (jax 0.10: "Unable to convert MHLO
+    # to StableHLO", plain jax.shard_map too): computed from half-width products instead
+    dtype = np.dtype(x.dtype)
+    bits = dtype.itemsize * 8
+    signed = np.issubdtype(dtype, np.signedinteger)
+    if bits < 32:  # the whole product fits the 32-bit type of the same signedness
+        wide = np.int32 if signed else np.uint32
+        prod = lax.convert_element_type(x, wide) * lax.convert_element_type(y, wide)
+        shifted = (lax.shift_right_arithmetic if signed else lax.shift_right_logical)(
+            prod, lax.full_like(prod, bits))
+        return [lax.convert_element_type(shifted, dtype)]
+    unsigned = np.dtype(f"uint{bits}")
+    xu, yu = (lax.bitcast_convert_type(v, unsigned) for v in (x, y))
+    hi = _mulhi_unsigned(xu, yu, bits // 2)
+    if signed:  # two's complement: subtract y where x < 0 and x where y < 0 (mod 2**bits)
+        zero = lax.full_like(xu, 0)
+        hi = hi - lax.select(x < 0, yu, zero) - lax.select(y < 0, xu, zero)
+        return [lax.bitcast_convert_type(hi, dtype)]
+    return [hi]
+
+
 # primitives of later jax versions (tanh's derivative 1 - x² is one from jax 0.11)
 PLAIN += [p for p in (getattr(lax, "one_minus_square_p", None),) if p is not None]
 
@@ -132,6 +168,8 @@ TABLE.update({p: Rule(elementwise_sharding(_PLAIN)) for p in PLAIN})
 TABLE[lax.convert_element_type_p] = Rule(_convert_sharding)
 TABLE[lax.bitcast_convert_type_p] = Rule(_bitcast_sharding)
 TABLE[optimization_barrier_p] = Rule(_barrier_sharding, _barrier_lower, match_vma=False)
+if getattr(lax, "mulhi_p", None) is not None:
+    TABLE[lax.mulhi_p] = Rule(elementwise_sharding(_PLAIN), _mulhi_lower)
 
 
 def _identity_lower(ctx, x, **params):

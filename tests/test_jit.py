@@ -592,3 +592,22 @@ def test_a_pending_sum_asked_for_as_another_partial_is_reduced_after_the_steps(o
     f = dist.jit(lambda a, b, w: (a + b) @ w, out_placements=[out])
     got = f(a, b, dist.shard_tensor(w, MESH24, ["R", "R"]))
     np.testing.assert_allclose(got.numpy(), (x + y) @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.uint8, np.int16])
+def test_multiply_high_equals_one_device_for_every_integer_width(dtype):
+    # XLA's multiply-high does not lower inside shard_map (jax 0.10 CPU); the rule computes it
+    # from half-width products: bit-equal to one device, extremes included
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(info.min, info.max, (8, 16), dtype=dtype, endpoint=True)
+            for _ in range(2))
+    a[0, :3], b[0, :3] = [info.min, info.max, info.max], [info.min, info.min, info.max]
+    f = dist.jit(jax.lax.mulhi)
+    x = dist.shard_tensor(a, MESH24, [dist.Shard(0), dist.Shard(1)])
+    y = dist.shard_tensor(b, MESH24, [dist.Shard(0), dist.Replicate()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(x, y)
+    np.testing.assert_array_equal(out.numpy(), jax.jit(jax.lax.mulhi)(a, b))
+    assert out.placements == x.placements and not f.plan(x, y).collectives
