@@ -136,7 +136,21 @@ def replicated_sharding(in_avals, out_avals, **params):
     return OpSharding(tuple(operands), tuple(results), tuple(factors))
 
 
+def threefry_sharding(in_avals, out_avals, **params):
+    """The raw threefry2x32 hash (jax.extend.random.threefry_2x32, custom PRNGs): each output
+    element hashes the key words with the count words at its own position — elementwise, key
+    words scalar or shaped like the counts."""
+    r = len(out_avals[0].shape)
+    if any(len(a.shape) not in (0, r) for a in in_avals):
+        return None
+    term = LETTERS[:r]
+    return einsum(",".join(term if len(a.shape) == r else "" for a in in_avals) + "->"
+                  + ",".join([term] * len(out_avals)),
+                  [a.shape for a in in_avals], [a.shape for a in out_avals])
+
+
 TABLE = {
+    threefry.threefry2x32_p: Rule(threefry_sharding),
     prng.random_bits_p: Rule(random_bits_sharding, random_bits_lower),
     prng.random_seed_p: Rule(replicated_sharding),
     prng.random_wrap_p: Rule(replicated_sharding),
@@ -171,4 +185,10 @@ def validation_samples() -> list:
         ("seed", "random_seed", lambda x: x + jax.random.normal(jax.random.key(4), x.shape), (f2,)),
         ("unwrap", "random_unwrap",
          lambda x: x + jax.random.key_data(jax.random.key(6))[1].astype(np.float32), (f2,)),
+        ("rbg draw", "random_bits",
+         lambda x: x * jax.random.normal(jax.random.key(3, impl="rbg"), x.shape), (f2,)),
+        ("raw threefry2x32", "threefry2x32",
+         lambda x, y: x + threefry.threefry2x32_p.bind(
+             np.uint32(7), np.uint32(9), lax.bitcast_convert_type(x, np.uint32),
+             lax.bitcast_convert_type(y, np.uint32))[1].astype(np.float32) * 1e-9, (f2, f2)),
     ]
