@@ -44,4 +44,25 @@ def physical_sharding(layout: Layout, mesh: ProcessMesh) -> NamedSharding:
     return NamedSharding(mesh.to_jax(), physical_spec(layout, mesh))
 
 
-__all__ = ["physical_shape", "physical_spec", "physical_sharding"]
+def layout_of_spec(spec, ndim: int) -> Layout:
+    """The Layout a PartitionSpec-like `spec` (per dim: None, a mesh axis name, or a tuple of
+    them, major first) gives an `ndim`-dim value; missing trailing entries are whole."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    return Layout(tuple(() if e is None else tuple(e) if isinstance(e, (tuple, list)) else (e,)
+                        for e in entries))
+
+
+def mesh_sharding(x) -> NamedSharding | None:
+    """The NamedSharding over several devices of a concrete jax.Array (None: anything else —
+    a tracer, a numpy array, an array on one device)."""
+    import jax
+
+    sharding = getattr(x, "sharding", None)
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            and isinstance(sharding, NamedSharding) and sharding.mesh.size > 1):
+        return sharding
+    return None
+
+
+__all__ = ["physical_shape", "physical_spec", "physical_sharding", "layout_of_spec",
+           "mesh_sharding"]

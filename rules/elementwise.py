@@ -172,8 +172,8 @@ if getattr(lax, "mulhi_p", None) is not None:
     TABLE[lax.mulhi_p] = Rule(elementwise_sharding(_PLAIN), _mulhi_lower)
 
 
-def _identity_lower(ctx, x, **params):
-    return [x]
+def _identity_lower(ctx, *xs, **params):
+    return list(xs)  # each operand its own result
 
 
 # jax's own sharding annotations (with_sharding_constraint, jax.reshard, and the reshard jax
@@ -184,11 +184,7 @@ for _p in (getattr(_pjit, "sharding_constraint_p", None), getattr(_pjit, "reshar
         TABLE[_p] = Rule(elementwise_sharding((ALL, ALL, None, (_MAX, _MIN))), _identity_lower)
 
 
-def _each_lower(ctx, *xs, **params):
-    return list(xs)
-
-
 # jax.device_put inside a traced function: each operand to its own result, unchanged here (a
 # NamedSharding on the program's mesh became a hint before planning: compiler/constraints.py)
 if getattr(_dispatch, "device_put_p", None) is not None:
-    TABLE[_dispatch.device_put_p] = Rule(_barrier_sharding, _each_lower, match_vma=False)
+    TABLE[_dispatch.device_put_p] = Rule(_barrier_sharding, _identity_lower, match_vma=False)

@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from ..errors import MeshMismatchError, PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh, as_process_mesh
+from ..physical import layout_of_spec
 from ..uneven import even_part, warn_uneven
 from .trace import Program, hint_p, params_key
 
@@ -85,17 +86,13 @@ def _layout(e, mesh: ProcessMesh) -> Layout | None:
                       IgnoredConstraintWarning, stacklevel=2)
         return None
     shape = tuple(e.inputs[0].shape)
-    dims = []
-    for entry in spec + (None,) * (len(shape) - len(spec)):
-        axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
-        for a in axes:
-            if a not in mesh.dim_names or sizes.get(a) != mesh.get_dim_size(a):
-                raise PlacementError(
-                    f"{what} at {where} splits over mesh axis {a!r} "
-                    f"(size {sizes.get(a)}), which the program's mesh {mesh!r} does not have "
-                    f"with that size: name its dims {list(mesh.dim_names)}", where=where)
-        dims.append(axes)
-    layout = Layout(tuple(dims))
+    layout = layout_of_spec(spec, len(shape))
+    for a in sorted(layout.used_axes):
+        if a not in mesh.dim_names or sizes.get(a) != mesh.get_dim_size(a):
+            raise PlacementError(
+                f"{what} at {where} splits over mesh axis {a!r} "
+                f"(size {sizes.get(a)}), which the program's mesh {mesh!r} does not have "
+                f"with that size: name its dims {list(mesh.dim_names)}", where=where)
     even = even_part(layout, mesh, shape)
     if even is not layout:  # programs compute on even layouts only (uneven.py)
         warn_uneven(layout, mesh, shape, f"the value constrained at {where}",

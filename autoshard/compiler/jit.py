@@ -10,7 +10,6 @@ import jax
 import numpy as np
 from jax._src import core as jcore
 from jax._src.interpreters import ad
-from jax.sharding import NamedSharding
 
 from ..cost_model import CostModel, default_cost_model
 from ..hashing import hash_once
@@ -18,7 +17,8 @@ from ..dtensor import DistTensor
 from ..errors import MeshMismatchError, PlacementTypeError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
-from ..physical import physical_shape, physical_sharding, physical_spec
+from ..physical import (layout_of_spec, mesh_sharding, physical_shape, physical_sharding,
+                        physical_spec)
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
@@ -36,19 +36,6 @@ def _registry():
     from .. import rules
 
     return rules.REGISTRY
-
-
-def _layout_of_named(sharding: NamedSharding, ndim: int) -> Layout:
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
-    dims = []
-    for entry in spec:
-        if entry is None:
-            dims.append(())
-        elif isinstance(entry, tuple):
-            dims.append(tuple(entry))
-        else:
-            dims.append((entry,))
-    return Layout(tuple(dims))
 
 
 class _Tracing(threading.local):
@@ -74,10 +61,10 @@ def _describe_leaf(x) -> _Leaf:
         if x._desc is None:
             x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout)
         return x._desc
-    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # tracers: no .sharding
-            and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1):
-        mesh = as_process_mesh(x.sharding.mesh)
-        return _Leaf(tuple(x.shape), normalize(x.dtype), mesh, _layout_of_named(x.sharding, x.ndim))
+    sharding = mesh_sharding(x)
+    if sharding is not None:
+        return _Leaf(tuple(x.shape), normalize(x.dtype), as_process_mesh(sharding.mesh),
+                     layout_of_spec(sharding.spec, x.ndim))
     arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
     dtype = arr.dtype if is_extended(arr.dtype) else jax.dtypes.canonicalize_dtype(arr.dtype)
     return _Leaf(tuple(np.shape(arr)), normalize(dtype), None, None)

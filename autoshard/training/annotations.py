@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from ..errors import AutoshardError
 from ..mesh import ProcessMesh, as_process_mesh
-from ..placement import Placement, Replicate, Shard
+from ..physical import layout_of_spec, mesh_sharding
+from ..placement import Placement
 
 
 class AnnotationError(AutoshardError, ValueError):
@@ -32,28 +32,23 @@ def placements_of_spec(spec: PartitionSpec | tuple, mesh: ProcessMesh, shape: tu
         raise AnnotationError(
             f"parameter {path!r} of shape {shape} is annotated {spec} ({how}): one entry per "
             f"dim at most")
-    placements: list[Placement] = [Replicate()] * mesh.ndim
-    for dim, entry in enumerate(spec):
-        names = () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-        for name in names:
-            if name not in mesh.dim_names:
-                raise AnnotationError(
-                    f"parameter {path!r} is annotated {spec} ({how}), but {name!r} is not a dim "
-                    f"of the mesh {list(mesh.dim_names)}: name mesh dims, map logical names to "
-                    f"them with flax's logical axis rules (nn.logical_axis_rules / "
-                    f"sharding_rules), or place it with shard_fn")
-            placements[mesh.dim_names.index(name)] = Shard(dim)
-    return placements
+    layout = layout_of_spec(spec, len(shape))
+    for name in sorted(layout.used_axes):
+        if name not in mesh.dim_names:
+            raise AnnotationError(
+                f"parameter {path!r} is annotated {spec} ({how}), but {name!r} is not a dim "
+                f"of the mesh {list(mesh.dim_names)}: name mesh dims, map logical names to "
+                f"them with flax's logical axis rules (nn.logical_axis_rules / "
+                f"sharding_rules), or place it with shard_fn")
+    return layout.placements(mesh)
 
 
 def of_array(value: Any, mesh: ProcessMesh, path: str) -> list[Placement] | None:
     """Placements of a jax.Array already sharded on `mesh` (None: not sharded over it — an
     array sharded on another mesh, say the whole mesh when `mesh` is a pipeline stage's, is
     placed afresh on `mesh`, by its annotation where it has one)."""
-    sharding = getattr(value, "sharding", None)
-    if (not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer)
-            or not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1
-            or as_process_mesh(sharding.mesh) != mesh):
+    sharding = mesh_sharding(value)
+    if sharding is None or as_process_mesh(sharding.mesh) != mesh:
         return None
     return placements_of_spec(sharding.spec, mesh, tuple(value.shape), path,
                               "its NamedSharding")

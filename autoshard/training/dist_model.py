@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 from ..compiler.jit import jit
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh, as_process_mesh
+from ..physical import mesh_sharding
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
 from .amp import LossScaler, all_finite, autocast, cast_floating, keep_if, o1_primitives
@@ -66,9 +66,8 @@ def _find_mesh(params: Any, loader: Any) -> ProcessMesh:
         if _is_dt(leaf):
             return leaf.mesh
     for leaf in leaves:  # flax shards annotated params on the mesh in context (jax.set_mesh)
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(leaf, jax.Array) and isinstance(sharding, NamedSharding) and \
-                sharding.mesh.size > 1:
+        sharding = mesh_sharding(leaf)
+        if sharding is not None:
             return as_process_mesh(sharding.mesh)
     meshes = getattr(loader, "meshes", None)
     if meshes:
