@@ -12,7 +12,7 @@ from .uneven import UnevenShardingWarning
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
 from .creation import dtensor_from_fn, dtensor_from_local, shard_tensor, unshard_dtensor
 from .display import placement_table
-from .dtensor import DistTensor
+from .dtensor import DistTensor, StorageViewWarning
 from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
 from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshError,
                      MeshMismatchError, PlacementError, PlacementTypeError, ReshardError,
@@ -46,7 +46,7 @@ __all__ = [
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit",
     "DistributedFunction", "Plan",
-    "FallbackWarning", "UnevenShardingWarning", "IgnoredConstraintWarning", "register_rule", "Rule", "MeshMismatchError",
+    "FallbackWarning", "UnevenShardingWarning", "StorageViewWarning", "IgnoredConstraintWarning", "register_rule", "Rule", "MeshMismatchError",
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",

@@ -5,7 +5,9 @@ array; the mesh, layout and global shape travel as static metadata.
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -17,6 +19,32 @@ from .mesh import ProcessMesh
 from .physical import physical_shape, physical_sharding
 from .uneven import padded_shape
 from .placement import Placement
+
+
+@functools.lru_cache(maxsize=4096)
+def _stored_shape(mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(physical_shape(layout, mesh, shape))
+
+
+class StorageViewWarning(UserWarning):
+    """A pytree function saw a DistTensor's padded / Partial storage, not its logical value."""
+
+
+def _not_storage(value: Any, aux: tuple, stored: tuple[int, ...]) -> Any:
+    """What f returned for a DistTensor node when it is not the node's storage: itself. Where
+    the storage is not the logical value (uneven dims padded, Partial slots), f saw the storage,
+    so a value f derived from its shape or contents may differ from one device's: say so."""
+    mesh, layout, shape = aux
+    if stored != tuple(shape):
+        warnings.warn(
+            f"autoshard: a pytree function (jax.tree.map, an optax or flax init) was handed the "
+            f"stored array of a DistTensor of shape {tuple(shape)} placed "
+            f"{layout.placements(mesh)} on mesh dims {list(mesh.dim_names)} — shape "
+            f"{stored}, padded or with Partial slots — and made a value of another shape from "
+            f"it, which may differ from one device's; run the function under dist.jit "
+            f"(e.g. dist.jit(tx.init)(params)) or use dist.shard_optimizer(tx).init(params), "
+            f"which see the logical shape", StorageViewWarning, stacklevel=3)
+    return value
 
 
 @jax.tree_util.register_pytree_node_class
@@ -42,7 +70,28 @@ class DistTensor:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        value = children[0]
+        # jax.tree.map(f, params) rebuilds every node from what f returned. optax's inits make
+        # per-param scalars, factored rows, lists of accumulators or MaskedNodes (zero_nans,
+        # novograd, adafactor, sm3, muon) that are not this tensor's storage: they come back
+        # as what f made, not as a DistTensor claiming the param's shape and placements over
+        # something else. Kept as a node: the stored shape itself (tracers, ShapeDtypeStructs,
+        # updated arrays), sentinels jax's own round-trips pass (None, object()), and a plain
+        # tuple holding the stored shape — f returned (new_value, extra) for
+        # jax.tree.transpose to unzip (optax's per-example clipping, GaLore), which needs the
+        # node where it was.
+        stored = _stored_shape(*aux)
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            if tuple(shape) != stored:
+                return _not_storage(value, aux, stored)
+        elif value is not None:
+            leaves = jax.tree.leaves(value)
+            if not (len(leaves) == 1 and leaves[0] is value) and not (
+                    type(value) is tuple
+                    and any(tuple(getattr(x, "shape", ())) == stored for x in value)):
+                return _not_storage(value, aux, stored)
+        return cls(value, *aux)
 
     # -- description -------------------------------------------------------------------------
     @property

@@ -1,0 +1,108 @@
+"""optax as a JAX user writes it: `tx.init(params)` on DistTensor params, then `tx.update` inside
+dist.jit. The state has one device's shapes and the step trains like one device, with the
+collectives the plan promised — for optimizers whose state is not shaped like the params
+(per-param scalars, factored rows, lists of accumulators, masked leaves) too."""
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+from autoshard.testing import assert_trains_like_one_device, mse_step
+
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+R, S = dist.Replicate, dist.Shard
+MEGATRON = {"w0": [R(), S(1)], "b0": [R(), S(0)], "w1": [R(), S(0)], "scale": [R(), R()]}
+
+
+def apply(p, x):
+    return (jax.nn.gelu(x @ p["w0"] + p["b0"]) @ p["w1"]) * p["scale"]
+
+
+def _weights(hidden=32):
+    rng = np.random.default_rng(0)
+    return {"w0": (rng.normal(size=(16, hidden)) * .3).astype(np.float32),
+            "b0": np.zeros(hidden, np.float32),
+            "w1": (rng.normal(size=(hidden, 16)) * .3).astype(np.float32),
+            "scale": np.ones(16, np.float32)}
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    # state not shaped like the params:
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),  # factored rows
+    "novograd": lambda: optax.novograd(1e-2),          # one scalar per param
+    "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.sgd(1e-2)),  # scalar bools
+    "sm3": lambda: optax.sm3(1e-2),                    # a list of per-dim accumulators
+    "muon": lambda: optax.contrib.muon(1e-2),          # MaskedNode where adam takes over
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_raw_init_has_one_devices_state_and_trains_like_one_device(name):
+    tx = OPTIMIZERS[name]()
+    w = _weights()
+    params = {k: dist.shard_tensor(v, MESH, MEGATRON[k]) for k, v in w.items()}
+    state, ref_state = tx.init(params), tx.init(w)
+    is_dt = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
+    got = jax.tree.map(lambda t: (tuple(t.shape), jnp.dtype(t.dtype)), state, is_leaf=is_dt)
+    assert got == jax.tree.map(lambda t: (tuple(t.shape), jnp.dtype(t.dtype)), ref_state)
+    if name == "adam":  # where the state mirrors a param it keeps the param's placements
+        mu = state[0].mu
+        assert {k: v.placements for k, v in mu.items()} == {k: params[k].placements for k in mu}
+
+    rng = np.random.default_rng(1)
+    x, y = (rng.normal(size=(8, 16)).astype(np.float32) for _ in range(2))
+    dx = dist.shard_tensor(x, MESH, [S(0), R()])
+    step = mse_step(apply, tx)
+    f = assert_trains_like_one_device(step, params, w, ref_state, dx, x, y, steps=3)
+    args = (params, state, dx, y)
+    planned = Counter(c.kind for c in f.plan(*args).collectives)
+    assert planned["all-reduce"] >= 1  # the batch's gradients meet over dp
+    compiled = count_collectives(f.lower(*args).compile().as_text())
+    if name == "muon":  # XLA unrolls the Newton-Schulz fori_loop: its psums appear 5 times
+        assert set(compiled) == set(planned) and compiled.total() >= planned.total()
+    else:
+        assert compiled == planned
+
+
+def test_per_example_clipping_unzips_through_distensor_nodes():
+    """optax's per-example clipping maps (grads -> (clipped, norm)) and unzips with
+    jax.tree.transpose: the DistTensor node stays where it was for the unzip."""
+    w = _weights()
+    params = {k: dist.shard_tensor(v, MESH, MEGATRON[k]) for k, v in w.items()}
+    pairs = jax.tree.map(lambda p: (p, jnp.zeros(())), params)
+    outer, inner = jax.tree.structure(params), jax.tree.structure((0, 0))
+    firsts, norms = jax.tree.transpose(outer, inner, pairs)
+    for k in w:
+        assert isinstance(firsts[k], dist.DistTensor) and firsts[k].placements == MEGATRON[k]
+        np.testing.assert_array_equal(firsts[k].numpy(), w[k])
+        assert not isinstance(norms[k], dist.DistTensor) and norms[k].shape == ()
+
+
+def test_uneven_storage_seen_by_a_tree_map_is_named():
+    """A param split unevenly is stored padded; a tree.map that makes something of another
+    shape from the storage is told so (and pointed at dist.jit / shard_optimizer), and the
+    shard_optimizer / dist.jit inits see the logical shape."""
+    w = _weights(hidden=30)
+    params = {k: dist.shard_tensor(v, MESH, MEGATRON[k]) for k, v in w.items()}
+    tx = optax.sm3(1e-2)
+    with pytest.warns(dist.StorageViewWarning, match=r"padded.*dist\.jit") as seen:
+        tx.init(params)
+    assert any("shape (30,) placed [R, S(0)]" in str(m.message) and "shape (32,)" in str(m.message)
+               for m in seen)
+    ref = jax.tree.map(lambda t: t.shape, tx.init(w))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+        warnings.simplefilter("error", dist.StorageViewWarning)
+        for state in (dist.jit(tx.init)(params), dist.shard_optimizer(tx).init(params)):
+            is_dt = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
+            assert jax.tree.map(lambda t: tuple(t.shape), state, is_leaf=is_dt) == ref
