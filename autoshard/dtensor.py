@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src.interpreters.batching import BatchTracer
 
 from .errors import DeviceNotFoundError
 from .layout import Layout, block_bounds
@@ -83,7 +84,9 @@ class DistTensor:
         stored = _stored_shape(*aux)
         shape = getattr(value, "shape", None)
         if shape is not None:
-            if tuple(shape) != stored:
+            # jax.vmap hands each call a slice of the storage: the node stays, for dist.jit to
+            # say that the layout of the mapped dim is lost and to vmap inside instead
+            if tuple(shape) != stored and not isinstance(value, BatchTracer):
                 return _not_storage(value, aux, stored)
         elif value is not None:
             leaves = jax.tree.leaves(value)
