@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .compiler.dtypes import cost_dtype, dtype_name
 from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
 from .layout import Layout, layout_from_placements
@@ -18,7 +19,7 @@ from .uneven import even_part, is_uneven, pad_global, warn_uneven
 
 
 def _describe(shape, dtype) -> str:
-    return f"the tensor {np.dtype(dtype).name}{list(shape)}"
+    return f"the tensor {dtype_name(dtype)}{list(shape)}"
 
 
 def _to_array(data: Any, dtype=None):
@@ -45,7 +46,7 @@ def _add_partial(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> 
     from .reshard.execute import execute
     from .cost_model import default_cost_model
 
-    plan = plan_layouts(tuple(shape), np.dtype(value.dtype).name, mesh, base.layout, mesh, layout,
+    plan = plan_layouts(tuple(shape), cost_dtype(value.dtype), mesh, base.layout, mesh, layout,
                         default_cost_model())
     return make_dtensor(execute(plan, value), mesh, layout, shape)
 
@@ -146,8 +147,8 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
         if b.shape != first.shape or b.dtype != first.dtype:
             raise LocalDataError(
                 f"dtensor_from_local: the block for the device at mesh coords {c} "
-                f"(id {int(mesh.id_array[c])}) is {np.dtype(b.dtype).name}{list(b.shape)}, but the "
-                f"first is {np.dtype(first.dtype).name}{list(first.shape)}: every device's block "
+                f"(id {int(mesh.id_array[c])}) is {dtype_name(b.dtype)}{list(b.shape)}, but the "
+                f"first is {dtype_name(first.dtype)}{list(first.shape)}: every device's block "
                 f"must have the same shape and dtype")
     placements = normalize_placements(placements, mesh.ndim, mesh.dim_names)
     factor = [1] * first.ndim

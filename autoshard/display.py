@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 
+from .compiler.dtypes import dtype_name
 from .layout import block_bounds
 
 _COLOURS = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69",
@@ -29,7 +30,7 @@ def placement_rows(x) -> list[tuple[int, tuple[int, ...], str, bool]]:
 def placement_table(x) -> str:
     """A plain-text table of which device holds which block of `x`."""
     partial = "".join(f", partial {t.value} over {a!r}" for a, t in x.layout.partial)
-    lines = [f"{np.dtype(x.dtype).name}{list(x.shape)} on mesh {x.mesh.shape} "
+    lines = [f"{dtype_name(x.dtype)}{list(x.shape)} on mesh {x.mesh.shape} "
              f"{x.mesh.dim_names} as {x.placements}{partial}; each device holds {list(x.local_shape)}"]
     for device, coords, block, _ in placement_rows(x):
         where = ", ".join(f"{n}={c}" for n, c in zip(x.mesh.dim_names, coords))

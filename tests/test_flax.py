@@ -1,12 +1,17 @@
 """flax models run through dist.jit unchanged apart from the annotations."""
 
+import warnings
+from collections import Counter
+
 import flax.linen as linen
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import autoshard as dist
+from autoshard.hlo import count_collectives
 from autoshard.testing import assert_trains_like_one_device, mse_step, nnx_apply
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -44,6 +49,10 @@ def _megatron(path, x):
     return [dist.Replicate(), dist.Replicate()]
 
 
+def _is_dt(x):
+    return isinstance(x, dist.DistTensor)
+
+
 def _check(step, params, state, x, y):
     dparams = jax.tree_util.tree_map_with_path(
         lambda p, v: dist.shard_tensor(v, MESH, _megatron(p, v)), params)
@@ -66,3 +75,82 @@ def test_nnx_model_trains_like_one_device():
     params = nnx.to_pure_dict(params)
     tx = optax.sgd(0.1)
     _check(mse_step(nnx_apply(graphdef), tx), params, tx.init(params), x, y)
+
+
+# -- dist.jit in place of nnx.jit: modules as arguments, what the step does written back --------
+
+class NnxNet(nnx.Module):
+    """State beyond the params: BatchNorm statistics and a dropout Rngs counter. (The norm
+    comes after the activation: a bias right before it would get a gradient of rounding noise,
+    which adam turns into steps of the learning rate's size, different on every machine.)"""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.down = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(self.bn(nnx.gelu(self.up(x)))))
+
+
+def _nnx_train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _nnx_megatron(path, layer, mesh):
+    R, S = dist.Replicate(), dist.Shard
+    if path.endswith("up"):
+        layer.kernel.set_value(dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(1)]))
+        layer.bias.set_value(dist.shard_tensor(layer.bias.get_value(), mesh, [R, S(0)]))
+    if path.endswith("down"):
+        layer.kernel.set_value(dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(0)]))
+
+
+def test_dist_jit_takes_nnx_modules_as_nnx_jit_does():
+    """`@dist.jit` on the nnx train step `(model, optimizer, x, y)`: each step updates the
+    caller's model and optimizer (params, adam moments, BatchNorm statistics, the dropout
+    counter) as nnx.jit does on one device — plain jax.jit would trace copies and lose them —
+    the placements stay, and the program is traced once."""
+    x, y = _data()
+    ref = NnxNet(nnx.Rngs(0, dropout=1))
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    model = dist.shard_layer(NnxNet(nnx.Rngs(0, dropout=1)), MESH, _nnx_megatron)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = dist.jit(_nnx_train_step)
+    dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+    losses, ref_losses, traces = [], [], []
+    for _ in range(3):
+        traces.append(sum(f.trace_count for f in getattr(step, "_graph_inner", {}).values()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            losses.append(float(step(model, opt, dx, y).numpy()))
+        ref_losses.append(float(nnx.jit(_nnx_train_step)(ref, ref_opt, x, y)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert len(set(ref_losses)) == 3  # the steps did train
+    got, want = nnx.state((model, opt)), nnx.state((ref, ref_opt))
+    for a, b in zip(jax.tree.leaves(got, is_leaf=_is_dt), jax.tree.leaves(want)):
+        a = dist.unshard_dtensor(a) if _is_dt(a) else a
+        if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):  # the dropout key
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert model.up.kernel.get_value().placements == [dist.Replicate(), dist.Shard(1)]
+    assert model.down.kernel.get_value().placements == [dist.Replicate(), dist.Shard(0)]
+    assert opt.opt_state[0].mu["up"]["kernel"].get_value().placements == \
+        [dist.Replicate(), dist.Shard(1)]
+    # traced for the first step (BatchNorm statistics and the Rngs entered as plain arrays)
+    # and the second (they came back placed as the plan computed them); then kept
+    assert traces == [0, 1, 2] and sum(f.trace_count for f in step._graph_inner.values()) == 2
+    # plan / lower take the same arguments; the HLO has the collectives planned
+    planned = Counter(c.kind for c in step.plan(model, opt, dx, y).collectives)
+    assert planned["all-reduce"] >= 2  # the MLP's forward over mp, the gradients over dp
+    assert count_collectives(step.lower(model, opt, dx, y).compile().as_text()) == planned
+
+
+def test_returning_an_nnx_module_from_dist_jit_is_named():
+    model = NnxMLP(nnx.Rngs(0))
+    x, _ = _data()
+    with pytest.raises(dist.PlacementTypeError, match="nnx.state"):
+        dist.jit(lambda m, x: (m, m(x)))(model, x)

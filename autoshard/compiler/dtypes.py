@@ -21,6 +21,11 @@ def cost_dtype(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def dtype_name(dtype) -> str:
+    """For messages and tables: numpy's name, or the extended dtype's own (key<fry>)."""
+    return str(dtype) if is_extended(dtype) else np.dtype(dtype).name
+
+
 @functools.lru_cache(maxsize=None)
 def itemsize(dtype) -> int:
     return np.dtype(cost_dtype(dtype)).itemsize

@@ -28,7 +28,7 @@ from .gc_pause import gc_paused
 from . import out_spec
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
-from . import constraints
+from . import constraints, graph_nodes
 from .trace import build_program, hint_p
 
 
@@ -90,6 +90,22 @@ class _Compiled:
         return gc_paused(self.fn)(*physical)
 
 
+def _lifting(method):
+    """A call whose arguments hold nnx modules (graph nodes) runs as nnx.jit runs it: a pure
+    function of their State, written back after (graph_nodes.py). Nested in another dist.jit's
+    trace the function just runs, on the outer trace's objects."""
+    @functools.wraps(method)
+    def lifting(self, *args, **kwargs):
+        lifted = None if _TRACING.depth or not self._lifts else graph_nodes.lift(self, args, kwargs)
+        if lifted is None:
+            return method(self, *args, **kwargs)
+        if method.__name__ == "__call__":
+            return graph_nodes.write_back(lifted, lifted.fn(*lifted.args))
+        return getattr(lifted.fn, method.__name__)(*lifted.args)
+
+    return lifting
+
+
 class DistributedFunction:
     """A function partitioned across a mesh by autoshard; see `autoshard.jit`."""
 
@@ -107,6 +123,7 @@ class DistributedFunction:
         # eager operators (eager.py) hand DistTensors back even under an outer jax trace: the
         # user is writing DistTensor code there, op by op
         self._always_dist = False
+        self._lifts = True  # nnx graph nodes among the arguments are lifted (graph_nodes.py)
 
     # -- argument handling ------------------------------------------------------------------
     def _split(self, args, kwargs):
@@ -293,6 +310,7 @@ class DistributedFunction:
         return out
 
     # -- public -------------------------------------------------------------------------------
+    @_lifting
     def __call__(self, *args, **kwargs):
         if _TRACING.depth:
             # called while another dist.jit function is being traced: its body becomes part
@@ -349,6 +367,7 @@ class DistributedFunction:
                     f"Partial meaning (every part gets the whole gradient) — reduce it first with "
                     f"dist.reshard(x, mesh, [Replicate() or Shard(d) ...]) before jax.grad")
 
+    @_lifting
     def plan(self, *args, **kwargs) -> Plan:
         """The Plan for these arguments: every value's layout, every collective and why."""
         entry = self._entry(args, kwargs)[0]
@@ -358,6 +377,7 @@ class DistributedFunction:
                 f"their plans are .stage_plans(*args)")
         return entry.plan
 
+    @_lifting
     def stage_plans(self, *args, **kwargs) -> list[Plan]:
         """Per stage (one per run of equations on one mesh), its Plan; one Plan when the
         function runs on one mesh."""
@@ -366,6 +386,7 @@ class DistributedFunction:
             return [plan for plan, _ in entry.plans(leaves)]
         return [entry.plan]
 
+    @_lifting
     def explain(self, *args, **kwargs) -> Explanation | StagedExplanation:
         """The plan as a table (text in a terminal, HTML in a notebook); for a function cut
         into stages on several meshes, each stage's, with what moves between them."""
@@ -374,6 +395,7 @@ class DistributedFunction:
             return StagedExplanation(self.__name__, entry.plans(leaves))
         return Explanation(entry.plan)
 
+    @_lifting
     def lower(self, *args, **kwargs):
         """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
         entry, leaves = self._entry(args, kwargs)

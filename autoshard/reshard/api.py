@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..compiler.dtypes import cost_dtype
+from ..compiler.dtypes import cost_dtype, dtype_name
 from ..cost_model import CostModel, default_cost_model
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import PlacementTypeError, ReshardError
@@ -56,7 +56,7 @@ def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placemen
     x = _check_tensor(x, "plan_reshard")
     mesh = as_process_mesh(mesh)
     dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
-    return plan_layouts(x.shape, np.dtype(x.dtype).name, x.mesh, x.layout, mesh, dst,
+    return plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, mesh, dst,
                         cost_model or default_cost_model())
 
 
@@ -92,7 +92,7 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
 
 
 def _describe(x: DistTensor) -> str:
-    return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+    return f"{dtype_name(x.dtype)}{list(x.shape)}"
 
 
 __all__ = ["plan_reshard", "reshard", "plan_layouts", "to_even"]

@@ -1,0 +1,146 @@
+"""flax nnx modules and optimizers as dist.jit arguments, taken as nnx.jit takes them.
+
+jax.jit flattens an nnx Module like any pytree and traces the function on copies: what the
+function does to the module — an optimizer step, BatchNorm statistics, an Rngs counter — is
+lost, and a train step run by jax.jit computes the same loss forever. nnx.jit splits the graph
+nodes among the arguments into a GraphDef and a State, merges them inside, and writes the State
+the function leaves back into the caller's objects. dist.jit does the same, so `@dist.jit` can
+replace `@nnx.jit` on `train_step(model, optimizer, x, y)`: the State's DistTensors enter the
+program placed as they are, and each variable that comes back with its shape keeps its
+placements (as nnx.jit keeps shardings), so the next step finds the same layouts.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ..dtensor import DistTensor
+from ..errors import PlacementTypeError
+
+
+_NNX: list = []
+
+
+def _nnx():
+    if not _NNX:  # flax is a dependency, imported on first use as jax's own users import it
+        from flax import nnx
+
+        _NNX.append(nnx)
+    return _NNX[0]
+
+
+# what most arguments are made of, answered without asking flax (every dist.jit call, eager
+# operators included, checks its arguments)
+_PLAIN = (dict, list, tuple, type(None), int, float, bool, str)
+
+
+def is_graph_node(x: Any) -> bool:
+    if type(x) in _PLAIN or isinstance(x, (DistTensor, jax.Array, np.ndarray, np.generic)):
+        return False
+    nnx = _nnx()
+    return type(x) in nnx.graph.GRAPH_REGISTRY or isinstance(x, nnx.Variable)
+
+
+def _leaf(x: Any) -> bool:
+    return isinstance(x, DistTensor) or is_graph_node(x)
+
+
+class _Key(NamedTuple):
+    """The static part of a lifted call: where the graph nodes sat among the arguments, what
+    they are (GraphDef), and the placements each state leaf keeps."""
+    graphdef: Any
+    treedef: Any
+    positions: tuple[int, ...]
+    statics: tuple
+    keep: tuple   # per state leaf: (mesh, placements, shape) of a DistTensor, or None
+
+
+class Lifted(NamedTuple):
+    fn: Any            # the DistributedFunction of the pure function below
+    args: tuple        # its arguments: (key, state, other leaves)
+    nodes: list        # the caller's graph nodes, to write the new state into
+
+
+def lift(dfn, args: tuple, kwargs: dict) -> Lifted | None:
+    """The call `dfn(*args, **kwargs)` as a pure function of the graph nodes' State, or None
+    when no argument is (or holds) an nnx graph node."""
+    static_pos = set(dfn._static)
+    statics = tuple(a for i, a in enumerate(args) if i in static_pos)
+    dynamic = tuple(a for i, a in enumerate(args) if i not in static_pos)
+    leaves, treedef = jax.tree.flatten((dynamic, kwargs), is_leaf=_leaf)
+    positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
+    if not positions:
+        return None
+    nodes = [leaves[i] for i in positions]
+    graphdef, state = _nnx().split(nodes)
+    others = [x for i, x in enumerate(leaves) if i not in set(positions)]
+    keep = tuple((x.mesh, tuple(x.placements), x.shape) if isinstance(x, DistTensor) else None
+                 for x in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, DistTensor)))
+    key = _Key(graphdef, treedef, positions, statics, keep)
+    donated = any(i in static_pos or _holds_node(args[i]) for i in dfn._donate if i < len(args))
+    return Lifted(_inner(dfn, donated), (key, state, others), nodes)
+
+
+def _holds_node(x: Any) -> bool:
+    return any(is_graph_node(leaf) for leaf in jax.tree.leaves(x, is_leaf=_leaf))
+
+
+def write_back(lifted: Lifted, result: tuple) -> Any:
+    out, new_state = result
+    _nnx().update(lifted.nodes, new_state)
+    return out
+
+
+def _inner(dfn, donated: bool):
+    cache = dfn.__dict__.setdefault("_graph_inner", {})
+    if donated not in cache:
+        from .jit import DistributedFunction
+
+        spec = dfn._out_placements
+        fn = DistributedFunction(_pure(dfn), static_argnums=(0,),
+                                 donate_argnums=(1,) if donated else (),
+                                 out_placements=None if spec is None else (spec, None),
+                                 cost_model=dfn._cost_model)
+        fn.__name__ = dfn.__name__
+        fn._lifts = False  # its State holds nnx Variables: graph nodes, already lifted
+        cache[donated] = fn
+    return cache[donated]
+
+
+def _pure(dfn):
+    def pure(key: _Key, state: Any, others: list):
+        nnx = _nnx()
+        nodes = nnx.merge(key.graphdef, state)
+        leaves, it = list(others), iter(nodes)
+        for i in key.positions:
+            leaves.insert(i, next(it))
+        dynamic, kwargs = jax.tree.unflatten(key.treedef, leaves)
+        out = dfn._fn(*dfn._rebuild_args(key.statics, dynamic), **kwargs)
+        if _holds_node(out):
+            raise PlacementTypeError(
+                f"{dfn.__name__} returns an nnx module (or another graph node): dist.jit writes "
+                f"what the function did to its module arguments back into them, as nnx.jit "
+                f"does — return arrays (a loss, metrics) and read the updated module from the "
+                f"object you passed in, or return nnx.state(module)")
+        _, new_state = nnx.split(nodes)
+        return out, _keep_placements(new_state, key.keep)
+
+    return pure
+
+
+def _keep_placements(state: Any, keep: tuple) -> Any:
+    """Each state leaf that entered as a DistTensor leaves with its placements (the plan
+    computes it as it likes; a reshard at the end converts), when its shape is unchanged."""
+    from ..reshard.api import reshard
+
+    leaves, tree = jax.tree.flatten(state)
+    if len(leaves) != len(keep):  # the function added or dropped variables: the plan decides
+        return state
+    return jax.tree.unflatten(tree, [
+        reshard(x, k[0], list(k[1])) if k is not None and tuple(x.shape) == k[2] else x
+        for x, k in zip(leaves, keep)])
+
+
+__all__ = ["is_graph_node", "lift", "write_back", "Lifted"]
