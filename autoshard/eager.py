@@ -390,6 +390,18 @@ def _item(self: DistTensor) -> Any:
     return self.numpy().item()
 
 
+def _setitem(self: DistTensor, index: Any, value: Any) -> None:
+    """`x[idx] = v` in place, as numpy and Paddle tensors take it (flax writes a Variable
+    holding a non-jax array this way: `metric.total[...] = 0`): the tensor now holds
+    `x.at[idx].set(v)`, with its placements kept."""
+    from .reshard.api import reshard
+
+    new = self.at[index].set(value)
+    if new.mesh != self.mesh or new.layout != self.layout:
+        new = reshard(new, self.mesh, self.placements)
+    self._value = new.physical
+
+
 def install(cls: type = DistTensor) -> None:
     """Give `cls` the eager operators and methods (idempotent)."""
     methods: dict[str, Any] = {}
@@ -410,7 +422,7 @@ def install(cls: type = DistTensor) -> None:
         at=property(_AtIndexer, doc="`x.at[idx].set(v)` / `.add(v)` / ... / `.get()`, as jax."),
         item=_item, tolist=lambda self: self.numpy().tolist(),
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
-        __getitem__=_getitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
+        __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
         __int__=_to_python(int), __complex__=_to_python(complex),
         # __eq__ is elementwise, which would make the class unhashable had it been defined in
         # the class body; DistTensors stay hashable by identity (dict keys, sets, `x in list`).

@@ -451,3 +451,18 @@ def test_jax_functions_take_a_dtensor_as_a_sharded_array(mesh, placements):
         assert whole is x.physical  # no copy: the stored array is the global one
         assert whole.sharding.spec == x.sharding.spec
     np.testing.assert_allclose(np.asarray(whole), value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("placements", [[S(0), R()], [R(), S(1)], [S(0), S(1)]])
+def test_item_assignment_updates_in_place_and_keeps_placements(placements):
+    """`x[idx] = v` as numpy and Paddle take it (flax writes Variables holding a DistTensor
+    this way: `metric.total[...] = 0`)."""
+    a = dist.shard_tensor(A, MESH24, placements)
+    alias = a
+    want = np.array(A)
+    a[1:3] = 5.0
+    want[1:3] = 5.0
+    a[..., 0] = np.arange(A.shape[0], dtype=A.dtype)
+    want[..., 0] = np.arange(A.shape[0])
+    check(alias, want)   # the same object, updated
+    assert a.placements == placements

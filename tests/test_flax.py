@@ -109,7 +109,8 @@ def _nnx_megatron(path, layer, mesh):
         layer.kernel.set_value(dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(0)]))
 
 
-def test_dist_jit_takes_nnx_modules_as_nnx_jit_does():
+@pytest.mark.parametrize("donate", [(), (0, 1)], ids=["kept", "donated"])
+def test_dist_jit_takes_nnx_modules_as_nnx_jit_does(donate):
     """`@dist.jit` on the nnx train step `(model, optimizer, x, y)`: each step updates the
     caller's model and optimizer (params, adam moments, BatchNorm statistics, the dropout
     counter) as nnx.jit does on one device — plain jax.jit would trace copies and lose them —
@@ -119,7 +120,7 @@ def test_dist_jit_takes_nnx_modules_as_nnx_jit_does():
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
     model = dist.shard_layer(NnxNet(nnx.Rngs(0, dropout=1)), MESH, _nnx_megatron)
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    step = dist.jit(_nnx_train_step)
+    step = dist.jit(_nnx_train_step, donate_argnums=donate)
     dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
     losses, ref_losses, traces = [], [], []
     for _ in range(3):
@@ -140,13 +141,16 @@ def test_dist_jit_takes_nnx_modules_as_nnx_jit_does():
     assert model.down.kernel.get_value().placements == [dist.Replicate(), dist.Shard(0)]
     assert opt.opt_state[0].mu["up"]["kernel"].get_value().placements == \
         [dist.Replicate(), dist.Shard(1)]
-    # traced for the first step (BatchNorm statistics and the Rngs entered as plain arrays)
-    # and the second (they came back placed as the plan computed them); then kept
-    assert traces == [0, 1, 2] and sum(f.trace_count for f in step._graph_inner.values()) == 2
+    # traced once: the BatchNorm statistics and the Rngs entered the first step as plain arrays
+    # and come back placed as that program placed them, which it takes as they are
+    assert traces == [0, 1, 1] and sum(f.trace_count for f in step._graph_inner.values()) == 1
     # plan / lower take the same arguments; the HLO has the collectives planned
     planned = Counter(c.kind for c in step.plan(model, opt, dx, y).collectives)
     assert planned["all-reduce"] >= 2  # the MLP's forward over mp, the gradients over dp
-    assert count_collectives(step.lower(model, opt, dx, y).compile().as_text()) == planned
+    lowered = step.lower(model, opt, dx, y)
+    assert count_collectives(lowered.compile().as_text()) == planned
+    # donate_argnums naming the modules donates their State's buffers
+    assert ("jax.buffer_donor = true" in lowered.as_text()) == bool(donate)
 
 
 def test_returning_an_nnx_module_from_dist_jit_is_named():
@@ -154,3 +158,34 @@ def test_returning_an_nnx_module_from_dist_jit_is_named():
     x, _ = _data()
     with pytest.raises(dist.PlacementTypeError, match="nnx.state"):
         dist.jit(lambda m, x: (m, m(x)))(model, x)
+
+
+def test_nnx_metrics_accumulate_inside_dist_jit_and_reset_outside():
+    """flax's tutorial loop: `metrics.update(...)` inside the jitted step, `compute()` and
+    `reset()` (which assigns `total[...] = 0` into a DistTensor) outside."""
+    def eval_step(model, metrics, x, labels):
+        logits = model(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        metrics.update(loss=loss, logits=logits, labels=labels)
+
+    def new_metrics():
+        return nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                               accuracy=nnx.metrics.Accuracy())
+
+    rng = np.random.default_rng(4)
+    batches = [(rng.normal(size=(16, 8)).astype(np.float32),
+                rng.integers(0, 4, 16).astype(np.int32)) for _ in range(3)]
+    ref, ref_metrics = NnxMLP(nnx.Rngs(0)), new_metrics()
+    model = dist.shard_layer(NnxMLP(nnx.Rngs(0)), MESH, _nnx_megatron)
+    metrics, step = new_metrics(), dist.jit(eval_step)
+    for i, (x, labels) in enumerate(batches):
+        if i == 2:
+            metrics.reset()
+            ref_metrics.reset()
+        dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+        step(model, metrics, dx, dist.shard_tensor(labels, MESH, [dist.Shard(0), dist.Replicate()]))
+        nnx.jit(eval_step)(ref, ref_metrics, x, labels)
+        got, want = metrics.compute(), ref_metrics.compute()
+        for k in want:
+            np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5)
+    assert metrics.loss.count.get_value().placements == [dist.Replicate(), dist.Replicate()]

@@ -248,6 +248,36 @@ def test_second_call_with_same_layouts_does_not_retrace():
     assert len(calls) == 2  # a new layout is a new program
 
 
+def test_outputs_handed_back_as_the_plan_placed_them_reuse_the_program():
+    """A train loop: state that entered unplaced (numpy weights, a fresh optimizer's count)
+    comes back as DistTensors laid out as the program placed them on entry; the next step
+    runs the same program instead of tracing and compiling a second one. Data that stays
+    numpy each step still finds it."""
+    tx = optax.adam(0.1)
+    w = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+
+    def step(w, s, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+        u, s = tx.update(g, s, w)
+        return optax.apply_updates(w, u), s, loss
+
+    f = dist.jit(step)
+    x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [dist.Shard(0), dist.Replicate()])
+    ref_w, ref_s = w, tx.init(w)
+    dw, ds = w, tx.init(w)
+    for i in range(3):
+        y = np.full((8, 4), i, np.float32)  # fresh numpy every step: stays unplaced
+        dw, ds, loss = f(dw, ds, dist.shard_tensor(y, MESH24, [dist.Shard(0), dist.Replicate()]))
+        ref_w, ref_s, ref_loss = jax.jit(step)(ref_w, ref_s, y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+        assert isinstance(ds[0].count, dist.DistTensor)
+    np.testing.assert_allclose(dw.numpy(), ref_w, rtol=1e-5, atol=1e-6)
+    assert f.trace_count == 1
+    # a layout the program did not place them in is a new program
+    f(dist.reshard(dw, MESH24, [dist.Shard(0), dist.Replicate()]), ds, x)
+    assert f.trace_count == 2
+
+
 def test_static_argnums_and_pytrees():
     f = dist.jit(lambda d, n: {"y": d["a"] * n, "z": [d["b"].sum()]}, static_argnums=(1,))
     d = {"a": dist.shard_tensor(np.ones((8,), np.float32), MESH4, [dist.Shard(0)]),

@@ -75,11 +75,23 @@ def lift(dfn, args: tuple, kwargs: dict) -> Lifted | None:
         return None
     nodes = [leaves[i] for i in positions]
     graphdef, state = _nnx().split(nodes)
-    others = [x for i, x in enumerate(leaves) if i not in set(positions)]
+    at = set(positions)
+    others = [x for i, x in enumerate(leaves) if i not in at]
     keep = tuple((x.mesh, tuple(x.placements), x.shape) if isinstance(x, DistTensor) else None
                  for x in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, DistTensor)))
+    # Variables that entered as plain arrays (BatchNorm statistics, Rngs keys) come back as
+    # DistTensors: the placements first seen stay the key, so that the program built for the
+    # first step is found again for the steps after it (jit.py: _placed_as_planned)
+    seen = dfn.__dict__.setdefault("_graph_keep", {})
+    first = seen.get((graphdef, treedef, positions, statics))
+    if first is not None and len(first) == len(keep) and all(
+            a is None or a == b for a, b in zip(first, keep)):
+        keep = first
+    else:
+        seen[(graphdef, treedef, positions, statics)] = keep
     key = _Key(graphdef, treedef, positions, statics, keep)
-    donated = any(i in static_pos or _holds_node(args[i]) for i in dfn._donate if i < len(args))
+    # donate_argnums naming a module donates its State (the other arguments are not donated)
+    donated = any(_holds_node(args[i]) for i in dfn._donate if i < len(args))
     return Lifted(_inner(dfn, donated), (key, state, others), nodes)
 
 

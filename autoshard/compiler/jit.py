@@ -163,9 +163,25 @@ class DistributedFunction:
             raise PlacementTypeError(f"dist.jit: static arguments must be hashable ({exc})") from None
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._compile(static, tree, described, reduced)
+            entry = self._placed_as_planned(key) or self._compile(static, tree, described, reduced)
             self._cache[key] = entry
         return entry, leaves
+
+    def _placed_as_planned(self, key) -> _Compiled | None:
+        """A program already built for inputs that then arrived unplaced (numpy, a fresh
+        optimizer count, an nnx Rngs key), when each of them now arrives as a DistTensor laid
+        out as that program placed it on entry: a train loop hands a step's outputs back to
+        the next. Same program, same physical inputs — no second trace and compile."""
+        tree, static, described, reduced = key
+        for (t, s, seen, r), entry in self._cache.items():
+            if (t, s, r) != (tree, static, reduced) or not isinstance(entry, _Compiled):
+                continue
+            if all(new == old or (old.mesh is None and new.mesh == entry.plan.mesh
+                                  and new.layout == L and (new.shape, new.dtype) ==
+                                  (old.shape, old.dtype))
+                   for new, old, L in zip(described, seen, entry.plan.inputs)):
+                return entry
+        return None
 
     # -- the pipeline -----------------------------------------------------------------------
     def _trace(self, static, tree, described):
