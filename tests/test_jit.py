@@ -641,3 +641,22 @@ def test_multiply_high_equals_one_device_for_every_integer_width(dtype):
         out = f(x, y)
     np.testing.assert_array_equal(out.numpy(), jax.jit(jax.lax.mulhi)(a, b))
     assert out.placements == x.placements and not f.plan(x, y).collectives
+
+
+def test_a_closed_over_dtensor_is_a_placed_input_not_a_constant():
+    """`dist.jit(lambda x: x @ w)` with w a DistTensor split over mp: w enters the program as
+    an input laid out as stored (the matmul runs split, one all-reduce of the result), not as
+    a constant baked whole into the executable on every device."""
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(16, 32)).astype(np.float32)
+    dw = dist.shard_tensor(w, MESH24, [dist.Replicate(), dist.Shard(0)])
+    f = dist.jit(lambda x: jnp.tanh(x @ dw))
+    dx = dist.shard_tensor(x, MESH24, [dist.Shard(0), dist.Replicate()])
+    np.testing.assert_allclose(f(dx).numpy(), np.tanh(x @ w), rtol=1e-5, atol=1e-6)
+    plan = f.plan(dx)
+    assert [L.dims for L in plan.inputs] == [(("dp",), ()), (("mp",), ())]
+    assert [c.kind for c in plan.collectives] == ["all-reduce"]
+    assert hlo_counts(f, dx) == Counter({"all-reduce": 1})
+    hlo = f.lower(dx).compile().as_text()
+    assert not [line for line in hlo.splitlines() if "constant(" in line and "f32[" in line
+                and ("16,32" in line or "4,32" in line)]

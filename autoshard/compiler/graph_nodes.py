@@ -95,8 +95,11 @@ def lift(dfn, args: tuple, kwargs: dict) -> Lifted | None:
     return Lifted(_inner(dfn, donated), (key, state, others), nodes)
 
 
-def _holds_node(x: Any) -> bool:
-    return any(is_graph_node(leaf) for leaf in jax.tree.leaves(x, is_leaf=_leaf))
+def _holds_node(x: Any, variables: bool = True) -> bool:
+    """Whether `x` holds a graph node; with variables=False, one that is not a Variable (a
+    Variable, or nnx.grad's State of them, flattens to its value as any pytree does)."""
+    nodes = (leaf for leaf in jax.tree.leaves(x, is_leaf=_leaf) if is_graph_node(leaf))
+    return any(variables or not isinstance(n, _nnx().Variable) for n in nodes)
 
 
 def write_back(lifted: Lifted, result: tuple) -> Any:
@@ -130,9 +133,10 @@ def _pure(dfn):
             leaves.insert(i, next(it))
         dynamic, kwargs = jax.tree.unflatten(key.treedef, leaves)
         out = dfn._fn(*dfn._rebuild_args(key.statics, dynamic), **kwargs)
-        if _holds_node(out):
+        if _holds_node(out, variables=False):
             raise PlacementTypeError(
-                f"{dfn.__name__} returns an nnx module (or another graph node): dist.jit writes "
+                f"{dfn.__name__} returns an nnx module (or another graph node but a Variable): "
+                f"dist.jit writes "
                 f"what the function did to its module arguments back into them, as nnx.jit "
                 f"does — return arrays (a loss, metrics) and read the updated module from the "
                 f"object you passed in, or return nnx.state(module)")

@@ -22,6 +22,7 @@ from ..physical import (layout_of_spec, mesh_sharding, physical_shape, physical_
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
+from .closure import hoist_sharded_consts
 from .cut import arrive, cut_by_mesh, eval_eqns, meshes_named
 from .explain import Explanation, StagedExplanation
 from .gc_pause import gc_paused
@@ -80,6 +81,7 @@ class _Compiled:
     # placements the caller asked for: the program computes their even part, uneven.py)
     traced: bool = False  # jax has traced `fn` (its first call traces, lowers and compiles)
     out_descs: list | None = None  # the outputs' descriptions as inputs, made on the first call
+    hoisted: tuple = ()  # sharded arrays the function closed over, its last inputs (closure.py)
 
     def call(self, *physical):
         if self.traced:
@@ -96,6 +98,8 @@ def _lifting(method):
     trace the function just runs, on the outer trace's objects."""
     @functools.wraps(method)
     def lifting(self, *args, **kwargs):
+        if self._bound is not None:
+            args = (self._bound,) + args
         lifted = None if _TRACING.depth or not self._lifts else graph_nodes.lift(self, args, kwargs)
         if lifted is None:
             return method(self, *args, **kwargs)
@@ -116,6 +120,15 @@ class DistributedFunction:
         self._fn = fn
         self._static = tuple(sorted({int(i) for i in (static_argnums if isinstance(static_argnums, (list, tuple)) else (static_argnums,))}))
         self._donate = tuple(donate_argnums if isinstance(donate_argnums, (list, tuple)) else (donate_argnums,))
+        # dist.jit(model) for an nnx Module: the module is the hidden first argument of every
+        # call (lifted like any module argument, so each call reads its current params rather
+        # than the ones traced into constants); argnums count the model call's own arguments
+        self._bound = fn if graph_nodes.is_graph_node(fn) else None
+        if self._bound is not None:
+            self.__name__ = type(fn).__name__
+            self._fn = lambda module, *args, **kwargs: module(*args, **kwargs)
+            self._static = tuple(i + 1 for i in self._static)
+            self._donate = tuple(i + 1 for i in self._donate)
         self._out_placements = out_placements
         self._cost_model = cost_model
         self._cache: dict = {}
@@ -249,6 +262,8 @@ class DistributedFunction:
     def _passes(self, static, tree, closed, out_tree, described, reduced: bool) -> _Compiled:
         """Build, plan and partition under one collection pause: each pass pauses its own,
         but a collection between them still walked the whole heap for nothing."""
+        closed, hoisted = hoist_sharded_consts(closed)
+        described = tuple(described) + tuple(_describe_leaf(c) for c in hoisted)
         program = build_program(closed, inline_solves=not reduced)
         mesh = self._mesh(program, described)
         for d in described:
@@ -281,7 +296,7 @@ class DistributedFunction:
                                in_specs=tuple(physical_spec(L, mesh) for L in ins),
                                out_specs=[physical_spec(L, mesh) for L in outs], check_vma=True)
         fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree))
-        return _Compiled(plan, fn, out_tree, described, outs)
+        return _Compiled(plan, fn, out_tree, described, outs, hoisted=hoisted)
 
     def _leaf_names(self, tree, static) -> list[str]:
         """How the user would name each flat input: `params['w0']`-style paths from the
@@ -323,7 +338,7 @@ class DistributedFunction:
             else:
                 arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x, dtype=d.dtype)
                 out.append(jax.device_put(arr, physical_sharding(L, entry.plan.mesh)))
-        return out
+        return out + list(entry.hoisted)
 
     # -- public -------------------------------------------------------------------------------
     @_lifting
