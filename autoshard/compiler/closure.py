@@ -20,15 +20,20 @@ from ..mesh import as_process_mesh
 from ..uneven import is_uneven
 
 
-def hoist_sharded_consts(closed: Any) -> tuple[Any, tuple]:
-    """`closed` with each even, mesh-sharded constant turned into a trailing input, and
-    those constants in order (empty, and `closed` itself, when there are none)."""
+def hoist_sharded_consts(closed: Any, input_meshes: set) -> tuple[Any, tuple]:
+    """`closed` with each even constant sharded over the program's mesh turned into a
+    trailing input, and those constants in order (empty, and `closed` itself, when there are
+    none). The program's mesh is its inputs' (`input_meshes`), or with no placed input the
+    first sharded constant's; a constant on another mesh stays a constant, as before."""
     keep_vars, keep_vals, moved_vars, moved_vals = [], [], [], []
+    target = next(iter(input_meshes)) if len(input_meshes) == 1 else None
     for var, val in zip(closed.jaxpr.constvars, closed.consts):
         sharding = mesh_sharding(val)
-        if sharding is not None and not is_uneven(
-                layout_of_spec(sharding.spec, val.ndim), as_process_mesh(sharding.mesh),
-                val.shape):
+        mesh = as_process_mesh(sharding.mesh) if sharding is not None else None
+        if mesh is not None and target is None and not input_meshes:
+            target = mesh
+        if mesh is not None and mesh == target and not is_uneven(
+                layout_of_spec(sharding.spec, val.ndim), mesh, val.shape):
             moved_vars.append(var)
             moved_vals.append(val)
         else:

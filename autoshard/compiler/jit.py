@@ -262,7 +262,8 @@ class DistributedFunction:
     def _passes(self, static, tree, closed, out_tree, described, reduced: bool) -> _Compiled:
         """Build, plan and partition under one collection pause: each pass pauses its own,
         but a collection between them still walked the whole heap for nothing."""
-        closed, hoisted = hoist_sharded_consts(closed)
+        closed, hoisted = hoist_sharded_consts(
+            closed, {d.mesh for d in described if d.mesh is not None})
         described = tuple(described) + tuple(_describe_leaf(c) for c in hoisted)
         program = build_program(closed, inline_solves=not reduced)
         mesh = self._mesh(program, described)
