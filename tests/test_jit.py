@@ -660,3 +660,23 @@ def test_a_closed_over_dtensor_is_a_placed_input_not_a_constant():
     hlo = f.lower(dx).compile().as_text()
     assert not [line for line in hlo.splitlines() if "constant(" in line and "f32[" in line
                 and ("16,32" in line or "4,32" in line)]
+
+
+def test_static_argnames_compile_one_program_per_value():
+    """jax.jit's static_argnames: a Python bool picks the code path when tracing."""
+    calls = []
+
+    @functools.partial(dist.jit, static_argnames=("train", "scale"))
+    def f(x, *, train, scale=1.0):
+        calls.append(train)
+        return jnp.tanh(x) * scale if train else x * scale
+
+    x = np.arange(32, dtype=np.float32).reshape(8, 4) / 32
+    dx = dist.shard_tensor(x, MESH24, [dist.Shard(0), dist.Replicate()])
+    np.testing.assert_allclose(f(dx, train=True).numpy(), np.tanh(x), rtol=1e-6)
+    np.testing.assert_allclose(f(dx, train=False, scale=2.0).numpy(), x * 2)
+    np.testing.assert_allclose(f(dx, train=True).numpy(), np.tanh(x), rtol=1e-6)
+    assert calls == [True, False]  # the third call reused the first program
+    assert f.plan(dx, train=True).inputs[0].dims == (("dp",), ())
+    with pytest.raises(dist.PlacementTypeError, match="hashable"):
+        f(dx, train=[True])

@@ -1,6 +1,7 @@
 """dist.jit: trace → propagate → plan → partition → lower, cached per input layouts and avals."""
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ def _lifting(method):
     trace the function just runs, on the outer trace's objects."""
     @functools.wraps(method)
     def lifting(self, *args, **kwargs):
+        named = {k: kwargs.pop(k) for k in self._static_names if k in kwargs}
+        if named:  # static_argnames: one function per their values, as jax.jit compiles one
+            return getattr(self._with_static_kwargs(named), method.__name__)(*args, **kwargs)
         if self._bound is not None:
             args = (self._bound,) + args
         lifted = None if _TRACING.depth or not self._lifts else graph_nodes.lift(self, args, kwargs)
@@ -115,7 +119,7 @@ class DistributedFunction:
 
     def __init__(self, fn: Callable, *, static_argnums: Sequence[int] = (),
                  donate_argnums: Sequence[int] = (), out_placements: Any = None,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, static_argnames: Sequence[str] = ()):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._static = tuple(sorted({int(i) for i in (static_argnums if isinstance(static_argnums, (list, tuple)) else (static_argnums,))}))
@@ -131,6 +135,9 @@ class DistributedFunction:
             self._donate = tuple(i + 1 for i in self._donate)
         self._out_placements = out_placements
         self._cost_model = cost_model
+        self._static_names = (static_argnames,) if isinstance(static_argnames, str) \
+            else tuple(static_argnames)
+        self._by_static_kwargs: dict = {}
         self._cache: dict = {}
         self.trace_count = 0
         # eager operators (eager.py) hand DistTensors back even under an outer jax trace: the
@@ -139,6 +146,25 @@ class DistributedFunction:
         self._lifts = True  # nnx graph nodes among the arguments are lifted (graph_nodes.py)
 
     # -- argument handling ------------------------------------------------------------------
+    def _with_static_kwargs(self, named: dict) -> "DistributedFunction":
+        """This function with the keyword arguments named static bound (jax.jit's
+        static_argnames): a program of its own for each of their values."""
+        try:
+            key = tuple(sorted(named.items()))
+            sub = self._by_static_kwargs.get(key)
+        except TypeError as exc:
+            raise PlacementTypeError(
+                f"dist.jit: static arguments must be hashable ({exc})") from None
+        if sub is None:
+            sub = copy.copy(self)
+            for cached in ("_graph_inner", "_graph_keep"):  # graph_nodes.py's, per function
+                sub.__dict__.pop(cached, None)
+            sub._fn = functools.partial(self._fn, **named)
+            sub._static_names, sub._by_static_kwargs, sub._cache = (), {}, {}
+            sub.trace_count = 0
+            self._by_static_kwargs[key] = sub
+        return sub
+
     def _split(self, args, kwargs):
         static = tuple(args[i] for i in self._static if i < len(args))
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
@@ -595,7 +621,7 @@ def _global_array(x: DistTensor):
 
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (), out_placements: Any = None,
-        cost_model: CostModel | None = None):
+        cost_model: CostModel | None = None, static_argnames: Sequence[str] = ()):
     """Partition `fn` across the mesh of its DistTensor inputs (usable as a decorator).
 
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
@@ -604,13 +630,16 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
     unless `out_placements` gives the placements (one list for all outputs, one per flat
     output, or a pytree prefix of the result as jax.jit's out_shardings: `[{"w": [R, S(1)]},
     None]` for `return params, loss`) or is "keep" (leave every output as the plan computed
-    it, Partial included).
+    it, Partial included). `static_argnames`: keyword arguments compiled into the program,
+    as jax.jit's (`train=True`).
     """
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                 out_placements=out_placements, cost_model=cost_model)
+                                 out_placements=out_placements, cost_model=cost_model,
+                                 static_argnames=static_argnames)
     return DistributedFunction(fn, static_argnums=static_argnums, donate_argnums=donate_argnums,
-                               out_placements=out_placements, cost_model=cost_model)
+                               out_placements=out_placements, cost_model=cost_model,
+                               static_argnames=static_argnames)
 
 
 __all__ = ["jit", "DistributedFunction"]
