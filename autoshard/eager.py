@@ -396,7 +396,17 @@ def _setitem(self: DistTensor, index: Any, value: Any) -> None:
     `x.at[idx].set(v)`, with its placements kept."""
     from .reshard.api import reshard
 
-    new = self.at[index].set(value)
+    if index is Ellipsis or index == ():
+        # the whole tensor: a broadcast, not a scatter (jax 0.11's CPU build crashes on a 0-d
+        # scatter inside shard_map — the `metric.total[...] = 0` of every flax metric reset)
+        parsed = _operand(value)
+        if parsed is None:
+            raise TypeError(f"x[...] = v takes an array, a DistTensor or a scalar, not "
+                            f"{type(value).__name__}")
+        new = run(("fill",), lambda: lambda x, v: jnp.broadcast_to(
+            jnp.asarray(v).astype(x.dtype), x.shape), self, parsed[0])
+    else:
+        new = self.at[index].set(value)
     if new.mesh != self.mesh or new.layout != self.layout:
         new = reshard(new, self.mesh, self.placements)
     self._value = new.physical

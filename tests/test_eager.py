@@ -466,3 +466,6 @@ def test_item_assignment_updates_in_place_and_keeps_placements(placements):
     want[..., 0] = np.arange(A.shape[0])
     check(alias, want)   # the same object, updated
     assert a.placements == placements
+    a[...] = 7           # the whole tensor (a broadcast, the dtype kept)
+    check(alias, np.full_like(A, 7.0))
+    assert a.placements == placements and a.dtype == A.dtype

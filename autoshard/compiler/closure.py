@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax._src import core as jcore
-
 from ..physical import layout_of_spec, mesh_sharding
 from ..mesh import as_process_mesh
 from ..uneven import is_uneven
@@ -45,7 +43,7 @@ def hoist_sharded_consts(closed: Any, input_meshes: set) -> tuple[Any, tuple]:
     debug = jaxpr.debug_info
     jaxpr = jaxpr.replace(constvars=keep_vars, invars=list(jaxpr.invars) + moved_vars,
                           debug_info=debug.with_unknown_names() if debug is not None else None)
-    return jcore.ClosedJaxpr(jaxpr, keep_vals), tuple(moved_vals)
+    return type(closed)(jaxpr, keep_vals), tuple(moved_vals)  # ClosedJaxpr (its home moves)
 
 
 __all__ = ["hoist_sharded_consts"]
