@@ -8,9 +8,11 @@ the function leaves back into the caller's objects. dist.jit does the same, so `
 replace `@nnx.jit` on `train_step(model, optimizer, x, y)`: the State's DistTensors enter the
 program placed as they are, and each variable that comes back with its shape keeps its
 placements (as nnx.jit keeps shardings), so the next step finds the same layouts.
+`dist.jit(model)` of a Module makes the module the hidden first argument of each call.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -20,15 +22,10 @@ from ..dtensor import DistTensor
 from ..errors import PlacementTypeError
 
 
-_NNX: list = []
-
-
 def _nnx():
-    if not _NNX:  # flax is a dependency, imported on first use as jax's own users import it
-        from flax import nnx
+    from flax import nnx  # imported by whoever made the module we were handed
 
-        _NNX.append(nnx)
-    return _NNX[0]
+    return nnx
 
 
 # what most arguments are made of, answered without asking flax (every dist.jit call, eager
@@ -39,8 +36,9 @@ _PLAIN = (dict, list, tuple, type(None), int, float, bool, str)
 def is_graph_node(x: Any) -> bool:
     if type(x) in _PLAIN or isinstance(x, (DistTensor, jax.Array, np.ndarray, np.generic)):
         return False
-    nnx = _nnx()
-    return type(x) in nnx.graph.GRAPH_REGISTRY or isinstance(x, nnx.Variable)
+    nnx = sys.modules.get("flax.nnx")  # not imported: nothing can be an nnx object
+    return nnx is not None and (type(x) in nnx.graph.GRAPH_REGISTRY
+                                or isinstance(x, nnx.Variable))
 
 
 def _leaf(x: Any) -> bool:
