@@ -12,19 +12,56 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
 from .errors import DeviceNotFoundError
 from .layout import Layout, block_bounds
-from .mesh import ProcessMesh
-from .physical import physical_shape, physical_sharding
+from .mesh import ProcessMesh, as_process_mesh
+from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
 from .uneven import padded_shape
 from .placement import Placement
+
+
+def _actual_layout(value: Any, mesh: ProcessMesh, layout: Layout) -> Layout:
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or isinstance(value, jax.core.Tracer):
+        return layout
+    if sharding.spec == physical_spec(layout, mesh):
+        return layout
+    if as_process_mesh(sharding.mesh) != mesh:
+        return layout
+    return layout_of_spec(sharding.spec, len(value.shape))
 
 
 @functools.lru_cache(maxsize=4096)
 def _stored_shape(mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(physical_shape(layout, mesh, shape))
+
+
+class _Meta(tuple):
+    """A DistTensor's pytree aux data, (mesh, layout, global shape). Two are one tree
+    structure when both store the plain global array (no Partial slots, no uneven padding) of
+    one shape on one mesh, whatever the dims are split over: `jax.tree.map(f, params,
+    grads)` pairs a param with a grad laid out otherwise, as it pairs jax.Arrays of different
+    shardings. Partial and uneven storage mean different things by layout (P(max) slots are
+    not P(sum) slots), so those compare by layout."""
+
+    __slots__ = ()
+
+    def _identity(self) -> tuple:
+        mesh, layout, shape = self
+        plain = not layout.partial and _stored_shape(*self) == shape
+        return mesh, shape, None if plain else layout
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Meta) and self._identity() == other._identity()
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
 
 
 class StorageViewWarning(UserWarning):
@@ -67,7 +104,7 @@ class DistTensor:
 
     # -- pytree ------------------------------------------------------------------------------
     def tree_flatten(self):
-        return (self._value,), (self._mesh, self._layout, self._shape)
+        return (self._value,), _Meta((self._mesh, self._layout, self._shape))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -94,7 +131,12 @@ class DistTensor:
                     type(value) is tuple
                     and any(tuple(getattr(x, "shape", ())) == stored for x in value)):
                 return _not_storage(value, aux, stored)
-        return cls(value, *aux)
+        mesh, layout, shape = aux
+        if not layout.partial and stored == tuple(shape):
+            # a concrete result knows how it is laid out: f(param, grad) of two placements,
+            # or XLA's choice for a jax.jit output, may differ from the aux it is rebuilt with
+            layout = _actual_layout(value, mesh, layout)
+        return cls(value, mesh, layout, shape)
 
     # -- description -------------------------------------------------------------------------
     @property

@@ -124,3 +124,36 @@ def test_repr_and_html_show_mesh_placements_and_blocks():
     cube = dist.shard_tensor(np.zeros((4, 4)), dist.ProcessMesh(np.arange(8).reshape(2, 2, 2)),
                              ["S(0)", "R", "P(sum)"])
     assert cube._repr_html_().count("<table") == 2
+
+
+def test_tree_map_pairs_tensors_split_differently_and_says_how_the_result_is_laid_out():
+    """As jax.tree.map pairs jax.Arrays of different shardings, it pairs a param with a grad
+    placed otherwise (an eager `p - lr * g`, optax.apply_updates outside a program); the
+    result is described by how it is actually stored."""
+    R, S = dist.Replicate(), dist.Shard
+    w = np.arange(32, dtype=np.float32).reshape(4, 8)
+    params = {"w": dist.shard_tensor(w, MESH, [R, S(1)])}
+    grads = {"w": dist.shard_tensor(np.ones_like(w), MESH, [S(0), R])}
+    for new in (jax.tree.map(lambda p, g: p - 0.5 * g, params, grads),
+                jax.tree.map(lambda g, p: p - 0.5 * g, grads, params)):
+        np.testing.assert_array_equal(new["w"].numpy(), w - 0.5)
+        assert new["w"].physical.sharding.spec == new["w"].sharding.spec
+    # jax.jit over trees of the two layouts: one trace, each result described as stored
+    double = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t))
+    for t in (params, grads):
+        out = double(t)["w"]
+        np.testing.assert_array_equal(out.numpy(), 2 * np.asarray(t["w"].numpy()))
+        assert out.physical.sharding.spec == out.sharding.spec
+
+
+@pytest.mark.parametrize("kinds", [("max", "max"), ("avg", "sum")])
+def test_partial_tensors_of_other_kinds_are_other_tree_structures(kinds):
+    """Partial slots mean what their reduce kind says: a jax.jit traced for a P(max) tensor
+    is not reused for P(avg)/P(sum) ones of the same stored shape."""
+    from autoshard.testing import make_tensor
+
+    value = np.random.default_rng(4).normal(size=(8, 4)).astype(np.float32)
+    relu = jax.jit(jax.nn.relu)
+    for k in (("max", "max"), kinds):
+        x = make_tensor(value, MESH, [f"P({k[0]})", f"P({k[1]})"])
+        np.testing.assert_allclose(np.asarray(relu(x)), np.maximum(value, 0), rtol=1e-6)

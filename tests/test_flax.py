@@ -210,3 +210,4 @@ def test_dist_jit_of_an_nnx_module_reads_its_current_params():
     nnx.jit(_nnx_train_step)(ref, ref_opt, x, y)
     np.testing.assert_allclose(predict(dx).numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
     assert predict.trace_count + sum(f.trace_count for f in predict._graph_inner.values()) == 1
+
