@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 import warnings
 from collections import Counter
 
@@ -680,3 +681,54 @@ def test_static_argnames_compile_one_program_per_value():
     assert f.plan(dx, train=True).inputs[0].dims == (("dp",), ())
     with pytest.raises(dist.PlacementTypeError, match="hashable"):
         f(dx, train=[True])
+
+
+def test_jax_jit_in_and_out_shardings_carry_over():
+    """Code written for jax.jit keeps its in_shardings / out_shardings: the arguments are
+    placed as they say before the call (a DistTensor laid out otherwise is resharded), the
+    results laid out as they say; bare PartitionSpecs read jax.set_mesh's mesh."""
+    jm = MESH24.to_jax()
+    rng = np.random.default_rng(2)
+    x, w = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
+
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    kw = dict(in_shardings=(NamedSharding(jm, P("dp", None)), NamedSharding(jm, P(None, "mp"))),
+              out_shardings=NamedSharding(jm, P("dp", "mp")))
+    g = dist.jit(f, **kw)
+    want = jax.jit(f, **kw)(x, w)
+    dw = dist.shard_tensor(w, MESH24, [dist.Shard(0), dist.Replicate()])  # resharded first
+    for args in ((x, w), (x, dw)):
+        out = g(*args)
+        np.testing.assert_allclose(out.numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert out.placements == [dist.Shard(0), dist.Shard(1)]
+        assert [L.dims for L in g.plan(*args).inputs] == [(("dp",), ()), ((), ("mp",))]
+        assert hlo_counts(g, *args) == Counter()  # each device's block, no communication
+    with jax.set_mesh(jm):
+        h = dist.jit(f, in_shardings=P("dp"), out_shardings=P())
+        out = h(x, w)
+    assert out.placements == [dist.Replicate(), dist.Replicate()]
+    np.testing.assert_allclose(out.numpy(), np.tanh(x @ w), rtol=1e-5, atol=1e-6)
+    with pytest.raises(dist.PlacementTypeError, match="jax.set_mesh"):
+        dist.jit(f, in_shardings=P("dp"))(x, w)
+
+
+def test_out_placements_prefix_through_a_registered_dataclass():
+    """out_placements matched through a pytree node that is neither dict nor sequence (a
+    registered dataclass, a flax State) by jax's own prefix matching."""
+    import dataclasses
+
+    @functools.partial(jax.tree_util.register_dataclass, data_fields=["a", "b"], meta_fields=[])
+    @dataclasses.dataclass
+    class Pair:
+        a: Any
+        b: Any
+
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    S, R = dist.Shard, dist.Replicate
+    f = dist.jit(lambda x: Pair(x * 2, x + 1), out_placements=Pair([S(0), R()], None))
+    out = f(dist.shard_tensor(x, MESH24, [R(), S(1)]))
+    assert out.a.placements == [S(0), R()]
+    np.testing.assert_array_equal(out.a.numpy(), x * 2)
+    np.testing.assert_array_equal(out.b.numpy(), x + 1)

@@ -30,7 +30,7 @@ from .gc_pause import gc_paused
 from . import out_spec
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
-from . import constraints, graph_nodes
+from . import constraints, graph_nodes, jax_shardings
 from .trace import build_program, hint_p
 
 
@@ -99,6 +99,10 @@ def _lifting(method):
     trace the function just runs, on the outer trace's objects."""
     @functools.wraps(method)
     def lifting(self, *args, **kwargs):
+        if self._in_shardings is not None:
+            args = self._placed_arguments(args)
+        if self._out_shardings is not None and self._out_placements is None:
+            self._out_placements = jax_shardings.as_out_placements(self._out_shardings)
         named = {k: kwargs.pop(k) for k in self._static_names if k in kwargs}
         if named:  # static_argnames: one function per their values, as jax.jit compiles one
             return getattr(self._with_static_kwargs(named), method.__name__)(*args, **kwargs)
@@ -119,8 +123,13 @@ class DistributedFunction:
 
     def __init__(self, fn: Callable, *, static_argnums: Sequence[int] = (),
                  donate_argnums: Sequence[int] = (), out_placements: Any = None,
-                 cost_model: CostModel | None = None, static_argnames: Sequence[str] = ()):
+                 cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
+                 in_shardings: Any = None, out_shardings: Any = None):
         functools.update_wrapper(self, fn)
+        if out_shardings is not None and out_placements is not None:
+            raise PlacementTypeError("dist.jit takes out_placements or jax.jit's out_shardings, "
+                                     "not both")
+        self._in_shardings, self._out_shardings = in_shardings, out_shardings
         self._fn = fn
         self._static = tuple(sorted({int(i) for i in (static_argnums if isinstance(static_argnums, (list, tuple)) else (static_argnums,))}))
         self._donate = tuple(donate_argnums if isinstance(donate_argnums, (list, tuple)) else (donate_argnums,))
@@ -146,6 +155,14 @@ class DistributedFunction:
         self._lifts = True  # nnx graph nodes among the arguments are lifted (graph_nodes.py)
 
     # -- argument handling ------------------------------------------------------------------
+    def _placed_arguments(self, args: tuple) -> tuple:
+        """The positional arguments but the static ones laid out as in_shardings says
+        (jax_shardings.py); called before a bound module is put in front of them."""
+        static = {i - (self._bound is not None) for i in self._static}
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        placed = iter(jax_shardings.place_arguments(self._in_shardings, tuple(dynamic)))
+        return tuple(a if i in static else next(placed) for i, a in enumerate(args))
+
     def _with_static_kwargs(self, named: dict) -> "DistributedFunction":
         """This function with the keyword arguments named static bound (jax.jit's
         static_argnames): a program of its own for each of their values."""
@@ -161,6 +178,7 @@ class DistributedFunction:
                 sub.__dict__.pop(cached, None)
             sub._fn = functools.partial(self._fn, **named)
             sub._static_names, sub._by_static_kwargs, sub._cache = (), {}, {}
+            sub._in_shardings = None  # placed by the function it came from
             sub.trace_count = 0
             self._by_static_kwargs[key] = sub
         return sub
@@ -621,7 +639,8 @@ def _global_array(x: DistTensor):
 
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (), out_placements: Any = None,
-        cost_model: CostModel | None = None, static_argnames: Sequence[str] = ()):
+        cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
+        in_shardings: Any = None, out_shardings: Any = None):
     """Partition `fn` across the mesh of its DistTensor inputs (usable as a decorator).
 
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
@@ -631,15 +650,19 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
     output, or a pytree prefix of the result as jax.jit's out_shardings: `[{"w": [R, S(1)]},
     None]` for `return params, loss`) or is "keep" (leave every output as the plan computed
     it, Partial included). `static_argnames`: keyword arguments compiled into the program,
-    as jax.jit's (`train=True`).
+    as jax.jit's (`train=True`). `in_shardings` / `out_shardings`: jax.jit's, NamedShardings
+    (or PartitionSpecs under jax.set_mesh) — the arguments are placed so before the call, the
+    results laid out so after it.
     """
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                  out_placements=out_placements, cost_model=cost_model,
-                                 static_argnames=static_argnames)
+                                 static_argnames=static_argnames, in_shardings=in_shardings,
+                                 out_shardings=out_shardings)
     return DistributedFunction(fn, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                out_placements=out_placements, cost_model=cost_model,
-                               static_argnames=static_argnames)
+                               static_argnames=static_argnames, in_shardings=in_shardings,
+                               out_shardings=out_shardings)
 
 
 __all__ = ["jit", "DistributedFunction"]

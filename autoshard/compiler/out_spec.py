@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax._src.tree_util import broadcast_prefix  # not in jax.tree_util's public names
 
 from ..errors import PlacementTypeError
 from ..placement import Placement
@@ -74,7 +75,7 @@ def _match(spec: Any, node: Any, found: list, where: str) -> None:
             _match(s, x, found, f"{where}[{k}]")
         return
     try:  # other pytree nodes (dataclasses, flax State): jax's own prefix matching
-        leaves = jax.tree_util.broadcast_prefix(spec, node, is_leaf=_covers)
+        leaves = broadcast_prefix(spec, node, is_leaf=_covers)
     except (ValueError, TypeError) as exc:
         raise PlacementTypeError(
             f"{where} does not match the result's structure ({type(node).__name__}): give a "
