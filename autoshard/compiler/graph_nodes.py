@@ -134,10 +134,9 @@ def _pure(dfn):
         if _holds_node(out, variables=False):
             raise PlacementTypeError(
                 f"{dfn.__name__} returns an nnx module (or another graph node but a Variable): "
-                f"dist.jit writes "
-                f"what the function did to its module arguments back into them, as nnx.jit "
-                f"does — return arrays (a loss, metrics) and read the updated module from the "
-                f"object you passed in, or return nnx.state(module)")
+                f"dist.jit writes what the function did to its module arguments back into "
+                f"them, as nnx.jit does — return arrays (a loss, metrics) and read the updated "
+                f"module from the object you passed in, or return nnx.state(module)")
         _, new_state = nnx.split(nodes)
         return out, _keep_placements(new_state, key.keep)
 

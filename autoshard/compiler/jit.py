@@ -93,12 +93,14 @@ class _Compiled:
         return gc_paused(self.fn)(*physical)
 
 
-def _lifting(method):
-    """A call whose arguments hold nnx modules (graph nodes) runs as nnx.jit runs it: a pure
-    function of their State, written back after (graph_nodes.py). Nested in another dist.jit's
-    trace the function just runs, on the outer trace's objects."""
+def _jax_arguments(method):
+    """Every public entry (call, plan, explain, lower) takes its arguments as jax.jit and
+    nnx.jit do: placed as `in_shardings` says (jax_shardings.py), `static_argnames` bound (one
+    function per their values), and nnx modules (graph nodes) among them lifted — the call
+    runs as a pure function of their State, written back after (graph_nodes.py); nested in
+    another dist.jit's trace the function just runs, on the outer trace's objects."""
     @functools.wraps(method)
-    def lifting(self, *args, **kwargs):
+    def taking(self, *args, **kwargs):
         if self._in_shardings is not None:
             args = self._placed_arguments(args)
         if self._out_shardings is not None and self._out_placements is None:
@@ -115,7 +117,7 @@ def _lifting(method):
             return graph_nodes.write_back(lifted, lifted.fn(*lifted.args))
         return getattr(lifted.fn, method.__name__)(*lifted.args)
 
-    return lifting
+    return taking
 
 
 class DistributedFunction:
@@ -386,7 +388,7 @@ class DistributedFunction:
         return out + list(entry.hoisted)
 
     # -- public -------------------------------------------------------------------------------
-    @_lifting
+    @_jax_arguments
     def __call__(self, *args, **kwargs):
         if _TRACING.depth:
             # called while another dist.jit function is being traced: its body becomes part
@@ -443,7 +445,7 @@ class DistributedFunction:
                     f"Partial meaning (every part gets the whole gradient) — reduce it first with "
                     f"dist.reshard(x, mesh, [Replicate() or Shard(d) ...]) before jax.grad")
 
-    @_lifting
+    @_jax_arguments
     def plan(self, *args, **kwargs) -> Plan:
         """The Plan for these arguments: every value's layout, every collective and why."""
         entry = self._entry(args, kwargs)[0]
@@ -453,7 +455,7 @@ class DistributedFunction:
                 f"their plans are .stage_plans(*args)")
         return entry.plan
 
-    @_lifting
+    @_jax_arguments
     def stage_plans(self, *args, **kwargs) -> list[Plan]:
         """Per stage (one per run of equations on one mesh), its Plan; one Plan when the
         function runs on one mesh."""
@@ -462,7 +464,7 @@ class DistributedFunction:
             return [plan for plan, _ in entry.plans(leaves)]
         return [entry.plan]
 
-    @_lifting
+    @_jax_arguments
     def explain(self, *args, **kwargs) -> Explanation | StagedExplanation:
         """The plan as a table (text in a terminal, HTML in a notebook); for a function cut
         into stages on several meshes, each stage's, with what moves between them."""
@@ -471,7 +473,7 @@ class DistributedFunction:
             return StagedExplanation(self.__name__, entry.plans(leaves))
         return Explanation(entry.plan)
 
-    @_lifting
+    @_jax_arguments
     def lower(self, *args, **kwargs):
         """The jax `Lowered` of the partitioned program (`.compile().as_text()` for HLO)."""
         entry, leaves = self._entry(args, kwargs)
