@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -15,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
-from .errors import DeviceNotFoundError
+from .errors import DeviceNotFoundError, _is_internal
 from .layout import Layout, block_bounds
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
@@ -74,15 +76,32 @@ def _not_storage(value: Any, aux: tuple, stored: tuple[int, ...]) -> Any:
     so a value f derived from its shape or contents may differ from one device's: say so."""
     mesh, layout, shape = aux
     if stored != tuple(shape):
-        warnings.warn(
-            f"autoshard: a pytree function (jax.tree.map, an optax or flax init) was handed the "
-            f"stored array of a DistTensor of shape {tuple(shape)} placed "
-            f"{layout.placements(mesh)} on mesh dims {list(mesh.dim_names)} — shape "
-            f"{stored}, padded or with Partial slots — and made a value of another shape from "
-            f"it, which may differ from one device's; run the function under dist.jit "
-            f"(e.g. dist.jit(tx.init)(params)) or use dist.shard_optimizer(tx).init(params), "
-            f"which see the logical shape", StorageViewWarning, stacklevel=3)
+        filename, line = _caller_outside_libraries()
+        warnings.warn_explicit(
+            f"autoshard: a pytree function (jax.tree.map, an optax or flax init) called at "
+            f"{os.path.basename(filename)}:{line} was handed the stored array of a DistTensor "
+            f"of shape {tuple(shape)} placed {layout.placements(mesh)} on mesh dims "
+            f"{list(mesh.dim_names)} — shape {stored}, padded or with Partial slots — and made "
+            f"a value of another shape from it, which may differ from one device's; run the "
+            f"function under dist.jit (e.g. dist.jit(tx.init)(params)) or use "
+            f"dist.shard_optimizer(tx).init(params), which see the logical shape",
+            StorageViewWarning, filename, line)
     return value
+
+
+def _caller_outside_libraries() -> tuple[str, int]:
+    """The innermost frame in neither autoshard, jax nor an installed library (optax's init
+    runs the tree.map; the user's line is the `tx.init(params)` that called it)."""
+    frame = sys._getframe(1)
+    fallback = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not _is_internal(name):
+            fallback = fallback or (name, frame.f_lineno)
+            if "site-packages" not in name and "dist-packages" not in name:
+                return name, frame.f_lineno
+        frame = frame.f_back
+    return fallback or ("<unknown>", 0)
 
 
 @jax.tree_util.register_pytree_node_class

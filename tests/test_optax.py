@@ -98,7 +98,8 @@ def test_uneven_storage_seen_by_a_tree_map_is_named():
     with pytest.warns(dist.StorageViewWarning, match=r"padded.*dist\.jit") as seen:
         tx.init(params)
     assert any("shape (30,) placed [R, S(0)]" in str(m.message) and "shape (32,)" in str(m.message)
-               for m in seen)
+               and "test_optax.py:" in str(m.message) for m in seen)
+    assert {m.filename for m in seen} == {__file__}  # the user's tx.init line, not optax's
     ref = jax.tree.map(lambda t: t.shape, tx.init(w))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dist.UnevenShardingWarning)
