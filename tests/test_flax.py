@@ -192,15 +192,17 @@ def test_nnx_metrics_accumulate_inside_dist_jit_and_reset_outside():
 
 
 def test_dist_jit_of_an_nnx_module_reads_its_current_params():
-    """`predict = dist.jit(model)`: the module is the call's hidden first argument — its
+    """`predict = dist.jit(model)` (or of a bound method): the module is the call's hidden
+    first argument — its
     params enter placed (the MLP runs split over mp) and each call reads them as they are now,
     so predictions follow training instead of the params traced at the first call."""
     x, y = _data()
     ref = NnxMLP(nnx.Rngs(0))
     model = dist.shard_layer(NnxMLP(nnx.Rngs(0)), MESH, _nnx_megatron)
-    predict = dist.jit(model)
+    predict, method = dist.jit(model), dist.jit(model.__call__)
     dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
     np.testing.assert_allclose(predict(dx).numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(method(dx).numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
     planned = Counter(c.kind for c in predict.plan(dx).collectives)
     assert planned["all-reduce"] >= 1  # the row-parallel matmul's result, over mp
     assert count_collectives(predict.lower(dx).compile().as_text()) == planned
@@ -210,4 +212,6 @@ def test_dist_jit_of_an_nnx_module_reads_its_current_params():
     nnx.jit(_nnx_train_step)(ref, ref_opt, x, y)
     np.testing.assert_allclose(predict(dx).numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
     assert predict.trace_count + sum(f.trace_count for f in predict._graph_inner.values()) == 1
+    # a method bound to the module is taken the same way (made and called before the step)
+    np.testing.assert_allclose(method(dx).numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
 

@@ -8,7 +8,8 @@ the function leaves back into the caller's objects. dist.jit does the same, so `
 replace `@nnx.jit` on `train_step(model, optimizer, x, y)`: the State's DistTensors enter the
 program placed as they are, and each variable that comes back with its shape keeps its
 placements (as nnx.jit keeps shardings), so the next step finds the same layouts.
-`dist.jit(model)` of a Module makes the module the hidden first argument of each call.
+`dist.jit(model)` of a Module (or of a method bound to one, `dist.jit(model.generate)`) makes
+the module the hidden first argument of each call.
 """
 from __future__ import annotations
 
@@ -39,6 +40,17 @@ def is_graph_node(x: Any) -> bool:
     nnx = sys.modules.get("flax.nnx")  # not imported: nothing can be an nnx object
     return nnx is not None and (type(x) in nnx.graph.GRAPH_REGISTRY
                                 or isinstance(x, nnx.Variable))
+
+
+def bound_module(fn: Any) -> tuple[Any, Any]:
+    """(module, how to call it) when `fn` is an nnx module or a method bound to one — dist.jit
+    then passes the module as the hidden first argument — else (None, None)."""
+    if is_graph_node(fn):
+        return fn, lambda module, *args, **kwargs: module(*args, **kwargs)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and is_graph_node(owner) and hasattr(fn, "__func__"):
+        return owner, fn.__func__
+    return None, None
 
 
 def _leaf(x: Any) -> bool:

@@ -135,13 +135,13 @@ class DistributedFunction:
         self._fn = fn
         self._static = tuple(sorted({int(i) for i in (static_argnums if isinstance(static_argnums, (list, tuple)) else (static_argnums,))}))
         self._donate = tuple(donate_argnums if isinstance(donate_argnums, (list, tuple)) else (donate_argnums,))
-        # dist.jit(model) for an nnx Module: the module is the hidden first argument of every
-        # call (lifted like any module argument, so each call reads its current params rather
+        # dist.jit(model) for an nnx Module (or dist.jit(model.method)): the module is the
+        # hidden first argument of every call (lifted like any module argument, so each call reads its current params rather
         # than the ones traced into constants); argnums count the model call's own arguments
-        self._bound = fn if graph_nodes.is_graph_node(fn) else None
+        self._bound, method = graph_nodes.bound_module(fn)
         if self._bound is not None:
-            self.__name__ = type(fn).__name__
-            self._fn = lambda module, *args, **kwargs: module(*args, **kwargs)
+            self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+            self._fn = lambda module, *args, **kwargs: method(module, *args, **kwargs)
             self._static = tuple(i + 1 for i in self._static)
             self._donate = tuple(i + 1 for i in self._donate)
         self._out_placements = out_placements
