@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
-from .errors import DeviceNotFoundError, _is_internal
+from .errors import DeviceNotFoundError, user_frame
 from .layout import Layout, block_bounds
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
@@ -76,7 +75,7 @@ def _not_storage(value: Any, aux: tuple, stored: tuple[int, ...]) -> Any:
     so a value f derived from its shape or contents may differ from one device's: say so."""
     mesh, layout, shape = aux
     if stored != tuple(shape):
-        filename, line = _caller_outside_libraries()
+        filename, line = user_frame(skip_libraries=True) or ("<unknown>", 0)
         warnings.warn_explicit(
             f"autoshard: a pytree function (jax.tree.map, an optax or flax init) called at "
             f"{os.path.basename(filename)}:{line} was handed the stored array of a DistTensor "
@@ -87,21 +86,6 @@ def _not_storage(value: Any, aux: tuple, stored: tuple[int, ...]) -> Any:
             f"dist.shard_optimizer(tx).init(params), which see the logical shape",
             StorageViewWarning, filename, line)
     return value
-
-
-def _caller_outside_libraries() -> tuple[str, int]:
-    """The innermost frame in neither autoshard, jax nor an installed library (optax's init
-    runs the tree.map; the user's line is the `tx.init(params)` that called it)."""
-    frame = sys._getframe(1)
-    fallback = None
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not _is_internal(name):
-            fallback = fallback or (name, frame.f_lineno)
-            if "site-packages" not in name and "dist-packages" not in name:
-                return name, frame.f_lineno
-        frame = frame.f_back
-    return fallback or ("<unknown>", 0)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -138,11 +122,11 @@ class DistTensor:
         # jax.tree.transpose to unzip (optax's per-example clipping, GaLore), which needs the
         # node where it was.
         stored = _stored_shape(*aux)
-        shape = getattr(value, "shape", None)
-        if shape is not None:
+        value_shape = getattr(value, "shape", None)
+        if value_shape is not None:
             # jax.vmap hands each call a slice of the storage: the node stays, for dist.jit to
             # say that the layout of the mapped dim is lost and to vmap inside instead
-            if tuple(shape) != stored and not isinstance(value, BatchTracer):
+            if tuple(value_shape) != stored and not isinstance(value, BatchTracer):
                 return _not_storage(value, aux, stored)
         elif value is not None:
             leaves = jax.tree.leaves(value)

@@ -396,7 +396,8 @@ def _setitem(self: DistTensor, index: Any, value: Any) -> None:
     `x.at[idx].set(v)`, with its placements kept."""
     from .reshard.api import reshard
 
-    if index is Ellipsis or index == ():
+    # (not `index == ()`: an array index would compare elementwise)
+    if index is Ellipsis or (type(index) is tuple and not index):
         # the whole tensor: a broadcast, not a scatter (jax 0.11's CPU build crashes on a 0-d
         # scatter inside shard_map — the `metric.total[...] = 0` of every flax metric reset)
         parsed = _operand(value)

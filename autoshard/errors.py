@@ -23,14 +23,26 @@ def _is_internal(filename: str) -> bool:
                                          os.sep + "contextlib.py", "<frozen "))
 
 
+def user_frame(skip_libraries: bool = False) -> tuple[str, int] | None:
+    """(file, line) of the innermost stack frame that belongs to the user's code; with
+    `skip_libraries`, outside installed packages too where the stack has such a frame (optax's
+    init runs a tree.map; the user's line is the `tx.init(params)` that called it)."""
+    frame, fallback = sys._getframe(1), None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not _is_internal(name):
+            if not skip_libraries or not any(p in name for p in ("site-packages",
+                                                                  "dist-packages")):
+                return name, frame.f_lineno
+            fallback = fallback or (name, frame.f_lineno)
+        frame = frame.f_back
+    return fallback
+
+
 def user_source_line() -> str | None:
     """`file:line` of the innermost stack frame that belongs to the user's code."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if not _is_internal(frame.f_code.co_filename):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
+    found = user_frame()
+    return None if found is None else f"{os.path.basename(found[0])}:{found[1]}"
 
 
 class AutoshardError(Exception):

@@ -8,6 +8,7 @@ JAX read any replica, and under check_vma a psum of it would compute n * x witho
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -33,6 +34,7 @@ def physical_shape(layout: Layout, mesh: ProcessMesh, shape: Sequence[int]) -> t
     return (math.prod(sizes[a] for a, _ in layout.partial),) + shape
 
 
+@functools.lru_cache(maxsize=4096)  # every rebuilt DistTensor compares its array's spec to it
 def physical_spec(layout: Layout, mesh: ProcessMesh) -> PartitionSpec:
     dims = [_entry(axes) for axes in layout.dims]
     if layout.partial:

@@ -464,6 +464,8 @@ def test_item_assignment_updates_in_place_and_keeps_placements(placements):
     want[1:3] = 5.0
     a[..., 0] = np.arange(A.shape[0], dtype=A.dtype)
     want[..., 0] = np.arange(A.shape[0])
+    a[np.array([0, 5])] = -1.0   # an array index
+    want[np.array([0, 5])] = -1.0
     check(alias, want)   # the same object, updated
     assert a.placements == placements
     a[...] = 7           # the whole tensor (a broadcast, the dtype kept)
