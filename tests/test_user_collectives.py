@@ -56,7 +56,19 @@ def gathered_then_ring(x, w):
     return jnp.mean(y ** 2)
 
 
-FUNCTIONS = [row_parallel, normalize_rows, gathered_then_ring]
+def weighted_by_shard(x, w):
+    """Each mp block scaled by its shard index, then summed over mp. The loss is a plain sum,
+    so the backward shard_map receives a constant cotangent, replicated in our program: it
+    must be cast to vary over the in_specs axes before the body runs (jax's check_vma)."""
+    h = x @ w
+
+    def body(hb):
+        return lax.psum(hb * (1.0 + lax.axis_index("mp")), "mp")
+    y = jax.shard_map(body, mesh=JMESH, in_specs=P("dp", "mp"), out_specs=P("dp", None))(h)
+    return jnp.sum(y)
+
+
+FUNCTIONS = [row_parallel, normalize_rows, gathered_then_ring, weighted_by_shard]
 PLACEMENTS = {
     "x dp, w mp": ([dist.Shard(0), dist.Replicate()], [dist.Replicate(), dist.Shard(1)]),
     "replicated": ([dist.Replicate(), dist.Replicate()], [dist.Replicate(), dist.Replicate()]),

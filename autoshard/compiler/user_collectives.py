@@ -19,7 +19,7 @@ from jax.extend import core as jex_core
 from ..errors import MeshMismatchError
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from ..reshard.steps import ensure_varying
+from ..reshard.steps import ensure_varying, varying_axes
 
 SHARD_MAP = "shard_map"
 
@@ -106,9 +106,9 @@ def body_collectives(e, mesh: ProcessMesh) -> list[tuple[str, str, tuple[str, ..
 def lower_shard_map(e, ins: list) -> list:
     """The user's body on local blocks, already in the layouts its in_specs name."""
     jaxpr = e.params["jaxpr"]
-    ins = [ensure_varying(x, getattr(jax.typeof(x), "vma", frozenset()) |
-                          getattr(v.aval, "vma", frozenset()))
-           for x, v in zip(ins, jaxpr.invars)]
+    # the body was typed with its inputs varying over the axes its in_specs split; a value we
+    # made replicated (a constant cotangent, say) must be cast so before the body's first op
+    ins = [ensure_varying(x, varying_axes(v.aval)) for x, v in zip(ins, jaxpr.invars)]
     return list(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, ()))(*ins))
 
 

@@ -50,7 +50,8 @@ def _identity(reduce_type: ReduceType, dtype) -> object:
 
 
 def varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
+    """The manual mesh axes a value (or an abstract value) varies over."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10 keeps it on the aval's manual-axis type
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
