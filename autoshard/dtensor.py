@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import warnings
 from typing import Any
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
 from .errors import DeviceNotFoundError, user_frame
-from .layout import Layout, block_bounds
+from .layout import Layout, block_bounds, partial_axes_in_mesh_order
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
 from .uneven import padded_shape
@@ -65,6 +66,28 @@ class _Meta(tuple):
         return hash(self._identity())
 
 
+def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], xp: Any) -> Any:
+    """The logical global value of stored array `x` with array module `xp` (jax.numpy or
+    numpy): pending Partial slots reduced (the slot axis is mesh-ordered, major first), an
+    uneven dim's padding dropped."""
+    if layout.partial:
+        kinds = dict(layout.partial)
+        axes = partial_axes_in_mesh_order(layout, mesh)
+        x = x.reshape(tuple(mesh.get_dim_size(a) for a in axes) + x.shape[1:])
+        reduce = {"max": xp.max, "min": xp.min, "sum": xp.sum, "avg": xp.mean}
+        for a in axes:
+            x = reduce[kinds[a].value](x, axis=0)
+    if tuple(x.shape) != tuple(shape):
+        x = x[tuple(slice(0, n) for n in shape)]
+    return x
+
+
+# What f may return for a DistTensor node that describes it rather than holds it: a dtype or a
+# number (a size, a norm). They come back as f made them (jax.tree.map(lambda x: x.size,
+# params) is a tree of ints), not wrapped in a DistTensor that claims to store them; a number
+# may have been counted on padded storage, so it is warned of as any other value f made from
+# the storage. Other objects (names, shardings, orbax's SaveArgs) keep the node: libraries
+# (orbax) zip such trees with the params, whose structure they must share.
 class StorageViewWarning(UserWarning):
     """A pytree function saw a DistTensor's padded / Partial storage, not its logical value."""
 
@@ -123,6 +146,14 @@ class DistTensor:
         # node where it was.
         stored = _stored_shape(*aux)
         value_shape = getattr(value, "shape", None)
+        if isinstance(value, np.dtype):
+            return value
+        if isinstance(value, numbers.Number):
+            return _not_storage(value, aux, stored)
+        if isinstance(value, (np.ndarray, np.generic)) and tuple(value_shape) == stored:
+            # jax.device_get(params), jax.tree.map(np.asarray, params): host values, as for
+            # jax.Arrays — the logical global value, not a DistTensor stored on the host
+            return _logical(value, *aux, np)
         if value_shape is not None:
             # jax.vmap hands each call a slice of the storage: the node stays, for dist.jit to
             # say that the layout of the mapped dim is lost and to vmap inside instead
@@ -228,21 +259,7 @@ class DistTensor:
         DistTensor as a pytree (jax.nn.relu is a jax.jit)."""
         import jax.numpy as jnp
 
-        from .layout import partial_axes_in_mesh_order
-
-        x = self._value
-        if self._layout.partial:
-            kinds = dict(self._layout.partial)
-            axes = partial_axes_in_mesh_order(self._layout, self._mesh)
-            x = x.reshape(tuple(self._mesh.get_dim_size(a) for a in axes) + x.shape[1:])
-            for a in axes:  # the slot axis is mesh-ordered, major first
-                kind = kinds[a].value
-                x = (jnp.max(x, axis=0) if kind == "max" else jnp.min(x, axis=0)
-                     if kind == "min" else jnp.sum(x, axis=0) if kind == "sum"
-                     else jnp.mean(x, axis=0))
-        if tuple(x.shape) != self._shape:  # an uneven dim's blocks end in padding
-            x = x[tuple(slice(0, n) for n in self._shape)]
-        return x
+        return _logical(self._value, self._mesh, self._layout, self._shape, jnp)
 
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()
@@ -256,7 +273,9 @@ class DistTensor:
     # -- display -----------------------------------------------------------------------------
     def __repr__(self) -> str:
         placements = "[" + ", ".join(repr(p) for p in self.placements) + "]"
-        return (f"DistTensor(shape={self._shape}, dtype={self.dtype}, mesh={self._mesh!r}, "
+        # a node jax rebuilt around a sentinel (object(), a prefix marker) has no dtype
+        dtype = getattr(self._value, "dtype", "?")
+        return (f"DistTensor(shape={self._shape}, dtype={dtype}, mesh={self._mesh!r}, "
                 f"placements={placements}, local_shape={self.local_shape})")
 
     def _repr_html_(self) -> str:

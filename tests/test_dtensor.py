@@ -1,4 +1,6 @@
 """DistTensor: creation from every source, per-device blocks, honest physical layout, display."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,3 +159,33 @@ def test_partial_tensors_of_other_kinds_are_other_tree_structures(kinds):
     for k in (("max", "max"), kinds):
         x = make_tensor(value, MESH, [f"P({k[0]})", f"P({k[1]})"])
         np.testing.assert_allclose(np.asarray(relu(x)), np.maximum(value, 0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("placements", [["R", "S(1)"], ["R", "S(0)"], ["P(avg)", "P(sum)"]],
+                         ids=["even", "uneven", "partial"])
+def test_tree_map_to_descriptions_and_host_values(placements):
+    """What a user maps params to when looking at them: `jax.device_get(params)` and
+    `jax.tree.map(np.asarray, params)` give one device's numpy values (padding dropped, Partial
+    slots reduced), sizes are ints and dtypes dtypes — not DistTensors wrapping them. Other
+    objects keep the node: orbax zips trees of names and SaveArgs with the params."""
+    from autoshard.testing import make_tensor
+
+    value = np.random.default_rng(5).normal(size=(6, 8)).astype(np.float32)
+    t = make_tensor(value, MESH, placements)
+    padded_or_partial = t.physical.shape != value.shape
+    for host in (jax.device_get({"w": t})["w"], jax.tree.map(np.asarray, {"w": t})["w"]):
+        assert type(host) is np.ndarray
+        np.testing.assert_allclose(host, value, rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sizes = jax.tree.map(lambda x: x.size, {"w": t})
+        dtypes = jax.tree.map(lambda x: x.dtype, {"w": t})
+    assert type(sizes["w"]) is int and dtypes["w"] == np.float32
+    # the size was counted on the storage: said so where that is not the logical size
+    assert sizes["w"] == t.physical.size
+    assert bool(seen) == padded_or_partial
+    assert all(issubclass(w.category, dist.StorageViewWarning) and
+               "test_dtensor.py" in str(w.message) for w in seen)
+    names = jax.tree.map(lambda x: "w", {"w": t})
+    assert isinstance(names["w"], dist.DistTensor) and "dtype=?" in repr(names["w"])
+    assert jax.tree.structure(names) == jax.tree.structure({"w": t})
