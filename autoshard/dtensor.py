@@ -190,6 +190,28 @@ class DistTensor:
         return self._value.dtype
 
     @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the logical global value (as jax.Array.nbytes), not of one device's block."""
+        return self.size * self.itemsize
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        return not self._layout.partial and all(p.is_replicated() for p in self.placements)
+
+    def devices(self) -> set:
+        """The jax devices of this tensor's mesh (as jax.Array.devices())."""
+        return set(self._value.devices())
+
+    def block_until_ready(self) -> "DistTensor":
+        """Wait until the stored array is computed (as jax.Array.block_until_ready)."""
+        self._value.block_until_ready()
+        return self
+
+    @property
     def mesh(self) -> ProcessMesh:
         return self._mesh
 

@@ -38,6 +38,10 @@ _COMPARE: dict[str, Callable[..., Any]] = {
 _UNARY: dict[str, Callable[..., Any]] = {
     "neg": jnp.negative, "pos": jnp.positive, "abs": jnp.abs, "invert": jnp.invert,
 }
+# jax.Array's array-valued properties
+_PROPERTIES: dict[str, Callable[..., Any]] = {
+    "real": jnp.real, "imag": jnp.imag, "mT": lambda x: jnp.swapaxes(x, -1, -2),
+}
 _REDUCE: dict[str, Callable[..., Any]] = {
     "sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min, "prod": jnp.prod,
     "any": jnp.any, "all": jnp.all,
@@ -140,17 +144,30 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...] | None:
     return tuple(sorted(_axis(a, ndim) for a in (axis if isinstance(axis, (tuple, list)) else (axis,))))
 
 
+def _no_out(out: Any, name: str) -> None:
+    # numpy's np.sum(x) / np.mean(x) / np.argmax(x) call x.sum(axis=..., dtype=..., out=None)
+    if out is not None:
+        raise TypeError(f"DistTensor.{name}: out= is not supported (DistTensors are immutable "
+                        f"values, as jax arrays are); use the result")
+
+
 def _reduction(name: str, f: Callable[..., Any]) -> Callable:
-    def method(self: DistTensor, axis: Any = None, keepdims: bool = False) -> DistTensor:
+    def method(self: DistTensor, axis: Any = None, dtype: Any = None, out: Any = None,
+               keepdims: bool = False) -> DistTensor:
+        _no_out(out, name)
         axes, keep = _axes(axis, self.ndim), bool(keepdims)
-        return run((name, axes, keep), lambda: lambda x: f(x, axis=axes, keepdims=keep), self)
+        kw = {} if dtype is None else {"dtype": np.dtype(dtype)}
+        return run((name, axes, keep, *kw.values()),
+                   lambda: lambda x: f(x, axis=axes, keepdims=keep, **kw), self)
 
     method.__doc__ = f"jnp.{f.__name__} over `axis` (all dims when None), as a DistTensor."
     return method
 
 
 def _arg_reduction(name: str, f: Callable[..., Any]) -> Callable:
-    def method(self: DistTensor, axis: Any = None, keepdims: bool = False) -> DistTensor:
+    def method(self: DistTensor, axis: Any = None, out: Any = None,
+               keepdims: bool = False) -> DistTensor:
+        _no_out(out, name)
         ax = None if axis is None else _axis(axis, self.ndim)
         keep = bool(keepdims)
         return run((name, ax, keep), lambda: lambda x: f(x, axis=ax, keepdims=keep), self)
@@ -345,7 +362,7 @@ def _bool(self: DistTensor) -> bool:
 # arguments); array arguments (DistTensors included) are operands.
 _METHODS = ("flatten", "ravel", "squeeze", "swapaxes", "clip", "round", "cumsum", "cumprod",
             "var", "std", "dot", "conj", "sort", "argsort", "repeat", "take", "diagonal",
-            "trace")
+            "trace", "copy")
 _OPERAND_TYPES = (DistTensor, jax.Array, np.ndarray)
 
 
@@ -390,6 +407,21 @@ def _item(self: DistTensor) -> Any:
     return self.numpy().item()
 
 
+def _format(self: DistTensor, spec: str) -> str:
+    """f"{loss:.4f}": a one-element tensor formats as its Python scalar (as a jax array does);
+    with no spec, as str()."""
+    if not spec:
+        return str(self)
+    if self.size != 1:
+        raise TypeError(f"format spec {spec!r} needs a one-element DistTensor; this one has "
+                        f"shape {self.shape}: index or reduce it first")
+    return format(self.item(), spec)
+
+
+def _round(self: DistTensor, ndigits: int | None = None) -> DistTensor:
+    return self.round(0 if ndigits is None else ndigits)
+
+
 def _setitem(self: DistTensor, index: Any, value: Any) -> None:
     """`x[idx] = v` in place, as numpy and Paddle tensors take it (flax writes a Variable
     holding a non-jax array this way: `metric.total[...] = 0`): the tensor now holds
@@ -423,6 +455,8 @@ def install(cls: type = DistTensor) -> None:
         methods[f"__{name}__"] = _binary(name, f)[0]
     for name, f in _UNARY.items():
         methods[f"__{name}__"] = _unary(name, f)
+    for name, f in _PROPERTIES.items():
+        methods[name] = property(_unary(name, f), doc=f"jax.Array.{name}, as a DistTensor.")
     for name, f in _REDUCE.items():
         methods[name] = _reduction(name, f)
     for name in _METHODS:
@@ -431,7 +465,8 @@ def install(cls: type = DistTensor) -> None:
         argmax=_arg_reduction("argmax", jnp.argmax), argmin=_arg_reduction("argmin", jnp.argmin),
         astype=astype, reshape=reshape, transpose=transpose,
         at=property(_AtIndexer, doc="`x.at[idx].set(v)` / `.add(v)` / ... / `.get()`, as jax."),
-        item=_item, tolist=lambda self: self.numpy().tolist(),
+        item=_item, tolist=lambda self: self.numpy().tolist(), __format__=_format,
+        __round__=_round,
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
         __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
         __int__=_to_python(int), __complex__=_to_python(complex),

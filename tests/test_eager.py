@@ -300,6 +300,35 @@ def test_python_conversions():
         a.item()
     with pytest.raises(TypeError, match="0-d"):
         iter(a.sum())
+    # a training loop's print(f"loss {loss:.4f}") and round(loss, 2), as for a jax array
+    assert f"{a.sum():.3f}" == f"{A.sum():.3f}" and f"{a[2, 3]:>6}" == f"{A[2, 3]:>6}"
+    assert f"{a}" == str(a) and "placements=[S(0), S(1)]" in f"{a}"
+    with pytest.raises(TypeError, match="one-element"):
+        f"{a:.2f}"
+    check(round(a.mean(), 2), np.round(A.mean(), 2))
+
+
+def test_numpy_functions_and_jax_array_properties():
+    """np.sum(x) / np.mean(x) / np.argmax(x) call x.sum(axis, dtype, out): they run through
+    the engine and keep placements; jax.Array's properties and methods a user reaches for."""
+    a = dist.shard_tensor(A, MESH24, [S(0), S(1)])
+    for f in (np.sum, np.mean, np.max, np.min, np.prod, np.argmax, np.argmin, np.any, np.all):
+        check(f(a), f(A), rtol=1e-5)
+        check(f(a, axis=1), f(A, axis=1), rtol=1e-5)
+    check(np.sum(a, dtype=np.int32), np.sum(A, dtype=np.int32), dtype=np.int32)
+    with pytest.raises(TypeError, match="out= is not supported"):
+        np.sum(a, out=np.zeros(()))
+    c = dist.shard_tensor((A + 1j * B).astype(np.complex64), MESH24, [S(0), R()])
+    check(c.real, A)
+    check(c.imag, B)
+    check(a.mT, A.T)
+    copied = a.copy()
+    check(copied, A)
+    assert copied is not a and copied.placements == a.placements
+    assert a.block_until_ready() is a
+    assert a.nbytes == A.nbytes and a.itemsize == 4
+    assert a.devices() == set(jax.devices()) and not a.is_fully_replicated
+    assert dist.shard_tensor(A, MESH24, [R(), R()]).is_fully_replicated
 
 
 # -- caching, meshes, pytrees -------------------------------------------------------------------
