@@ -1,5 +1,6 @@
-"""Debug callbacks (jax.debug.print, jax.debug.callback) see what one device would.
+"""Host callbacks see what one device would: the global value, called once.
 
+jax.debug.print / jax.debug.callback:
 `partitioned=False` (jax's default) hands the callback the global value, once: the operands
 are gathered and only the mesh's first device calls it (in a shard_map every device would, and
 a print would appear once per device). `partitioned=True` asks for each device's own block, as
@@ -9,8 +10,11 @@ raises for more), and the line is still printed once.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from jax import lax
+from jax._src.callback import io_callback_p, pure_callback_p
 from jax._src.debugging import (debug_callback_p, debug_effect, debug_print_p,
                                 ordered_debug_effect)
 
@@ -53,13 +57,80 @@ def callback_lower(primitive):
     return lower
 
 
+def host_call_sharding(in_avals, out_avals, **params):
+    """jax.pure_callback / io_callback: the operands gathered (the callback takes the global
+    value, as under jax.jit), the results replicated."""
+    gathered = callback_sharding(in_avals, ())
+    return OpSharding(gathered.operands, tuple(tuple(None for _ in a.shape) for a in out_avals),
+                      gathered.factors)
+
+
+def _first_device(ctx):
+    return lax.eq(ctx.block_index(tuple(ctx.sizes)), np.int32(0))
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _from_first(x, axes):
+    """Device 0's `x` on every device, where the others hold zeros: a psum. Floats travel as
+    their bits (a float sum would turn device 0's -0.0 into +0.0), booleans as int32."""
+    dtype = np.dtype(x.dtype)
+    if dtype.kind == "c":
+        return lax.complex(_from_first(lax.real(x), axes), _from_first(lax.imag(x), axes))
+    wire = np.int32 if dtype == np.bool_ else _UINT[dtype.itemsize] if dtype.kind == "f" else None
+    if wire is not None:
+        x = (x.astype(wire) if dtype == np.bool_ else lax.bitcast_convert_type(x, wire))
+    total = lax.psum(x, axes)
+    if wire is None:
+        return total
+    return total.astype(np.bool_) if dtype == np.bool_ else lax.bitcast_convert_type(total, dtype)
+
+
+def once_lower(primitive):
+    """pure_callback / io_callback: device 0 of the mesh calls it, once per call as under
+    jax.jit (in a shard_map every device would: an io_callback's log line written eight
+    times, a pure callback's host work done eight times); its results reach the others by a
+    psum in which the rest add zero bits."""
+    def lower(ctx, *args, result_avals, **params):
+        def call():
+            return list(primitive.bind(*args, result_avals=result_avals, **params))
+
+        if not ctx.sizes or not result_avals:
+            if not ctx.sizes:
+                return call()
+            lax.cond(_first_device(ctx), lambda: (call(), None)[1], lambda: None)
+            return []
+        outs = lax.cond(_first_device(ctx), call,
+                        lambda: [lax.full(a.shape, 0, a.dtype) for a in result_avals])
+        return [_from_first(o, tuple(ctx.sizes)) for o in outs]
+
+    return lower
+
+
+def once_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, **params):
+    axes = tuple(a for a, n in sizes.items() if n > 1)
+    if not axes:
+        return []
+    out = []
+    for a in out_avals:
+        dtype = np.dtype(a.dtype)
+        parts, width = (2, dtype.itemsize // 2) if dtype.kind == "c" else (1, max(dtype.itemsize, 4) if dtype == np.bool_ else dtype.itemsize)
+        out += [("all-reduce", f"psum({','.join(axes)}) the callback's result from device 0",
+                 axes, math.prod(a.shape) * width)] * parts
+    return out
+
+
 TABLE = {p: Rule(callback_sharding, callback_lower(p)) for p in (debug_print_p, debug_callback_p)}
+TABLE.update({p: Rule(host_call_sharding, once_lower(p), once_comm)
+              for p in (pure_callback_p, io_callback_p)})
 
 
 def validation_samples() -> list:
     """A print and a callback beside a value that is returned (they have no results)."""
     import jax
     import jax.numpy as jnp
+    from jax.experimental import io_callback
 
     f2 = ((4, 8), "f")
     return [
@@ -69,6 +140,12 @@ def validation_samples() -> list:
          lambda x: (jax.debug.callback(lambda v: None, x), x * 2.0)[1], (f2,)),
         ("debug_callback partitioned", "debug_callback",
          lambda x: (jax.debug.callback(lambda v: None, x, partitioned=True), x * 2.0)[1], (f2,)),
+        ("pure_callback", "pure_callback",
+         lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((4, 8), jnp.float32), x) * x,
+         (f2,)),
+        ("io_callback", "io_callback",
+         lambda x: io_callback(np.cos, jax.ShapeDtypeStruct((4, 8), jnp.float32), x) + x,
+         (f2,)),
     ]
 
 

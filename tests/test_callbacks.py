@@ -3,6 +3,7 @@ value, once (or, with partitioned=True, each device's own block)."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +89,64 @@ def test_a_partitioned_callback_sees_each_devices_block():
 
     run(fn, dist.shard_tensor(X, MESH24, [S(0), S(1)]))
     assert seen == [(4, 1)] * 8
+
+
+@pytest.mark.parametrize("kind", ["pure", "io", "io ordered"])
+@pytest.mark.parametrize("placements", [[S(0), S(1)], [S(0), R]])
+def test_pure_and_io_callbacks_run_once_on_the_global_value(kind, placements):
+    """As under jax.jit: the host function is called once per call with the global operand
+    (an io_callback's side effect happens once, not once per device), and its result — here
+    with a -0.0 and an integer output — reaches every device by one planned all-reduce."""
+    from jax.experimental import io_callback
+
+    from autoshard.hlo import count_collectives
+
+    calls = []
+
+    def host(v):
+        calls.append(np.asarray(v).copy())
+        return np.where(v > 1, -0.0, np.sin(v)).astype(np.float32), np.int32(v.shape[0])
+
+    out_types = (jax.ShapeDtypeStruct(X.shape, np.float32), jax.ShapeDtypeStruct((), np.int32))
+
+    def fn(x):
+        y = jnp.tanh(x) * 2
+        if kind == "pure":
+            r, n = jax.pure_callback(host, out_types, y)
+        else:
+            r, n = io_callback(host, out_types, y, ordered=kind == "io ordered")
+        return r * n, r
+
+    x = dist.shard_tensor(X, MESH24, placements)
+    out, r = run(fn, x)
+    ref_out, ref_r = jax.jit(fn)(X)
+    assert len(calls) == 2  # ours once, jax.jit's once
+    np.testing.assert_array_equal(calls[0], calls[1])
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-6)
+    np.testing.assert_array_equal(np.signbit(r.numpy()), np.signbit(np.asarray(ref_r)))
+    assert np.signbit(r.numpy()).any()
+    f = dist.jit(fn)
+    plan = f.plan(x)
+    planned = [c for c in plan.collectives if "callback's result" in c.step]
+    assert len(planned) == 2 and {c.kind for c in planned} == {"all-reduce"}
+    # the operand is gathered for the host function (as jax.jit's maximal sharding gathers it)
+    gathers = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert len(gathers) == len(plan.collectives) - 2
+    assert count_collectives(f.lower(x).compile().as_text()) == \
+        Counter(c.kind for c in plan.collectives)
+
+
+def test_an_io_callback_in_a_scan_body_runs_once_per_iteration():
+    from jax.experimental import io_callback
+
+    seen = []
+
+    def fn(x):
+        def body(c, row):
+            io_callback(lambda s: seen.append(float(s)), None, row.sum())
+            return c + row.sum(), row * 2
+        return jax.lax.scan(body, 0.0, x)
+
+    total, rows = run(fn, dist.shard_tensor(X, MESH24, [S(0), S(1)]))
+    np.testing.assert_allclose(float(total), X.sum(), rtol=1e-6)
+    assert sorted(seen) == sorted(float(r.sum()) for r in X)
