@@ -683,6 +683,24 @@ def test_static_argnames_compile_one_program_per_value():
         f(dx, train=[True])
 
 
+@pytest.mark.parametrize("call,named,fix", [
+    (lambda f, x: f(x, "relu"), "argument 1 is 'relu'", "static_argnums=(1,)"),
+    (lambda f, x: f(x, {"act": "relu", "k": 2.0}), "argument 1['act'] is 'relu'",
+     "static_argnums=(1,)"),
+    (lambda f, x: f(x, mode="relu"), "keyword argument 'mode' is 'relu'",
+     "static_argnames=('mode',)"),
+], ids=["positional", "inside a dict", "keyword"])
+def test_an_argument_that_is_not_an_array_names_itself_and_says_mark_it_static(call, named, fix):
+    """A string among the traced arguments: not jax's "Dtype <U4 is not a valid JAX array
+    type", but which argument it is and the static_argnums / static_argnames to write."""
+    f = dist.jit(lambda x, cfg=None, mode=None: x * 2)
+    dx = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [dist.Shard(0), dist.Replicate()])
+    with pytest.raises(dist.PlacementTypeError) as info:
+        call(f, dx)
+    assert named in str(info.value) and fix in str(info.value)
+    assert "test_jit.py" in str(info.value)
+
+
 def test_jax_jit_in_and_out_shardings_carry_over():
     """Code written for jax.jit keeps its in_shardings / out_shardings: the arguments are
     placed as they say before the call (a DistTensor laid out otherwise is resharded), the

@@ -68,8 +68,31 @@ def _describe_leaf(x) -> _Leaf:
         return _Leaf(tuple(x.shape), normalize(x.dtype), as_process_mesh(sharding.mesh),
                      layout_of_spec(sharding.spec, x.ndim))
     arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
+    if not is_extended(arr.dtype) and arr.dtype.kind not in "biufcV":
+        raise _NotAnArray(x)  # a string, an object: named with its argument by _entry
     dtype = arr.dtype if is_extended(arr.dtype) else jax.dtypes.canonicalize_dtype(arr.dtype)
     return _Leaf(tuple(np.shape(arr)), normalize(dtype), None, None)
+
+
+class _NotAnArray(Exception):
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _not_an_array_error(name: str, path, value: Any, n_args: int, static: Sequence[int]):
+    """The PlacementTypeError for a traced argument jax cannot take (a string, an object)."""
+    head, first, *rest = path
+    where = jax.tree_util.keystr(tuple(rest))  # inside the argument: ['name'], [0], .field
+    if getattr(head, "idx", None) == 0:   # (dynamic args, kwargs): a positional argument
+        pos = [i for i in range(n_args) if i not in static][first.idx]
+        arg, fix = f"argument {pos}", f"static_argnums=({pos},)"
+    else:
+        key = first.key
+        arg, fix = f"keyword argument {key!r}", f"static_argnames=({key!r},)"
+    return PlacementTypeError(
+        f"{name}: {arg}{where} is {value!r:.60} of type {type(value).__name__}, not an array — "
+        f"jax traces only arrays and numbers; mark it static with dist.jit(f, {fix}) (one "
+        f"program per value), or close over it")
 
 
 @dataclass
@@ -214,7 +237,15 @@ class DistributedFunction:
 
     def _entry(self, args, kwargs, reduced: bool = False, split=None) -> tuple[_Compiled, list]:
         static, leaves, tree = split or self._split(args, kwargs)
-        described = tuple(_describe_leaf(x) for x in leaves)
+        try:
+            described = tuple(_describe_leaf(x) for x in leaves)
+        except _NotAnArray as bad:
+            dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
+            flat = jax.tree_util.tree_flatten_with_path(
+                (dynamic, kwargs), is_leaf=lambda x: isinstance(x, DistTensor))[0]
+            path = next(p for p, x in flat if x is bad.value)
+            raise _not_an_array_error(self.__name__, path, bad.value, len(args),
+                                      self._static) from None
         try:
             key = (tree, static, described, reduced)
             hash(key)
