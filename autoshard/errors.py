@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # In an editable install the rules live beside the package, not inside it.
 _RULES_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "rules")
+# Python's own library (functools' cached_property, threading, runpy): never the user's line;
+# its site-packages folder is not the stdlib
+_STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                      for k in ("stdlib", "platstdlib")})
 
 
 def _is_internal(filename: str) -> bool:
@@ -18,6 +23,8 @@ def _is_internal(filename: str) -> bool:
         return True  # generated code (dataclass __init__, exec) is never the user's line
     path = os.path.abspath(filename)
     if path.startswith(_PACKAGE_DIR) or path.startswith(_RULES_DIR):
+        return True
+    if path.startswith(_STDLIB_DIRS) and "-packages" + os.sep not in path:
         return True
     return any(part in path for part in (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep,
                                          os.sep + "contextlib.py", "<frozen "))

@@ -60,3 +60,12 @@ def test_errors_are_value_or_type_errors_too():
     assert issubclass(dist.PlacementError, ValueError)
     assert issubclass(dist.PlacementTypeError, TypeError)
     assert issubclass(dist.MeshError, ValueError)
+
+
+def test_the_users_line_is_never_a_frame_of_pythons_own_library():
+    """A mesh naming a device this process lacks is found inside functools' cached_property:
+    the error names the line of the user's code that used the mesh, not functools.py."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 99]], dim_names=["a", "b"])
+    msg = _raises(dist.DeviceNotFoundError, r"uses device ids \[99\]",
+                  lambda: dist.shard_tensor(np.zeros((4, 4)), mesh, ["S(0)", "R"]))
+    assert "functools.py" not in msg
