@@ -82,12 +82,6 @@ def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], 
     return x
 
 
-# What f may return for a DistTensor node that describes it rather than holds it: a dtype, a
-# bool or a number (a size, a norm). They come back as f made them (jax.tree.map(lambda x: x.size,
-# params) is a tree of ints), not wrapped in a DistTensor that claims to store them; a number
-# may have been counted on padded storage, so it is warned of as any other value f made from
-# the storage. Other objects (names, shardings, orbax's SaveArgs) keep the node: libraries
-# (orbax) zip such trees with the params, whose structure they must share.
 class StorageViewWarning(UserWarning):
     """A pytree function saw a DistTensor's padded / Partial storage, not its logical value."""
 
@@ -146,9 +140,13 @@ class DistTensor:
         # node where it was.
         stored = _stored_shape(*aux)
         value_shape = getattr(value, "shape", None)
+        # What describes the tensor rather than holds it comes back as f made it, not wrapped in
+        # a DistTensor claiming to store it: jax.tree.map(lambda x: x.size, params) is a tree of
+        # ints. A dtype or a bool (an optax weight-decay mask, lambda p: p.ndim > 1) reads what
+        # storage keeps; a number may have been counted on padded storage, so it is warned of.
+        # Other objects (names, shardings, orbax's SaveArgs) keep the node: libraries (orbax)
+        # zip such trees with the params, whose structure they must share.
         if isinstance(value, (np.dtype, bool)):
-            # a bool is a mask's entry (optax's weight-decay masks: lambda p: p.ndim > 1),
-            # decided from the rank, which storage keeps: not warned of
             return value
         if isinstance(value, numbers.Number):
             return _not_storage(value, aux, stored)

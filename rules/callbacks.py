@@ -38,6 +38,11 @@ def callback_sharding(in_avals, out_avals, *, partitioned: bool = False, **param
     return OpSharding(tuple(operands), tuple(() for _ in out_avals), tuple(factors))
 
 
+def _first_device(ctx):
+    """True on device 0 of the mesh."""
+    return lax.eq(ctx.block_index(tuple(ctx.sizes)), np.int32(0))
+
+
 def callback_lower(primitive):
     def lower(ctx, *args, partitioned: bool = False, **params):
         if params.get("ordered"):                          # jax.debug.print
@@ -50,8 +55,7 @@ def callback_lower(primitive):
 
         if partitioned or not ctx.sizes:
             return call()
-        first = lax.eq(ctx.block_index(tuple(ctx.sizes)), np.int32(0))  # device 0 of the mesh
-        lax.cond(first, lambda: (call(), None)[1], lambda: None)
+        lax.cond(_first_device(ctx), lambda: (call(), None)[1], lambda: None)
         return []
 
     return lower
@@ -65,26 +69,32 @@ def host_call_sharding(in_avals, out_avals, **params):
                       gathered.factors)
 
 
-def _first_device(ctx):
-    return lax.eq(ctx.block_index(tuple(ctx.sizes)), np.int32(0))
-
-
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _wire(dtype) -> tuple[np.dtype, int]:
+    """(dtype a result travels as, parts) in the psum that broadcasts it: floats as their
+    bits (a float sum would turn device 0's -0.0 into +0.0), booleans as int32, complex
+    numbers as the bits of their two halves."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+        return np.dtype(_UINT[dtype.itemsize // 2]), 2
+    if dtype == np.bool_:
+        return np.dtype(np.int32), 1
+    return (np.dtype(_UINT[dtype.itemsize]) if dtype.kind == "f" else dtype), 1
+
+
 def _from_first(x, axes):
-    """Device 0's `x` on every device, where the others hold zeros: a psum. Floats travel as
-    their bits (a float sum would turn device 0's -0.0 into +0.0), booleans as int32."""
+    """Device 0's `x` on every device, where the others hold zeros."""
     dtype = np.dtype(x.dtype)
     if dtype.kind == "c":
         return lax.complex(_from_first(lax.real(x), axes), _from_first(lax.imag(x), axes))
-    wire = np.int32 if dtype == np.bool_ else _UINT[dtype.itemsize] if dtype.kind == "f" else None
-    if wire is not None:
-        x = (x.astype(wire) if dtype == np.bool_ else lax.bitcast_convert_type(x, wire))
-    total = lax.psum(x, axes)
-    if wire is None:
-        return total
-    return total.astype(np.bool_) if dtype == np.bool_ else lax.bitcast_convert_type(total, dtype)
+    wire, _ = _wire(dtype)
+    if wire == dtype:
+        return lax.psum(x, axes)
+    if dtype == np.bool_:
+        return lax.psum(x.astype(wire), axes).astype(dtype)
+    return lax.bitcast_convert_type(lax.psum(lax.bitcast_convert_type(x, wire), axes), dtype)
 
 
 def once_lower(primitive):
@@ -96,11 +106,8 @@ def once_lower(primitive):
         def call():
             return list(primitive.bind(*args, result_avals=result_avals, **params))
 
-        if not ctx.sizes or not result_avals:
-            if not ctx.sizes:
-                return call()
-            lax.cond(_first_device(ctx), lambda: (call(), None)[1], lambda: None)
-            return []
+        if not ctx.sizes:
+            return call()
         outs = lax.cond(_first_device(ctx), call,
                         lambda: [lax.full(a.shape, 0, a.dtype) for a in result_avals])
         return [_from_first(o, tuple(ctx.sizes)) for o in outs]
@@ -114,10 +121,9 @@ def once_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, **params):
         return []
     out = []
     for a in out_avals:
-        dtype = np.dtype(a.dtype)
-        parts, width = (2, dtype.itemsize // 2) if dtype.kind == "c" else (1, max(dtype.itemsize, 4) if dtype == np.bool_ else dtype.itemsize)
+        wire, parts = _wire(a.dtype)
         out += [("all-reduce", f"psum({','.join(axes)}) the callback's result from device 0",
-                 axes, math.prod(a.shape) * width)] * parts
+                 axes, math.prod(a.shape) * wire.itemsize)] * parts
     return out
 
 
