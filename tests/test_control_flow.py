@@ -219,3 +219,100 @@ def test_a_carry_that_joins_a_partial_update_before_it_is_read_is_reduced_inside
     np.testing.assert_allclose(ys.numpy(), want_ys, rtol=1e-5, atol=1e-6)
     reductions = [c for c in fn.plan(*args).collectives if c.kind == "all-reduce"]
     assert len(reductions) == 1 and "inside" in reductions[0].reason, reductions
+
+
+# -- scans of independent iterations over a split scanned axis ------------------------------------
+
+def _mapped_loss(w, x):
+    """lax.map over the rows of a batch (each row alone through a small MLP)."""
+    return jnp.sum(jax.lax.map(lambda r: jnp.tanh(r @ w) ** 2, x))
+
+
+def _split_scans(f, *args):
+    return [ep for ep in f.plan(*args).eqns if ep.primitive == "scan"
+            and "iterations per device" in ep.strategy]
+
+
+@pytest.mark.parametrize("pw,px", [(["R", "R"], ["S(0)", "R"]), (["R", "S(1)"], ["S(0)", "R"]),
+                                   (["R", "R"], ["S(0)", "S(0)"])],
+                         ids=["w replicated, rows dp", "w mp, rows dp", "rows dp,mp"])
+def test_lax_map_over_a_split_batch_runs_each_devices_rows(pw, px):
+    """Iterations that do not read each other run where their rows are: no gather of the
+    batch, and the gradient of the mapped function's weights is the data-parallel Partial sum,
+    reduced once (plain jax.jit gathers the batch and computes every row on every device)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    w = (rng.normal(size=(32, 32)) * 0.3).astype(np.float32)
+    dx, dw = dist.shard_tensor(x, MESH, px), dist.shard_tensor(w, MESH, pw)
+    f, (loss, grad) = run_checked(jax.value_and_grad(_mapped_loss), dw, dx)
+    ref_loss, ref_grad = jax.value_and_grad(_mapped_loss)(w, x)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-4, atol=1e-5)
+    forward, backward = _split_scans(f, dw, dx)
+    rows = tuple(a for p, a in zip(px, ("dp", "mp")) if p == "S(0)")
+    assert forward.required[-1].dims[0] == rows and forward.results[0].dims[0] == rows
+    # the transposed map adds each row's weight gradient to its carry: Partial over the rows'
+    # axes after the loop, reduced once; nothing moves the rows
+    assert {a for a, _ in backward.results[0].partial} >= set(rows)
+    plan = f.plan(dw, dx)
+    assert not [c for c in plan.collectives if c.kind == "all-gather"]
+    assert {c.kind for c in plan.collectives} == {"all-reduce"}
+    assert not [c for c in plan.collectives if "inside scan" in c.reason and
+                set(c.axes) & set(rows)]
+
+
+def test_mapped_outputs_stay_split_and_equal_one_device():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "R"])
+    fns = {
+        "map": lambda a: jax.lax.map(lambda r: jnp.sin(r) * r.sum(), a),
+        "batch_size": lambda a: jax.lax.map(lambda r: jnp.sin(r) * r.sum(), a, batch_size=4),
+        "reverse, carry handed back": lambda a: jax.lax.scan(
+            lambda c, r: (c, jnp.cos(r) + c), 1.5, a, reverse=True)[1],
+        "two xs": lambda a: jax.lax.map(lambda rs: rs[0] * rs[1], (a, a[::-1])),
+    }
+    for name, fn in fns.items():
+        f, out = run_checked(fn, dx)
+        np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+        assert _split_scans(f, dx), name
+        assert out.placements[0] == dist.Shard(0), name
+        assert not count_collectives(f.lower(dx).compile().as_text()) or name == "two xs", name
+
+
+@pytest.mark.parametrize("case", ["running carry", "carry read", "uneven rows", "ordered effect"])
+def test_scans_whose_iterations_depend_on_each_other_keep_the_scanned_axis_whole(case):
+    """A carry that an iteration reads (a cumulative sum, a carry fed into the next row),
+    rows that do not divide over the devices, or an ordered effect: the plain plan."""
+    rng = np.random.default_rng(5)
+    n = 10 if case == "uneven rows" else 16
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    fn = {
+        "running carry": lambda a: jax.lax.scan(lambda c, r: (c + r, c + r), jnp.zeros(8), a)[1],
+        "carry read": lambda a: jax.lax.scan(lambda c, r: (c + r, jnp.tanh(c) * r), jnp.zeros(8),
+                                             a)[1],
+        "uneven rows": lambda a: jax.lax.map(jnp.sin, a),
+        "ordered effect": lambda a: jax.lax.map(
+            lambda r: (jax.debug.print("{}", r.sum(), ordered=True), r * 2)[1], a),
+    }[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.UnevenShardingWarning)  # 10 rows over 4
+        dx = dist.shard_tensor(x, dist.ProcessMesh(list(range(4)), ["dp"]), ["S(0)"])
+        f, out = run_checked(fn, dx)
+    np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-5, atol=1e-6)
+    assert not _split_scans(f, dx)
+
+
+def test_a_map_whose_weights_are_split_over_the_rows_axes_keeps_the_plain_forward():
+    """Weights split over the axes the rows are: the forward body would need them whole, which
+    the plan does not pay for (its scanned axis stays whole) — equal to one device either way.
+    (The backward, whose constants are not split so, still runs each device's rows.)"""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    w = (rng.normal(size=(32, 32)) * 0.3).astype(np.float32)
+    dx, dw = dist.shard_tensor(x, MESH, ["S(0)", "S(0)"]), dist.shard_tensor(w, MESH, ["R", "S(1)"])
+    f, (loss, grad) = run_checked(jax.value_and_grad(_mapped_loss), dw, dx)
+    np.testing.assert_allclose(grad.numpy(), jax.grad(_mapped_loss)(w, x), rtol=1e-4, atol=1e-5)
+    forward = next(ep for ep in f.plan(dw, dx).eqns if ep.primitive == "scan")
+    assert "iterations per device" not in forward.strategy

@@ -4,7 +4,15 @@ Each body is planned with the engine itself (a sub-Plan on the same mesh):
 - scan / while: carry layouts go to a fixpoint (carry-in == carry-out). The body's own carry
   layout is adopted when it differs — so a gradient accumulated across a scan stays Partial in
   the carry and is reduced once, after the loop, not per iteration. The scanned axis of xs and
-  ys is never split.
+  ys is not split — except where the iterations are independent (below).
+- a scan whose iterations are independent (`lax.map`; every carry handed back as it came, or
+  only added to, as the transposed map accumulates the gradients of its constants) over xs
+  split on the scanned axis runs as a local scan of every device's own block: the data stays
+  split and each device computes only its iterations, where the plain plan gathers the
+  batch and every device computes them all. The body is planned on the mesh with the split
+  axes cut to size 1 (it never splits or reduces over them: the devices along them hold
+  other iterations); an added-to carry ends Partial(sum) over them, its initial value counted
+  on their first device only.
 - cond: every branch is planned on the same operand layouts; if their results disagree, all
   branches are re-planned to the first branch's result layouts (the join).
 - checkpoint (jax.checkpoint / remat): the body is partitioned and re-wrapped in
@@ -23,7 +31,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
+import math
+
 from ..layout import Layout
+from ..placement import ReduceType
 from .trace import build_program
 
 HIGHER_ORDER = {"scan", "while", "cond", "checkpoint", "remat", "remat2"}
@@ -110,12 +121,117 @@ def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int,
     return fixed, make(fixed, fixed + [KEEP] * n_outputs_after)
 
 
+_ADDS = ("add", "add_any")
+
+
+def independent_carries(jaxpr, nc: int, nk: int) -> list[str] | None:
+    """Per carry of a scan body: "pass" (handed back as it came) or "sum" (carry + a value
+    computed without it, the carry read by nothing else); None when some iteration reads
+    another's result or the body has effects (their order would change)."""
+    if jaxpr.effects:
+        return None
+    carry_in = jaxpr.invars[nc:nc + nk]
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    kinds, adds = [], {}
+    for cin, out in zip(carry_in, jaxpr.outvars[:nk]):
+        if out is cin:
+            kinds.append("pass")
+            continue
+        eqn = made.get(out) if not isinstance(out, jex_core.Literal) else None
+        if eqn is None or eqn.primitive.name not in _ADDS or \
+                [v is cin for v in eqn.invars].count(True) != 1:
+            return None
+        kinds.append("sum")
+        adds[cin] = eqn
+    totals = {eqn.outvars[0] for eqn in adds.values()}
+    running = set(adds) | totals
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jex_core.Var) and v in running and adds.get(v) is not eqn:
+                return None  # a running carry read elsewhere: iterations depend on each other
+    outs = [v for v in jaxpr.outvars if isinstance(v, jex_core.Var)]
+    if any(v in running for v in jaxpr.outvars[nk:] if isinstance(v, jex_core.Var)) or \
+            sum(v in totals for v in outs) != len(totals):
+        return None  # a running total among the ys, or handed back as two carries
+    return kinds
+
+
+def _uses(L: Layout, axes) -> bool:
+    return bool(L.used_axes & set(axes))
+
+
+def _plan_uses(plan, axes) -> bool:
+    """Whether any layout of a plan (its nested bodies too) splits or reduces over `axes`."""
+    layouts = [*plan.inputs, *plan.outputs]
+    for ep in plan.eqns:
+        layouts += [*ep.required, *ep.results]
+        if any(_plan_uses(sub, axes) for sub in ep.sub_plans):
+            return True
+    return any(_uses(L, axes) for L in layouts)
+
+
+def _without_axes(mesh, axes):
+    """`mesh` with the dims `axes` cut to size 1 (their first slice)."""
+    import numpy as np
+
+    from ..mesh import ProcessMesh
+
+    ids = mesh.id_array
+    for a in axes:
+        ids = np.take(ids, [0], axis=list(mesh.dim_names).index(a))
+    return ProcessMesh(ids, list(mesh.dim_names))
+
+
+def _split_scan(e, operands, mesh, registry, cost_model):
+    """The plan of a scan with independent iterations over xs split on the scanned axis, or
+    None (see the module docstring)."""
+    p = e.params
+    nc, nk = scan_counts(p, len(operands))
+    consts, init, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
+    axes = next((L.dims[0] for L in xs if L.dims[0]), ())
+    n = math.prod(mesh.axis_sizes[a] for a in axes)
+    if not axes or p["length"] % n or any(_uses(L, axes) for L in consts + init) or \
+            any(a in axes for L in xs for a, _ in L.partial):
+        return None
+    kinds = independent_carries(p["jaxpr"].jaxpr, nc, nk)
+    if kinds is None:
+        return None
+    xs_req = [Layout((axes,) + tuple(tuple(a for a in d if a not in axes) for d in L.dims[1:]),
+                     L.partial) for L in xs]
+    xs_in = [_slice_layout(L) for L in xs_req]
+    local_mesh = _without_axes(mesh, axes)
+
+    def make(carries, targets):
+        return _sub_plan(p["jaxpr"], local_mesh, consts + carries + xs_in, targets, registry,
+                         cost_model)
+
+    carries, body = _loop_carries(make, list(init), len(e.outputs) - nk, nc)
+    if _plan_uses(body, axes):
+        return None  # the body asked for the split axes itself (a reshard naming them)
+    summed = tuple((a, ReduceType.SUM) for a in axes)
+    ends = [L if k == "pass" else Layout(L.dims, L.partial + summed) for L, k in zip(carries, kinds)]
+    ys = [Layout((axes,) + L.dims, L.partial) for L in body.outputs[nk:]]
+    return (consts + carries + xs_req, ends + ys, [body],
+            f"scan × {p['length']}, {p['length'] // n} iterations per device along "
+            f"{', '.join(axes)} (independent iterations)")
+
+
+def split_axes(e, ep) -> tuple[str, ...]:
+    """The mesh axes a planned scan splits its iterations over (none: every device runs all)."""
+    nc, nk = scan_counts(e.params, len(ep.required))
+    xs = ep.required[nc + nk:]
+    return xs[0].dims[0] if xs else ()
+
+
 def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
     """(required operand layouts, result layouts, sub-plans, description) for `e`."""
     from .plan import KEEP
 
     p = e.params
     if e.name == "scan":
+        split = _split_scan(e, operands, mesh, registry, cost_model)
+        if split is not None:
+            return split
         nc, nk = scan_counts(p, len(operands))
         consts, init, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
         xs_req = [_unsharded_leading(L) for L in xs]
@@ -152,16 +268,56 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
     return list(operands), list(body.outputs), [body], f"checkpoint (policy {getattr(p.get('policy'), '__name__', None)})"
 
 
-def lower_higher_order(e, ep, ins, registry):
+def _lower_split_scan(e, ep, ins, body, axes, sizes, ambient):
+    """A scan of independent iterations on each device's own block of xs (`_split_scan`)."""
+    from .partition import LowerContext
+
+    p = e.params
+    nc, nk = scan_counts(p, len(ins))
+    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+    kinds = independent_carries(p["jaxpr"].jaxpr, nc, nk)
+    summed = [i for i, k in enumerate(kinds) if k == "sum"]
+    layouts = [ep.results[i] for i in summed]
+    # an added-to carry starts from its initial value on the first device along the split
+    # axes and from zero on the others: the Partial(sum) it ends as counts it once
+    first = lax.eq(LowerContext(sizes, [], [], []).block_index(axes), 0)
+    starts = [lax.select(lax.broadcast(first, jnp.shape(init[i])), init[i],
+                         jnp.zeros_like(init[i])) for i in summed]
+
+    def step(carry, x):
+        given = list(init)
+        for i, c in zip(summed, carry):
+            given[i] = c
+        outs = body(*consts, *given, *x)
+        # a ys slice that does not read xs still stands for other iterations on each device
+        return (_vary_to([outs[i] for i in summed], layouts, ambient),
+                _vary_to(outs[nk:], ep.results[nk:], ambient))
+
+    n = math.prod(sizes[a] for a in axes)
+    carry, ys = lax.scan(step, _vary_to(starts, layouts, ambient), list(xs),
+                         length=p["length"] // n,
+                         reverse=p["reverse"], unroll=p["unroll"])
+    ends = list(init)
+    for i, c in zip(summed, carry):
+        ends[i] = c
+    return ends + list(ys)
+
+
+def lower_higher_order(e, ep, ins, registry, sizes, ambient: frozenset = frozenset()):
     """Bind `e` on local values, with its bodies partitioned by their sub-plans.
 
     Loop carries and branch results are cast to vary over exactly their planned layout's mesh
-    axes (the bookkeeping check_vma verifies), so carry-in and carry-out types agree.
+    axes (the bookkeeping check_vma verifies), so carry-in and carry-out types agree — and
+    over the `ambient` axes, inside a split scan (partition._bind).
     """
     from .partition import local_function
 
     p = e.params
-    fns = [local_function(sub, registry, physical=False) for sub in ep.sub_plans]
+    split = split_axes(e, ep) if e.name == "scan" else ()
+    inner = ambient | frozenset(split)
+    fns = [local_function(sub, registry, physical=False, ambient=inner) for sub in ep.sub_plans]
+    if split:
+        return _lower_split_scan(e, ep, ins, fns[0], split, sizes, ambient)
     if e.name == "scan":
         nc, nk = scan_counts(p, len(ins))
         consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
@@ -170,9 +326,10 @@ def lower_higher_order(e, ep, ins, registry):
 
         def step(carry, x):
             outs = body(*consts, *carry, *x)
-            return _vary_to(outs[:nk], carry_layouts), list(outs[nk:])
+            return _vary_to(outs[:nk], carry_layouts, ambient), list(outs[nk:])
 
-        carry, ys = lax.scan(step, _vary_to(init, carry_layouts), list(xs), length=p["length"],
+        carry, ys = lax.scan(step, _vary_to(init, carry_layouts, ambient), list(xs),
+                             length=p["length"],
                              reverse=p["reverse"], unroll=p["unroll"])
         return list(carry) + list(ys)
     if e.name == "while":
@@ -181,12 +338,13 @@ def lower_higher_order(e, ep, ins, registry):
         cond_fn, body_fn = fns
         layouts = ep.results
         return list(lax.while_loop(lambda c: cond_fn(*cconsts, *c)[0],
-                                   lambda c: _vary_to(body_fn(*bconsts, *c), layouts),
-                                   _vary_to(init, layouts)))
+                                   lambda c: _vary_to(body_fn(*bconsts, *c), layouts, ambient),
+                                   _vary_to(init, layouts, ambient)))
     if e.name == "cond":
         index, ops = ins[0], ins[1:]
         layouts = ep.results
-        return list(lax.switch(index, [lambda *a, f=f: _vary_to(f(*a), layouts) for f in fns], *ops))
+        return list(lax.switch(index, [lambda *a, f=f: _vary_to(f(*a), layouts, ambient)
+                                       for f in fns], *ops))
     gathered = _gathered_inputs(ep.sub_plans[0])
     return _rematerialised(fns[0], list(ins), p, ep.required, gathered)
 
@@ -318,10 +476,10 @@ def _first(x):
     return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(()) if x.ndim else x
 
 
-def _vary_to(values, layouts):
+def _vary_to(values, layouts, ambient: frozenset = frozenset()):
     from ..reshard.steps import ensure_varying
 
-    return [ensure_varying(v, L.used_axes) for v, L in zip(values, layouts)]
+    return [ensure_varying(v, L.used_axes | ambient) for v, L in zip(values, layouts)]
 
 
 __all__ = ["HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]

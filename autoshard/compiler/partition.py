@@ -71,14 +71,16 @@ def _localize(params: dict, local_out_shapes: list[tuple[int, ...]]) -> dict:
     return p
 
 
-def _bind(e, ep, ins: list, registry, sizes) -> list:
-    """One equation on local values, with its operands already in the required layouts."""
+def _bind(e, ep, ins: list, registry, sizes, ambient: frozenset = frozenset()) -> list:
+    """One equation on local values, with its operands already in the required layouts.
+    `ambient`: mesh axes along which the devices run other iterations of an enclosing loop
+    (control_flow.py's split scans): every value varies over them."""
     if e.primitive is hint_p:
         return ins
     if e.name == SHARD_MAP:
         return lower_shard_map(e, ins)
     if ep.sub_plans:
-        return lower_higher_order(e, ep, ins, registry)
+        return lower_higher_order(e, ep, ins, registry, sizes, ambient)
     local_shapes = [L.local_shape(v.shape, sizes) for v, L in zip(e.outputs, ep.results)]
     rule = None if ep.fallback else registry.lookup(e.primitive)
     if rule is None or rule.match_vma:
@@ -135,11 +137,13 @@ class _Scope(dict):
         return x
 
 
-def local_function(plan: Plan, registry, *, physical: bool = True):
+def local_function(plan: Plan, registry, *, physical: bool = True,
+                   ambient: frozenset = frozenset()):
     """A function of the local input blocks that computes the local output blocks.
 
     `physical`: inputs and outputs carry the leading slot axis of Partial values (the form
     shard_map hands over); sub-programs (loop bodies) take and give plain local blocks.
+    `ambient`: see `_bind`.
     """
     program = plan.program
     sizes = plan.mesh.axis_sizes
@@ -208,7 +212,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True):
             if ep.reshards and late_fill.wanted(program, e, ep):
                 ins[0] = late_fill.zeros_after(ins[0], ins[2])
             outs = replayer.run(key_of(k), ins,
-                                functools.partial(_bind, e, ep, ins, registry, sizes))
+                                functools.partial(_bind, e, ep, ins, registry, sizes, ambient))
             env.update(zip(e.outputs, outs))
             k += 1
 
