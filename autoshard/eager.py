@@ -362,7 +362,7 @@ def _bool(self: DistTensor) -> bool:
 # arguments); array arguments (DistTensors included) are operands.
 _METHODS = ("flatten", "ravel", "squeeze", "swapaxes", "clip", "round", "cumsum", "cumprod",
             "var", "std", "dot", "conj", "sort", "argsort", "repeat", "take", "diagonal",
-            "trace", "copy")
+            "trace", "copy", "conjugate", "ptp", "searchsorted", "argpartition")
 _OPERAND_TYPES = (DistTensor, jax.Array, np.ndarray)
 
 
@@ -400,6 +400,9 @@ def _array_method(name: str) -> Callable:
     return method
 
 
+_NONZERO = _array_method("nonzero")
+
+
 def _item(self: DistTensor) -> Any:
     if self.size != 1:
         raise ValueError(f"only a DistTensor of one element converts to a Python scalar; this "
@@ -416,6 +419,15 @@ def _format(self: DistTensor, spec: str) -> str:
         raise TypeError(f"format spec {spec!r} needs a one-element DistTensor; this one has "
                         f"shape {self.shape}: index or reduce it first")
     return format(self.item(), spec)
+
+
+def _nonzero(self: DistTensor, *, size: int | None = None, fill_value: Any = None) -> tuple:
+    """As jax.Array.nonzero: with `size`, one program (DistTensors out); without, the shape
+    depends on the values, so it is computed from the global value on the host, as jax
+    computes it outside a jit (jax arrays out)."""
+    if size is None:
+        return tuple(jnp.asarray(i) for i in np.nonzero(self.numpy()))
+    return _NONZERO(self, size=size, fill_value=fill_value)
 
 
 def _round(self: DistTensor, ndigits: int | None = None) -> DistTensor:
@@ -466,6 +478,7 @@ def install(cls: type = DistTensor) -> None:
         astype=astype, reshape=reshape, transpose=transpose,
         at=property(_AtIndexer, doc="`x.at[idx].set(v)` / `.add(v)` / ... / `.get()`, as jax."),
         item=_item, tolist=lambda self: self.numpy().tolist(), __format__=_format,
+        nonzero=_nonzero,
         __round__=_round,
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
         __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),

@@ -329,6 +329,15 @@ def test_numpy_functions_and_jax_array_properties():
     assert a.nbytes == A.nbytes and a.itemsize == 4
     assert a.devices() == set(jax.devices()) and not a.is_fully_replicated
     assert dist.shard_tensor(A, MESH24, [R(), R()]).is_fully_replicated
+    # nonzero: its shape depends on the values, so (as jax outside a jit) computed on the host;
+    # with size= one program, DistTensors out
+    for got, want in zip((a > 0).nonzero(), np.nonzero(A > 0)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    for got, want in zip((a > 0).nonzero(size=70, fill_value=-1),
+                         jnp.nonzero(A > 0, size=70, fill_value=-1)):
+        check(got, want)
+    check(a.ptp(axis=1), np.ptp(A, axis=1))
+    check(a.conjugate(), A)
 
 
 # -- caching, meshes, pytrees -------------------------------------------------------------------
