@@ -26,14 +26,16 @@ count; their reason says which loop they belong to.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-import math
-
 from ..layout import Layout
+from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from .trace import build_program
 
@@ -122,6 +124,7 @@ def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int,
 
 
 _ADDS = ("add", "add_any")
+_LINEAR = {ReduceType.SUM, ReduceType.AVG}
 
 
 def independent_carries(jaxpr, nc: int, nk: int) -> list[str] | None:
@@ -170,12 +173,8 @@ def _plan_uses(plan, axes) -> bool:
     return any(_uses(L, axes) for L in layouts)
 
 
-def _without_axes(mesh, axes):
+def _without_axes(mesh: ProcessMesh, axes) -> ProcessMesh:
     """`mesh` with the dims `axes` cut to size 1 (their first slice)."""
-    import numpy as np
-
-    from ..mesh import ProcessMesh
-
     ids = mesh.id_array
     for a in axes:
         ids = np.take(ids, [0], axis=list(mesh.dim_names).index(a))
@@ -208,6 +207,8 @@ def _split_scan(e, operands, mesh, registry, cost_model):
     carries, body = _loop_carries(make, list(init), len(e.outputs) - nk, nc)
     if _plan_uses(body, axes):
         return None  # the body asked for the split axes itself (a reshard naming them)
+    if any(k == "sum" and {t for _, t in L.partial} - _LINEAR for L, k in zip(carries, kinds)):
+        return None  # a carry pending a max/min cannot also be a sum over the rows' axes
     summed = tuple((a, ReduceType.SUM) for a in axes)
     ends = [L if k == "pass" else Layout(L.dims, L.partial + summed) for L, k in zip(carries, kinds)]
     ys = [Layout((axes,) + L.dims, L.partial) for L in body.outputs[nk:]]
