@@ -150,3 +150,24 @@ def test_an_io_callback_in_a_scan_body_runs_once_per_iteration():
     total, rows = run(fn, dist.shard_tensor(X, MESH24, [S(0), S(1)]))
     np.testing.assert_allclose(float(total), X.sum(), rtol=1e-6)
     assert sorted(seen) == sorted(float(r.sum()) for r in X)
+
+
+def test_a_callback_in_a_map_over_split_rows_runs_once_per_row():
+    """lax.map over rows split over dp runs each device's own rows (test_control_flow): the
+    callback is called once per row, by one device of the group that holds it, and each
+    group's results stay its own."""
+    seen = []
+
+    def host(v):
+        seen.append(np.asarray(v).copy())
+        return np.sin(v)
+
+    row = jax.ShapeDtypeStruct((4,), np.float32)
+
+    def fn(x):
+        return jax.lax.map(lambda r: jax.pure_callback(host, row, r) * 2, x)
+
+    out = run(fn, dist.shard_tensor(X, MESH24, [S(0), R]))
+    np.testing.assert_allclose(out.numpy(), np.sin(X) * 2, rtol=1e-6)
+    assert len(seen) == len(X)
+    np.testing.assert_allclose(np.sort(np.stack(seen), axis=0), np.sort(X, axis=0), rtol=1e-6)
