@@ -271,6 +271,22 @@ def _linear_solve_body(params: dict, ins: list) -> tuple:
     return jaxprs.solve, consts + rhs
 
 
+def _hi_primitive_body(eqn) -> Any:
+    """jax 0.12's hijax primitives (`call_hi_primitive`: jnp.nonzero(size=) is one) say what
+    they compute in lower-level jax (`to_lojax`); traced so on their operand types, their
+    equations are partitioned by the rules. None where that cannot be done here (effects,
+    operands of a high-level type): the primitive then runs replicated, with the warning."""
+    to_lojax = getattr(eqn.primitive, "to_lojax", None)
+    if to_lojax is None or eqn.effects or not all(
+            isinstance(v.aval, jax.core.ShapedArray) for v in eqn.invars):
+        return None
+    try:
+        return jax.make_jaxpr(lambda *args: to_lojax(*args, **eqn.params))(
+            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars])
+    except Exception:  # noqa: BLE001 — an expansion jax cannot trace here stays the primitive
+        return None
+
+
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -407,6 +423,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             inner = eqn.params.get(key) if key else None
             if eqn.primitive.name == "custom_linear_solve" and inline_solves:
                 inner, ins = _linear_solve_body(eqn.params, ins)
+            elif eqn.primitive.name == "call_hi_primitive":
+                inner = _hi_primitive_body(eqn)
             if inner is not None:
                 if hasattr(inner, "jaxpr"):  # ClosedJaxpr
                     inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
