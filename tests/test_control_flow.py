@@ -304,15 +304,19 @@ def test_scans_whose_iterations_depend_on_each_other_keep_the_scanned_axis_whole
     assert not _split_scans(f, dx)
 
 
-def test_a_map_whose_weights_are_split_over_the_rows_axes_keeps_the_plain_forward():
-    """Weights split over the axes the rows are: the forward body would need them whole, which
-    the plan does not pay for (its scanned axis stays whole) — equal to one device either way.
-    (The backward, whose constants are not split so, still runs each device's rows.)"""
+def test_weights_split_over_the_rows_axes_are_gathered_once_before_the_map():
+    """FSDP-style weights (split over the axes the rows are) under a map over the batch: the
+    body runs whole iterations, so the weights are gathered once before the loop — never
+    inside it — and the rows stay split; the gradient ends as the weights are placed."""
     rng = np.random.default_rng(6)
     x = rng.normal(size=(16, 32)).astype(np.float32)
     w = (rng.normal(size=(32, 32)) * 0.3).astype(np.float32)
     dx, dw = dist.shard_tensor(x, MESH, ["S(0)", "S(0)"]), dist.shard_tensor(w, MESH, ["R", "S(1)"])
     f, (loss, grad) = run_checked(jax.value_and_grad(_mapped_loss), dw, dx)
+    np.testing.assert_allclose(loss.numpy(), _mapped_loss(w, x), rtol=1e-5)
     np.testing.assert_allclose(grad.numpy(), jax.grad(_mapped_loss)(w, x), rtol=1e-4, atol=1e-5)
-    forward = next(ep for ep in f.plan(dw, dx).eqns if ep.primitive == "scan")
-    assert "iterations per device" not in forward.strategy
+    assert len(_split_scans(f, dw, dx)) == 2
+    plan = f.plan(dw, dx)
+    gathers = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert gathers and not [c for c in gathers if "inside scan" in c.reason]
+    assert all(c.bytes_per_device <= w.nbytes for c in gathers)  # the weight, not the batch

@@ -11,8 +11,9 @@ Each body is planned with the engine itself (a sub-Plan on the same mesh):
   split and each device computes only its iterations, where the plain plan gathers the
   batch and every device computes them all. The body is planned on the mesh with the split
   axes cut to size 1 (it never splits or reduces over them: the devices along them hold
-  other iterations); an added-to carry ends Partial(sum) over them, its initial value counted
-  on their first device only.
+  other iterations); constants and initial carries split or pending over them are gathered
+  (reduced) once, before the loop; an added-to carry ends Partial(sum) over them, its initial
+  value counted on their first device only.
 - cond: every branch is planned on the same operand layouts; if their results disagree, all
   branches are re-planned to the first branch's result layouts (the join).
 - checkpoint (jax.checkpoint / remat): the body is partitioned and re-wrapped in
@@ -189,14 +190,20 @@ def _split_scan(e, operands, mesh, registry, cost_model):
     consts, init, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
     axes = next((L.dims[0] for L in xs if L.dims[0]), ())
     n = math.prod(mesh.axis_sizes[a] for a in axes)
-    if not axes or p["length"] % n or any(_uses(L, axes) for L in consts + init) or \
-            any(a in axes for L in xs for a, _ in L.partial):
+    if not axes or p["length"] % n or any(a in axes for L in xs for a, _ in L.partial):
         return None
     kinds = independent_carries(p["jaxpr"].jaxpr, nc, nk)
     if kinds is None:
         return None
-    xs_req = [Layout((axes,) + tuple(tuple(a for a in d if a not in axes) for d in L.dims[1:]),
-                     L.partial) for L in xs]
+
+    def whole_over_axes(L: Layout) -> Layout:
+        # every device runs whole iterations: what they all read is gathered (reduced) over
+        # the rows' axes once, before the loop (FSDP weights under a map over the batch)
+        return Layout(tuple(tuple(a for a in d if a not in axes) for d in L.dims),
+                      tuple((a, t) for a, t in L.partial if a not in axes))
+
+    consts, init = [whole_over_axes(L) for L in consts], [whole_over_axes(L) for L in init]
+    xs_req = [Layout((axes,) + whole_over_axes(L).dims[1:], L.partial) for L in xs]
     xs_in = [_slice_layout(L) for L in xs_req]
     local_mesh = _without_axes(mesh, axes)
 
