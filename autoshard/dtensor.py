@@ -212,6 +212,22 @@ class DistTensor:
         return self
 
     @property
+    def is_fully_addressable(self) -> bool:
+        """Whether this process holds every block (multi-process code asks before numpy())."""
+        return self._value.is_fully_addressable
+
+    @property
+    def weak_type(self) -> bool:
+        return bool(getattr(self._value, "weak_type", False))
+
+    def delete(self) -> None:
+        """Free the stored array now (as jax.Array.delete); the tensor is unusable after."""
+        self._value.delete()
+
+    def is_deleted(self) -> bool:
+        return self._value.is_deleted()
+
+    @property
     def mesh(self) -> ProcessMesh:
         return self._mesh
 

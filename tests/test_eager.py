@@ -341,6 +341,11 @@ def test_numpy_functions_and_jax_array_properties():
             check(got, want)
     check(a.ptp(axis=1), np.ptp(A, axis=1))
     check(a.conjugate(), A)
+    assert a.is_fully_addressable and not a.weak_type
+    scratch = a.copy()
+    assert not scratch.is_deleted()
+    scratch.delete()
+    assert scratch.is_deleted() and not a.is_deleted()
 
 
 # -- caching, meshes, pytrees -------------------------------------------------------------------
