@@ -38,16 +38,16 @@ def callback_sharding(in_avals, out_avals, *, partitioned: bool = False, **param
     return OpSharding(tuple(operands), tuple(() for _ in out_avals), tuple(factors))
 
 
-def _spread(ctx) -> tuple[str, ...]:
+def _spread(sizes) -> tuple[str, ...]:
     """The mesh axes this program's devices are spread over. Inside a scan split over its rows
     (compiler/control_flow.py) those axes have size 1 here: each device along them runs other
     iterations, and calls for its own."""
-    return tuple(a for a, n in ctx.sizes.items() if n > 1)
+    return tuple(a for a, n in sizes.items() if n > 1)
 
 
 def _first_device(ctx):
     """True on device 0 of the mesh."""
-    return lax.eq(ctx.block_index(_spread(ctx)), np.int32(0))
+    return lax.eq(ctx.block_index(_spread(ctx.sizes)), np.int32(0))
 
 
 def callback_lower(primitive):
@@ -60,7 +60,7 @@ def callback_lower(primitive):
         def call():
             return primitive.bind(*args, partitioned=partitioned, **params)
 
-        if partitioned or not _spread(ctx):
+        if partitioned or not _spread(ctx.sizes):
             return call()
         lax.cond(_first_device(ctx), lambda: (call(), None)[1], lambda: None)
         return []
@@ -113,17 +113,17 @@ def once_lower(primitive):
         def call():
             return list(primitive.bind(*args, result_avals=result_avals, **params))
 
-        if not _spread(ctx):
+        if not _spread(ctx.sizes):
             return call()
         outs = lax.cond(_first_device(ctx), call,
                         lambda: [lax.full(a.shape, 0, a.dtype) for a in result_avals])
-        return [_from_first(o, _spread(ctx)) for o in outs]
+        return [_from_first(o, _spread(ctx.sizes)) for o in outs]
 
     return lower
 
 
 def once_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, **params):
-    axes = tuple(a for a, n in sizes.items() if n > 1)
+    axes = _spread(sizes)
     if not axes:
         return []
     out = []

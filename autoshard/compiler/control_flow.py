@@ -283,8 +283,9 @@ def _lower_split_scan(e, ep, ins, body, axes, sizes, ambient):
     p = e.params
     nc, nk = scan_counts(p, len(ins))
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-    kinds = independent_carries(p["jaxpr"].jaxpr, nc, nk)
-    summed = [i for i, k in enumerate(kinds) if k == "sum"]
+    # the added-to carries, as planned: the only ones that end pending over the split axes
+    # (a carry handed back is whole over them, `_split_scan`)
+    summed = [i for i in range(nk) if any(a in axes for a, _ in ep.results[i].partial)]
     layouts = [ep.results[i] for i in summed]
     # an added-to carry starts from its initial value on the first device along the split
     # axes and from zero on the others: the Partial(sum) it ends as counts it once
