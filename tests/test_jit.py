@@ -683,6 +683,41 @@ def test_static_argnames_compile_one_program_per_value():
         f(dx, train=[True])
 
 
+@pytest.mark.parametrize("how", [dict(static_argnames="train"), dict(static_argnums=1)],
+                         ids=["argnames", "argnums"])
+def test_a_static_argument_is_static_passed_by_position_or_by_keyword(how):
+    """As jax.jit reads the signature: static_argnames covers the argument passed by position,
+    static_argnums the one passed by keyword — not a traced bool reaching `if train`."""
+    def f(x, train):
+        return jnp.tanh(x) if train else x * 2
+
+    g = dist.jit(f, **how)
+    x = np.arange(32, dtype=np.float32).reshape(8, 4) / 32
+    dx = dist.shard_tensor(x, MESH24, [dist.Shard(0), dist.Replicate()])
+    for call in (lambda: g(dx, True), lambda: g(dx, train=True)):
+        np.testing.assert_allclose(call().numpy(), np.tanh(x), rtol=1e-6)
+    np.testing.assert_allclose(g(dx, False).numpy(), x * 2)
+
+
+@pytest.mark.parametrize("how", [dict(donate_argnames="a"), dict(donate_argnums=0)],
+                         ids=["argnames", "argnums"])
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_donated_arguments_named_either_way_are_donated(how, by_keyword):
+    """donate_argnames as jax.jit's (it was refused as an unknown keyword): the argument's
+    buffers are donated to the program whether it is passed by position or keyword, the
+    other argument's are not, and the result is unchanged."""
+    def f(a, b):
+        return a * 2.0 + b
+
+    g = dist.jit(f, **how)
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [dist.Shard(0), dist.Replicate()])
+    b = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [dist.Replicate(), dist.Shard(1)])
+    args, kwargs = ((), dict(a=a, b=b)) if by_keyword else ((a, b), {})
+    text = g.lower(*args, **kwargs).as_text()
+    assert text.count("jax.buffer_donor = true") == 1
+    np.testing.assert_array_equal(g(*args, **kwargs).numpy(), np.full((8, 4), 3.0))
+
+
 @pytest.mark.parametrize("call,named,fix", [
     (lambda f, x: f(x, "relu"), "argument 1 is 'relu'", "static_argnums=(1,)"),
     (lambda f, x: f(x, {"act": "relu", "k": 2.0}), "argument 1['act'] is 'relu'",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -149,15 +150,19 @@ class DistributedFunction:
     def __init__(self, fn: Callable, *, static_argnums: Sequence[int] = (),
                  donate_argnums: Sequence[int] = (), out_placements: Any = None,
                  cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
-                 in_shardings: Any = None, out_shardings: Any = None):
+                 in_shardings: Any = None, out_shardings: Any = None,
+                 donate_argnames: Sequence[str] = ()):
         functools.update_wrapper(self, fn)
         if out_shardings is not None and out_placements is not None:
             raise PlacementTypeError("dist.jit takes out_placements or jax.jit's out_shardings, "
                                      "not both")
         self._in_shardings, self._out_shardings = in_shardings, out_shardings
         self._fn = fn
-        self._static = tuple(sorted({int(i) for i in (static_argnums if isinstance(static_argnums, (list, tuple)) else (static_argnums,))}))
-        self._donate = tuple(donate_argnums if isinstance(donate_argnums, (list, tuple)) else (donate_argnums,))
+        static_nums, static_names = _argnums_and_names(fn, static_argnums, static_argnames)
+        donate_nums, donate_names = _argnums_and_names(fn, donate_argnums, donate_argnames)
+        self._static = tuple(sorted(static_nums))
+        self._donate = tuple(sorted(donate_nums))
+        self._donate_names = donate_names
         # dist.jit(model) for an nnx Module (or dist.jit(model.method)): the module is the
         # hidden first argument of every call (lifted like any module argument, so each call reads its current params rather
         # than the ones traced into constants); argnums count the model call's own arguments
@@ -169,8 +174,7 @@ class DistributedFunction:
             self._donate = tuple(i + 1 for i in self._donate)
         self._out_placements = out_placements
         self._cost_model = cost_model
-        self._static_names = (static_argnames,) if isinstance(static_argnames, str) \
-            else tuple(static_argnames)
+        self._static_names = static_names
         self._by_static_kwargs: dict = {}
         self._cache: dict = {}
         self.trace_count = 0
@@ -394,17 +398,19 @@ class DistributedFunction:
         return names
 
     def _flat_donations(self, tree) -> tuple[int, ...]:
-        if not self._donate:
+        if not self._donate and not self._donate_names:
             return ()
-        dynamic_positions = [i for i in range(max(self._donate) + 1 + len(self._static))
+        dynamic_positions = [i for i in range(max(self._donate, default=0) + 1 + len(self._static))
                              if i not in self._static]
         donated_dynamic = {dynamic_positions.index(i) for i in self._donate if i in dynamic_positions}
-        (dyn_tree, _kw) = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+        (dyn_tree, kw) = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
         flat = []
         for j, sub in enumerate(dyn_tree):
             if j in donated_dynamic:
                 flat.extend(jax.tree.leaves(sub))
-        return tuple(flat)
+        for name in self._donate_names:  # passed by keyword
+            flat.extend(jax.tree.leaves(kw.get(name)))
+        return tuple(sorted(flat))
 
     def _physical_inputs(self, entry: _Compiled, leaves) -> list:
         out = []
@@ -670,10 +676,30 @@ def _global_array(x: DistTensor):
     return to_even(x, reduce_partial=True).physical
 
 
+def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
+                       ) -> tuple[frozenset[int], tuple[str, ...]]:
+    """Positions and names of the arguments meant, either way the user named them — as jax.jit
+    does, a parameter named in argnames also counts when passed by position and one numbered
+    in argnums also when passed by keyword (read from the signature where there is one)."""
+    nums = {int(i) for i in (argnums if isinstance(argnums, (list, tuple)) else (argnums,))}
+    names = {argnames} if isinstance(argnames, str) else set(argnames)
+    try:  # a module or bound method: the signature without the module itself
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: no signature to read
+        return frozenset(nums), tuple(sorted(names))
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = {p.name: i for i, p in enumerate(positional) if p.kind == p.POSITIONAL_OR_KEYWORD}
+    nums |= {by_name[n] for n in names if n in by_name}
+    names |= {p.name for i, p in enumerate(positional)
+              if i in nums and p.kind == p.POSITIONAL_OR_KEYWORD}
+    return frozenset(nums), tuple(sorted(names))
+
+
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (), out_placements: Any = None,
         cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
-        in_shardings: Any = None, out_shardings: Any = None):
+        in_shardings: Any = None, out_shardings: Any = None,
+        donate_argnames: Sequence[str] = ()):
     """Partition `fn` across the mesh of its DistTensor inputs (usable as a decorator).
 
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
@@ -683,19 +709,21 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
     output, or a pytree prefix of the result as jax.jit's out_shardings: `[{"w": [R, S(1)]},
     None]` for `return params, loss`) or is "keep" (leave every output as the plan computed
     it, Partial included). `static_argnames`: keyword arguments compiled into the program,
-    as jax.jit's (`train=True`). `in_shardings` / `out_shardings`: jax.jit's, NamedShardings
-    (or PartitionSpecs under jax.set_mesh) — the arguments are placed so before the call, the
-    results laid out so after it.
+    as jax.jit's (`train=True`); `donate_argnums` / `donate_argnames`: arguments whose buffers
+    the program may reuse. As in jax.jit, an argument named in argnames counts when passed by
+    position and one numbered in argnums when passed by keyword. `in_shardings` /
+    `out_shardings`: jax.jit's, NamedShardings (or PartitionSpecs under jax.set_mesh) — the
+    arguments are placed so before the call, the results laid out so after it.
     """
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                  out_placements=out_placements, cost_model=cost_model,
                                  static_argnames=static_argnames, in_shardings=in_shardings,
-                                 out_shardings=out_shardings)
+                                 out_shardings=out_shardings, donate_argnames=donate_argnames)
     return DistributedFunction(fn, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                out_placements=out_placements, cost_model=cost_model,
                                static_argnames=static_argnames, in_shardings=in_shardings,
-                               out_shardings=out_shardings)
+                               out_shardings=out_shardings, donate_argnames=donate_argnames)
 
 
 __all__ = ["jit", "DistributedFunction"]
