@@ -3,11 +3,11 @@
 Installed as `autoshard.rules`. Registration is explicit: each family module holds a TABLE and
 `install_builtin_rules` puts them in; importing a module registers nothing.
 """
-from . import (callbacks, cumulative, dot, elementwise, indexing, linalg, random, reduction, shape,
+from . import (callbacks, conv, cumulative, dot, elementwise, indexing, linalg, random, reduction, shape,
                window)
 from .registry import REGISTRY, Rule, RuleRegistry, lookup_rule, register_rule, registered_primitives
 
-FAMILIES = {"elementwise": elementwise, "dot": dot, "reduction": reduction, "shape": shape,
+FAMILIES = {"elementwise": elementwise, "dot": dot, "conv": conv, "reduction": reduction, "shape": shape,
             "indexing": indexing, "random": random, "cumulative": cumulative,
             "window": window, "linalg": linalg, "callbacks": callbacks}
 

@@ -1,5 +1,5 @@
-"""dot_general with any dimension numbers, and conv_general_dilated: batch and free dims pass,
-contracting dims reduce (sum)."""
+"""dot_general with any dimension numbers and ragged_dot (grouped matmul): batch and free dims
+pass, contracting dims reduce (sum). Convolutions are in conv.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -128,52 +128,15 @@ def _group_starts(sizes):
     return lax.sub(lax.cumsum(sizes, axis=0), sizes)
 
 
-def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count,
-                  batch_group_count, **params):
-    """conv_general_dilated: the batch and output-feature dims pass, the input-feature dim is
-    contracted (sum), the spatial dims slide over neighbours and stay whole. With feature or
-    batch groups the features are tied to their group, so they stay whole too."""
-    lhs, rhs = in_avals
-    (lb, lf, *ls), (ro, ri, *rs), (ob, of, *os_) = dimension_numbers
-    batch, out_f, in_f = "BOI"  # capitals: the spatial dims take the lower-case letters
-    lterm, rterm, oterm = [""] * len(lhs.shape), [""] * len(rhs.shape), [""] * len(lhs.shape)
-    lterm[lb] = oterm[ob] = batch
-    rterm[ro] = oterm[of] = out_f
-    lterm[lf] = rterm[ri] = in_f
-    spatial = iter(LETTERS[:26])
-    for dims, term in ((ls, lterm), (rs, rterm), (os_, oterm)):
-        for d in dims:
-            term[d] = next(spatial)
-    replicate = "".join(ch for t in (lterm, rterm, oterm) for ch in t if ch.islower())
-    if feature_group_count != 1 or batch_group_count != 1:
-        replicate += out_f + in_f + (batch if batch_group_count != 1 else "")
-    spec = f"{''.join(lterm)},{''.join(rterm)}->{''.join(oterm)}"
-    # linear in each operand, as a matmul: one Partial(sum) operand passes through
-    return einsum(spec, [lhs.shape, rhs.shape], [out_avals[0].shape], replicate=replicate,
-                  linear=ONE)
-
-
 TABLE = {lax.dot_general_p: Rule(dot_general_sharding),
-         ragged_dot_general_p: Rule(ragged_dot_sharding, ragged_dot_lower),
-         lax.conv_general_dilated_p: Rule(conv_sharding)}
+         ragged_dot_general_p: Rule(ragged_dot_sharding, ragged_dot_lower)}
 
 
 def validation_samples() -> list:
-    """ragged_dot in its three forms (forward, lhs and rhs gradients); convolutions: NHWC /
-    HWIO and NCHW / OIHW, strided and padded, grouped, and the gradients with respect to input
-    and kernel (convolutions with swapped dimension numbers)."""
+    """ragged_dot in its three forms (forward, lhs and rhs gradients)."""
     import jax
     import jax.numpy as jnp
 
-    x, k = ((4, 8, 8, 4), "f"), ((3, 3, 4, 8), "f")
-
-    def conv(dn, strides=(1, 1), padding="SAME", groups=1):
-        return lambda a, b: lax.conv_general_dilated(a, b, strides, padding, dimension_numbers=dn,
-                                                     feature_group_count=groups)
-
-    nhwc = ("NHWC", "HWIO", "NHWC")
-    x_aval = jax.ShapeDtypeStruct(x[0], jnp.float32)
-    k_aval = jax.ShapeDtypeStruct(k[0], jnp.float32)
     sizes = jnp.array([1, 0, 3], jnp.int32)  # 4 rows in 3 groups, one of them empty
     rows_aval = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     experts_aval = jax.ShapeDtypeStruct((3, 8, 4), jnp.float32)
@@ -195,18 +158,6 @@ def validation_samples() -> list:
         ("ragged_dot 4 experts rhs gradient", "ragged_dot_general",
          lambda ct, a: jax.linear_transpose(lambda b: ragged4(a, b), experts4_aval)(ct)[0],
          (((8, 4), "f"), ((8, 8), "f"))),
-        ("conv NHWC", "conv_general_dilated", conv(nhwc), (x, k)),
-        ("conv NCHW strided valid", "conv_general_dilated",
-         conv(("NCHW", "OIHW", "NCHW"), (2, 2), "VALID"), (((4, 4, 8, 8), "f"), ((8, 4, 3, 3), "f"))),
-        ("conv grouped", "conv_general_dilated", conv(nhwc, groups=2), (x, ((3, 3, 2, 8), "f"))),
-        # the transposed convolutions of the gradients, alone (jax.linear_transpose): inside a
-        # whole jax.grad a Partial kernel feeds two convolutions and is reduced once up front
-        ("conv input gradient", "conv_general_dilated",
-         lambda ct, b: jax.linear_transpose(lambda a: conv(nhwc)(a, b), x_aval)(ct)[0],
-         (((4, 8, 8, 8), "f"), k)),
-        ("conv kernel gradient", "conv_general_dilated",
-         lambda ct, a: jax.linear_transpose(lambda b: conv(nhwc, (2, 2))(a, b), k_aval)(ct)[0],
-         (((4, 4, 4, 8), "f"), x)),
     ]
 
 

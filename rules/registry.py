@@ -5,7 +5,9 @@ instance has no rule and runs replicated) plus, where the primitive's params enc
 shapes or positions, a `lower(ctx, *local_inputs, **params)` that binds it on local blocks.
 A `lower` that communicates itself (a cross-shard combine) declares what it sends in `comm`,
 `comm(in_layouts, out_layouts, in_avals, out_avals, axis_sizes, **params)` → a list of
-(hlo kind, description, mesh axes, bytes per device), so the plan still lists every collective.
+(hlo kind, description, mesh axes, bytes per device), so the plan still lists every collective;
+a fifth item, an operand index, says the collective sends only that operand's data, as the
+description says: the same send of the same value is listed once, as XLA computes it once.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 import autoshard as dist
 from autoshard.testing import assert_trains_like_one_device, mse_step, nnx_apply
-from autoshard.hlo import count_collectives
+from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 R, S = dist.Replicate(), dist.Shard
@@ -67,3 +67,94 @@ def test_cnn_trains_like_one_device(channels):
     assert not [c for c in plan.collectives if c.kind == "all-gather" and "dp" in c.axes]
     if channels == "mp":  # the mp-split channels meet once per conv2, as a matmul's would
         assert [c for c in plan.collectives if "mp" in c.axes]
+
+
+# -- spatial partitioning: a split spatial dim stays split, its edge rows fetched (halo) --------
+
+def _conv(strides=(1, 1), padding="SAME", dilation=None):
+    return lambda x, k: jax.lax.conv_general_dilated(
+        x, k, strides, padding, rhs_dilation=dilation, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+_NETS = {
+    # conv → relu → strided conv: the forward slides, the input gradient of the strided conv
+    # reads a dilated input, the kernel gradients contract the spatial dims
+    "same then strided": lambda x, k, k2: _conv((2, 2))(jax.nn.relu(_conv()(x, k)), k2),
+    # asymmetric (causal) padding, then a dilated window reaching past a whole block of 4
+    "causal then dilated": lambda x, k, k2: _conv(padding=((4, 4), (6, 6)), dilation=(2, 3))(
+        jnp.tanh(_conv(padding=((2, 0), (0, 2)))(x, k)), k2),
+}
+
+
+@pytest.mark.parametrize("net", list(_NETS))
+@pytest.mark.parametrize("placements", [[R, S(1)], [S(1), S(2)], [S(0), S(1)], [S(1), R]],
+                         ids=["H over mp", "H over dp, W over mp", "batch dp, H mp", "H over dp"])
+def test_split_spatial_dims_exchange_edge_rows_instead_of_gathering(net, placements):
+    """A convolution over an image split by rows (and columns) keeps it split: each device
+    fetches the few rows its window reaches past its block from its neighbours (a
+    collective-permute), never gathering the image — forward and gradient equal one device,
+    the planned collectives are the compiled ones, and no more bytes move than under jax.jit
+    (whose gradient sends more: it all-reduces whole activations where we send edges)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 16, 16, 4)).astype(np.float32)
+    k = rng.normal(size=(3, 3, 4, 8)).astype(np.float32) * 0.3
+    k2 = rng.normal(size=(5, 5, 8, 4)).astype(np.float32) * 0.3
+    f = _NETS[net]
+    grad = jax.grad(lambda k, k2, x: jnp.mean(f(x, k, k2) ** 2), (0, 1))
+    dx = dist.shard_tensor(x, MESH, placements)
+    jm = MESH.to_jax()
+    spec = [None] * 4
+    for axis, p in zip(MESH.dim_names, placements):
+        if isinstance(p, dist.Shard):
+            spec[p.dim] = axis
+    for fn, args in ((f, (dx, k, k2)), (lambda x, k, k2: grad(k, k2, x), (dx, k, k2))):
+        g = dist.jit(fn)
+        out = g(*args)
+        want = jax.jit(fn)(x, k, k2)
+        for o, w in zip(jax.tree.leaves(out, is_leaf=lambda v: isinstance(v, dist.DistTensor)),
+                        jax.tree.leaves(want)):
+            np.testing.assert_allclose(o.numpy(), w, rtol=2e-4, atol=2e-5)
+        plan = g.plan(*args)
+        assert not plan.fallbacks
+        hlo = g.lower(*args).compile().as_text()
+        assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+        assert not [c for c in plan.collectives if c.kind == "all-gather"]
+        assert [c for c in plan.collectives if c.kind == "collective-permute"]
+        baseline = jax.jit(fn, in_shardings=(jax.sharding.NamedSharding(
+            jm, jax.sharding.PartitionSpec(*spec)), None, None)).lower(x, k, k2).compile()
+        assert sum(collective_bytes(hlo).values()) <= sum(
+            collective_bytes(baseline.as_text()).values())
+
+
+def test_a_causal_sequence_conv_over_a_split_sequence_fetches_its_window_from_the_left():
+    """Sequence parallelism through a causal depthwise conv (a Mamba-style short conv): the
+    sequence stays split over all 8 devices, each fetching its window - 1 = 3 previous rows —
+    from two devices back where a block holds only 2 rows; the first device gets zeros, the
+    conv's padding. Trains like one device."""
+    class ShortConv(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(8, 8, (4,), padding="CAUSAL", feature_group_count=8, rngs=rngs)
+            self.head = nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jax.nn.silu(self.conv(x)))
+
+    mesh = dist.ProcessMesh(list(range(8)), ["sp"])
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 16, 8)).astype(np.float32)
+    y = rng.normal(size=(2, 16, 4)).astype(np.float32)
+    graphdef, params = nnx.split(ShortConv(nnx.Rngs(0)), nnx.Param)
+    params = nnx.to_pure_dict(params)
+    tx = optax.sgd(0.1)
+    step = mse_step(nnx_apply(graphdef), tx)
+    dp = jax.tree.map(lambda v: dist.shard_tensor(v, mesh, [R]), params)
+    dx = dist.shard_tensor(x, mesh, [S(1)])
+    state = tx.init(params)
+    f = assert_trains_like_one_device(step, dp, params, state, dx, x, y)
+    plan = f.plan(dp, state, dx, y)
+    assert not plan.fallbacks
+    assert not [c for c in plan.collectives if c.kind == "all-gather"]
+    permutes = [c for c in plan.collectives if c.kind == "collective-permute"]
+    assert any("from 2 blocks before" in c.step for c in permutes)  # 3 rows, blocks of 2
+    hlo = f.lower(dp, state, dx, y).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)

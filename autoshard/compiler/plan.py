@@ -235,6 +235,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                     repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note))
 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
+    rule_sends: set = set()  # what rules' lowerings send that XLA computes once (CSE)
 
     def rule_collectives(e, required, results) -> None:
         comm = comm_of.get(e.primitive, _UNSET)
@@ -245,8 +246,13 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             return
         in_avals = [v.aval for v in e.inputs]
         out_avals = [v.aval for v in e.outputs]
-        for kind, step, axes, nbytes in comm(required, results, in_avals, out_avals,
-                                             mesh.axis_sizes, **e.params):
+        for kind, step, axes, nbytes, *sends in comm(required, results, in_avals, out_avals,
+                                                     mesh.axis_sizes, **e.params):
+            if sends:  # it sends only what `step` says of operand sends[0]: once per value
+                key = (e.inputs[sends[0]], required[sends[0]], kind, step, tuple(axes), nbytes)
+                if key in rule_sends:
+                    continue
+                rule_sends.add(key)
             collectives.append(PlannedCollective(
                 kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
                 f"{e.name} (eqn {e.index})", e.where,

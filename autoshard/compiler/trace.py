@@ -2,7 +2,8 @@
 
 `jax.make_jaxpr` gives nested jaxprs; calls that only wrap a body (jit, closed_call,
 custom_jvp_call, custom_vjp_call, checkpoint) are inlined so the propagation sees one flat list
-of equations, and duplicate pure equations (common after autodiff) are merged — else XLA would
+of equations, zero pads and crops around convolutions become their padding (fold.py), and
+duplicate pure equations (common after autodiff) are merged — else XLA would
 merge them behind the plan's back and the plan would list collectives that never run. Each IR value is a fresh `Value` (inner jaxprs reuse their Var objects when called
 twice, so jaxpr Vars cannot be keys). `shard_tensor` / `reshard` on tracers bind `hint_p`.
 """
@@ -20,6 +21,7 @@ from jax.extend import core as jex_core
 
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .fold import fold_conv_padding
 from .gc_pause import gc_paused
 
 # --------------------------------------------------------------------------------- hint primitive
@@ -473,6 +475,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
     inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
     outputs = walk(closed.jaxpr, closed.consts, inputs)
+    eqns = fold_conv_padding(eqns, outputs, regions)
     for i, e in enumerate(eqns):
         e.index = i
         for v in e.outputs:
