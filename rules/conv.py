@@ -24,52 +24,13 @@ divide it) keeps the dim whole, as before.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
-import numpy as np
 from jax import lax
 
 from autoshard.compiler.factors import LETTERS, ONE, einsum
 
+from .halo import SLIDE, Halo, fetch, halo, sends
 from .registry import Rule
-
-SLIDE, CONTRACT = "slide", "contract"
-
-
-class Halo(NamedTuple):
-    kind: str        # SLIDE or CONTRACT
-    left: int        # input rows each device needs from before its block (< 0: skips rows)
-    right: int       # ... and from after it
-    padding: tuple[int, int] = (0, 0)  # the local convolution's own padding then
-
-
-def halo(length: int, window: int, out: int, stride: int, padding: tuple[int, int],
-         lhs_dilation: int, rhs_dilation: int) -> Halo | None:
-    """How one spatial dim may stay split: the input's `length` rows, the kernel's `window`,
-    the output's `out` rows; None when it must stay whole. Positions below are in the padded
-    (and dilated) input, as the convolution reads it: out[k] = sum_w in[k * stride + w * rd]."""
-    lo, _hi = padding  # negative padding crops: the rows needed start inside the block
-    ld, rd = lhs_dilation, rhs_dilation
-    if length < 2:
-        return None
-    reach = (window - 1) * rd + 1  # rows one output row reads
-    if ld == 1 and out * stride == length:
-        # output block i (b / stride rows) reads padded rows [i b, i b + b - stride + reach):
-        # the input block, `lo` rows before it and the rest of the window's reach after it
-        return Halo(SLIDE, lo, reach - stride - lo)
-    if stride == 1 and ld > 1 and out == length * ld:
-        # an input dilated by ld (the input gradient of a strided convolution): output block
-        # i (b ld rows) reads dilated rows [i b ld - lo, (i + 1) b ld - 1 + reach - lo), whose
-        # real rows are those of input block i, lo // ld before it and last // ld after it;
-        # the dilation's zeros at either end are the local convolution's padding
-        last = ld - 1 + reach - 1 - lo
-        return Halo(SLIDE, lo // ld, last // ld, (lo % ld, last % ld))
-    if ld == 1 and window * rd == length:
-        # the kernel gradient: the "window" is the output gradient (one row per rd input rows),
-        # summed over; out[k] = sum_t in[k * stride + t * rd], so the rows t of one block reach
-        # (out - 1) * stride + 1 - rd padded rows past the input block
-        return Halo(CONTRACT, lo, (out - 1) * stride + 1 - rd - lo)
-    return None
 
 
 def _halos(in_avals, out_avals, dimension_numbers, window_strides, padding, lhs_dilation,
@@ -136,40 +97,10 @@ def _split_halos(ctx, lhs, rhs, params):
     return out
 
 
-def _pieces(b: int, n: int, left: int, right: int):
-    """(hop, first row, end row) of the rows [-left, b + right) around a block of b rows: hop
-    0 is the block itself, hop h the block h devices after it (before, when negative); a
-    negative `left` / `right` drops rows of the block itself."""
-    start, stop = -left, b + right
-    for hop in range(start // b, -(-stop // b)):
-        first, end = max(start, hop * b) - hop * b, min(stop, (hop + 1) * b) - hop * b
-        if end > first:
-            yield hop, first, end
-
-
-def _fetch(x, dim: int, axes: tuple[str, ...], n: int, left: int, right: int):
-    """This device's block of `x` along `dim` with `left` rows before it and `right` after it,
-    fetched from the devices holding them (ppermute: the first / last devices receive zeros,
-    the convolution's padding); and how many rows lie past every device on each side (zeros
-    everywhere: left to the local convolution's padding)."""
-    name = axes[0] if len(axes) == 1 else tuple(axes)
-    parts, before, after = [], 0, 0
-    for hop, first, end in _pieces(x.shape[dim], n, left, right):
-        if hop <= -n or hop >= n:
-            before, after = (before + end - first, after) if hop < 0 else (before, after + end - first)
-            continue
-        piece = lax.slice_in_dim(x, first, end, axis=dim)
-        if hop:
-            piece = lax.ppermute(piece, name, [(i + hop, i) for i in range(n) if 0 <= i + hop < n])
-        parts.append(piece)
-    return (lax.concatenate(parts, dim) if len(parts) > 1 else parts[0]), before, after
-
-
 def conv_lower(ctx, lhs, rhs, **params):
     padding = [tuple(p) for p in params["padding"]]
     for j, dim, axes, h in _split_halos(ctx, lhs, rhs, params):
-        n = math.prod(ctx.sizes[a] for a in axes)
-        lhs, before, after = _fetch(lhs, dim, axes, n, h.left, h.right)
+        lhs, before, after = fetch(ctx, lhs, dim, axes, h.left, h.right)
         ld = params["lhs_dilation"][j]
         padding[j] = (h.padding[0] + before * ld, h.padding[1] + after * ld)
     return [lax.conv_general_dilated_p.bind(lhs, rhs, **{**params, "padding": tuple(padding)})]
@@ -177,29 +108,13 @@ def conv_lower(ctx, lhs, rhs, **params):
 
 def conv_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, dimension_numbers,
               window_strides, padding, lhs_dilation, rhs_dilation, **params):
-    lhs = in_avals[0]
-    local = list(in_layouts[0].local_shape(lhs.shape, sizes))
-    itemsize = np.dtype(lhs.dtype).itemsize
+    # the same rows of the same input (a forward convolution's and its kernel gradient's halo)
+    # are sent once: the sends name operand 0
     halos = _halos(in_avals, out_avals, dimension_numbers, window_strides, padding,
                    lhs_dilation, rhs_dilation)
     (_, _, *ls), _, _ = dimension_numbers
-    out = []
-    for l, h in zip(ls, halos):
-        axes = in_layouts[0].dims[l]
-        if not axes or h is None:
-            continue
-        n, b = math.prod(sizes[a] for a in axes), local[l]
-        row = math.prod(local) // b * itemsize
-        for hop, first, end in _pieces(b, n, h.left, h.right):
-            if hop and abs(hop) < n:
-                # the same rows of the same input (a forward convolution's and its kernel
-                # gradient's halo) are sent once: operand 0 names what is sent
-                side = "before" if hop < 0 else "after"
-                out.append(("collective-permute",
-                            f"ppermute({','.join(axes)}) {end - first} edge rows of dim {l} from "
-                            f"{abs(hop)} block{'s' if abs(hop) > 1 else ''} {side}", axes,
-                            (end - first) * row, 0))
-    return out
+    return sends(in_layouts[0], in_avals[0], sizes,
+                 [(l, h.left, h.right) for l, h in zip(ls, halos) if h is not None])
 
 
 TABLE = {lax.conv_general_dilated_p: Rule(conv_sharding, conv_lower, conv_comm)}
@@ -249,4 +164,4 @@ def validation_samples() -> list:
     ]
 
 
-__all__ = ["TABLE", "validation_samples", "halo", "Halo"]
+__all__ = ["TABLE", "validation_samples"]

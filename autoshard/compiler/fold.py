@@ -1,4 +1,4 @@
-"""Zero pads and crops folded into the convolutions they feed or come from.
+"""Zero pads and crops folded into the convolutions (and sum pools) they feed or come from.
 
 flax's CAUSAL convolution (and code that pads by hand) writes `jnp.pad` then a VALID
 convolution, and its gradient crops the input gradient's convolution (a pad with negative
@@ -6,7 +6,8 @@ widths, or a slice). Each of them changes the spatial dim's length — 16 rows p
 longer divide over 8 devices — so the dim would be gathered whole, where the same convolution
 with the pad as its own padding keeps the length and lets its rule fetch a halo
 (rules/conv.py). Exact: a convolution pads with zeros, and negative padding crops; a crop of a
-stride-1 convolution's output is the same convolution with less padding.
+stride-1 convolution's output is the same convolution with less padding. An average pool's
+gradient pads with interior zeros before a sum pool: the sum pool's base dilation and padding.
 """
 from __future__ import annotations
 
@@ -51,21 +52,22 @@ def _crop_widths(e, size: tuple[int, ...], spatial: list[int],
     return None
 
 
-def _with_padding(e, extra: list[tuple[int, int]], params_key) -> None:
+def _with_padding(e, extra: list[tuple[int, int]], params_key, **more) -> None:
     padding = tuple((lo + a, hi + b) for (lo, hi), (a, b) in zip(e.params["padding"], extra))
-    e.params = {**e.params, "padding": padding}
+    e.params = {**e.params, "padding": padding, **more}
     e.params_key = params_key(e.params)
     e.sharding_cache = {}
 
 
 def fold_conv_padding(eqns: list, outputs: list, regions: list) -> list:
-    """`eqns` with zero pads of a convolution's input and crops of its output made part of its
-    padding; the pads and crops left unread are dropped (regions' bounds follow)."""
+    """`eqns` with zero pads of a convolution's (or sum pool's) input and crops of a
+    convolution's output made part of its padding; the pads and crops left unread are dropped
+    (regions' bounds follow)."""
     from .trace import params_key
 
     conv = lax.conv_general_dilated_p
-    if not any(e.primitive is conv for e in eqns):
-        return eqns
+    if not any(e.primitive is lax.pad_p or e.primitive is conv for e in eqns):
+        return eqns  # most programs: one pass over the equations, nothing to fold
     uses = Counter(v for e in eqns for v in e.inputs)
     uses.update(outputs)
     # a custom region's boundary values are its interface: never renamed or dropped
@@ -87,6 +89,20 @@ def fold_conv_padding(eqns: list, outputs: list, regions: list) -> list:
                     uses[e.inputs[0]] -= 1
                     e.inputs = [pad.inputs[0], *e.inputs[1:]]
                     uses[pad.inputs[0]] += 1
+            continue
+        if e.primitive is lax.reduce_window_sum_p:
+            pad = made_by.get(e.inputs[0])
+            if (pad is not None and pad.primitive is lax.pad_p and _is_zero(pad.inputs[1], made_by)
+                    and e.inputs[0] not in pinned and all(d == 1 for d in e.params["base_dilation"])
+                    and all(lo >= 0 and hi >= 0 for lo, hi, _ in pad.params["padding_config"])):
+                # the transposed sum pool (an avg pool's gradient): pad with interior zeros,
+                # then sum windows — the same as summing over a base-dilated, padded input
+                config = pad.params["padding_config"]
+                _with_padding(e, [(lo, hi) for lo, hi, _ in config], params_key,
+                              base_dilation=tuple(interior + 1 for _, _, interior in config))
+                uses[e.inputs[0]] -= 1
+                e.inputs = [pad.inputs[0]]
+                uses[pad.inputs[0]] += 1
             continue
         if e.primitive not in (lax.pad_p, lax.slice_p):
             continue
