@@ -150,6 +150,7 @@ def samples() -> list[Sample]:
     add("slice", "slice", lambda x: lax.slice(x, (0, 2), (4, 6)), f2)
     add("slice strided", "slice", lambda x: lax.slice(x, (0, 0), (4, 8), (1, 2)), f2)
     add("rev", "rev", lambda x: lax.rev(x, (1,)), f2)
+    add("rev both dims", "rev", lambda x: lax.rev(x, (0, 1)), f2)
     add("iota dim 0", "iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 8), 0), f2)
     add("iota dim 1", "iota", lambda x: x * lax.broadcasted_iota(jnp.float32, (4, 8), 1), f2)
     add("tile dim 0", "tile", lambda x: jnp.tile(x, (2, 1)), f2)

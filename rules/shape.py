@@ -2,10 +2,15 @@
 
 reshape uses a small dim algebra: input and output dims are grouped into runs of equal product;
 in each run only the major-most dims share a factor (a contiguous block of the major input dim
-is a contiguous block of the major output dim when the mesh size divides both).
+is a contiguous block of the major output dim when the mesh size divides both). A reversed
+dim stays split: each device reverses its block and swaps it with its mirror device's.
 """
 from __future__ import annotations
 
+import itertools
+import math
+
+import numpy as np
 from jax import lax
 from jax._src.lax import lax as lax_internal
 from jax._src.lax.control_flow import platform_index_p
@@ -115,9 +120,37 @@ def slice_lower(ctx, x, *, start_indices, limit_indices, strides):
 
 
 def rev_sharding(in_avals, out_avals, *, dimensions):
+    # a reversed dim stays split: block i of the result is block n-1-i reversed
     term = LETTERS[:len(in_avals[0].shape)]
-    return einsum(f"{term}->{term}", [in_avals[0].shape], [out_avals[0].shape],
-                  replicate="".join(term[d] for d in dimensions), **_KEEP)
+    return einsum(f"{term}->{term}", [in_avals[0].shape], [out_avals[0].shape], **_KEEP)
+
+
+def rev_lower(ctx, x, *, dimensions):
+    x = lax.rev(x, dimensions)
+    split = [ctx.in_layouts[0].dims[d] for d in dimensions if ctx.in_layouts[0].dims[d]]
+    if not split:
+        return [x]
+    # each device's block goes to the device mirrored along every reversed dim (one
+    # collective-permute; a middle device keeps its block)
+    axes = tuple(a for dim_axes in split for a in dim_axes)
+    counts = [math.prod(ctx.sizes[a] for a in dim_axes) for dim_axes in split]
+    pairs = []
+    for blocks in itertools.product(*(range(n) for n in counts)):
+        source = target = 0
+        for b, n in zip(blocks, counts):
+            source, target = source * n + b, target * n + (n - 1 - b)
+        pairs.append((source, target))
+    return [lax.ppermute(x, axes[0] if len(axes) == 1 else axes, pairs)]
+
+
+def rev_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, dimensions):
+    axes = tuple(a for d in dimensions for a in in_layouts[0].dims[d])
+    if not axes:
+        return []
+    local = in_layouts[0].local_shape(in_avals[0].shape, sizes)
+    block = math.prod(local) * np.dtype(in_avals[0].dtype).itemsize
+    return [("collective-permute", f"ppermute({','.join(axes)}) blocks to their mirror devices",
+             axes, block)]
 
 
 def iota_sharding(in_avals, out_avals, *, dtype, shape, dimension, sharding):
@@ -173,7 +206,7 @@ TABLE = {
     lax.pad_p: Rule(pad_sharding),
     lax.split_p: Rule(split_sharding),
     lax.slice_p: Rule(slice_sharding, slice_lower),
-    lax.rev_p: Rule(rev_sharding),
+    lax.rev_p: Rule(rev_sharding, rev_lower, rev_comm),
     lax.iota_p: Rule(iota_sharding, iota_lower),
     platform_index_p: Rule(nullary_scalar_sharding),
     lax_internal.empty2_p: Rule(nullary_scalar_sharding),

@@ -218,5 +218,43 @@ def dropout_mlp(quick: bool = False) -> Workload:
         mesh, minimum, keep_placements(placed, [R, R]), info={"batch": b, "d": d, "keep": keep})
 
 
-__all__ = ["Workload", "keep_placements", "dp_mlp", "tp_mlp", "vocab_ce", "dropout_mlp", "mesh_1d", "mesh_2x4",
-           "sgd"]
+# ------------------------------------------------------------------------ spatial CNN
+def spatial_cnn(quick: bool = False) -> Workload:
+    """A CNN over images split by rows over mp (batch over dp): SAME convolutions, a 3×3
+    stride-2 max pool and a 3×3 average pool, each fetching the rows its window reaches from
+    its neighbours (collective-permutes) where XLA also exchanges halos; no closed form is
+    claimed for the halos."""
+    b, hw, c = (4, 16, 4) if quick else (16, 64, 32)
+    mesh = mesh_2x4()
+    rng = np.random.default_rng(4)
+    params = {"k1": _normal(rng, 3, 3, c, 2 * c) * 0.3, "k2": _normal(rng, 5, 5, 2 * c, 2 * c) * 0.1,
+              "head": _normal(rng, 2 * c, 8) * 0.3}
+    x, y = _normal(rng, b, hw, hw, c), _normal(rng, b, 8)
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def pool(x, op, init, window, stride):
+        return jax.lax.reduce_window(x, init, op, (1, window, window, 1), (1, stride, stride, 1),
+                                     "SAME")
+
+    def step(p, x, y):
+        def loss(p):
+            h = pool(jax.nn.relu(conv(x, p["k1"])), jax.lax.max, -jnp.inf, 3, 2)
+            h = pool(jnp.tanh(conv(h, p["k2"])), jax.lax.add, 0.0, 3, 1) / 9
+            return jnp.mean((h.mean(axis=(1, 2)) @ p["head"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(p)
+        return sgd(p, grads), value
+
+    placed = _place(params, mesh, {k: [R, R] for k in params})
+    return Workload(
+        "spatial cnn", step,
+        (placed, dist.shard_tensor(x, mesh, [S(0), S(1)]), dist.shard_tensor(y, mesh, [S(0), R])),
+        mesh, None, keep_placements(placed, [R, R]),
+        notes="rows over mp: halos by collective-permute; gradients all-reduced",
+        info={"batch": b, "image": hw, "channels": c})
+
+
+__all__ = ["Workload", "keep_placements", "dp_mlp", "tp_mlp", "vocab_ce", "dropout_mlp",
+           "spatial_cnn", "mesh_1d", "mesh_2x4", "sgd"]
