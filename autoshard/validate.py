@@ -135,6 +135,10 @@ def samples() -> list[Sample]:
     for shape in [(32,), (2, 2, 8), (8, 4), (4, 2, 4)]:
         add(f"reshape (4,8)->{shape}", "reshape", lambda x, s=shape: lax.reshape(x, s), f2)
     add("reshape (2,2,8)->(4,8)", "reshape", lambda x: lax.reshape(x, (4, 8)), ((2, 2, 8), "f"))
+    add("reshape of a transpose (4,8)->(2,16)", "reshape",
+        lambda x: lax.reshape(x, (2, 16), dimensions=(1, 0)), f2)
+    add("reshape of a transpose (2,4,8)->(8,8)", "reshape",
+        lambda x: lax.reshape(x, (8, 8), dimensions=(2, 0, 1)), ((2, 4, 8), "f"))
     add("broadcast (4,1)->(4,8)", "broadcast_in_dim",
         lambda x: lax.broadcast_in_dim(x, (4, 8), (0, 1)), ((4, 1), "f"))
     add("broadcast (8,)->(4,8)", "broadcast_in_dim",

@@ -47,8 +47,7 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
                   **params):
     """Batch and output-feature dims pass, the input-feature dim contracts; a spatial dim with
     a halo shares its letter with the output's (sliding) or the kernel's (contracting) dim,
-    the others stay whole. With feature or batch groups the features are tied to their group,
-    so they stay whole too."""
+    the others stay whole, as do the dims tied to feature or batch groups."""
     lhs, rhs = in_avals
     (lb, lf, *ls), (ro, ri, *rs), (ob, of, *os_) = dimension_numbers
     batch, out_f, in_f = "BOI"  # capitals: the spatial dims take the lower-case letters
@@ -70,8 +69,13 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
             replicate += oterm[o]
         else:
             replicate += lterm[l] + rterm[r] + oterm[o]
-    if feature_group_count != 1 or batch_group_count != 1:
-        replicate += out_f + in_f + (batch if batch_group_count != 1 else "")
+    # groups tie dims to them: feature groups the input features (the lhs holds every group's,
+    # the kernel one group's) and the output features; batch groups (a grouped conv's kernel
+    # gradient) the lhs batch and the output features — its input features still contract
+    if feature_group_count != 1:
+        replicate += out_f + in_f
+    if batch_group_count != 1:
+        replicate += out_f + batch
     spec = f"{''.join(lterm)},{''.join(rterm)}->{''.join(oterm)}"
     # linear in each operand, as a matmul: one Partial(sum) operand passes through
     return einsum(spec, [lhs.shape, rhs.shape], [out_avals[0].shape], replicate=replicate,
@@ -157,6 +161,10 @@ def validation_samples() -> list:
          (((4, 8, 8, 8), "f"), k)),
         ("conv kernel gradient", "conv_general_dilated",
          lambda ct, a: jax.linear_transpose(lambda b: conv(nhwc)(a, b), k_aval)(ct)[0],
+         (((4, 8, 8, 8), "f"), x)),
+        ("conv grouped kernel gradient (batch groups)", "conv_general_dilated",
+         lambda ct, a: jax.linear_transpose(lambda b: conv(nhwc, groups=2)(a, b),
+                                            jax.ShapeDtypeStruct((3, 3, 2, 8), jnp.float32))(ct)[0],
          (((4, 8, 8, 8), "f"), x)),
         ("conv strided kernel gradient", "conv_general_dilated",
          lambda ct, a: jax.linear_transpose(lambda b: conv(nhwc, (2, 2))(a, b), k_aval)(ct)[0],

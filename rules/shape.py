@@ -59,9 +59,10 @@ def _runs(a: tuple[int, ...], b: tuple[int, ...]):
 
 
 def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
-    if dimensions is not None:
-        return None
-    src, dst = tuple(in_avals[0].shape), tuple(new_sizes)
+    # `dimensions`: the operand is transposed first (a grouped convolution's kernel gradient
+    # has one); the runs are those of the transposed shape, mapped back to the operand's dims
+    order = tuple(range(len(in_avals[0].shape))) if dimensions is None else tuple(dimensions)
+    src, dst = tuple(in_avals[0].shape[d] for d in order), tuple(new_sizes)
     operand: list = [None] * len(src)
     result: list = [None] * len(dst)
     factors: list[Factor] = []
@@ -77,7 +78,10 @@ def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
         for d in big_out[1:]:
             result[d] = len(factors)
             factors.append(Factor(REPLICATE))
-    return OpSharding((tuple(operand),), (tuple(result),), tuple(factors), **_KEEP)
+    unpermuted: list = [None] * len(src)
+    for k, d in enumerate(order):
+        unpermuted[d] = operand[k]
+    return OpSharding((tuple(unpermuted),), (tuple(result),), tuple(factors), **_KEEP)
 
 
 def concatenate_sharding(in_avals, out_avals, *, dimension):

@@ -80,6 +80,10 @@ _NETS = {
     # conv → relu → strided conv: the forward slides, the input gradient of the strided conv
     # reads a dilated input, the kernel gradients contract the spatial dims
     "same then strided": lambda x, k, k2: _conv((2, 2))(jax.nn.relu(_conv()(x, k)), k2),
+    # a depthwise (grouped) conv: its kernel gradient reshapes a transposed kernel
+    "depthwise then dense": lambda x, k, k2: _conv()(jax.lax.conv_general_dilated(
+        x, k[:, :, :1, :4], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=4), k2[:, :, :4, :]),
     # asymmetric (causal) padding, then a dilated window reaching past a whole block of 4
     "causal then dilated": lambda x, k, k2: _conv(padding=((4, 4), (6, 6)), dilation=(2, 3))(
         jnp.tanh(_conv(padding=((2, 0), (0, 2)))(x, k)), k2),
