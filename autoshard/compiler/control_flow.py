@@ -402,12 +402,14 @@ def _cse_flags(prevent_cse, n: int) -> list[bool]:
 
 
 def _gathered_inputs(plan) -> list[bool]:
-    """Per input of a sub-plan's program: whether a value the body all-gathers is computed
-    from it (a nested body that gathers anything counts for all its operands)."""
+    """Per input of a sub-plan's program: whether a value the body all-gathers, or a rule
+    sends (a convolution's halo), is computed from it (a nested body that does either counts
+    for all its operands)."""
     program = plan.program
     wanted: set = set()
     for e, ep in zip(program.eqns, plan.eqns):
         wanted.update(e.inputs[i] for i, rp in ep.reshards if _gathers(rp))
+        wanted.update(e.inputs[i] for i in ep.sends)
         if any(_plan_gathers(sub) for sub in ep.sub_plans):
             wanted.update(e.inputs)
     wanted.update(program.outputs[k] for k, rp in plan.output_reshards if _gathers(rp))
@@ -423,6 +425,7 @@ def _gathers(rp) -> bool:
 
 def _plan_gathers(plan) -> bool:
     return (any(_gathers(rp) for ep in plan.eqns for _, rp in ep.reshards)
+            or any(ep.sends for ep in plan.eqns)
             or any(_gathers(rp) for _, rp in plan.output_reshards)
             or any(_plan_gathers(sub) for ep in plan.eqns for sub in ep.sub_plans))
 

@@ -70,6 +70,7 @@ class EqnPlan:
     fallback: bool = False
     reshards: list[tuple[int, ReshardPlan]] = field(default_factory=list)
     sub_plans: list = field(default_factory=list)  # bodies of scan / while / cond / checkpoint
+    sends: tuple[int, ...] = ()  # operands the rule's lowering sends to other devices (a halo)
 
     @property
     def source(self) -> str | None:
@@ -237,18 +238,21 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
     rule_sends: set = set()  # what rules' lowerings send that XLA computes once (CSE)
 
-    def rule_collectives(e, required, results) -> None:
+    def rule_collectives(e, required, results) -> tuple[int, ...]:
+        """List the collectives the rule's lowering runs; the operands it sends."""
         comm = comm_of.get(e.primitive, _UNSET)
         if comm is _UNSET:
             rule = registry.lookup(e.primitive)
             comm = comm_of[e.primitive] = None if rule is None else rule.comm
         if comm is None:
-            return
+            return ()
         in_avals = [v.aval for v in e.inputs]
         out_avals = [v.aval for v in e.outputs]
+        sent: set = set()
         for kind, step, axes, nbytes, *sends in comm(required, results, in_avals, out_avals,
                                                      mesh.axis_sizes, **e.params):
             if sends:  # it sends only what `step` says of operand sends[0]: once per value
+                sent.add(sends[0])
                 key = (e.inputs[sends[0]], required[sends[0]], kind, step, tuple(axes), nbytes)
                 if key in rule_sends:
                     continue
@@ -257,10 +261,11 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
                 f"{e.name} (eqn {e.index})", e.where,
                 f"{e.name} combines its shards across {', '.join(axes)}"))
+        return tuple(sorted(sent))
 
     def plan_eqn(e) -> EqnPlan:
         operands = [actual[v] for v in e.inputs]
-        fallback = False
+        fallback, sends = False, ()
         sub_plans: list = []
         name = e.primitive.name
         if e.primitive is hint_p:
@@ -303,9 +308,9 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                         operands[i] = actual[e.inputs[i]]
                 strategy = choice.description
                 considered, seconds = choice.considered, choice.seconds
-                rule_collectives(e, required, results)
+                sends = rule_collectives(e, required, results)
         ep = EqnPlan(e.index, name, e.where, operands, required, results, strategy,
-                     considered, seconds, fallback, sub_plans=sub_plans)
+                     considered, seconds, fallback, sub_plans=sub_plans, sends=sends)
         for i, (v, src, dst) in enumerate(zip(e.inputs, operands, required)):
             if src is not dst:  # layouts are interned: equal layouts are one object
                 ep.reshards.append((i, reshard(v, dst, f"{e.name} (eqn {e.index})", e.where,
@@ -343,7 +348,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 ep.reshards.append((i, reshard(e.inputs[i], rp.dst, f"{e.name} (eqn {e.index})",
                                                e.where, rp, at=e.index)))
             if e.primitive is not hint_p:
-                rule_collectives(e, tp.required, tp.results)
+                ep.sends = rule_collectives(e, tp.required, tp.results)
             actual.update(zip(e.outputs, tp.results))
             eqn_plans.append(ep)
         copies.append((first, start, period))
