@@ -81,7 +81,27 @@ OPS = {
     # without unique_indices, whose derivative scatters ids into zeros and gathers them back
     "iota_mask": lambda h, w: jnp.where(jnp.arange(8)[:, None] >= jnp.arange(8)[None], h, 0.0),
     "unsort": lambda h, w: jnp.zeros_like(h).at[np.array([3, 1, 4, 0, 5, 7, 2, 6])].set(h * w),
+    # windows over h as an 8×8 image (halos where its rows or columns are split, from several
+    # devices away when the blocks are a row each), a causal pad folded into a VALID conv, a
+    # tiling pool, a flip
+    "conv_same": lambda h, w: _image(h, lambda x: jax.lax.conv_general_dilated(
+        x, w[None, None, :3, :3] * 0.3, (1, 1), "SAME")),
+    "conv_dilated_causal": lambda h, w: _image(h, lambda x: jax.lax.conv_general_dilated(
+        jnp.pad(x, ((0, 0), (0, 0), (4, 0), (1, 1))), w[None, None, :3, :3] * 0.3, (1, 1),
+        "VALID", rhs_dilation=(2, 1))),
+    "maxpool_same": lambda h, w: _image(h, lambda x: jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, 1, 3, 3), (1, 1, 1, 1), "SAME")),
+    "maxpool_strided": lambda h, w: jnp.repeat(_image(h, lambda x: jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, 1, 3, 2), (1, 1, 2, 2), "SAME")), 2, axis=0).repeat(2, 1),
+    "avgpool_tiles": lambda h, w: jnp.repeat(_image(h, lambda x: jax.lax.reduce_window(
+        x, 0.0, jax.lax.add, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")), 2, axis=1).repeat(2, 0) / 4,
+    "flip": lambda h, w: jnp.flip(h, 0) * w,
 }
+
+
+def _image(h, window):
+    """`window` applied to h as one single-channel NCHW image."""
+    return window(h[None, None])[0, 0]
 
 
 @jax.custom_vjp
