@@ -72,23 +72,33 @@ def _pool_sharding(linear: str, monotone: str, types: tuple):
     return rule
 
 
+def _with_halos(ctx, values: list, fills: list, which: int, window_dimensions, window_strides,
+                padding, base_dilation, window_dilation):
+    """`values` (laid out as input `which`) each extended by the rows its windows reach past
+    the block along every split dim (`fills`: what the end devices receive), and the padding
+    the local op keeps."""
+    halos = _slides(_global(ctx.in_layouts[which], ctx, values[0].shape),
+                    _global(ctx.out_layouts[0], ctx, ctx.local_out_shapes[0]),
+                    window_dimensions, window_strides, padding, base_dilation, window_dilation)
+    values, padding = list(values), [tuple(p) for p in padding]
+    for d, h in enumerate(halos):
+        axes = ctx.in_layouts[which].dims[d]
+        if axes and h is not None:
+            for i, fill in enumerate(fills):
+                values[i], before, after = fetch(ctx, values[i], d, axes, h.left, h.right, fill)
+            padding[d] = (h.padding[0] + before * base_dilation[d],
+                          h.padding[1] + after * base_dilation[d])
+    return values, tuple(padding)
+
+
 def _pool_lower(primitive):
     def lower(ctx, x, *, window_dimensions, window_strides, padding, base_dilation,
               window_dilation):
         params = dict(window_dimensions=window_dimensions, window_strides=window_strides,
                       base_dilation=base_dilation, window_dilation=window_dilation)
-        halos = _slides(_global(ctx.in_layouts[0], ctx, x.shape),
-                        _global(ctx.out_layouts[0], ctx, ctx.local_out_shapes[0]),
-                        window_dimensions, window_strides, padding, base_dilation, window_dilation)
-        padding = [tuple(p) for p in padding]
-        for d, h in enumerate(halos):
-            axes = ctx.in_layouts[0].dims[d]
-            if axes and h is not None:
-                x, before, after = fetch(ctx, x, d, axes, h.left, h.right,
-                                         _identity(primitive, x.dtype))
-                padding[d] = (h.padding[0] + before * base_dilation[d],
-                              h.padding[1] + after * base_dilation[d])
-        return [primitive.bind(x, padding=tuple(padding), **params)]
+        (x,), padding = _with_halos(ctx, [x], [_identity(primitive, x.dtype)], 0,
+                                    padding=padding, **params)
+        return [primitive.bind(x, padding=padding, **params)]
     return lower
 
 
@@ -193,22 +203,13 @@ def _gather_sharding(in_avals, out_avals, *, select_prim, window_dimensions, win
 
 def _gather_lower(ctx, tangents, operand, *, select_prim, window_dimensions, window_strides,
                   padding, base_dilation, window_dilation):
-    halos = _slides(_global(ctx.in_layouts[1], ctx, operand.shape),
-                    _global(ctx.out_layouts[0], ctx, ctx.local_out_shapes[0]),
-                    window_dimensions, window_strides, padding, base_dilation, window_dilation)
-    padding = [tuple(p) for p in padding]
-    for d, h in enumerate(halos):
-        axes = ctx.in_layouts[1].dims[d]
-        if axes and h is not None:
-            tangents, _, _ = fetch(ctx, tangents, d, axes, h.left, h.right)
-            operand, before, after = fetch(ctx, operand, d, axes, h.left, h.right,
-                                           _not_chosen(select_prim, operand.dtype))
-            padding[d] = (h.padding[0] + before * base_dilation[d],
-                          h.padding[1] + after * base_dilation[d])
-    return [lax.select_and_gather_add_p.bind(
-        tangents, operand, select_prim=select_prim, window_dimensions=window_dimensions,
-        window_strides=window_strides, padding=tuple(padding), base_dilation=base_dilation,
-        window_dilation=window_dilation)]
+    params = dict(window_dimensions=window_dimensions, window_strides=window_strides,
+                  base_dilation=base_dilation, window_dilation=window_dilation)
+    (tangents, operand), padding = _with_halos(
+        ctx, [tangents, operand], [None, _not_chosen(select_prim, operand.dtype)], 1,
+        padding=padding, **params)
+    return [lax.select_and_gather_add_p.bind(tangents, operand, select_prim=select_prim,
+                                             padding=padding, **params)]
 
 
 def _gather_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, select_prim,

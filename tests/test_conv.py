@@ -44,25 +44,34 @@ def _placements(path, v):
     return [R, R]
 
 
-@pytest.mark.parametrize("channels", ["mp", "replicated"])
-def test_cnn_trains_like_one_device(channels):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 12, 12, 4)).astype(np.float32)
-    y = rng.normal(size=(8, 4)).astype(np.float32)
-    graphdef, params = nnx.split(CNN(nnx.Rngs(0)), nnx.Param)
+def _trains_like_one_device(model, x, y, x_placements, mesh=MESH, place=None, tx=None):
+    """Two optax steps of `model` (an nnx module; params placed by `place(path, value)`,
+    replicated by default) through dist.jit equal jax.jit's, with no fallback and the planned
+    collectives those compiled; returns the plan and the compiled HLO text."""
+    graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
-    tx = optax.adam(1e-2)
+    tx = tx or optax.adam(1e-2)
     step = mse_step(nnx_apply(graphdef), tx)
-    place = _placements if channels == "mp" else (lambda path, v: [R, R])
+    place = place or (lambda path, v: [R] * mesh.ndim)
     dp = jax.tree_util.tree_map_with_path(
-        lambda path, v: dist.shard_tensor(v, MESH, place(path, v)), params)
-    dx = dist.shard_tensor(x, MESH, [S(0), R])
+        lambda path, v: dist.shard_tensor(v, mesh, place(path, v)), params)
+    dx = dist.shard_tensor(x, mesh, x_placements)
     state = tx.init(params)
     f = assert_trains_like_one_device(step, dp, params, state, dx, x, y)
     plan = f.plan(dp, state, dx, y)
     assert not plan.fallbacks
     hlo = f.lower(dp, state, dx, y).compile().as_text()
     assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    return plan, hlo
+
+
+@pytest.mark.parametrize("channels", ["mp", "replicated"])
+def test_cnn_trains_like_one_device(channels):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 12, 12, 4)).astype(np.float32)
+    y = rng.normal(size=(8, 4)).astype(np.float32)
+    plan, _ = _trains_like_one_device(CNN(nnx.Rngs(0)), x, y, [S(0), R],
+                                      place=_placements if channels == "mp" else None)
     # data parallel: the conv activations are never gathered over dp, only gradients reduced
     assert not [c for c in plan.collectives if c.kind == "all-gather" and "dp" in c.axes]
     if channels == "mp":  # the mp-split channels meet once per conv2, as a matmul's would
@@ -149,21 +158,11 @@ def test_a_causal_sequence_conv_over_a_split_sequence_fetches_its_window_from_th
     rng = np.random.default_rng(2)
     x = rng.normal(size=(2, 16, 8)).astype(np.float32)
     y = rng.normal(size=(2, 16, 4)).astype(np.float32)
-    graphdef, params = nnx.split(ShortConv(nnx.Rngs(0)), nnx.Param)
-    params = nnx.to_pure_dict(params)
-    tx = optax.sgd(0.1)
-    step = mse_step(nnx_apply(graphdef), tx)
-    dp = jax.tree.map(lambda v: dist.shard_tensor(v, mesh, [R]), params)
-    dx = dist.shard_tensor(x, mesh, [S(1)])
-    state = tx.init(params)
-    f = assert_trains_like_one_device(step, dp, params, state, dx, x, y)
-    plan = f.plan(dp, state, dx, y)
-    assert not plan.fallbacks
+    plan, _ = _trains_like_one_device(ShortConv(nnx.Rngs(0)), x, y, [S(1)], mesh,
+                                      tx=optax.sgd(0.1))
     assert not [c for c in plan.collectives if c.kind == "all-gather"]
     permutes = [c for c in plan.collectives if c.kind == "collective-permute"]
     assert any("from 2 blocks before" in c.step for c in permutes)  # 3 rows, blocks of 2
-    hlo = f.lower(dp, state, dx, y).compile().as_text()
-    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
 
 
 class SpatialCNN(nnx.Module):
@@ -189,19 +188,8 @@ def test_a_cnn_over_split_images_trains_like_one_device_without_gathering_them(p
     rng = np.random.default_rng(3)
     x = rng.normal(size=(4, 16, 16, 4)).astype(np.float32)
     y = rng.normal(size=(4, 4)).astype(np.float32)
-    graphdef, params = nnx.split(SpatialCNN(nnx.Rngs(0)), nnx.Param)
-    params = nnx.to_pure_dict(params)
-    tx = optax.adam(1e-2)
-    step = mse_step(nnx_apply(graphdef), tx)
-    dp = jax.tree.map(lambda v: dist.shard_tensor(v, MESH, [R, R]), params)
-    dx = dist.shard_tensor(x, MESH, placements)
-    state = tx.init(params)
-    f = assert_trains_like_one_device(step, dp, params, state, dx, x, y)
-    plan = f.plan(dp, state, dx, y)
-    assert not plan.fallbacks
+    plan, hlo = _trains_like_one_device(SpatialCNN(nnx.Rngs(0)), x, y, placements)
     assert not [c for c in plan.collectives if c.kind == "all-gather"]
-    hlo = f.lower(dp, state, dx, y).compile().as_text()
-    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
     assert collective_bytes(hlo)["collective-permute"] == sum(
         c.bytes_per_device for c in plan.collectives if c.kind == "collective-permute")
 
