@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from autoshard.compiler.dtypes import highest, lowest
 from autoshard.compiler.factors import LETTERS, einsum
 from autoshard.placement import ReduceType
 
@@ -24,22 +25,12 @@ from .registry import Rule
 _COMBINE = {
     lax.cumsum_p: (lax.add, lambda dt: 0),
     lax.cumprod_p: (lax.mul, lambda dt: 1),
-    lax.cummax_p: (lax.max, lambda dt: _lowest(dt)),
-    lax.cummin_p: (lax.min, lambda dt: _highest(dt)),
+    lax.cummax_p: (lax.max, lowest),
+    lax.cummin_p: (lax.min, highest),
     lax.cumlogsumexp_p: (jnp.logaddexp, lambda dt: -np.inf),
 }
 _SCAN = {lax.cumsum_p: lax.cumsum, lax.cumprod_p: lax.cumprod, lax.cummax_p: lax.cummax,
          lax.cummin_p: lax.cummin, lax.cumlogsumexp_p: lax.cumlogsumexp}
-
-
-def _lowest(dtype):
-    dtype = np.dtype(dtype)
-    return -np.inf if np.issubdtype(dtype, np.floating) else np.iinfo(dtype).min
-
-
-def _highest(dtype):
-    dtype = np.dtype(dtype)
-    return np.inf if np.issubdtype(dtype, np.floating) else np.iinfo(dtype).max
 
 
 def _nbytes(shape, dtype) -> int:

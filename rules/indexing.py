@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -138,7 +139,7 @@ def _localize_index(ctx, g, axes, n_local):
 
 def _default_fill(dtype):
     # As lax.gather resolves fill_value=None.
-    if np.issubdtype(dtype, np.inexact):
+    if jax.dtypes.issubdtype(dtype, np.inexact):  # bfloat16 too, which numpy does not know
         return np.nan
     if np.issubdtype(dtype, np.signedinteger):
         return np.iinfo(dtype).min

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from jax import lax
 
+from autoshard.compiler.dtypes import highest, lowest
 from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
 from autoshard.placement import ReduceType
 
@@ -31,10 +32,7 @@ def _identity(primitive, dtype):
     """The reduction's identity: what its padding holds, and what edge devices fetch."""
     if primitive is lax.reduce_window_sum_p:
         return None
-    big = np.inf if np.issubdtype(np.dtype(dtype), np.inexact) else None
-    if primitive is lax.reduce_window_max_p:
-        return -big if big is not None else np.iinfo(dtype).min
-    return big if big is not None else np.iinfo(dtype).max
+    return lowest(dtype) if primitive is lax.reduce_window_max_p else highest(dtype)
 
 
 def _not_chosen(select_prim, dtype):

@@ -191,3 +191,30 @@ def test_amp_settings_are_checked():
         dist.Strategy({"amp": {"incr_every_n_steps": 0}})
     with pytest.raises(dist.StrategyError, match="level = 'o3' is not one of"):
         dist.Strategy({"amp": {"level": "o3"}})
+
+
+_EXTREMES = {
+    # each fills the blocks a device does not own, or its padding, with the dtype's extreme
+    "cummax over a split dim": lambda x: jax.lax.cummax(x, axis=1),
+    "max pool over split rows": lambda x: jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME"),
+    "max pool gradient": jax.grad(lambda x: jnp.sum(jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME").astype(F32))),
+    "max over a split dim": lambda x: jnp.max(x, axis=(1, 2)),
+    "gather filling out of bounds": lambda x: x.at[:, jnp.arange(-2, 14)].get(mode="fill"),
+}
+
+
+@pytest.mark.parametrize("name", list(_EXTREMES))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn],
+                         ids=["bfloat16", "float16", "float8_e4m3fn"])
+def test_low_precision_extremes_over_split_dims(name, dtype):
+    """Max-like ops over split dims in jax's own float types: the identity that fills foreign
+    blocks and padding is -inf (or the lowest finite value of a type without infinities) —
+    numpy does not count bfloat16 as a float, and asking it for integer limits crashed."""
+    fn = _EXTREMES[name]
+    x = (np.random.default_rng(0).normal(size=(2, 8, 8, 4)) * 4).astype(dtype)
+    dx = dist.shard_tensor(x, MESH24, [S(1), S(2)])
+    got = dist.jit(fn)(dx).numpy()
+    want = jax.jit(fn)(x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -38,3 +38,32 @@ def local_nbytes(shape, dtype, layout, sizes) -> int:
 
 def normalize(dtype):
     return dtype if is_extended(dtype) else np.dtype(dtype)
+
+
+def _has_inf(dtype) -> bool:
+    with np.errstate(all="ignore"):
+        return bool(np.isinf(np.asarray(np.inf).astype(dtype)))
+
+
+@functools.lru_cache(maxsize=None)
+def lowest(dtype):
+    """The identity of max over `dtype`: -inf (the lowest finite value where it has no
+    infinity, as float8_e4m3fn), the integer minimum, False. jax's own floats (bfloat16,
+    float8) count as floats: numpy's issubdtype does not know them."""
+    dtype = np.dtype(dtype)
+    if jax.dtypes.issubdtype(dtype, np.inexact):
+        return -np.inf if _has_inf(dtype) else float(jax.numpy.finfo(dtype).min)
+    if dtype == np.bool_:
+        return False
+    return np.iinfo(dtype).min
+
+
+@functools.lru_cache(maxsize=None)
+def highest(dtype):
+    """The identity of min over `dtype` (see `lowest`)."""
+    dtype = np.dtype(dtype)
+    if jax.dtypes.issubdtype(dtype, np.inexact):
+        return np.inf if _has_inf(dtype) else float(jax.numpy.finfo(dtype).max)
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).max

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..compiler.dtypes import highest, lowest
 from ..layout import Layout
 from ..placement import ReduceType
 
@@ -38,15 +39,9 @@ def _linear_axis_index(axes: tuple[str, ...], sizes: Mapping[str, int]):
 
 def _identity(reduce_type: ReduceType, dtype) -> object:
     """The element that leaves a reduction unchanged (fills the slots a device does not own)."""
-    dtype = np.dtype(dtype)
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
         return 0
-    if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
-        return -np.inf if reduce_type is ReduceType.MAX else np.inf
-    if dtype == np.bool_:
-        return reduce_type is ReduceType.MIN
-    info = np.iinfo(dtype)
-    return info.min if reduce_type is ReduceType.MAX else info.max
+    return lowest(dtype) if reduce_type is ReduceType.MAX else highest(dtype)
 
 
 def varying_axes(x) -> frozenset:
