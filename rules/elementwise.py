@@ -4,6 +4,7 @@ The partial algebra is the table below: which ops let Partial operands flow thro
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax import lax
 from jax._src import dispatch as _dispatch
@@ -101,7 +102,7 @@ PLAIN += [p for p in (getattr(lax, "one_minus_square_p", None),) if p is not Non
 
 
 def _is_float(aval) -> bool:
-    return np.issubdtype(aval.dtype, np.inexact)
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)  # bfloat16 and float8 too
 
 
 def elementwise_sharding(algebra):
@@ -120,12 +121,21 @@ def elementwise_sharding(algebra):
     return rule
 
 
+def _exact_cast(src, dst) -> bool:
+    """Every value of float (or complex) type `src` is one of `dst`: no rounding."""
+    a, b = jax.numpy.finfo(src), jax.numpy.finfo(dst)
+    return b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
+
+
 def _convert_sharding(in_avals, out_avals, **params):
-    # A cast between float and complex types keeps sums; maxima only between real floats
-    # (complex numbers have no order: a pending max cast to complex could never be reduced);
-    # a cast to or from integers keeps neither.
-    sums = _is_float(in_avals[0]) and _is_float(out_avals[0])
-    maxima = all(np.issubdtype(a.dtype, np.floating) for a in (in_avals[0], out_avals[0]))
+    # A cast between float and complex types keeps sums unless it rounds (the partial sums
+    # would be rounded before they are added, where one device rounds the whole sum once);
+    # maxima pass between real floats, rounding included (it is monotone; complex numbers
+    # have no order: a pending max cast to complex could never be reduced); a cast to or from
+    # integers keeps neither.
+    sums = _is_float(in_avals[0]) and _is_float(out_avals[0]) and _exact_cast(
+        in_avals[0].dtype, out_avals[0].dtype)
+    maxima = all(jax.dtypes.issubdtype(a.dtype, np.floating) for a in (in_avals[0], out_avals[0]))
     return elementwise_sharding((ALL if sums else NONE, ALL if maxima else NONE, None,
                                  (_MAX, _MIN)))(in_avals, out_avals)
 

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import autoshard as dist
+from autoshard.hlo import collective_bytes
 from autoshard.training.amp import autocast
 
 MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -218,3 +219,25 @@ def test_low_precision_extremes_over_split_dims(name, dtype):
     got = dist.jit(fn)(dx).numpy()
     want = jax.jit(fn)(x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("to", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_a_pending_sum_is_reduced_before_a_cast_that_rounds(to):
+    """A matmul contracting a split dim leaves partial sums; cast to a narrower float they
+    would each be rounded and then added, where one device rounds the whole sum once. So the
+    sum is reduced in float32 first (a float32 all-reduce), and the result is one device's
+    bit for bit; a widening cast still carries the pending sum (reduced after it)."""
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(size=(8, 64)).astype(np.float32), rng.normal(size=(64, 16)).astype(np.float32)
+    da = dist.shard_tensor(a, MESH24, [R(), S(1)])
+    db = dist.shard_tensor(b, MESH24, [R(), S(0)])
+    narrow = dist.jit(lambda a, b: jnp.tanh((a @ b).astype(to)))
+    got = narrow(da, db)
+    np.testing.assert_array_equal(np.asarray(got.numpy(), np.float32),
+                                  np.asarray(jax.jit(lambda a, b: jnp.tanh((a @ b).astype(to)))(a, b),
+                                             np.float32))
+    assert [c.kind for c in narrow.plan(da, db).collectives] == ["all-reduce"]
+    hlo = narrow.lower(da, db).compile().as_text()
+    assert collective_bytes(hlo) == {"all-reduce": 8 * 16 * 4}  # of float32
+    wide = dist.jit(lambda a, b: (a.astype(to) @ b.astype(to)).astype(F32), out_placements="keep")
+    assert wide(da, db).placements[1].is_partial()  # still pending after the widening cast

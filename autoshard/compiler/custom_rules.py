@@ -27,7 +27,9 @@ from .trace import CustomRegion, build_program
 
 
 def _inexact(aval) -> bool:
-    return np.issubdtype(aval.dtype, np.inexact)
+    # jax's issubdtype: numpy does not count bfloat16 / float8 as inexact (their inputs were
+    # then taken as not differentiable, and jax.grad through the region failed)
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
 
 
 def _global_call(region: CustomRegion) -> Callable:
