@@ -47,8 +47,10 @@ class _Factors:
 
 
 def _summable(dtype) -> bool:
-    # Masked-out devices contribute zero to a sum: meaningless for booleans.
-    return np.issubdtype(dtype, np.number)
+    # Masked-out devices contribute zero to a sum: meaningless for booleans. (jax's issubdtype:
+    # numpy does not count bfloat16 as a number, and a bfloat16 vocab-parallel table was
+    # gathered whole.)
+    return jax.dtypes.issubdtype(dtype, np.number)
 
 
 def _global_size(local: int, axes, sizes) -> int:
@@ -156,7 +158,7 @@ def _fill_survives_sums(fill, dtype) -> bool:
         f = float(fill)
     except (TypeError, ValueError):
         return False
-    return f == 0 or (np.issubdtype(dtype, np.inexact) and not np.isfinite(f))
+    return f == 0 or (jax.dtypes.issubdtype(dtype, np.inexact) and not np.isfinite(f))
 
 
 def gather_sharding(in_avals, out_avals, *, dimension_numbers, slice_sizes, mode,

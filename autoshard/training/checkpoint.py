@@ -204,7 +204,7 @@ def _read_metadata(path: str) -> dict[str, Any]:
 
 
 def _same_kind(a: np.dtype, b: np.dtype) -> bool:
-    return any(np.issubdtype(a, k) and np.issubdtype(b, k) for k in _KINDS)
+    return any(jax.dtypes.issubdtype(a, k) and jax.dtypes.issubdtype(b, k) for k in _KINDS)
 
 
 def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, Any]:
