@@ -105,6 +105,10 @@ def test_default_and_int_shard_dims_on_one_mesh():
     assert same.physical is placed
     other = list(shard_dataloader([jnp.asarray(x)], MESH, shard_dims="mp"))[0]
     np.testing.assert_array_equal(other.numpy(), x)
+    # jax's own float types (numpy files bfloat16 under kind "V", as raw bytes)
+    half = next(iter(shard_dataloader([x.astype(jnp.bfloat16)], MESH)))
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(half.numpy(), np.float32), x)
 
 
 @pytest.mark.parametrize("splitted", [False, True])

@@ -68,7 +68,8 @@ def _top_key(batch: Any, path: tuple) -> Hashable:
 
 def _host_array(leaf: Any, where: str) -> np.ndarray:
     arr = np.asarray(leaf)
-    if arr.dtype.kind in "OSUV":
+    # jax's issubdtype: numpy files bfloat16 / float8 under kind "V", as it does raw bytes
+    if not (jax.dtypes.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
         raise DataloaderError(
             f"{where} is {type(leaf).__name__} {leaf!r:.60}, which is not numeric: "
             f"shard_dataloader places numpy/jax arrays only; turn it into an array in your "
