@@ -73,7 +73,6 @@ def fetch(ctx, x, dim: int, axes: tuple[str, ...], left: int, right: int, fill=N
     side (the same padding everywhere: left to the local op). The first / last devices receive
     zeros from ppermute, or `fill` (a scalar: the reduction's identity) where it is given."""
     n = math.prod(ctx.sizes[a] for a in axes)
-    name = axes[0] if len(axes) == 1 else tuple(axes)
     parts, before, after = [], 0, 0
     for hop, first, end in pieces(x.shape[dim], n, left, right):
         if hop <= -n or hop >= n:
@@ -81,7 +80,7 @@ def fetch(ctx, x, dim: int, axes: tuple[str, ...], left: int, right: int, fill=N
             continue
         piece = lax.slice_in_dim(x, first, end, axis=dim)
         if hop:
-            piece = lax.ppermute(piece, name, [(i + hop, i) for i in range(n) if 0 <= i + hop < n])
+            piece = ctx.ppermute(piece, axes, [(i + hop, i) for i in range(n) if 0 <= i + hop < n])
             if fill is not None and fill != 0:
                 source = lax.add(ctx.block_index(axes), np.int32(hop))
                 present = lax.bitwise_and(lax.ge(source, np.int32(0)), lax.lt(source, np.int32(n)))

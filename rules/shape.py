@@ -144,7 +144,7 @@ def rev_lower(ctx, x, *, dimensions):
         for b, n in zip(blocks, counts):
             source, target = source * n + b, target * n + (n - 1 - b)
         pairs.append((source, target))
-    return [lax.ppermute(x, axes[0] if len(axes) == 1 else axes, pairs)]
+    return [ctx.ppermute(x, axes, pairs)]
 
 
 def rev_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, dimensions):

@@ -48,6 +48,23 @@ class LowerContext:
             index = i if index is None else lax.add(lax.mul(index, np.int32(self.sizes[a])), i)
         return np.int32(0) if index is None else index
 
+    def ppermute(self, x, axes: tuple[str, ...], pairs):
+        """lax.ppermute over `axes` with (source, target) block numbers along them, major
+        first as a layout lists a dim's axes — renumbered over the axes in the mesh's order,
+        the order jax (from 0.12) requires of ppermute's axis names."""
+        order = tuple(a for a in self.sizes if a in axes)
+        if order != tuple(axes):
+            def renumber(block: int) -> int:
+                coords = {}
+                for a in reversed(axes):
+                    block, coords[a] = divmod(block, self.sizes[a])
+                index = 0
+                for a in order:
+                    index = index * self.sizes[a] + coords[a]
+                return index
+            pairs = [(renumber(s), renumber(t)) for s, t in pairs]
+        return lax.ppermute(x, order[0] if len(order) == 1 else order, list(pairs))
+
 
 def match_vma(values: list[Any]) -> list[Any]:
     """`values` cast to vary over the union of their varying axes (what check_vma expects)."""
