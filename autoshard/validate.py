@@ -137,6 +137,7 @@ def samples() -> list[Sample]:
     add("reshape (2,2,8)->(4,8)", "reshape", lambda x: lax.reshape(x, (4, 8)), ((2, 2, 8), "f"))
     add("reshape of a transpose (4,8)->(2,16)", "reshape",
         lambda x: lax.reshape(x, (2, 16), dimensions=(1, 0)), f2)
+    add("reshape of an empty array", "reshape", lambda x: lax.reshape(x[:, :0], (0, 4)), f2)
     add("reshape of a transpose (2,4,8)->(8,8)", "reshape",
         lambda x: lax.reshape(x, (8, 8), dimensions=(2, 0, 1)), ((2, 4, 8), "f"))
     add("broadcast (4,1)->(4,8)", "broadcast_in_dim",

@@ -63,6 +63,8 @@ def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
     # has one); the runs are those of the transposed shape, mapped back to the operand's dims
     order = tuple(range(len(in_avals[0].shape))) if dimensions is None else tuple(dimensions)
     src, dst = tuple(in_avals[0].shape[d] for d in order), tuple(new_sizes)
+    if 0 in src or 0 in dst:  # an empty array (jnp.pad's edge mode makes some): nothing to split
+        return OpSharding(((None,) * len(src),), ((None,) * len(dst),), (), **_KEEP)
     operand: list = [None] * len(src)
     result: list = [None] * len(dst)
     factors: list[Factor] = []

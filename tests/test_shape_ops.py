@@ -1,6 +1,7 @@
 """Shape primitives over split dims: a reversed dim stays split (mirror blocks swapped) instead
 of being gathered — values and gradients equal one device, the planned collectives are the
 compiled ones, and a flip moves the bytes jax.jit moves with the same input shardings."""
+import warnings
 from collections import Counter
 
 import jax
@@ -57,3 +58,15 @@ def test_a_reversed_split_dim_stays_split(mesh, placements, flip):
     forward = dist.jit(lambda x: jnp.flip(x, flip) * 2.0).lower(dx).compile().as_text()
     assert sum(collective_bytes(forward).values()) == sum(
         collective_bytes(xla.lower(x).compile().as_text()).values())
+
+
+def test_empty_arrays_reshape_without_falling_back():
+    """jnp.pad's edge mode reshapes empty arrays (0 rows): they have a rule like any other —
+    no fallback warning — and the result equals one device."""
+    x = np.random.default_rng(1).normal(size=(16, 32)).astype(np.float32)
+    dx = dist.shard_tensor(x, MESH24, [S(0), S(1)])
+    f = dist.jit(lambda x: jnp.pad(x, ((0, 0), (2, 2)), mode="edge"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        np.testing.assert_array_equal(f(dx).numpy(), np.pad(x, ((0, 0), (2, 2)), mode="edge"))
+    assert not f.plan(dx).fallbacks
