@@ -21,7 +21,7 @@ from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from ..reshard.planner import plan_on_mesh
 from .dtypes import cost_dtype, itemsize
-from .factors import ALL, NONE, ONE, REDUCE, REPLICATE, OpSharding
+from .factors import ALL, NONE, ONE, PASS, REDUCE, REPLICATE, OpSharding
 
 ALL_OPERANDS = -1
 
@@ -95,6 +95,24 @@ def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
     return assign, partial
 
 
+def _seed_moving(groups, layout: Layout, opsh: OpSharding):
+    """The operand's own assignment with the axes of its dims the op needs whole moved onto
+    another of its dims the op lets pass (an all-to-all instead of an all-gather: a sort
+    along a split dim re-splits the rows by that axis, as XLA does); None if nothing moves."""
+    spare, assign, passing = [], [], []
+    for d, axes in enumerate(layout.dims):
+        f = groups[d] if d < len(groups) else None
+        if f is None or opsh.factors[f].kind == REPLICATE:
+            spare.extend(axes)
+        elif opsh.factors[f].kind == PASS:
+            assign.extend((a, f) for a in axes)
+            passing.append((not axes, d, f))  # a dim already split first, then in order
+    if not spare or not passing:
+        return None
+    target = min(passing)[2]
+    return assign + [(a, target) for a in spare], []
+
+
 def _merge(seeds) -> Strategy:
     assign, partial, used = [], [], set()
     for seed_assign, seed_partial in seeds:
@@ -128,11 +146,14 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
     extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i]))
              for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
+    moving = [m for i, L in enumerate(actual) if L is not None
+              for m in [_seed_moving(opsh.operands[i], L, opsh)] if m is not None]
     out += [_merge([s]) for s in seeds + [e for _, e in extra]]
     # a copy made for an earlier consumer, completed by another operand's axes as it lies:
     # the sequence-parallel backward reuses the gathered cotangent with the row-split weight,
     # where the other seeds gather the weight too
     out += [_merge([e, seed]) for i, e in extra for j, seed in operand_seeds.items() if j != i]
+    out += [_merge([m]) for m in moving]
     out.append(Strategy())
     unique: list[Strategy] = []
     for s in out:
