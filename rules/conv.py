@@ -146,7 +146,8 @@ def validation_samples() -> list:
     return [
         ("conv NHWC", "conv_general_dilated", conv(nhwc), (x, k)),
         ("conv NCHW strided valid", "conv_general_dilated",
-         conv(("NCHW", "OIHW", "NCHW"), (2, 2), "VALID"), (((4, 4, 8, 8), "f"), ((8, 4, 3, 3), "f"))),
+         conv(("NCHW", "OIHW", "NCHW"), (2, 2), "VALID"),
+         (((4, 4, 8, 8), "f"), ((8, 4, 3, 3), "f"))),
         ("conv strided same", "conv_general_dilated", conv(nhwc, (2, 2)), (x, k)),
         ("conv grouped", "conv_general_dilated", conv(nhwc, groups=2), (x, ((3, 3, 2, 8), "f"))),
         ("conv causal 1-d", "conv_general_dilated", causal, (((2, 8, 4), "f"), ((3, 4, 4), "f"))),

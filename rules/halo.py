@@ -76,7 +76,10 @@ def fetch(ctx, x, dim: int, axes: tuple[str, ...], left: int, right: int, fill=N
     parts, before, after = [], 0, 0
     for hop, first, end in pieces(x.shape[dim], n, left, right):
         if hop <= -n or hop >= n:
-            before, after = (before + end - first, after) if hop < 0 else (before, after + end - first)
+            if hop < 0:
+                before += end - first
+            else:
+                after += end - first
             continue
         piece = lax.slice_in_dim(x, first, end, axis=dim)
         if hop:
@@ -108,15 +111,16 @@ def sends(layout, aval, sizes, halos, operand: int = 0) -> list:
         for hop, first, end in pieces(b, n, left, right):
             if abs(hop) >= n:
                 continue
-            kept += end - first
+            rows, kept = end - first, kept + end - first
             if hop:
                 side = "before" if hop < 0 else "after"
                 out.append(("collective-permute",
-                            f"ppermute({','.join(axes)}) {end - first} edge rows of dim {dim} "
-                            f"from {abs(hop)} block{'s' if abs(hop) > 1 else ''} {side} "
-                            f"(block {'x'.join(map(str, local))})", axes,
-                            (end - first) * row, operand))
+                            f"ppermute({','.join(axes)}) {rows} edge row{'' if rows == 1 else 's'} "
+                            f"of dim {dim} from {abs(hop)} block{'' if hop in (1, -1) else 's'} "
+                            f"{side} "
+                            f"(block {'x'.join(map(str, local))})", axes, rows * row, operand))
         local[dim] = kept
     return out
+
 
 __all__ = ["Halo", "SLIDE", "CONTRACT", "halo", "pieces", "fetch", "sends"]

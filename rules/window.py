@@ -37,8 +37,7 @@ def _identity(primitive, dtype):
 
 def _not_chosen(select_prim, dtype):
     """A value the selection never picks (ge picks maxima): the padding's."""
-    return _identity(lax.reduce_window_max_p if select_prim is lax.ge_p else lax.reduce_window_min_p,
-                     dtype)
+    return lowest(dtype) if select_prim is lax.ge_p else highest(dtype)
 
 
 def _slides(in_shape, out_shape, window_dimensions, window_strides, padding, base_dilation=None,
@@ -282,9 +281,11 @@ def validation_samples():
         ("max pool gradient", "select_and_scatter_add", jax.grad(
             lambda x: jnp.sum(pool(lax.max, -jnp.inf, (1, 2, 2), (1, 2, 2), "VALID")(x) ** 2)), (f3,)),
         ("overlapping max pool gradient", "select_and_scatter_add", jax.grad(
-            lambda x: jnp.sum(pool(lax.max, -jnp.inf, (1, 3, 3), (1, 2, 2), "SAME")(x) ** 2)), (f3,)),
+            lambda x: jnp.sum(pool(lax.max, -jnp.inf, (1, 3, 3), (1, 2, 2), "SAME")(x) ** 2)),
+         (f3,)),
         ("padded max pool gradient", "select_and_scatter_add", jax.grad(
-            lambda x: jnp.sum(pool(lax.max, -jnp.inf, (1, 3, 1), (1, 1, 1), "SAME")(x) ** 2)), (f3,)),
+            lambda x: jnp.sum(pool(lax.max, -jnp.inf, (1, 3, 1), (1, 1, 1), "SAME")(x) ** 2)),
+         (f3,)),
         ("avg pool gradient", "reduce_window_sum", jax.grad(
             lambda x: jnp.sum(pool(lax.add, 0.0, (1, 2, 2), (1, 2, 2), "VALID")(x) ** 2)), (f3,)),
         ("overlapping max pool tangent", "select_and_gather_add", lambda x: jax.jvp(

@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("seed_hybrid.py", [], "every loss and weight equals the one-device run"),
     ("pipeline.py", [], "every loss and weight equals the one-device run"),
     ("pipeline_gpt.py", [], "every loss and weight equals the one-device run"),
+    ("spatial_cnn.py", ["--steps", "3"], "every loss equals the one-device run"),
 ])
 def test_example_runs(script, args, expect, tmp_path):
     env = dict(os.environ)

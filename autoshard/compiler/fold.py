@@ -23,7 +23,8 @@ def _is_zero(v: Any, made_by: dict) -> bool:
     if v.is_const:
         return v.const is not None and not np.any(np.asarray(v.const))
     e = made_by.get(v)
-    return e is not None and e.primitive is lax.convert_element_type_p and _is_zero(e.inputs[0], made_by)
+    return (e is not None and e.primitive is lax.convert_element_type_p
+            and _is_zero(e.inputs[0], made_by))
 
 
 def _spatial_widths(config, spatial: list[int]) -> list[tuple[int, int]] | None:
@@ -44,7 +45,8 @@ def _crop_widths(e, size: tuple[int, ...], spatial: list[int],
         if widths is None or any(w > 0 for pair in widths for w in pair):
             return None
         return widths
-    if e.primitive is lax.slice_p and not any(s not in (None, 1) for s in e.params["strides"] or ()):
+    strides = e.params.get("strides") or ()
+    if e.primitive is lax.slice_p and all(s in (None, 1) for s in strides):
         start, limit = e.params["start_indices"], e.params["limit_indices"]
         if any((start[d], limit[d]) != (0, size[d]) for d in range(len(size)) if d not in spatial):
             return None

@@ -49,6 +49,7 @@ class PlannedCollective:
     consumer: str          # the equation (or "output") that needed it
     where: Where | str | None  # the user's line (a Where is resolved when read: `source`)
     reason: str
+    by_rule: bool = False  # run inside a rule's own lowering (a combine, a halo), not a reshard
 
     @property
     def source(self) -> str | None:
@@ -257,10 +258,12 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 if key in rule_sends:
                     continue
                 rule_sends.add(key)
+            reason = (f"{e.name} reads {e.inputs[sends[0]]!r}'s rows held by the devices beside "
+                      f"it along {', '.join(axes)}" if sends else
+                      f"{e.name} combines its shards across {', '.join(axes)}")
             collectives.append(PlannedCollective(
                 kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
-                f"{e.name} (eqn {e.index})", e.where,
-                f"{e.name} combines its shards across {', '.join(axes)}"))
+                f"{e.name} (eqn {e.index})", e.where, reason, by_rule=True))
         return tuple(sorted(sent))
 
     def plan_eqn(e) -> EqnPlan:
