@@ -23,7 +23,6 @@ divide it) keeps the dim whole, as before.
 """
 from __future__ import annotations
 
-import math
 
 from jax import lax
 
@@ -83,18 +82,17 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
 
 
 def _split_halos(ctx, lhs, rhs, params):
-    """(lhs dim, its mesh axes, Halo) for each spatial dim split on this device."""
+    """(spatial index, lhs dim, its mesh axes, Halo) for each spatial dim split here."""
     (_, _, *ls), (_, _, *rs), (_, _, *os_) = params["dimension_numbers"]
+    lhs_shape = ctx.global_shape(ctx.in_layouts[0], lhs.shape)
+    rhs_shape = ctx.global_shape(ctx.in_layouts[1], rhs.shape)
+    out_shape = ctx.global_shape(ctx.out_layouts[0], ctx.local_out_shapes[0])
     out: list = []
     for j, (l, r, o) in enumerate(zip(ls, rs, os_)):
         axes = ctx.in_layouts[0].dims[l]
         if not axes:
             continue
-        n = math.prod(ctx.sizes[a] for a in axes)
-        out_rows = ctx.local_out_shapes[0][o] * math.prod(
-            ctx.sizes[a] for a in ctx.out_layouts[0].dims[o])
-        window = rhs.shape[r] * math.prod(ctx.sizes[a] for a in ctx.in_layouts[1].dims[r])
-        h = halo(lhs.shape[l] * n, window, out_rows, params["window_strides"][j],
+        h = halo(lhs_shape[l], rhs_shape[r], out_shape[o], params["window_strides"][j],
                  tuple(params["padding"][j]), params["lhs_dilation"][j], params["rhs_dilation"][j])
         assert h is not None, "the rule split a spatial dim without a halo"
         out.append((j, l, axes, h))

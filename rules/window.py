@@ -14,7 +14,6 @@ they route, not in the operand whose maxima choose the route. The max pool's gra
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -74,8 +73,8 @@ def _with_halos(ctx, values: list, fills: list, which: int, window_dimensions, w
     """`values` (laid out as input `which`) each extended by the rows its windows reach past
     the block along every split dim (`fills`: what the end devices receive), and the padding
     the local op keeps."""
-    halos = _slides(_global(ctx.in_layouts[which], ctx, values[0].shape),
-                    _global(ctx.out_layouts[0], ctx, ctx.local_out_shapes[0]),
+    halos = _slides(ctx.global_shape(ctx.in_layouts[which], values[0].shape),
+                    ctx.global_shape(ctx.out_layouts[0], ctx.local_out_shapes[0]),
                     window_dimensions, window_strides, padding, base_dilation, window_dilation)
     values, padding = list(values), [tuple(p) for p in padding]
     for d, h in enumerate(halos):
@@ -97,12 +96,6 @@ def _pool_lower(primitive):
                                     padding=padding, **params)
         return [primitive.bind(x, padding=padding, **params)]
     return lower
-
-
-def _global(layout, ctx, local_shape) -> list[int]:
-    """The global shape of a local block laid out as `layout`."""
-    return [size * math.prod(ctx.sizes[a] for a in axes)
-            for size, axes in zip(local_shape, layout.dims)]
 
 
 def _pool_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, window_dimensions,
@@ -152,8 +145,8 @@ def _scatter_lower(ctx, source, operand, *, select_prim, window_dimensions, wind
                    padding):
     padding = [tuple(p) for p in padding]
     crops = []
-    for d, sc in enumerate(_scatters(_global(ctx.in_layouts[0], ctx, source.shape),
-                                     _global(ctx.in_layouts[1], ctx, operand.shape),
+    for d, sc in enumerate(_scatters(ctx.global_shape(ctx.in_layouts[0], source.shape),
+                                     ctx.global_shape(ctx.in_layouts[1], operand.shape),
                                      window_dimensions, window_strides, padding)):
         axes = ctx.in_layouts[1].dims[d]
         if not axes or sc is None:

@@ -8,6 +8,7 @@ the bookkeeping jnp does implicitly and check_vma verifies.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,11 @@ class LowerContext:
             i = lax.axis_index(a)
             index = i if index is None else lax.add(lax.mul(index, np.int32(self.sizes[a])), i)
         return np.int32(0) if index is None else index
+
+    def global_shape(self, layout: Layout, local_shape) -> tuple[int, ...]:
+        """The global shape of a local block laid out as `layout`."""
+        return tuple(size * math.prod(self.sizes[a] for a in axes)
+                     for size, axes in zip(local_shape, layout.dims))
 
     def ppermute(self, x, axes: tuple[str, ...], pairs):
         """lax.ppermute over `axes` with (source, target) block numbers along them, major
