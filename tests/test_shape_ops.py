@@ -70,3 +70,104 @@ def test_empty_arrays_reshape_without_falling_back():
         warnings.simplefilter("error", dist.FallbackWarning)
         np.testing.assert_array_equal(f(dx).numpy(), np.pad(x, ((0, 0), (2, 2)), mode="edge"))
     assert not f.plan(dx).fallbacks
+
+
+SHIFTS = {
+    "roll by 1": lambda x: jnp.roll(x, 1, axis=0),
+    "roll back by 3": lambda x: jnp.roll(x, -3, axis=0),
+    "roll past a block": lambda x: jnp.roll(x, 10, axis=0),
+    "roll both dims": lambda x: jnp.roll(x, (2, -5), axis=(0, 1)),
+    "token shift": lambda x: jnp.pad(x[:-1], ((1, 0), (0, 0))),
+    "shift up, zero row": lambda x: jnp.concatenate([x[1:], jnp.zeros((1, 16))], 0),
+    "shift with a fill": lambda x: jnp.pad(x[2:], ((0, 2), (0, 0)), constant_values=-1.0),
+    "edges zeroed": lambda x: jnp.pad(x[1:-1], ((1, 1), (0, 0))),
+}
+
+
+@pytest.mark.parametrize("shift", SHIFTS.values(), ids=SHIFTS.keys())
+@pytest.mark.parametrize("mesh,placements", [
+    (MESH24, [S(0), S(1)]),
+    (MESH24, [S(0), S(0)]),            # the rows over dp,mp: 8 blocks of 3
+    (MESH3, [S(0)]),
+], ids=["rows dp cols mp", "rows over dp,mp", "three devices"])
+def test_rolls_and_shifts_keep_the_dim_split(shift, mesh, placements):
+    """jnp.roll and shifts written with slices, pads and concatenations (and their gradients,
+    sums of pads) keep a split dim split: each device receives the rows its block reads from
+    the devices holding them — a collective-permute of those rows, no all-gather — where the
+    slices' uneven pieces used to gather the dim."""
+    x = np.random.default_rng(2).normal(size=(24, 16)).astype(np.float32)
+    dx = dist.shard_tensor(x, mesh, placements)
+    ramp = jnp.arange(24 * 16, dtype=jnp.float32).reshape(24, 16) / 100
+    for fn in (lambda x: shift(x) * 2.0,
+               jax.grad(lambda x: jnp.sum(jnp.tanh(shift(x)) * ramp))):
+        g = dist.jit(fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            out = g(dx)
+        np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-5, atol=1e-6)
+        assert out.placements == placements
+        plan = g.plan(dx)
+        hlo = g.lower(dx).compile().as_text()
+        assert set(count_collectives(hlo)) <= {"collective-permute"}
+        assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+        assert collective_bytes(hlo).get("collective-permute", 0) == sum(
+            c.bytes_per_device for c in plan.collectives)
+    # the forward moves no more than jax.jit with the same input shardings
+    xla = jax.jit(lambda x: shift(x) * 2.0,
+                  in_shardings=NamedSharding(mesh.to_jax(), _spec(mesh, placements, 2)))
+    forward = dist.jit(lambda x: shift(x) * 2.0).lower(dx).compile().as_text()
+    assert sum(collective_bytes(forward).values()) <= sum(
+        collective_bytes(xla.lower(x).compile().as_text()).values())
+
+
+def test_a_roll_by_one_row_sends_one_row():
+    """The plan says what moves: a roll by one row of a dim split over 4 devices is one
+    collective-permute of one row per device, named after the user's line."""
+    x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    dx = dist.shard_tensor(x, MESH24, [R, S(0)])
+    g = dist.jit(lambda x: jnp.roll(x, 1, axis=0))
+    np.testing.assert_array_equal(g(dx).numpy(), np.roll(x, 1, axis=0))
+    (c,) = g.plan(dx).collectives
+    assert (c.kind, c.bytes_per_device) == ("collective-permute", 8 * 4)
+    assert "1 row of dim 0" in c.step and c.where and "test_shape_ops.py" in c.where.line
+
+
+def test_token_shift_model_over_a_split_sequence():
+    """An RWKV-style token shift (each position mixes in the previous one) in a flax nnx
+    model, tokens split over mp and the batch over dp: the loss and gradients equal one
+    device, and the sequence stays split — only collective-permutes of one token's features
+    and the gradient all-reduces, no all-gather."""
+    from flax import nnx
+
+    class TokenShift(nnx.Module):
+        def __init__(self, d, rngs):
+            self.mix = nnx.Param(jnp.linspace(0.1, 0.9, d))
+            self.proj = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, x):  # x: [batch, tokens, features]
+            prev = jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))
+            return x + jnp.tanh(self.proj(self.mix * x + (1 - self.mix) * prev))
+
+    model = TokenShift(8, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    x = np.random.default_rng(3).normal(size=(4, 16, 8)).astype(np.float32)
+
+    def loss(params, x):
+        return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
+
+    step = jax.value_and_grad(loss)
+    dx = dist.shard_tensor(x, MESH24, [S(0), S(1)])
+    g = dist.jit(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        value, grads = g(params, dx)
+    ref_value, ref_grads = jax.jit(step)(params, x)
+    np.testing.assert_allclose(np.asarray(value.numpy()), ref_value, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a.numpy() if hasattr(a, "numpy") else a), b,
+                                   rtol=1e-4, atol=1e-6)
+    plan = g.plan(params, dx)
+    kinds = Counter(c.kind for c in plan.collectives)
+    assert "all-gather" not in kinds and kinds["collective-permute"] >= 1
+    hlo = g.lower(params, dx).compile().as_text()
+    assert count_collectives(hlo) == kinds

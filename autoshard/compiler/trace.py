@@ -22,6 +22,7 @@ from jax.extend import core as jex_core
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from .fold import fold_conv_padding
+from .shift import fold_shifts
 from .gc_pause import gc_paused
 
 # --------------------------------------------------------------------------------- hint primitive
@@ -476,6 +477,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
     outputs = walk(closed.jaxpr, closed.consts, inputs)
     eqns = fold_conv_padding(eqns, outputs, regions)
+    eqns = fold_shifts(eqns, outputs, regions)
     for i, e in enumerate(eqns):
         e.index = i
         for v in e.outputs:
