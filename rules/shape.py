@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import jax
 import numpy as np
 from jax import lax
 from jax._src.lax import lax as lax_internal
@@ -99,29 +100,63 @@ def split_sharding(in_avals, out_avals, *, sizes, axis):
                   [a.shape for a in out_avals], replicate=term[axis], **_KEEP)
 
 
+def _interleaving(lo: int, hi: int, interior: int) -> bool:
+    """A pad that spreads each row over `interior + 1` rows (row k at k (interior + 1) + lo,
+    the rest padding): block i of the result comes from block i of the operand alone (an
+    associative scan's interleave of its even and odd elements)."""
+    return interior > 0 and 0 <= lo <= interior and hi >= 0 and lo + hi == interior
+
+
 def pad_sharding(in_avals, out_avals, *, padding_config):
     term = LETTERS[:len(padding_config)]
-    moved = "".join(ch for ch, cfg in zip(term, padding_config) if tuple(cfg) != (0, 0, 0))
+    moved = "".join(ch for ch, cfg in zip(term, padding_config)
+                    if tuple(cfg) != (0, 0, 0) and not _interleaving(*cfg))
     # The padding value is an operand too: Partial(sum) pads parts with 0 and one part with it.
     return einsum(f"{term},->{term}", [a.shape for a in in_avals], [out_avals[0].shape],
                   replicate=moved, **_KEEP)
+
+
+def _few_rows(size: int, start: int, limit: int, stride: int) -> bool:
+    """A slice of at most half a dim's rows (the last token, a class token, a window): where
+    the dim is split, the devices holding those rows supply them and the others zeros — a
+    pending sum of the slice, where gathering would move the whole dim."""
+    return stride == 1 and 2 * (limit - start) <= size
 
 
 def slice_sharding(in_avals, out_avals, *, start_indices, limit_indices, strides):
     shape = in_avals[0].shape
     term = LETTERS[:len(shape)]
     strides = strides or (1,) * len(shape)
-    cut = "".join(ch for ch, s, lo, hi, st in zip(term, shape, start_indices, limit_indices, strides)
-                  if (lo, hi, st) != (0, s, 1))
-    return einsum(f"{term}->{term}", [shape], [out_avals[0].shape], replicate=cut, **_KEEP)
+    cut = [d for d, (s, lo, hi, st) in enumerate(zip(shape, start_indices, limit_indices, strides))
+           if (lo, hi, st) != (0, s, 1)]
+    summable = jax.dtypes.issubdtype(in_avals[0].dtype, np.number)
+    few = [d for d in cut if summable and _few_rows(shape[d], start_indices[d],
+                                                    limit_indices[d], strides[d])]
+    # a few rows' letter appears on the input only: split, it leaves the slice Partial(sum)
+    out = "".join("." if d in few else ch for d, ch in enumerate(term))
+    return einsum(f"{term}->{out}", [shape], [out_avals[0].shape],
+                  replicate="".join(term[d] for d in cut if d not in few), **_KEEP)
 
 
 def slice_lower(ctx, x, *, start_indices, limit_indices, strides):
-    # Only whole dims may be sharded; those span their whole local block.
+    # A split dim is whole (each device slices its block as it is) or a few rows
     local = x.shape
-    starts = tuple(0 if axes else lo for lo, axes in zip(start_indices, ctx.in_layouts[0].dims))
-    limits = tuple(local[d] if axes else hi
-                   for d, (hi, axes) in enumerate(zip(limit_indices, ctx.in_layouts[0].dims)))
+    ins, outs = ctx.in_layouts[0].dims, ctx.out_layouts[0].dims
+    few = [d for d, (a, b) in enumerate(zip(ins, outs)) if a and not b]
+    starts = tuple(lo if not axes or d in few else 0
+                   for d, (lo, axes) in enumerate(zip(start_indices, ins)))
+    limits = tuple(local[d] if axes and d not in few else hi
+                   for d, (hi, axes) in enumerate(zip(limit_indices, ins)))
+    for d in few:  # the slice's rows where this block holds them, zeros elsewhere
+        rows, b = limits[d] - starts[d], local[d]
+        config = [(0, 0, 0)] * x.ndim
+        config[d] = (rows, rows, 0)
+        padded = lax.pad(x, np.zeros((), x.dtype), config)
+        at = lax.sub(np.int32(starts[d] + rows), lax.mul(ctx.block_index(ins[d]), np.int32(b)))
+        at = lax.clamp(np.int32(0), at, np.int32(b + rows))
+        x = lax.dynamic_slice_in_dim(padded, at, rows, axis=d)
+        starts = starts[:d] + (0,) + starts[d + 1:]
+        limits = limits[:d] + (rows,) + limits[d + 1:]
     return [lax.slice(x, starts, limits, strides)]
 
 

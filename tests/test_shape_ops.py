@@ -171,3 +171,55 @@ def test_token_shift_model_over_a_split_sequence():
     assert "all-gather" not in kinds and kinds["collective-permute"] >= 1
     hlo = g.lower(params, dx).compile().as_text()
     assert count_collectives(hlo) == kinds
+
+
+FEW_ROWS = {
+    "last token": lambda h: h[:, -1],
+    "class token": lambda h: h[:, 0],
+    "a window in one block": lambda h: h[:, 20:23].sum(1),
+    "a window across blocks": lambda h: h[:, 14:18].max(1),
+    "a corner": lambda h: h[1:2, 30:34],
+}
+
+
+@pytest.mark.parametrize("take", FEW_ROWS.values(), ids=FEW_ROWS.keys())
+@pytest.mark.parametrize("placements", [[S(0), S(1)], [R, S(1)], [S(1), S(1)]],
+                         ids=["batch dp tokens mp", "tokens mp", "tokens over dp,mp"])
+def test_a_few_rows_of_a_split_dim_come_from_the_devices_holding_them(take, placements):
+    """The last (or first) token of a sequence split over devices — a classifier's or a
+    decoder's readout — is read where it lives: the devices holding it supply its rows, the
+    others zeros, and one all-reduce of the slice follows (Partial(sum)), where the whole
+    sequence used to be gathered. Values and gradients equal one device; no all-gather."""
+    h = np.random.default_rng(4).normal(size=(4, 64, 16)).astype(np.float32)
+    w = np.random.default_rng(5).normal(size=(16, 10)).astype(np.float32)
+    dh = dist.shard_tensor(h, MESH24, placements)
+
+    def readout(h, w):
+        return jnp.tanh(take(h) @ w)
+
+    for fn in (readout, jax.grad(lambda h, w: jnp.sum(readout(h, w) ** 2))):
+        g = dist.jit(fn)
+        out = g(dh, w)
+        np.testing.assert_allclose(out.numpy(), jax.jit(fn)(h, w), rtol=1e-5, atol=1e-6)
+        plan = g.plan(dh, w)
+        hlo = g.lower(dh, w).compile().as_text()
+        assert "all-gather" not in count_collectives(hlo)
+        assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    xla = jax.jit(readout, in_shardings=(
+        NamedSharding(MESH24.to_jax(), _spec(MESH24, placements, 3)),
+        NamedSharding(MESH24.to_jax(), P())))
+    ours = dist.jit(readout).lower(dh, w).compile().as_text()
+    assert sum(collective_bytes(ours).values()) <= sum(
+        collective_bytes(xla.lower(h, w).compile().as_text()).values())
+
+
+def test_a_slice_of_most_rows_still_gathers():
+    """A slice longer than half the dim would leave a pending sum bigger than the gathered
+    dim: the dim is moved whole (gathered, or its axis handed to the other dim), never left a
+    pending sum, and the result equals one device."""
+    h = np.random.default_rng(6).normal(size=(8, 16)).astype(np.float32)
+    dh = dist.shard_tensor(h, MESH24, [R, S(0)])
+    g = dist.jit(lambda h: h[1:13] * 2.0)
+    np.testing.assert_allclose(g(dh).numpy(), h[1:13] * 2.0)
+    kinds = [c.kind for c in g.plan(dh).collectives]
+    assert len(kinds) == 1 and kinds[0] in ("all-gather", "all-to-all")
