@@ -160,6 +160,8 @@ def samples() -> list[Sample]:
     add("slice a column of ints", "slice", lambda x: lax.slice(x, (0, 7), (4, 8)), i2)
     add("slice a column of bools", "slice", lambda x: lax.slice(x, (0, 0), (4, 1)), b2)
     add("pad interleaving", "pad", lambda x: lax.pad(x, 0.0, [(0, 0, 0), (1, 0, 1)]), f2)
+    add("pad a few rows to a split dim (a slice's gradient)", "pad",
+        lambda x, y: lax.pad(x, 0.5, [(0, 0, 0), (5, 1, 0)]) * y, ((4, 2), "f"), f2)
     add("rev", "rev", lambda x: lax.rev(x, (1,)), f2)
     add("rev both dims", "rev", lambda x: lax.rev(x, (0, 1)), f2)
     add("iota dim 0", "iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 8), 0), f2)

@@ -107,13 +107,44 @@ def _interleaving(lo: int, hi: int, interior: int) -> bool:
     return interior > 0 and 0 <= lo <= interior and hi >= 0 and lo + hi == interior
 
 
+def _spread(rows: int, lo: int, hi: int, interior: int) -> bool:
+    """A pad to at least twice its operand's rows (the gradient of a slice of a few rows):
+    the result may be split while the operand is whole — each device pads its own block,
+    holding the operand's rows where they land and the padding elsewhere."""
+    return interior == 0 and lo >= 0 and hi >= 0 and rows <= lo + hi
+
+
 def pad_sharding(in_avals, out_avals, *, padding_config):
+    shape = in_avals[0].shape
     term = LETTERS[:len(padding_config)]
-    moved = "".join(ch for ch, cfg in zip(term, padding_config)
-                    if tuple(cfg) != (0, 0, 0) and not _interleaving(*cfg))
+    changed = [d for d, cfg in enumerate(padding_config)
+               if tuple(cfg) != (0, 0, 0) and not _interleaving(*cfg)]
+    spread = [d for d in changed if _spread(shape[d], *padding_config[d])]
     # The padding value is an operand too: Partial(sum) pads parts with 0 and one part with it.
-    return einsum(f"{term},->{term}", [a.shape for a in in_avals], [out_avals[0].shape],
-                  replicate=moved, **_KEEP)
+    # A spread dim's letter is the result's alone (like a broadcast's new dim).
+    operand = "".join("." if d in spread else ch for d, ch in enumerate(term))
+    return einsum(f"{operand},->{term}", [a.shape for a in in_avals], [out_avals[0].shape],
+                  replicate="".join(term[d] for d in changed if d not in spread), **_KEEP)
+
+
+def pad_lower(ctx, x, value, *, padding_config):
+    config = [tuple(c) for c in padding_config]
+    outs = ctx.out_layouts[0].dims
+    local = ctx.local_out_shapes[0]
+    for d, (axes, (lo, hi, interior)) in enumerate(zip(outs, config)):
+        if not axes or ctx.in_layouts[0].dims[d] or interior:
+            continue
+        # this device's block of the padded dim: rows [i b, (i + 1) b) of x padded by (lo, hi),
+        # read from x padded by a block each side (all padding where x does not reach)
+        b, rows = local[d], x.shape[d]
+        wide = [(0, 0, 0)] * x.ndim
+        wide[d] = (b, b, 0)
+        x = lax.pad(x, value, wide)
+        at = lax.sub(lax.mul(ctx.block_index(axes), np.int32(b)), np.int32(lo - b))
+        at = lax.clamp(np.int32(0), at, np.int32(rows + b))
+        x = lax.dynamic_slice_in_dim(x, at, b, axis=d)
+        config[d] = (0, 0, 0)
+    return [lax.pad(x, value, config)]
 
 
 def _few_rows(size: int, start: int, limit: int, stride: int) -> bool:
@@ -244,7 +275,7 @@ TABLE = {
     lax.squeeze_p: Rule(squeeze_sharding),
     lax.reshape_p: Rule(reshape_sharding),
     lax.concatenate_p: Rule(concatenate_sharding),
-    lax.pad_p: Rule(pad_sharding),
+    lax.pad_p: Rule(pad_sharding, pad_lower),
     lax.split_p: Rule(split_sharding),
     lax.slice_p: Rule(slice_sharding, slice_lower),
     lax.rev_p: Rule(rev_sharding, rev_lower, rev_comm),

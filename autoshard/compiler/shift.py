@@ -158,7 +158,10 @@ def fold_shifts(eqns: list, outputs: list, regions: list) -> list:
 
     def mapped(v, dim: int) -> RowMap:
         m = maps.get(v)
-        if m is not None and m.dim == dim and v not in pinned:
+        # a value padded up from fewer rows (a slice's gradient) is a better source itself:
+        # a chain ends folded only where it is as long as its source
+        if (m is not None and m.dim == dim and v not in pinned
+                and m.source.shape[dim] >= v.shape[dim]):
             return m
         return RowMap(v, dim, 0, 0, v.shape[dim], None)
 
