@@ -101,6 +101,9 @@ OPS = {
     "roll": lambda h, w: jnp.roll(h, (1, -3), axis=(0, 1)) * w,
     "token_shift": lambda h, w: h + jnp.pad(h[:-1], ((1, 0), (0, 0))) * w,
     "shift_fill": lambda h, w: jnp.concatenate([h[:, 2:], jnp.full((8, 2), 0.5)], 1) * w,
+    # a language model's shifted pairing (widen.py: computed at the full length, then masked)
+    "shifted_pairs": lambda h, w: jnp.pad(jnp.exp(h[:-1]) * w[1:], ((0, 1), (0, 0)))
+    + jnp.sum(jnp.tanh(h[:, 1:]), axis=1, keepdims=True),
 }
 
 

@@ -242,18 +242,19 @@ def fold_shifts(eqns: list, outputs: list, regions: list) -> list:
         e.params = dict(dim=m.dim, shift=m.shift, lo=m.lo, hi=m.hi)
         e.params_key = params_key(e.params)
         e.sharding_cache = {}
-    return _drop_dead(eqns, outputs, regions, pinned, read)
+    return drop_dead(eqns, outputs, regions, pinned, read)
 
 
-def _drop_dead(eqns: list, outputs: list, regions: list, pinned: set, read: Counter) -> list:
-    """`eqns` without the data movement that was read before the fold and no longer is
-    (regions' bounds follow)."""
+def drop_dead(eqns: list, outputs: list, regions: list, pinned: set, read: Counter,
+              also: frozenset = frozenset()) -> list:
+    """`eqns` without the data movement (and the equations `also` names, by id) that was
+    read before a rewrite and no longer is (regions' bounds follow)."""
     uses = Counter(v for e in eqns for v in e.inputs)
     uses.update(outputs)
     dead: set = set()
     movers = (*_MOVES, shift_p, lax.broadcast_in_dim_p, lax.convert_element_type_p)
     for e in reversed(eqns):
-        if ((e.primitive in movers or e.primitive.name == "add_any")
+        if ((e.primitive in movers or e.primitive.name == "add_any" or id(e) in also)
                 and all(uses[v] == 0 and v not in pinned for v in e.outputs)
                 and any(read[v] for v in e.outputs)):
             dead.add(id(e))
@@ -272,4 +273,4 @@ def _drop_dead(eqns: list, outputs: list, regions: list, pinned: set, read: Coun
     return kept
 
 
-__all__ = ["shift_p", "shift_reference", "fold_shifts", "RowMap"]
+__all__ = ["shift_p", "shift_reference", "fold_shifts", "RowMap", "drop_dead"]

@@ -23,6 +23,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from .fold import fold_conv_padding
 from .shift import fold_shifts
+from .widen import widen_slices
 from .gc_pause import gc_paused
 
 # --------------------------------------------------------------------------------- hint primitive
@@ -478,6 +479,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     outputs = walk(closed.jaxpr, closed.consts, inputs)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
+    eqns = widen_slices(eqns, outputs, regions, fresh, const_value)
     for i, e in enumerate(eqns):
         e.index = i
         for v in e.outputs:

@@ -1,0 +1,352 @@
+"""Slices of most of a dim, computed at the dim's full length: a language model's shifted loss.
+
+`logits[:, :-1]` against `tokens[:, 1:]` — the loss of most training loops — slices 63 of 64
+positions; 63 rows do not divide over the devices a sequence is split across, so the logits
+(the largest activation) were gathered whole on every device. This pass computes such a chain
+at the full length instead: a slice of L of a dim's N rows (7N/8 <= L < N) becomes the whole
+dim rolled so that its rows come first (`autoshard_shift`; no equation at all for a slice from
+row 0), and the equations reading it run on all N rows — elementwise ops, broadcasts, reductions
+over other dims, gathers and scatters that keep rows apart (take_along_axis and its gradient,
+an embedding lookup of shifted ids). Rows L.. carry wrapped-around values no one reads: a
+reduction over the dim first sets them to its identity, and a pad back to N rows (the slice's
+gradient) becomes a shift that fills them with the pad value. Both are `autoshard_shift`
+equations, whose rule keeps the dim split (rules/shift.py).
+
+A chain is rewritten only when every value in it is read by equations the pass rewrites too,
+so nothing is computed twice; anything else keeps the slices as written.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+import numpy as np
+from jax import lax
+
+from .dtypes import highest, lowest
+from .shift import drop_dead, shift_p
+
+# the reductions a pass can mask: the identity its dropped rows are set to
+_IDENTITY: dict = {
+    "reduce_sum": lambda dtype: np.zeros((), dtype),
+    "reduce_max": lowest,
+    "reduce_min": highest,
+    "reduce_prod": lambda dtype: np.ones((), dtype),
+    "reduce_or": lambda dtype: np.zeros((), dtype),
+    "reduce_and": lambda dtype: np.ones((), dtype),
+}
+
+
+def _most_rows(e) -> tuple[int, int] | None:
+    """(dim, start) of a unit-stride slice of nearly all of one dim's rows."""
+    size = e.inputs[0].shape
+    strides = e.params.get("strides") or ()
+    if any(s not in (None, 1) for s in strides):
+        return None
+    cut = [d for d, (a, b) in enumerate(zip(e.params["start_indices"], e.params["limit_indices"]))
+           if (a, b) != (0, size[d])]
+    if len(cut) != 1:
+        return None
+    d = cut[0]
+    a, b = e.params["start_indices"][d], e.params["limit_indices"][d]
+    rows = b - a
+    # at most an eighth more rows computed than the slice kept (a shift by a token or two)
+    return (d, int(a)) if 2 <= rows < size[d] and 8 * rows >= 7 * size[d] else None
+
+
+def _reshape_dim(src: tuple, dst: tuple, d: int) -> int | None:
+    """Where dim d of `src` lands in `dst` when the reshape only adds or drops size-1 dims."""
+    big_src = [i for i, s in enumerate(src) if s != 1]
+    big_dst = [i for i, s in enumerate(dst) if s != 1]
+    if [src[i] for i in big_src] != [dst[i] for i in big_dst] or d not in big_src:
+        return None
+    return big_dst[big_src.index(d)]
+
+
+def _plan_eqn(e, dim_of: Callable, elementwise: set) -> tuple | None:
+    """How `e` runs at full length: ("widen", {input: dim}, output dim), ("mask", input dim)
+    for a reduction over the dim, ("unpad", input dim) for a pad back to the full length; None
+    when it cannot. `dim_of(v)` is the long dim of a value already computed at full length."""
+    name = e.primitive.name
+    if e.primitive in elementwise and len(e.outputs) == 1:
+        shape = e.outputs[0].shape
+        framed = [dim_of(v) for v in e.inputs if dim_of(v) is not None]
+        if not framed or any(f != framed[0] for f in framed):
+            return None
+        d = framed[0]
+        # operands are scalars or of the result's rank, size-1 dims broadcasting (jax lets
+        # elementwise ops broadcast them): those as long as the dim run at full length
+        if any(v.shape and (len(v.shape) != len(shape)
+                            or any(a not in (b, 1) for a, b in zip(v.shape, shape)))
+               for v in e.inputs):
+            return None
+        return "widen", {i: d for i, v in enumerate(e.inputs)
+                         if v.shape and v.shape[d] == shape[d]}, d
+    if e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1:
+        d = dim_of(e.inputs[0])
+        out = e.params["broadcast_dimensions"][d]
+        return "widen", {0: d}, out
+    if e.primitive is lax.reshape_p and e.params.get("dimensions") is None and len(e.inputs) == 1:
+        d = dim_of(e.inputs[0])
+        out = _reshape_dim(e.inputs[0].shape, e.outputs[0].shape, d)
+        return None if out is None else ("widen", {0: d}, out)
+    if name in _IDENTITY and len(e.inputs) == 1:
+        d, axes = dim_of(e.inputs[0]), e.params["axes"]
+        if d in axes:
+            return "mask", d
+        return "widen", {0: d}, d - sum(1 for a in axes if a < d)
+    if e.primitive is lax.pad_p:
+        d = dim_of(e.inputs[0])
+        config = e.params["padding_config"]
+        lo, hi, interior = config[d]
+        if (dim_of(e.inputs[1]) is None and interior == 0 and lo >= 0 and hi >= 0
+                and all(tuple(c) == (0, 0, 0) for i, c in enumerate(config) if i != d)):
+            return "unpad", d
+        return None
+    if e.primitive is lax.gather_p:
+        return _plan_gather(e, dim_of)
+    if name in ("scatter-add", "scatter_add", "scatter"):
+        return _plan_scatter(e, dim_of)
+    return None
+
+
+def _plan_gather(e, dim_of) -> tuple | None:
+    dn = e.params["dimension_numbers"]
+    operand, indices = e.inputs
+    d_op, d_ix = dim_of(operand), dim_of(indices)
+    out_rank = len(e.outputs[0].shape)
+    batch_out = [i for i in range(out_rank) if i not in dn.offset_dims]
+    if d_op is not None:  # take_along_axis: the dim is a batching dim of both
+        if d_op not in dn.operand_batching_dims:
+            return None
+        want = dn.start_indices_batching_dims[dn.operand_batching_dims.index(d_op)]
+        if d_ix not in (None, want):
+            return None
+        return "widen", {0: d_op, 1: want}, batch_out[want]
+    # a lookup of rows of indices (shifted ids into a table): rows of the result follow them
+    if d_ix is None or d_ix == len(indices.shape) - 1 or d_ix in dn.start_indices_batching_dims:
+        return None
+    return "widen", {1: d_ix}, batch_out[d_ix]
+
+
+def _plan_scatter(e, dim_of) -> tuple | None:
+    if len(e.inputs) != 3:
+        return None
+    dn = e.params["dimension_numbers"]
+    operand, indices, updates = e.inputs
+    known = [(i, dim_of(v)) for i, v in enumerate(e.inputs) if dim_of(v) is not None]
+    if not known:
+        return None
+    scatter_upd = [i for i in range(len(updates.shape)) if i not in dn.update_window_dims]
+    d_ix = dim_of(indices)
+    if (dim_of(operand) is None and e.primitive.name in ("scatter-add", "scatter_add")
+            and d_ix is not None and d_ix < len(indices.shape) - 1
+            and d_ix not in dn.scatter_indices_batching_dims
+            and dim_of(updates) in (None, scatter_upd[d_ix])):
+        # an embedding's gradient: updates of rows of indices added into a table; the rows
+        # past the slice add zeros (their updates masked), and the table is whole again
+        return "mask_updates", d_ix, scatter_upd[d_ix]
+    # else the dim must be a batching dim: operand, indices and updates rows stay together
+    for k, d_op in enumerate(dn.operand_batching_dims):
+        d_ix = dn.scatter_indices_batching_dims[k]
+        if d_ix >= len(scatter_upd):
+            continue
+        dims = {0: d_op, 1: d_ix, 2: scatter_upd[d_ix]}
+        if all(dims[i] == d for i, d in known):
+            return "widen", dims, d_op
+    return None
+
+
+def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any], Any],
+                 constant: Callable[[Any, Any], Any]) -> list:
+    """`eqns` with each chain that starts at a slice of most of a dim computed at the dim's
+    full length (see the module's docstring); `fresh(aval)` makes a new value, `constant(value,
+    aval)` a new constant."""
+    if not any(e.primitive is lax.slice_p for e in eqns):
+        return eqns  # one pass over the equations: most programs have nothing to widen
+    from ..rules.elementwise import TABLE
+
+    elementwise = {p for p in TABLE if p.name not in ("optimization_barrier",
+                                                        "bitcast_convert_type")}
+    inside = {k for r in regions for k in range(r.start, r.stop)}
+    pinned = {v for r in regions for v in (*r.inputs, *r.outputs)}
+    made_by = {e.outputs[0]: e for e in eqns if len(e.outputs) == 1}
+    readers: dict = defaultdict(list)
+    for k, e in enumerate(eqns):
+        for v in e.inputs:
+            readers[v].append(k)
+
+    long_dim: dict = {}    # a value computed at full length → (its long dim, group)
+    length: dict = {}      # group → (rows the slice kept, the dim's full rows)
+    parent: dict = {}      # groups joined by an equation reading both
+
+    def find(g):
+        while parent[g] != g:
+            g = parent[g]
+        return g
+
+    def dim_of(v):
+        return long_dim[v][0] if v in long_dim else None
+
+    def spreadable(v, d, rows) -> bool:
+        """A broadcast of something without dim d (zeros to scatter into, a scalar's ones):
+        it is made at full length where it is read."""
+        e = made_by.get(v)
+        if (e is None or e.primitive is not lax.broadcast_in_dim_p or v in pinned
+                or v.shape[d] != rows or len(e.inputs) != 1):
+            return False
+        dims = e.params["broadcast_dimensions"]
+        # a broadcast of a broadcast (a scalar's gradient spread over rows, then features)
+        return d not in dims or spreadable(e.inputs[0], dims.index(d), rows)
+
+    actions: dict = {}
+    for k, e in enumerate(eqns):
+        if k in inside:
+            continue
+        if e.primitive is lax.slice_p and e.inputs[0] not in long_dim:
+            cut = _most_rows(e)
+            if cut is not None:
+                d, start = cut
+                g = len(parent)
+                parent[g] = g
+                length[g] = (e.outputs[0].shape[d], e.inputs[0].shape[d])
+                long_dim[e.outputs[0]] = (d, g)
+                actions[k] = ("start", g, (d, start))
+            continue
+        if not any(v in long_dim for v in e.inputs):
+            continue
+        plan = _plan_eqn(e, dim_of, elementwise)
+        if plan is None:
+            continue
+        groups = {find(long_dim[v][1]) for v in e.inputs if v in long_dim}
+        sizes = {length[g] for g in groups}
+        if len(sizes) != 1:
+            continue
+        rows, full = sizes.pop()
+        if plan[0] == "widen":
+            _, dims, out_dim = plan
+            if any(e.inputs[i] not in long_dim and not spreadable(e.inputs[i], d, rows)
+                   for i, d in dims.items()):
+                continue
+            if any(v.shape[out_dim] != rows for v in e.outputs[:1]):
+                continue
+        elif plan[0] == "mask_updates":
+            if not all(v in long_dim or spreadable(v, d, rows)
+                       for v, d in zip(e.inputs[1:], plan[1:])):
+                continue
+        elif plan[0] == "unpad":
+            lo, hi, _ = e.params["padding_config"][plan[1]]
+            if lo + rows + hi != full:
+                continue
+        g = min(groups)
+        for other in groups:
+            parent[find(other)] = g
+        actions[k] = (plan[0], g, plan[1:])
+        if plan[0] == "widen":
+            for v in e.outputs:
+                long_dim[v] = (plan[2], g)
+
+    # a group is rewritten only if every reader of its values is rewritten with it
+    spoiled = set()
+    for v, (_, g) in long_dim.items():
+        if v in pinned or v in outputs or any(r not in actions for r in readers[v]):
+            spoiled.add(find(g))
+    keep = {k for k, (_, g, _) in actions.items() if find(g) not in spoiled}
+    if not keep:
+        return eqns
+
+    from .trace import Eqn, params_key
+
+    full_of: dict = {}  # value → the same value computed at full length
+    new: list = []
+    new_index: list = []
+    rewritten: set = set()
+    read = Counter(v for e in eqns for v in e.inputs)
+
+    def emit(primitive, inputs, avals, params, where) -> list:
+        outs = [fresh(a) for a in avals]
+        new.append(Eqn(primitive, list(inputs), outs, params, where,
+                       params_key=params_key(params)))
+        return outs
+
+    def longer(aval, d, full):
+        shape = list(aval.shape)
+        shape[d] = full
+        return aval.update(shape=tuple(shape))
+
+    def at_full(v, d, full, where):
+        if v in full_of:
+            return full_of[v]
+        src = made_by[v]  # a spreadable broadcast, made again at full length
+        dims = src.params["broadcast_dimensions"]
+        ins = list(src.inputs)
+        if d in dims:
+            ins[0] = at_full(ins[0], dims.index(d), full, where)
+        params = {**src.params, "shape": tuple(longer(v.aval, d, full).shape)}
+        (out,) = emit(src.primitive, ins, [longer(v.aval, d, full)], params, where)
+        rewritten.add(id(src))
+        full_of[v] = out
+        return out
+
+    for k, e in enumerate(eqns):
+        new_index.append(len(new))
+        if k not in keep:
+            new.append(e)
+            continue
+        kind, g, info = actions[k]
+        rows, full = length[find(g)]
+        if kind == "start":
+            new.append(e)
+            rewritten.add(id(e))
+            d, start = info
+            x = e.inputs[0]
+            full_of[e.outputs[0]] = x if start == 0 else emit(
+                shift_p, [x], [x.aval], dict(dim=d, shift=start, lo=0, hi=full), e.where)[0]
+        elif kind == "widen":
+            new.append(e)
+            rewritten.add(id(e))
+            dims, out_dim = info
+            ins = [at_full(v, dims[i], full, e.where) if i in dims else v
+                   for i, v in enumerate(e.inputs)]
+            params = dict(e.params)
+            avals = [longer(v.aval, out_dim, full) for v in e.outputs]
+            for key in ("shape", "new_sizes"):
+                if params.get(key) is not None:
+                    params[key] = tuple(avals[0].shape)
+            for v, out in zip(e.outputs, emit(e.primitive, ins, avals, params, e.where)):
+                full_of[v] = out
+        elif kind == "mask":
+            (d,) = info
+            x = full_of[e.inputs[0]]
+            fill = constant(_IDENTITY[e.primitive.name](x.dtype), x.aval.update(shape=()))
+            (masked,) = emit(shift_p, [x, fill], [x.aval], dict(dim=d, shift=0, lo=0, hi=rows),
+                             e.where)
+            e.inputs = [masked]
+            e.sharding_cache = {}
+            new.append(e)
+        elif kind == "mask_updates":
+            d_ix, d_upd = info
+            indices = at_full(e.inputs[1], d_ix, full, e.where)
+            updates = at_full(e.inputs[2], d_upd, full, e.where)
+            zero = constant(np.zeros((), updates.dtype), updates.aval.update(shape=()))
+            (masked,) = emit(shift_p, [updates, zero], [updates.aval],
+                             dict(dim=d_upd, shift=0, lo=0, hi=rows), e.where)
+            e.inputs = [e.inputs[0], indices, masked]
+            e.sharding_cache = {}
+            new.append(e)
+        else:  # unpad: the pad back to full length is a shift filling the rest with its value
+            (d,) = info
+            lo = e.params["padding_config"][d][0]
+            e.primitive = shift_p
+            e.inputs = [full_of[e.inputs[0]], e.inputs[1]]
+            e.params = dict(dim=d, shift=(-lo) % full, lo=lo, hi=lo + rows)
+            e.params_key = params_key(e.params)
+            e.sharding_cache = {}
+            new.append(e)
+    new_index.append(len(new))
+    for r in regions:
+        r.start, r.stop = new_index[r.start], new_index[r.stop]
+    return drop_dead(new, outputs, regions, pinned, read, frozenset(rewritten))
+
+
+__all__ = ["widen_slices"]
