@@ -53,13 +53,31 @@ def shift_lower(ctx, x, *fill, dim, shift, lo, hi):
             piece = ctx.ppermute(piece, axes, [((i + hop) % n, i) for i in need])
         parts.append(piece)
     out = lax.concatenate(parts, dim) if len(parts) > 1 else parts[0]
-    if (lo, hi) != (0, n * b):
-        rows = lax.broadcasted_iota(np.int32, out.shape, dim)
-        if axes:
-            rows = lax.add(rows, lax.mul(ctx.block_index(axes), np.int32(b)))
-        inside = lax.bitwise_and(lax.ge(rows, np.int32(lo)), lax.lt(rows, np.int32(hi)))
-        out = lax.select(inside, out, lax.broadcast(fill[0], out.shape))
+    first = lax.mul(ctx.block_index(axes), np.int32(b)) if axes else np.int32(0)
+    for start, stop in ((0, lo), (hi, n * b)):  # the rows outside [lo, hi) take the fill
+        out = _fill_rows(out, fill[0] if fill else None, dim, first, start, stop)
     return [out]
+
+
+def _fill_rows(x, fill, dim: int, first, start: int, stop: int):
+    """`x`, this device's rows [first, first + b) of a dim, with global rows [start, stop)
+    set to `fill`. A few rows (a token shift's one) are rewritten in place — a window of that
+    many rows where they fall, every block alike — rather than selecting over the whole block
+    (a select over the block fused into what reads it, e.g. a transposing copy before a
+    matmul, made XLA on CPU recompute it there)."""
+    b, k = x.shape[dim], stop - start
+    if k <= 0:
+        return x
+    at = np.int32(0)
+    if k < b:
+        at = lax.clamp(np.int32(0), lax.sub(np.int32(start), first), np.int32(b - k))
+        window = lax.dynamic_slice_in_dim(x, at, k, axis=dim)
+    else:
+        window, k = x, b
+    rows = lax.add(lax.broadcasted_iota(np.int32, window.shape, dim), lax.add(first, at))
+    outside = lax.bitwise_and(lax.ge(rows, np.int32(start)), lax.lt(rows, np.int32(stop)))
+    window = lax.select(outside, lax.broadcast(fill, window.shape), window)
+    return window if k == b else lax.dynamic_update_slice_in_dim(x, window, at, axis=dim)
 
 
 def shift_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, dim, shift, lo, hi):

@@ -256,5 +256,37 @@ def spatial_cnn(quick: bool = False) -> Workload:
         info={"batch": b, "image": hw, "channels": c})
 
 
+def shifted_lm_loss(quick: bool = False) -> Workload:
+    """A language model's last layer and loss over a sequence split over mp (batch over dp):
+    a token shift mixing each position with the one before, the head, and the cross-entropy
+    of `logits[:, :-1]` against `tokens[:, 1:]` — slices of 63 of 64 positions, which
+    autoshard runs at the full length (the labels rolled by one token) rather than gathering
+    the logits; no closed form is claimed."""
+    b, t, d, v = (4, 16, 16, 64) if quick else (16, 256, 64, 2048)
+    mesh = mesh_2x4()
+    rng = np.random.default_rng(5)
+    params = {"mix": _normal(rng, d) * 0.1, "head": _normal(rng, d, v) * 0.1}
+    h = _normal(rng, b, t, d)
+    tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+
+    def step(p, h, tokens):
+        def loss(p):
+            prev = jnp.pad(h[:, :-1], ((0, 0), (1, 0), (0, 0)))
+            x = h + jnp.tanh(p["mix"] * prev)
+            logp = jax.nn.log_softmax((x @ p["head"])[:, :-1])
+            return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+        value, grads = jax.value_and_grad(loss)(p)
+        return sgd(p, grads), value
+
+    placed = _place(params, mesh, {k: [R, R] for k in params})
+    return Workload(
+        "shifted lm loss", step,
+        (placed, dist.shard_tensor(h, mesh, [S(0), S(1)]),
+         dist.shard_tensor(tokens, mesh, [S(0), S(1)])),
+        mesh, None, keep_placements(placed, [R, R]),
+        notes="tokens over mp: labels rolled by one token, logits never gathered",
+        info={"batch": b, "seq": t, "d": d, "vocab": v})
+
+
 __all__ = ["Workload", "keep_placements", "dp_mlp", "tp_mlp", "vocab_ce", "dropout_mlp",
-           "spatial_cnn", "mesh_1d", "mesh_2x4", "sgd"]
+           "spatial_cnn", "shifted_lm_loss", "mesh_1d", "mesh_2x4", "sgd"]
