@@ -247,16 +247,17 @@ def fold_shifts(eqns: list, outputs: list, regions: list) -> list:
 
 def drop_dead(eqns: list, outputs: list, regions: list, pinned: set, read: Counter,
               also: frozenset = frozenset()) -> list:
-    """`eqns` without the data movement (and the equations `also` names, by id) that was
-    read before a rewrite and no longer is (regions' bounds follow)."""
+    """`eqns` without the data movement that was read before a rewrite and no longer is, and
+    without the equations `also` names (by id) that nothing reads (regions' bounds follow)."""
     uses = Counter(v for e in eqns for v in e.inputs)
     uses.update(outputs)
     dead: set = set()
     movers = (*_MOVES, shift_p, lax.broadcast_in_dim_p, lax.convert_element_type_p)
     for e in reversed(eqns):
-        if ((e.primitive in movers or e.primitive.name == "add_any" or id(e) in also)
-                and all(uses[v] == 0 and v not in pinned for v in e.outputs)
-                and any(read[v] for v in e.outputs)):
+        moved = ((e.primitive in movers or e.primitive.name == "add_any")
+                 and any(read[v] for v in e.outputs))
+        if ((moved or id(e) in also)
+                and all(uses[v] == 0 and v not in pinned for v in e.outputs)):
             dead.add(id(e))
             for v in e.inputs:
                 uses[v] -= 1

@@ -110,12 +110,26 @@ def _plan_eqn(e, dim_of: Callable, elementwise: set) -> tuple | None:
     return None
 
 
+def _whole_window(d: int, dropped, batching, indexed) -> bool:
+    """Dim d of a gather's or scatter's operand is neither indexed nor a batching dim: its
+    rows pass whole inside each window."""
+    return d not in dropped and d not in batching and d not in indexed
+
+
 def _plan_gather(e, dim_of) -> tuple | None:
     dn = e.params["dimension_numbers"]
     operand, indices = e.inputs
     d_op, d_ix = dim_of(operand), dim_of(indices)
     out_rank = len(e.outputs[0].shape)
     batch_out = [i for i in range(out_rank) if i not in dn.offset_dims]
+    if d_op is not None and d_ix is None and _whole_window(
+            d_op, dn.collapsed_slice_dims, dn.operand_batching_dims, dn.start_index_map):
+        # the rows are taken whole, as a slice's window (jnp.take of one index of another dim)
+        if e.params["slice_sizes"][d_op] != operand.shape[d_op]:
+            return None
+        window = [i for i in range(len(operand.shape))
+                  if i not in dn.collapsed_slice_dims and i not in dn.operand_batching_dims]
+        return "widen", {0: d_op}, dn.offset_dims[window.index(d_op)]
     if d_op is not None:  # take_along_axis: the dim is a batching dim of both
         if d_op not in dn.operand_batching_dims:
             return None
@@ -138,7 +152,20 @@ def _plan_scatter(e, dim_of) -> tuple | None:
     if not known:
         return None
     scatter_upd = [i for i in range(len(updates.shape)) if i not in dn.update_window_dims]
-    d_ix = dim_of(indices)
+    d_ix, d_op, d_up = dim_of(indices), dim_of(operand), dim_of(updates)
+    window = [i for i in range(len(operand.shape))
+              if i not in dn.inserted_window_dims and i not in dn.operand_batching_dims]
+    if d_op is None and d_up in dn.update_window_dims:
+        d_op = window[dn.update_window_dims.index(d_up)]
+    if d_ix is None and d_op is not None and _whole_window(
+            d_op, dn.inserted_window_dims, dn.operand_batching_dims,
+            dn.scatter_dims_to_operand_dims):
+        # the gradient of a whole-window gather: rows pass whole into the operand's windows
+        d_upd = dn.update_window_dims[window.index(d_op)]
+        if d_up not in (None, d_upd) or updates.shape[d_upd] != operand.shape[d_op]:
+            return None
+        return "widen", {0: d_op, 2: d_upd}, d_op
+    d_op = dim_of(operand)
     if (dim_of(operand) is None and e.primitive.name in ("scatter-add", "scatter_add")
             and d_ix is not None and d_ix < len(indices.shape) - 1
             and d_ix not in dn.scatter_indices_batching_dims
@@ -188,16 +215,37 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
     def dim_of(v):
         return long_dim[v][0] if v in long_dim else None
 
+    def spread_inputs(e, v, d) -> list | None:
+        """The (operand, dim) pairs of `e` (which makes v) that run along v's dim d; None if
+        `e` cannot be made again at full length from them."""
+        if len(e.outputs) != 1:
+            return None
+        if e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1:
+            dims = e.params["broadcast_dimensions"]
+            return [(0, dims.index(d))] if d in dims else []
+        if e.primitive in elementwise:
+            if any(u.shape and len(u.shape) != len(v.shape) for u in e.inputs):
+                return None
+            return [(i, d) for i, u in enumerate(e.inputs) if u.shape and u.shape[d] == v.shape[d]]
+        if e.primitive.name in ("scatter-add", "scatter_add") and len(e.inputs) == 3:
+            dn = e.params["dimension_numbers"]
+            if not _whole_window(d, dn.inserted_window_dims, dn.operand_batching_dims,
+                                 dn.scatter_dims_to_operand_dims):
+                return None
+            window = [i for i in range(len(v.shape))
+                      if i not in dn.inserted_window_dims and i not in dn.operand_batching_dims]
+            return [(0, d), (2, dn.update_window_dims[window.index(d)])]
+        return None
+
     def spreadable(v, d, rows) -> bool:
-        """A broadcast of something without dim d (zeros to scatter into, a scalar's ones):
-        it is made at full length where it is read."""
+        """Made without reading dim d's rows from anything of the chain — a broadcast (zeros to
+        scatter into, a scalar's gradient), ops and whole-window scatters of such values: it
+        is made again at full length where it is read."""
         e = made_by.get(v)
-        if (e is None or e.primitive is not lax.broadcast_in_dim_p or v in pinned
-                or v.shape[d] != rows or len(e.inputs) != 1):
+        if e is None or v in pinned or v in long_dim or v.shape[d] != rows:
             return False
-        dims = e.params["broadcast_dimensions"]
-        # a broadcast of a broadcast (a scalar's gradient spread over rows, then features)
-        return d not in dims or spreadable(e.inputs[0], dims.index(d), rows)
+        ins = spread_inputs(e, v, d)
+        return ins is not None and all(spreadable(e.inputs[i], dd, rows) for i, dd in ins)
 
     actions: dict = {}
     for k, e in enumerate(eqns):
@@ -267,6 +315,7 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
         outs = [fresh(a) for a in avals]
         new.append(Eqn(primitive, list(inputs), outs, params, where,
                        params_key=params_key(params)))
+        rewritten.add(id(new[-1]))  # unread (a copy of something the program never read)
         return outs
 
     def longer(aval, d, full):
@@ -277,12 +326,13 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
     def at_full(v, d, full, where):
         if v in full_of:
             return full_of[v]
-        src = made_by[v]  # a spreadable broadcast, made again at full length
-        dims = src.params["broadcast_dimensions"]
+        src = made_by[v]  # a spreadable value, made again at full length
         ins = list(src.inputs)
-        if d in dims:
-            ins[0] = at_full(ins[0], dims.index(d), full, where)
-        params = {**src.params, "shape": tuple(longer(v.aval, d, full).shape)}
+        for i, dd in spread_inputs(src, v, d):
+            ins[i] = at_full(ins[i], dd, full, where)
+        params = dict(src.params)
+        if "shape" in params:
+            params["shape"] = tuple(longer(v.aval, d, full).shape)
         (out,) = emit(src.primitive, ins, [longer(v.aval, d, full)], params, where)
         rewritten.add(id(src))
         full_of[v] = out
@@ -313,6 +363,11 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
             for key in ("shape", "new_sizes"):
                 if params.get(key) is not None:
                     params[key] = tuple(avals[0].shape)
+            if e.primitive is lax.gather_p and 0 in dims:  # a whole-window dim's slice size
+                sizes = list(params["slice_sizes"])
+                if sizes[dims[0]] == rows:
+                    sizes[dims[0]] = full
+                params["slice_sizes"] = tuple(sizes)
             for v, out in zip(e.outputs, emit(e.primitive, ins, avals, params, e.where)):
                 full_of[v] = out
         elif kind == "mask":
