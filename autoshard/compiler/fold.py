@@ -125,6 +125,11 @@ def fold_conv_padding(eqns: list, outputs: list, regions: list) -> list:
     for e in eqns:  # pads read only by the convolutions they were folded into
         if e.primitive is lax.pad_p and uses[e.outputs[0]] == 0 and e.outputs[0] not in pinned:
             dead.add(id(e))
+    return without(eqns, dead, regions)
+
+
+def without(eqns: list, dead: set, regions: list) -> list:
+    """`eqns` less those whose ids are in `dead`; regions' bounds follow."""
     if not dead:
         return eqns
     kept, new_index = [], []
@@ -138,4 +143,4 @@ def fold_conv_padding(eqns: list, outputs: list, regions: list) -> list:
     return kept
 
 
-__all__ = ["fold_conv_padding"]
+__all__ = ["fold_conv_padding", "without"]

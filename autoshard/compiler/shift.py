@@ -22,6 +22,8 @@ from jax import lax
 from jax._src import core as jcore
 from jax._src.interpreters import mlir
 
+from .fold import without
+
 shift_p = jcore.Primitive("autoshard_shift")
 
 
@@ -261,17 +263,7 @@ def drop_dead(eqns: list, outputs: list, regions: list, pinned: set, read: Count
             dead.add(id(e))
             for v in e.inputs:
                 uses[v] -= 1
-    if not dead:
-        return eqns
-    kept, new_index = [], []
-    for e in eqns:
-        new_index.append(len(kept))
-        if id(e) not in dead:
-            kept.append(e)
-    new_index.append(len(kept))
-    for r in regions:
-        r.start, r.stop = new_index[r.start], new_index[r.stop]
-    return kept
+    return without(eqns, dead, regions)
 
 
 __all__ = ["shift_p", "shift_reference", "fold_shifts", "RowMap", "drop_dead"]
