@@ -104,6 +104,8 @@ OPS = {
     # a language model's shifted pairing (widen.py: computed at the full length, then masked)
     "shifted_pairs": lambda h, w: jnp.pad(jnp.exp(h[:-1]) * w[1:], ((0, 1), (0, 0)))
     + jnp.sum(jnp.tanh(h[:, 1:]), axis=1, keepdims=True),
+    "shifted_matmul": lambda h, w: jnp.pad(h[1:] @ w, ((1, 0), (0, 0))) + w * jnp.sum(
+        h[1:] * w[:-1]),
 }
 
 

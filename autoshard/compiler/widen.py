@@ -103,11 +103,41 @@ def _plan_eqn(e, dim_of: Callable, elementwise: set) -> tuple | None:
                 and all(tuple(c) == (0, 0, 0) for i, c in enumerate(config) if i != d)):
             return "unpad", d
         return None
+    if e.primitive is lax.dot_general_p:
+        return _plan_dot(e, dim_of)
     if e.primitive is lax.gather_p:
         return _plan_gather(e, dim_of)
     if name in ("scatter-add", "scatter_add", "scatter"):
         return _plan_scatter(e, dim_of)
     return None
+
+
+def _plan_dot(e, dim_of) -> tuple | None:
+    """A matmul keeps rows apart along a free or batch dim (the head on `h[:, :-1]`: its
+    result is as long); contracting the dim (the head's weight gradient) sums over rows, so
+    both operands' rows past the slice are zeroed first."""
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    lhs, rhs = e.inputs
+    dl, dr = dim_of(lhs), dim_of(rhs)
+    lfree = [i for i in range(len(lhs.shape)) if i not in lc and i not in lb]
+    rfree = [i for i in range(len(rhs.shape)) if i not in rc and i not in rb]
+    if dl is not None and dl in lc:
+        k = lc.index(dl)
+        return ("mask_both", dl, rc[k]) if dr in (None, rc[k]) else None
+    if dr is not None and dr in rc:
+        k = rc.index(dr)
+        return ("mask_both", lc[k], dr) if dl is None else None
+    if dl is not None and dl in lb:
+        k = lb.index(dl)
+        return ("widen", {0: dl, 1: rb[k]}, k) if dr in (None, rb[k]) else None
+    if dr is not None and dr in rb:
+        k = rb.index(dr)
+        return ("widen", {0: lb[k], 1: dr}, k) if dl is None else None
+    if dl is not None and dr is None:
+        return "widen", {0: dl}, len(lb) + lfree.index(dl)
+    if dr is not None and dl is None:
+        return "widen", {1: dr}, len(lb) + len(lfree) + rfree.index(dr)
+    return None  # both operands long along free dims: an outer product of rows
 
 
 def _whole_window(d: int, dropped, batching, indexed) -> bool:
@@ -278,6 +308,10 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
                 continue
             if any(v.shape[out_dim] != rows for v in e.outputs[:1]):
                 continue
+        elif plan[0] == "mask_both":
+            if not all(v in long_dim or spreadable(v, d, rows)
+                       for v, d in zip(e.inputs, plan[1:])):
+                continue
         elif plan[0] == "mask_updates":
             if not all(v in long_dim or spreadable(v, d, rows)
                        for v, d in zip(e.inputs[1:], plan[1:])):
@@ -377,6 +411,16 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
             (masked,) = emit(shift_p, [x, fill], [x.aval], dict(dim=d, shift=0, lo=0, hi=rows),
                              e.where)
             e.inputs = [masked]
+            e.sharding_cache = {}
+            new.append(e)
+        elif kind == "mask_both":  # a contraction over the dim: both operands' extra rows zero
+            ins = []
+            for v, d in zip(e.inputs, info):
+                x = at_full(v, d, full, e.where)
+                zero = constant(np.zeros((), x.dtype), x.aval.update(shape=()))
+                ins += emit(shift_p, [x, zero], [x.aval], dict(dim=d, shift=0, lo=0, hi=rows),
+                            e.where)
+            e.inputs = ins
             e.sharding_cache = {}
             new.append(e)
         elif kind == "mask_updates":
