@@ -6,9 +6,12 @@ positions; 63 rows do not divide over the devices a sequence is split across, so
 at the full length instead: a slice of L of a dim's N rows (7N/8 <= L < N) becomes the whole
 dim rolled so that its rows come first (`autoshard_shift`; no equation at all for a slice from
 row 0), and the equations reading it run on all N rows — elementwise ops, broadcasts, reductions
-over other dims, gathers and scatters that keep rows apart (take_along_axis and its gradient,
-an embedding lookup of shifted ids). Rows L.. carry wrapped-around values no one reads: a
-reduction over the dim first sets them to its identity, and a pad back to N rows (the slice's
+over other dims, matmuls along a free or batch dim (the head on `h[:, :-1]`), gathers and
+scatters that keep rows apart (take_along_axis and its gradient, `jnp.take` of one index, an
+embedding lookup of shifted ids); values made from nothing along the dim (a mean's gradient,
+zeros to scatter into) are made again at full length. Rows L.. carry wrapped-around values no
+one reads: a reduction over the dim, a matmul contracting it and an embedding gradient's
+updates first set them to the identity (zeros), and a pad back to N rows (the slice's
 gradient) becomes a shift that fills them with the pad value. Both are `autoshard_shift`
 equations, whose rule keeps the dim split (rules/shift.py).
 
