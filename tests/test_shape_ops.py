@@ -399,3 +399,28 @@ def test_a_head_applied_to_the_sliced_hidden_states():
     xla = jax.jit(step, in_shardings=(NamedSharding(jm, P()), spec, spec))
     assert sum(collective_bytes(hlo).values()) < sum(
         collective_bytes(xla.lower(w, h, tokens).compile().as_text()).values())
+
+
+def test_shifted_loss_and_accuracy_metrics_keep_the_sequence_split():
+    """An evaluation step — the shifted loss and the next-token accuracy
+    (`argmax(logits[:, :-1], -1) == tokens[:, 1:]`) — over a split sequence: both equal one
+    device and nothing is gathered (one token's id rolled to the device before it)."""
+    rng = np.random.default_rng(12)
+    h = rng.normal(size=(4, 64, 16)).astype(np.float32)
+    tokens = rng.integers(0, 32, (4, 64)).astype(np.int32)
+    w = rng.normal(size=(16, 32)).astype(np.float32)
+
+    def metrics(w, h, tokens):
+        logits = (h @ w)[:, :-1]
+        logp = jax.nn.log_softmax(logits)
+        loss = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+        return loss, (jnp.argmax(logits, -1) == tokens[:, 1:]).mean()
+
+    dh = dist.shard_tensor(h, MESH24, [S(0), S(1)])
+    dt = dist.shard_tensor(tokens, MESH24, [S(0), S(1)])
+    g = dist.jit(metrics)
+    got = g(w, dh, dt)
+    for a, b in zip(got, jax.jit(metrics)(w, h, tokens)):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-6)
+    kinds = [c.kind for c in g.plan(w, dh, dt).collectives]
+    assert "all-gather" not in kinds and "all-to-all" not in kinds

@@ -98,6 +98,10 @@ def _plan_eqn(e, dim_of: Callable, elementwise: set) -> tuple | None:
         if d in axes:
             return "mask", d
         return "widen", {0: d}, d - sum(1 for a in axes if a < d)
+    if name in ("argmax", "argmin") and len(e.inputs) == 1:
+        # along another dim (a prediction per position: an accuracy metric); not over the dim
+        d, axes = dim_of(e.inputs[0]), e.params["axes"]
+        return None if d in axes else ("widen", {0: d}, d - sum(1 for a in axes if a < d))
     if e.primitive is lax.pad_p:
         d = dim_of(e.inputs[0])
         config = e.params["padding_config"]
