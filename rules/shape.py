@@ -127,6 +127,15 @@ def pad_sharding(in_avals, out_avals, *, padding_config):
                   replicate="".join(term[d] for d in changed if d not in spread), **_KEEP)
 
 
+def _rows_at(x, dim: int, value, start, k: int):
+    """Rows [start, start + k) of `x` along `dim` (`start` traced, this device's), the value
+    `value` where they lie outside `x`: a dynamic slice of `x` padded by k rows each side."""
+    config = [(0, 0, 0)] * x.ndim
+    config[dim] = (k, k, 0)
+    at = lax.clamp(np.int32(0), lax.add(start, np.int32(k)), np.int32(x.shape[dim] + k))
+    return lax.dynamic_slice_in_dim(lax.pad(x, value, config), at, k, axis=dim)
+
+
 def pad_lower(ctx, x, value, *, padding_config):
     config = [tuple(c) for c in padding_config]
     outs = ctx.out_layouts[0].dims
@@ -134,15 +143,10 @@ def pad_lower(ctx, x, value, *, padding_config):
     for d, (axes, (lo, hi, interior)) in enumerate(zip(outs, config)):
         if not axes or ctx.in_layouts[0].dims[d] or interior:
             continue
-        # this device's block of the padded dim: rows [i b, (i + 1) b) of x padded by (lo, hi),
-        # read from x padded by a block each side (all padding where x does not reach)
-        b, rows = local[d], x.shape[d]
-        wide = [(0, 0, 0)] * x.ndim
-        wide[d] = (b, b, 0)
-        x = lax.pad(x, value, wide)
-        at = lax.sub(lax.mul(ctx.block_index(axes), np.int32(b)), np.int32(lo - b))
-        at = lax.clamp(np.int32(0), at, np.int32(rows + b))
-        x = lax.dynamic_slice_in_dim(x, at, b, axis=d)
+        # this device's block of the padded dim: rows [i b - lo, (i + 1) b - lo) of x
+        b = local[d]
+        start = lax.sub(lax.mul(ctx.block_index(axes), np.int32(b)), np.int32(lo))
+        x = _rows_at(x, d, value, start, b)
         config[d] = (0, 0, 0)
     return [lax.pad(x, value, config)]
 
@@ -180,12 +184,8 @@ def slice_lower(ctx, x, *, start_indices, limit_indices, strides):
                    for d, (hi, axes) in enumerate(zip(limit_indices, ins)))
     for d in few:  # the slice's rows where this block holds them, zeros elsewhere
         rows, b = limits[d] - starts[d], local[d]
-        config = [(0, 0, 0)] * x.ndim
-        config[d] = (rows, rows, 0)
-        padded = lax.pad(x, np.zeros((), x.dtype), config)
-        at = lax.sub(np.int32(starts[d] + rows), lax.mul(ctx.block_index(ins[d]), np.int32(b)))
-        at = lax.clamp(np.int32(0), at, np.int32(b + rows))
-        x = lax.dynamic_slice_in_dim(padded, at, rows, axis=d)
+        start = lax.sub(np.int32(starts[d]), lax.mul(ctx.block_index(ins[d]), np.int32(b)))
+        x = _rows_at(x, d, np.zeros((), x.dtype), start, rows)
         starts = starts[:d] + (0,) + starts[d + 1:]
         limits = limits[:d] + (rows,) + limits[d + 1:]
     return [lax.slice(x, starts, limits, strides)]

@@ -18,13 +18,21 @@ import numpy as np
 from jax import lax
 
 
-def _is_zero(v: Any, made_by: dict) -> bool:
-    """A constant zero, or one converted from one (jnp.pad's `0` reaches lax.pad converted)."""
+def constant(v: Any, made_by: dict) -> Any:
+    """The value of a constant, or of a constant converted (jnp.pad's `0` reaches lax.pad
+    converted); None for anything computed."""
     if v.is_const:
-        return v.const is not None and not np.any(np.asarray(v.const))
+        return None if v.const is None else np.asarray(v.const)
     e = made_by.get(v)
-    return (e is not None and e.primitive is lax.convert_element_type_p
-            and _is_zero(e.inputs[0], made_by))
+    if e is not None and e.primitive is lax.convert_element_type_p:
+        c = constant(e.inputs[0], made_by)
+        return None if c is None else c.astype(v.dtype)
+    return None
+
+
+def is_zero(v: Any, made_by: dict) -> bool:
+    c = constant(v, made_by)
+    return c is not None and not np.any(c)
 
 
 def _spatial_widths(config, spatial: list[int]) -> list[tuple[int, int]] | None:
@@ -40,7 +48,7 @@ def _crop_widths(e, size: tuple[int, ...], spatial: list[int],
                  made_by: dict) -> list[tuple[int, int]] | None:
     """(lo, hi) (≤ 0) per spatial dim of a crop: a pad with no positive widths or a slice
     with unit strides; None for anything else."""
-    if e.primitive is lax.pad_p and _is_zero(e.inputs[1], made_by):
+    if e.primitive is lax.pad_p and is_zero(e.inputs[1], made_by):
         widths = _spatial_widths(e.params["padding_config"], spatial)
         if widths is None or any(w > 0 for pair in widths for w in pair):
             return None
@@ -82,7 +90,7 @@ def fold_conv_padding(eqns: list, outputs: list, regions: list) -> list:
             lhs_spec, _, _ = e.params["dimension_numbers"]
             spatial = list(lhs_spec[2:])
             pad = made_by.get(e.inputs[0])
-            if (pad is not None and pad.primitive is lax.pad_p and _is_zero(pad.inputs[1], made_by)
+            if (pad is not None and pad.primitive is lax.pad_p and is_zero(pad.inputs[1], made_by)
                     and e.inputs[0] not in pinned
                     and all(d == 1 for d in e.params["lhs_dilation"])):
                 widths = _spatial_widths(pad.params["padding_config"], spatial)
@@ -94,7 +102,7 @@ def fold_conv_padding(eqns: list, outputs: list, regions: list) -> list:
             continue
         if e.primitive is lax.reduce_window_sum_p:
             pad = made_by.get(e.inputs[0])
-            if (pad is not None and pad.primitive is lax.pad_p and _is_zero(pad.inputs[1], made_by)
+            if (pad is not None and pad.primitive is lax.pad_p and is_zero(pad.inputs[1], made_by)
                     and e.inputs[0] not in pinned and all(d == 1 for d in e.params["base_dilation"])
                     and all(lo >= 0 and hi >= 0 for lo, hi, _ in pad.params["padding_config"])):
                 # the transposed sum pool (an avg pool's gradient): pad with interior zeros,
@@ -143,4 +151,4 @@ def without(eqns: list, dead: set, regions: list) -> list:
     return kept
 
 
-__all__ = ["fold_conv_padding", "without"]
+__all__ = ["fold_conv_padding", "without", "constant", "is_zero"]

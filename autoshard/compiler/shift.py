@@ -22,7 +22,7 @@ from jax import lax
 from jax._src import core as jcore
 from jax._src.interpreters import mlir
 
-from .fold import without
+from .fold import constant, is_zero, without
 
 shift_p = jcore.Primitive("autoshard_shift")
 
@@ -60,30 +60,14 @@ class RowMap(NamedTuple):
 _MOVES = (lax.slice_p, lax.split_p, lax.pad_p, lax.concatenate_p, lax.add_p)
 
 
-def _constant(v: Any, made_by: dict) -> Any:
-    """The value of a scalar constant, or of a constant converted (jnp.pad converts its 0)."""
-    if v.is_const:
-        return None if v.const is None else np.asarray(v.const)
-    e = made_by.get(v)
-    if e is not None and e.primitive is lax.convert_element_type_p:
-        c = _constant(e.inputs[0], made_by)
-        return None if c is None else c.astype(v.dtype)
-    return None
-
-
 def _same_fill(a: Any, b: Any, made_by: dict) -> bool:
     if a is None or b is None or a is b:
         return a is b
-    ca, cb = _constant(a, made_by), _constant(b, made_by)
+    ca, cb = constant(a, made_by), constant(b, made_by)
     return ca is not None and cb is not None and ca.shape == cb.shape and bool(np.all(ca == cb))
 
 
-def _is_zero(v: Any, made_by: dict) -> bool:
-    c = _constant(v, made_by)
-    return c is not None and not np.any(c)
-
-
-def _one_dim(e) -> int | None:
+def one_dim(e) -> int | None:
     """The one dim a slice or pad changes (-1: none; None: several, or strided / interior)."""
     if e.primitive is lax.slice_p:
         size = e.inputs[0].shape
@@ -182,7 +166,7 @@ def fold_shifts(eqns: list, outputs: list, regions: list) -> list:
         if any(not hasattr(v, "shape") for v in e.outputs):
             continue
         out: list = [None] * len(e.outputs)
-        d = _one_dim(e) if e.primitive in (lax.slice_p, lax.pad_p) else None
+        d = one_dim(e) if e.primitive in (lax.slice_p, lax.pad_p) else None
         if d == -1:  # a slice or pad that keeps every row: the same map
             out[0] = maps.get(e.inputs[0]) if e.inputs[0] not in pinned else None
         elif e.primitive is lax.slice_p:
@@ -221,8 +205,8 @@ def fold_shifts(eqns: list, outputs: list, regions: list) -> list:
             a, b = e.inputs
             ma, mb = maps.get(a), maps.get(b)
             if ma is not None and mb is not None and a not in pinned and b not in pinned:
-                if (ma.fill is not None and mb.fill is not None and _is_zero(ma.fill, made_by)
-                        and _is_zero(mb.fill, made_by) and ma.dim == mb.dim
+                if (ma.fill is not None and mb.fill is not None and is_zero(ma.fill, made_by)
+                        and is_zero(mb.fill, made_by) and ma.dim == mb.dim
                         and (mb.lo >= ma.hi or ma.lo >= mb.hi)):
                     length = a.shape[ma.dim]
                     out[0] = _joined([(ma, 0, length, ma.fill), (mb, 0, length, mb.fill)],
@@ -266,4 +250,4 @@ def drop_dead(eqns: list, outputs: list, regions: list, pinned: set, read: Count
     return without(eqns, dead, regions)
 
 
-__all__ = ["shift_p", "shift_reference", "fold_shifts", "RowMap", "drop_dead"]
+__all__ = ["shift_p", "shift_reference", "fold_shifts", "RowMap", "drop_dead", "one_dim"]

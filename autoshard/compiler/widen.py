@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from .dtypes import highest, lowest
-from .shift import drop_dead, shift_p
+from .shift import drop_dead, one_dim, shift_p
 
 # the reductions a pass can mask: the identity its dropped rows are set to
 _IDENTITY: dict = {
@@ -42,19 +42,13 @@ _IDENTITY: dict = {
 
 def _most_rows(e) -> tuple[int, int] | None:
     """(dim, start) of a unit-stride slice of nearly all of one dim's rows."""
-    size = e.inputs[0].shape
-    strides = e.params.get("strides") or ()
-    if any(s not in (None, 1) for s in strides):
+    d = one_dim(e)
+    if d is None or d < 0:
         return None
-    cut = [d for d, (a, b) in enumerate(zip(e.params["start_indices"], e.params["limit_indices"]))
-           if (a, b) != (0, size[d])]
-    if len(cut) != 1:
-        return None
-    d = cut[0]
     a, b = e.params["start_indices"][d], e.params["limit_indices"][d]
     rows = b - a
     # at most an eighth more rows computed than the slice kept (a shift by a token or two)
-    return (d, int(a)) if 2 <= rows < size[d] and 8 * rows >= 7 * size[d] else None
+    return (d, int(a)) if 2 <= rows and 8 * rows >= 7 * e.inputs[0].shape[d] else None
 
 
 def _reshape_dim(src: tuple, dst: tuple, d: int) -> int | None:
@@ -93,15 +87,13 @@ def _plan_eqn(e, dim_of: Callable, elementwise: set) -> tuple | None:
         d = dim_of(e.inputs[0])
         out = _reshape_dim(e.inputs[0].shape, e.outputs[0].shape, d)
         return None if out is None else ("widen", {0: d}, out)
-    if name in _IDENTITY and len(e.inputs) == 1:
+    if (name in _IDENTITY or name in ("argmax", "argmin")) and len(e.inputs) == 1:
+        # over other dims the rows stay apart (argmax: a prediction per position); over the
+        # dim, a reduction first sets the rows past the slice to its identity
         d, axes = dim_of(e.inputs[0]), e.params["axes"]
         if d in axes:
-            return "mask", d
+            return ("mask", d) if name in _IDENTITY else None
         return "widen", {0: d}, d - sum(1 for a in axes if a < d)
-    if name in ("argmax", "argmin") and len(e.inputs) == 1:
-        # along another dim (a prediction per position: an accuracy metric); not over the dim
-        d, axes = dim_of(e.inputs[0]), e.params["axes"]
-        return None if d in axes else ("widen", {0: d}, d - sum(1 for a in axes if a < d))
     if e.primitive is lax.pad_p:
         d = dim_of(e.inputs[0])
         config = e.params["padding_config"]
@@ -202,11 +194,10 @@ def _plan_scatter(e, dim_of) -> tuple | None:
         if d_up not in (None, d_upd) or updates.shape[d_upd] != operand.shape[d_op]:
             return None
         return "widen", {0: d_op, 2: d_upd}, d_op
-    d_op = dim_of(operand)
     if (dim_of(operand) is None and e.primitive.name in ("scatter-add", "scatter_add")
             and d_ix is not None and d_ix < len(indices.shape) - 1
             and d_ix not in dn.scatter_indices_batching_dims
-            and dim_of(updates) in (None, scatter_upd[d_ix])):
+            and d_up in (None, scatter_upd[d_ix])):
         # an embedding's gradient: updates of rows of indices added into a table; the rows
         # past the slice add zeros (their updates masked), and the table is whole again
         return "mask_updates", d_ix, scatter_upd[d_ix]
@@ -359,6 +350,12 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
         rewritten.add(id(new[-1]))  # unread (a copy of something the program never read)
         return outs
 
+    def masked(x, d, rows, value, where):
+        """`x` (at full length) with its rows from `rows` on set to `value`."""
+        fill = constant(np.asarray(value, x.dtype), x.aval.update(shape=()))
+        (out,) = emit(shift_p, [x, fill], [x.aval], dict(dim=d, shift=0, lo=0, hi=rows), where)
+        return out
+
     def longer(aval, d, full):
         shape = list(aval.shape)
         shape[d] = full
@@ -411,33 +408,22 @@ def widen_slices(eqns: list, outputs: list, regions: list, fresh: Callable[[Any]
                 params["slice_sizes"] = tuple(sizes)
             for v, out in zip(e.outputs, emit(e.primitive, ins, avals, params, e.where)):
                 full_of[v] = out
-        elif kind == "mask":
+        elif kind == "mask":  # a reduction over the dim: the extra rows its identity
             (d,) = info
             x = full_of[e.inputs[0]]
-            fill = constant(_IDENTITY[e.primitive.name](x.dtype), x.aval.update(shape=()))
-            (masked,) = emit(shift_p, [x, fill], [x.aval], dict(dim=d, shift=0, lo=0, hi=rows),
-                             e.where)
-            e.inputs = [masked]
+            e.inputs = [masked(x, d, rows, _IDENTITY[e.primitive.name](x.dtype), e.where)]
             e.sharding_cache = {}
             new.append(e)
         elif kind == "mask_both":  # a contraction over the dim: both operands' extra rows zero
-            ins = []
-            for v, d in zip(e.inputs, info):
-                x = at_full(v, d, full, e.where)
-                zero = constant(np.zeros((), x.dtype), x.aval.update(shape=()))
-                ins += emit(shift_p, [x, zero], [x.aval], dict(dim=d, shift=0, lo=0, hi=rows),
-                            e.where)
-            e.inputs = ins
+            e.inputs = [masked(at_full(v, d, full, e.where), d, rows, 0, e.where)
+                        for v, d in zip(e.inputs, info)]
             e.sharding_cache = {}
             new.append(e)
-        elif kind == "mask_updates":
+        elif kind == "mask_updates":  # an embedding's gradient: the extra rows add zeros
             d_ix, d_upd = info
-            indices = at_full(e.inputs[1], d_ix, full, e.where)
-            updates = at_full(e.inputs[2], d_upd, full, e.where)
-            zero = constant(np.zeros((), updates.dtype), updates.aval.update(shape=()))
-            (masked,) = emit(shift_p, [updates, zero], [updates.aval],
-                             dict(dim=d_upd, shift=0, lo=0, hi=rows), e.where)
-            e.inputs = [e.inputs[0], indices, masked]
+            e.inputs = [e.inputs[0], at_full(e.inputs[1], d_ix, full, e.where),
+                        masked(at_full(e.inputs[2], d_upd, full, e.where), d_upd, rows, 0,
+                               e.where)]
             e.sharding_cache = {}
             new.append(e)
         else:  # unpad: the pad back to full length is a shift filling the rest with its value
