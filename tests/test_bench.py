@@ -43,10 +43,10 @@ def test_quick_suite_writes_tables_json_and_plot(tmp_path, capsys):
         for name in RATIOS:
             assert r[name] is not None and math.isfinite(r[name]) and r[name] > 0, (key, name)
         assert r["step_ratio_min"] <= r["step_ratio"] <= r["step_ratio_max"], key
-    # deterministic: the plain strategies move exactly their analytic minimum, and so does
+    # deterministic: the plain strategies move exactly their analytic minimum, and so do
     # ZeRO-3 under jax.checkpoint (block params gathered again in the backward, not merged
-    # into the forward's gathers)
-    for key in ("dp-mlp", "tp-mlp", "zero3"):
+    # into the forward's gathers) and the Llama step's Megatron placements
+    for key in ("dp-mlp", "tp-mlp", "zero3", "llama"):
         assert rows[key]["vs_min"] == 1.0 and rows[key]["bytes"] == rows[key]["min_bytes"]
     # deterministic: the GPT step asks for no more arithmetic than jax.jit's (cost analysis)
     assert rows["gpt"]["flops_ratio"] <= 1.0

@@ -21,11 +21,13 @@ class Entry:
 
 def catalog(quick: bool) -> list[Entry]:
     from . import gpt_workloads as g
+    from . import llama_workloads as ll
     from . import workloads as w
 
     if quick:
         return [Entry("dp-mlp", lambda: w.dp_mlp(True)), Entry("tp-mlp", lambda: w.tp_mlp(True)),
                 Entry("gpt", lambda: g.gpt_dp_tp(1)), Entry("zero3", lambda: g.gpt_zero3(1)),
+                Entry("llama", lambda: ll.llama_dp_tp(1)),
                 Entry("vocab-ce", lambda: w.vocab_ce(True)),
                 Entry("dropout", lambda: w.dropout_mlp(True)),
                 Entry("spatial-cnn", lambda: w.spatial_cnn(True)),
@@ -34,6 +36,8 @@ def catalog(quick: bool) -> list[Entry]:
             Entry("gpt-2", lambda: g.gpt_dp_tp(2)), Entry("gpt-12", lambda: g.gpt_dp_tp(12)),
             Entry("gpt-48", lambda: g.gpt_dp_tp(48)),
             Entry("gpt-12-scan", lambda: g.gpt_dp_tp(12, "scan")),
+            Entry("llama-4", lambda: ll.llama_dp_tp(4)),
+            Entry("llama-4-scan", lambda: ll.llama_dp_tp(4, "scan")),
             Entry("zero3", lambda: g.gpt_zero3(12)),
             Entry("seq-parallel", lambda: g.gpt_sequence_parallel(12)),
             Entry("vocab-ce", w.vocab_ce), Entry("dropout", w.dropout_mlp),

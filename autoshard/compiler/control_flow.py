@@ -124,6 +124,34 @@ def _complete_if_reduced(make, carries: list[Layout], sub, n_outputs_after: int,
     return fixed, make(fixed, fixed + [KEEP] * n_outputs_after)
 
 
+def _reduced_copy(sub, v) -> Layout | None:
+    """A layout without the Partial of body value `v` that the body already moves `v` to
+    where it reads it (None: it never reduces it)."""
+    partial = {a for a, _ in sub.layouts[v].partial}
+    for e, ep in zip(sub.program.eqns, sub.eqns):
+        for k, rp in ep.reshards:
+            if e.inputs[k] is v and not partial & {a for a, _ in rp.dst.partial}:
+                return rp.dst
+    return None
+
+
+def _ys_as_reduced(make, carries: list[Layout], body, nk: int):
+    """A scan's stacked output (a residual saved for the backward pass) that is Partial where
+    the body makes it but that the body reduces anyway (the residual stream after a
+    row-parallel matmul, reduced before the next norm) is handed out reduced: the body pays
+    nothing more, and the backward loop, which reads it reduced too, need not reduce it a
+    second time per iteration (the unrolled program reuses the forward's reduced copy)."""
+    outs = body.program.outputs[nk:]
+    targets = [_reduced_copy(body, v) if L.partial and not v.is_const else None
+               for v, L in zip(outs, body.outputs[nk:])]
+    if not any(targets):
+        return body
+    from .plan import KEEP
+
+    fixed = make(carries, list(carries) + [t or KEEP for t in targets])
+    return fixed if list(fixed.outputs[:nk]) == list(carries) else body
+
+
 _ADDS = ("add", "add_any")
 _LINEAR = {ReduceType.SUM, ReduceType.AVG}
 
@@ -250,6 +278,7 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
             return _sub_plan(p["jaxpr"], mesh, consts + carries + xs_in, targets, registry, cost_model)
 
         carries, body = _loop_carries(make, list(init), n_ys, nc)
+        body = _ys_as_reduced(make, carries, body, nk)
         ys = [_stacked(L) for L in body.outputs[nk:]]
         return consts + carries + xs_req, carries + ys, [body], f"scan × {p['length']}"
     if e.name == "while":

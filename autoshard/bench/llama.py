@@ -1,0 +1,140 @@
+"""A small Llama-style decoder (RMSNorm, rotary position embedding, grouped-query attention,
+SwiGLU MLP, untied head) written unrolled or as a lax.scan over stacked layers, with Megatron
+placements on a (dp, mp) mesh. Used by the tests and the benchmark beside `gpt.py`: the same
+parallel strategy on the architecture most models trained today use.
+
+Megatron for this block: q / k / v / gate / up column-parallel (heads and hidden features split
+over mp; with fewer key-value heads than query heads, each device keeps the key-value heads its
+query heads read, so the repeat is local), o / down row-parallel, the embedding vocab-parallel,
+the head split along the vocab.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import autoshard as dist
+
+V, D, H, KV, T, B = 64, 32, 8, 4, 16, 8
+DH = D // H          # head dim
+F = 64               # SwiGLU hidden features
+THETA = 10000.0
+
+
+def init(key, layers: int) -> dict:
+    ks = jax.random.split(key, 2 + 7 * layers)
+    n = lambda k, s: jax.random.normal(k, s) * 0.05  # noqa: E731
+    blocks = [{"attn_norm": jnp.ones(D), "wq": n(ks[2 + 7 * i], (D, H * DH)),
+               "wk": n(ks[3 + 7 * i], (D, KV * DH)), "wv": n(ks[4 + 7 * i], (D, KV * DH)),
+               "wo": n(ks[5 + 7 * i], (H * DH, D)), "mlp_norm": jnp.ones(D),
+               "gate": n(ks[6 + 7 * i], (D, F)), "up": n(ks[7 + 7 * i], (D, F)),
+               "down": n(ks[8 + 7 * i], (F, D))}
+              for i in range(layers)]
+    return {"embed": n(ks[0], (V, D)), "norm": jnp.ones(D), "head": n(ks[1], (D, V)),
+            "blocks": blocks}
+
+
+def stack(params: dict) -> dict:
+    """The same parameters with the blocks stacked on a leading layer axis (for lax.scan)."""
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])}
+
+
+def rms_norm(x, w):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w
+
+
+def rope(x):
+    """Rotate each head's two halves by position-dependent angles ([B, T, heads, DH])."""
+    half = DH // 2
+    freq = THETA ** (-jnp.arange(half) / half)
+    angle = jnp.arange(T)[:, None] * freq[None, :]
+    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def block(x, p):
+    h = rms_norm(x, p["attn_norm"])
+    q = rope((h @ p["wq"]).reshape(B, T, H, DH))
+    k = rope((h @ p["wk"]).reshape(B, T, KV, DH))
+    v = (h @ p["wv"]).reshape(B, T, KV, DH)
+    k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(DH)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+    o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v).reshape(B, T, H * DH)
+    x = x + o @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+
+
+def _loss(p, x, labels):
+    logits = rms_norm(x, p["norm"]) @ p["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def loss_unrolled(p, ids, labels):
+    x = p["embed"][ids]
+    for bp in p["blocks"]:
+        x = block(x, bp)
+    return _loss(p, x, labels)
+
+
+def loss_scan(p, ids, labels):
+    x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), p["embed"][ids], p["blocks"])
+    return _loss(p, x, labels)
+
+
+LOSSES = {"unrolled": loss_unrolled, "scan": loss_scan}
+
+
+def train_step(loss_fn, tx):
+    def step(p, s, ids, labels):
+        loss, grads = jax.value_and_grad(loss_fn)(p, ids, labels)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+    return step
+
+
+COLUMN = ("'wq'", "'wk'", "'wv'", "'gate'", "'up'", "'head'")
+ROW = ("'wo'", "'down'", "'embed'")
+
+
+def megatron_placements(path, x, stacked: bool = False) -> list:
+    """Column-parallel q/k/v/gate/up/head, row-parallel o/down, vocab-parallel embedding;
+    norms replicated. Stacked blocks carry a leading layer dim."""
+    R, S = dist.Replicate(), dist.Shard
+    name = jax.tree_util.keystr(path)
+    shift = 1 if stacked and "blocks" in name else 0
+    if any(k in name for k in COLUMN):
+        return [R, S(1 + shift)]
+    if any(k in name for k in ROW):
+        return [R, S(0 + shift)]
+    return [R, R]
+
+
+def batch(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, V, (B, T)).astype(np.int32),
+            rng.integers(0, V, (B, T)).astype(np.int32))
+
+
+def workload(mesh, layers: int, form: str, tx, seed: int = 0):
+    """(train step, single-device args, distributed args) on a (dp, mp) mesh: params with
+    Megatron placements, the optimizer state made from them (so it keeps their placements),
+    ids and labels split over dp."""
+    params = init(jax.random.key(seed), layers)
+    if form == "scan":
+        params = stack(params)
+    dparams = jax.tree_util.tree_map_with_path(
+        lambda path, x: dist.shard_tensor(x, mesh, megatron_placements(path, x, form == "scan")),
+        params)
+    ids, labels = batch(seed)
+    split = [dist.Shard(0), dist.Replicate()]
+    return (train_step(LOSSES[form], tx), (params, tx.init(params), ids, labels),
+            (dparams, tx.init(dparams), dist.shard_tensor(ids, mesh, split),
+             dist.shard_tensor(labels, mesh, split)))
+
+
+__all__ = ["workload", "megatron_placements", "init", "stack", "LOSSES"]
