@@ -28,6 +28,7 @@ from .training.dist_model import DistModel, DistModelError, to_static
 from .training.annotations import AnnotationError
 from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
                               PrepareLayerOutput, RowWiseParallel, SequenceParallelBegin,
+                              SequenceParallelDisable, SequenceParallelEnable,
                               SequenceParallelEnd, parallelize, shard_layer)
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
@@ -53,7 +54,8 @@ __all__ = [
     "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule", "init_parallel_env",
     "ScheduleError", "shard_layer", "parallelize", "SplitPoint",
     "ColWiseParallel", "RowWiseParallel",
-    "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput", "PrepareLayerOutput",
+    "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable",
+    "SequenceParallelDisable", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "AnnotationError", "save_state_dict", "load_state_dict", "CheckpointError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",

@@ -223,6 +223,22 @@ def test_parallelize_sequence_parallel_and_prepare_input():
     assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
 
 
+def test_row_parallel_with_a_whole_input_splits_it_before_the_call():
+    # Paddle's RowWiseParallel(is_input_parallel=False): the input arrives whole and is split on
+    # its features over mp where the layer is called (here after a replicated up-projection,
+    # so the plan slices it locally: no collective for the split)
+    x, y = _data()
+    plan = {"down": RowWiseParallel(is_input_parallel=False)}
+    model = parallelize(MLP(nnx.Rngs(0)), mesh=MESH, config=_mp(plan))
+    assert repr(plan["down"]) == "RowWiseParallel(is_input_parallel=False)"
+    f, _ = _assert_same_training(model, x, y)
+    state = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    p = f.plan(state, optax.sgd(0.1).init(state), x, y)
+    hinted = [e.results[0].placements(MESH) for e in p.eqns if e.primitive == "autoshard_hint"]
+    assert hinted == [[S(0), S(1)]]
+    assert not [c for c in p.collectives if c.kind in ("all-gather", "all-to-all")]
+
+
 class Attn(nnx.Module):
     def __init__(self, rngs):
         self.qkv = nnx.Linear(8, 24, rngs=rngs)
@@ -611,3 +627,153 @@ def test_to_static_places_linen_with_partitioning_params_as_boxed():
     for (x, y), got in zip(batches, losses):
         params, opt_state, want = step(params, opt_state, x, y)
         np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- a PaddleNLP-style Llama config
+class _Attention(nnx.Module):
+    def __init__(self, rngs, d=16, heads=4):
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nnx.Linear(d, d, use_bias=False, rngs=rngs) for _ in range(4))
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).reshape(b, t, self.heads, d // self.heads)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // self.heads)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        return self.o_proj(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s), v).reshape(b, t, d))
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, rngs, d=16, f=32):
+        self.gate_proj = nnx.Linear(d, f, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(d, f, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(f, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.input_layernorm, self.post_attention_layernorm = (
+            nnx.RMSNorm(16, rngs=rngs) for _ in range(2))
+        self.self_attn, self.mlp = _Attention(rngs), _Mlp(rngs)
+
+    def __call__(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Llama(nnx.Module):
+    def __init__(self, rngs):
+        self.embed_tokens = nnx.Embed(32, 16, rngs=rngs)
+        self.layers = nnx.List([_Layer(rngs), _Layer(rngs)])
+
+    def __call__(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _CausalLM(nnx.Module):
+    def __init__(self, rngs):
+        self.llama = _Llama(rngs)
+        self.lm_head = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.lm_head(self.llama(ids))
+
+
+def _lm_step(graphdef, tx):
+    def step(params, opt_state, ids, labels):
+        def loss(p):
+            logits = nnx.merge(graphdef, nnx.State(p))(ids)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    return step
+
+
+SEEN: list = []
+
+
+def _paddle_input_hook(process_mesh):
+    # PaddleNLP's form: a function of the mesh returning a pre-hook(layer, inputs); None
+    # leaves the inputs as they are
+    def hook(layer, inputs, output=None):
+        SEEN.append(("in", process_mesh, type(layer).__name__, len(inputs)))
+    return hook
+
+
+def _paddle_output_hook(process_mesh):
+    def hook(layer, inputs, output):
+        SEEN.append(("out", process_mesh, type(layer).__name__, output.shape))
+        return output
+    return hook
+
+
+_COMMON = {"llama.layers.*.self_attn.q_proj": dist.ColWiseParallel(),
+           "llama.layers.*.self_attn.k_proj": dist.ColWiseParallel(),
+           "llama.layers.*.self_attn.v_proj": dist.ColWiseParallel(),
+           "llama.layers.*.self_attn.o_proj": dist.RowWiseParallel(),
+           "llama.layers.*.mlp.gate_proj": dist.ColWiseParallel(),
+           "llama.layers.*.mlp.up_proj": dist.ColWiseParallel(),
+           "llama.layers.*.mlp.down_proj": dist.RowWiseParallel(),
+           "lm_head.weight": dist.ColWiseParallel()}  # Paddle's name for flax's kernel
+PADDLENLP_CONFIGS = {
+    "mp": {"llama.embed_tokens": dist.ColWiseParallel(gather_output=True), **_COMMON},
+    "sp": {"llama.embed_tokens": [dist.ColWiseParallel(), dist.SequenceParallelBegin()],
+           "llama.layers.*.self_attn": dist.SequenceParallelDisable(),
+           "llama.layers.*.mlp": dist.SequenceParallelDisable(need_transpose=False),
+           "lm_head": [dist.SequenceParallelEnd(), dist.PrepareLayerOutput(_paddle_output_hook)],
+           "llama.layers.0": dist.PrepareLayerInput(_paddle_input_hook), **_COMMON},
+}
+
+
+@pytest.mark.parametrize("kind", ["mp", "sp"])
+def test_paddlenlp_llama_config_trains_like_one_device(kind):
+    """PaddleNLP's Llama parallelize plans as written (ColWiseParallel(gather_output=True) on
+    the embedding, Paddle-style PrepareLayerInput hooks, SequenceParallelDisable with
+    need_transpose): a flax model with the same module names trains like one device, and each
+    plan's activation placements reach the program."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 32, (4, 8)).astype(np.int32)
+    labels = rng.integers(0, 32, (4, 8)).astype(np.int32)
+    tx = optax.adam(1e-2)
+    config = {"mp_config": {"parallelize_plan": PADDLENLP_CONFIGS[kind]}}
+    model = dist.parallelize(_CausalLM(nnx.Rngs(0)), mesh=MESH, config=config)
+    placed = _placements(model)
+    assert placed["llama.embed_tokens.embedding"] == [R, S(1)]
+    assert placed["lm_head.kernel"] == [R, S(1)]
+    assert placed["llama.layers.1.self_attn.o_proj.kernel"] == [R, S(0)]
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    ref_graphdef, ref_params = nnx.split(_CausalLM(nnx.Rngs(0)), nnx.Param)
+    ref_params = nnx.to_pure_dict(ref_params)
+    f = dist.jit(_lm_step(graphdef, tx))
+    ref = jax.jit(_lm_step(ref_graphdef, tx))
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            params, state, loss = f(params, state, ids, labels)
+        ref_params, ref_state, ref_loss = ref(ref_params, ref_state, ids, labels)
+        np.testing.assert_allclose(np.asarray(loss.numpy()), ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+    plan = f.plan(params, state, ids, labels)
+    hinted = [e.results[0].placements(MESH) for e in plan.eqns if e.primitive == "autoshard_hint"]
+    steps = {c.step for c in plan.collectives}
+    if kind == "mp":  # the embedding's output (split on its features) gathered whole over mp
+        assert hinted == [[S(0), R]] and "all_gather(mp) dim 2" in steps
+    else:  # sequence shards between the layers: reduce-scattered in, gathered out, twice a layer
+        assert hinted[0] == [S(0), S(1)] and hinted[1:9] == [[S(0), R], [S(0), S(1)]] * 4
+        assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
+        # Paddle-style hooks ran with the mesh, the layer and its inputs / output
+        assert ("in", MESH, "_Layer", 1) in SEEN and ("out", MESH, "Linear", (4, 8, 32)) in SEEN

@@ -2,7 +2,9 @@
 by hand (a shard_fn) or from a plan of name patterns (Megatron column/row and sequence parallel)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Sequence
@@ -250,12 +252,19 @@ class ParallelConfig:
 class ParallelPlan:
     """Base of the entries of mp_config["parallelize_plan"]."""
 
+    def __repr__(self) -> str:
+        # as the user wrote it: options left at their defaults are not shown
+        set_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default] \
+            if dataclasses.is_dataclass(self) else []
+        return f"{type(self).__name__}({', '.join(set_)})"
+
     def param_dim(self, ndim: int) -> int | None:
         """The tensor dim a parameter of `ndim` dims is split on over the mp dim (None: keep)."""
         return None
 
-    def hooks(self, config: ParallelConfig, path: str) -> tuple[list, list]:
-        """(input hooks, output hooks) to run around the calls of the layer at `path`."""
+    def hooks(self, config: ParallelConfig, path: str, layer: Any = None) -> tuple[list, list]:
+        """(input hooks, output hooks) to run around the calls of `layer` (at `path`)."""
         return [], []
 
     def feature_dim(self, ndim: int, features: tuple | None) -> int | None:
@@ -267,11 +276,21 @@ class ParallelPlan:
     def places_params(self) -> bool:
         return type(self).param_dim is not ParallelPlan.param_dim
 
+    @property
+    def wants_hooks(self) -> bool:
+        """Whether it runs hooks around its layer's calls (a plan that places parameters may
+        too: ColWiseParallel(gather_output=True))."""
+        return not self.places_params
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class ColWiseParallel(ParallelPlan):
     """Split the output features: the last dim of a kernel / embedding (nnx.Linear (in, out):
-    Shard(1)) and the bias (Shard(0)) over the mp mesh dim."""
+    Shard(1)) and the bias (Shard(0)) over the mp mesh dim. `gather_output`: the layer's output
+    (split on its features) is gathered whole over mp after each call, as Paddle's
+    ColWiseParallel(gather_output=True) does (PaddleNLP's embedding)."""
+
+    gather_output: bool = False
 
     def param_dim(self, ndim: int) -> int | None:
         return ndim - 1 if ndim >= 1 else None
@@ -281,11 +300,25 @@ class ColWiseParallel(ParallelPlan):
         # kernel, so each device owns whole heads and attention needs no collective
         return features[1] if features is not None else self.param_dim(ndim)
 
+    @property
+    def wants_hooks(self) -> bool:
+        return self.gather_output
 
-@dataclass(frozen=True)
+    def hooks(self, config, path, layer=None):
+        if not self.gather_output:
+            return [], []
+        return [], [functools.partial(_activation_hint, config, None, path, "ColWiseParallel("
+                                      "gather_output=True)")]
+
+
+@dataclass(frozen=True, repr=False)
 class RowWiseParallel(ParallelPlan):
     """Split the input features: the second-to-last dim of a kernel (nnx.Linear (in, out):
-    Shard(0); nnx.Embed: the vocabulary) over the mp mesh dim; the bias stays replicated."""
+    Shard(0); nnx.Embed: the vocabulary) over the mp mesh dim; the bias stays replicated.
+    `is_input_parallel` False: the layer's input arrives whole, and is split on its last dim
+    over mp before each call (Paddle's RowWiseParallel(is_input_parallel=False))."""
+
+    is_input_parallel: bool = True
 
     def param_dim(self, ndim: int) -> int | None:
         return ndim - 2 if ndim >= 2 else None
@@ -293,65 +326,146 @@ class RowWiseParallel(ParallelPlan):
     def feature_dim(self, ndim: int, features: tuple | None) -> int | None:
         return features[0] if features is not None else self.param_dim(ndim)
 
+    @property
+    def wants_hooks(self) -> bool:
+        return not self.is_input_parallel
 
-@dataclass(frozen=True)
+    def hooks(self, config, path, layer=None):
+        if self.is_input_parallel:
+            return [], []
+        return [_on_first(functools.partial(_activation_hint, config, -1, path,
+                                            "RowWiseParallel(is_input_parallel=False)"))], []
+
+
+# Sequence parallelism. Paddle's plans take `need_transpose`: with it, Paddle itself transposes
+# [b, s, h] activations to [s/mp, b, h] and back. autoshard never changes the shape of what
+# the model computes — the sequence dim of [batch, seq, ...] is split where it is, and the
+# plan's collectives do the rest — so the flag is accepted (a PaddleNLP config runs as
+# written) and changes nothing.
+@dataclass(frozen=True, repr=False)
 class SequenceParallelBegin(ParallelPlan):
     """From this layer's output on, activations [batch, seq, ...] are split on seq over mp."""
 
-    def hooks(self, config, path):
-        return [], [functools.partial(_activation_hint, config, True, path)]
+    need_transpose: bool = True
+
+    def hooks(self, config, path, layer=None):
+        return [], [functools.partial(_activation_hint, config, 1, path, "SequenceParallelBegin")]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SequenceParallelEnd(ParallelPlan):
     """This layer's output is gathered back to whole sequences (Replicate over mp)."""
 
-    def hooks(self, config, path):
-        return [], [functools.partial(_activation_hint, config, False, path)]
+    need_transpose: bool = True
+
+    def hooks(self, config, path, layer=None):
+        return [], [functools.partial(_activation_hint, config, None, path,
+                                      "SequenceParallelEnd")]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
+class SequenceParallelEnable(ParallelPlan):
+    """The layer runs on sequence shards: its first input and its output split on seq."""
+
+    def hooks(self, config, path, layer=None):
+        return ([_on_first(functools.partial(_activation_hint, config, 1, path,
+                                             "SequenceParallelEnable"))],
+                [functools.partial(_activation_hint, config, 1, path, "SequenceParallelEnable")])
+
+
+@dataclass(frozen=True, repr=False)
+class SequenceParallelDisable(ParallelPlan):
+    """Inside a sequence-parallel range, the layer runs on whole sequences: its first input is
+    gathered over mp before each call, its output split on seq again after."""
+
+    need_transpose: bool = True
+
+    def hooks(self, config, path, layer=None):
+        return ([_on_first(functools.partial(_activation_hint, config, None, path,
+                                             "SequenceParallelDisable"))],
+                [functools.partial(_activation_hint, config, 1, path, "SequenceParallelDisable")])
+
+
+@dataclass(frozen=True, repr=False)
 class PrepareLayerInput(ParallelPlan):
-    """Run `fn(x, mesh) -> x` on the layer's first positional argument before each call."""
+    """Prepare the layer's inputs before each call. `fn` is either Paddle's form —
+    `fn(process_mesh)` returning a pre-hook `hook(layer, inputs) -> inputs` (None: unchanged) —
+    or `fn(x, mesh) -> x` on the first positional argument."""
 
-    fn: Callable[[Any, ProcessMesh], Any]
+    fn: Callable
 
-    def hooks(self, config, path):
+    def hooks(self, config, path, layer=None):
+        if _takes_mesh_only(self.fn):
+            return [functools.partial(_run_paddle_pre_hook, self.fn(config.mesh), layer)], []
         return [functools.partial(_run_first_input_fn, self.fn, config.mesh, path)], []
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PrepareLayerOutput(ParallelPlan):
-    """Run `fn(out, mesh) -> out` on the layer's result after each call."""
+    """Prepare the layer's result after each call: Paddle's `fn(process_mesh)` returning a
+    post-hook `hook(layer, inputs, output) -> output`, or `fn(out, mesh) -> out`."""
 
-    fn: Callable[[Any, ProcessMesh], Any]
+    fn: Callable
 
-    def hooks(self, config, path):
+    def hooks(self, config, path, layer=None):
+        if _takes_mesh_only(self.fn):
+            return [], [functools.partial(_run_paddle_post_hook, self.fn(config.mesh), layer)]
         return [], [functools.partial(_run_output_fn, self.fn, config.mesh)]
 
 
-def _activation_hint(config: ParallelConfig, seq_sharded: bool, path: str, x: Any) -> Any:
+def _takes_mesh_only(fn: Callable) -> bool:
+    """Paddle's PrepareLayerInput / Output functions take exactly one argument, the mesh."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1 and not any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _run_paddle_pre_hook(hook: Callable, layer: Any, args: tuple) -> tuple:
+    out = hook(layer, args)
+    return args if out is None else _as_args(out)
+
+
+def _run_paddle_post_hook(hook: Callable, layer: Any, out: Any) -> Any:
+    # Paddle hands a post-hook the layer's inputs too; the call's inputs are past by now, and
+    # PaddleNLP's hooks read only the output
+    new = hook(layer, (), out)
+    return out if new is None else new
+
+
+def _on_first(hook: Callable) -> Callable:
+    """An input hook that applies `hook` to the first positional argument."""
+    def run(args: tuple) -> tuple:
+        return (hook(args[0]),) + args[1:] if args else args
+    return run
+
+
+def _activation_hint(config: ParallelConfig, split_dim: int | None, path: str, kind: str,
+                     x: Any) -> Any:
+    """`x` placed with its batch (dim 0) over dp and `split_dim` over mp (None: whole over mp)."""
     if not isinstance(x, jax.core.Tracer):
         return x  # a placement hint means something only while dist.jit traces
     mesh = config.mesh
     placements: list[Placement] = []
     for name in mesh.dim_names:
-        if name == config.mp_dim:
-            placements.append(Shard(1) if seq_sharded else Replicate())
+        if name == config.mp_dim and split_dim is not None and x.ndim:
+            placements.append(Shard(split_dim % x.ndim))
         elif name == config.dp_dim and x.ndim and x.shape[0] % mesh.get_dim_size(name) == 0:
             # Keep the batch split over dp as data parallelism left it; a Replicate hint there
             # would make the plan gather the whole batch at every sequence-parallel boundary.
             placements.append(Shard(0))
         else:
             placements.append(Replicate())
-    kind = "SequenceParallelBegin" if seq_sharded else "SequenceParallelEnd"
     layout_from_placements(placements, mesh, tuple(x.shape), what=(
-        f"the output of layer {path!r} ({kind}, activations [batch, seq, ...])"))
+        f"the activations of layer {path!r} ({kind}, [batch, seq, ...])"))
     return shard_tensor(x, mesh, placements)
 
 
 _PLAN_NAMES = ("ColWiseParallel(), RowWiseParallel(), SequenceParallelBegin(), "
-               "SequenceParallelEnd(), PrepareLayerInput(fn), PrepareLayerOutput(fn)")
+               "SequenceParallelEnd(), SequenceParallelEnable(), SequenceParallelDisable(), "
+               "PrepareLayerInput(fn), PrepareLayerOutput(fn)")
 
 
 # ------------------------------------------------------------------------------- parallelize
@@ -413,7 +527,7 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
             ins, outs = [], []
             here = replace(decided, mesh=stage_meshes[stage(path) % len(stage_meshes)])
             for p in hook_plans:
-                i, o = p.hooks(here, path)
+                i, o = p.hooks(here, path, modules[path])
                 ins += i
                 outs += o
             _add_hooks(modules[path], path, ins, outs)
@@ -555,6 +669,7 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
             # without the 'params' collection its paths start with
             pattern = "params." + pattern
             hit_modules = [m for m in modules if fnmatchcase(m, pattern)]
+        pattern = _flax_name(pattern, shapes)
         if plan.places_params:
             hits = {p for p in shapes if fnmatchcase(p, pattern)}
             hits |= {p for p in shapes if _parent(p) in hit_modules}
@@ -565,6 +680,9 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
                         f"parameter {p!r} gets {prev!r} from pattern {other!r} and {plan!r} from "
                         f"pattern {pattern!r}: make the patterns select disjoint parameters")
                 targets.params[p] = (pattern, plan)
+            if plan.wants_hooks:  # around the layers it placed ('lm_head' or 'lm_head.weight')
+                for m in sorted(set(hit_modules) | {_parent(p) for p in hits}):
+                    targets.hooks.setdefault(m, []).append(plan)
         else:
             hits = set(hit_modules)
             for m in hit_modules:
@@ -576,6 +694,24 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
                 f"{sorted(modules)[:12]}{' ...' if len(modules) > 12 else ''} (patterns are "
                 f"fnmatch on dotted paths, e.g. 'layers.*.mlp.up' or '*.qkv')")
     return targets
+
+
+# Paddle names a layer's matrix `weight`; flax calls it `kernel` (Linear, Conv), `embedding`
+# (Embed) or `scale` (norms). A plan written for Paddle ('lm_head.weight') finds flax's.
+_PADDLE_PARAM_NAMES = {"weight": ("kernel", "embedding", "scale")}
+
+
+def _flax_name(pattern: str, shapes: Mapping[str, tuple]) -> str:
+    """`pattern` with a Paddle parameter name that matches nothing replaced by the flax name
+    that matches (unchanged otherwise: the error then names the original)."""
+    head, dot, last = pattern.rpartition(".")
+    if last not in _PADDLE_PARAM_NAMES or any(fnmatchcase(p, pattern) for p in shapes):
+        return pattern
+    for name in _PADDLE_PARAM_NAMES[last]:
+        candidate = f"{head}{dot}{name}"
+        if any(fnmatchcase(p, candidate) for p in shapes):
+            return candidate
+    return pattern
 
 
 def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
@@ -668,5 +804,6 @@ def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: Pa
 
 
 __all__ = ["shard_layer", "parallelize", "ParallelPlan", "ColWiseParallel", "RowWiseParallel",
-           "SequenceParallelBegin", "SequenceParallelEnd", "PrepareLayerInput",
+           "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable",
+           "SequenceParallelDisable", "PrepareLayerInput",
            "PrepareLayerOutput", "ParallelConfig", "ParallelizeError"]
