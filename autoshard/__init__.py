@@ -18,6 +18,7 @@ from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshEr
                      MeshMismatchError, PlacementError, PlacementTypeError, ReshardError,
                      ShardingError)
 from .layout import Layout
+from .local_map import LocalMapError, get_rank, local_map
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, parse_placement
 from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
@@ -42,6 +43,7 @@ from .training.strategy import Strategy, StrategyError
 __version__ = "0.1.0"
 
 __all__ = [
+    "local_map", "get_rank", "LocalMapError",
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
     "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",

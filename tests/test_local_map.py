@@ -1,0 +1,117 @@
+"""dist.local_map (Paddle's): a function of one device's blocks, its results read by their
+out_placements — Partial results combined only where needed — eagerly, inside dist.jit and
+under jax.grad, equal to the same computation written over the whole arrays."""
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard as dist
+from autoshard.hlo import count_collectives
+
+R, S, P = dist.Replicate(), dist.Shard, dist.Partial
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+X = np.arange(8 * 16, dtype=np.float32).reshape(8, 16) / 10
+
+
+@pytest.mark.parametrize("kind,combine", [("sum", np.sum), ("max", np.max), ("min", np.min),
+                                          ("avg", np.mean)])
+def test_partial_results_are_the_parts_of_one_value(kind, combine):
+    # each device reduces its own block; the mp parts combine as the Partial kind says
+    f = dist.local_map(lambda b: jnp.max(b, 1) if kind == "max" else jnp.min(b, 1)
+                       if kind == "min" else jnp.mean(b, 1) if kind == "avg" else jnp.sum(b, 1),
+                       out_placements=[[S(0), P(kind)]])
+    out = f(dist.shard_tensor(X, MESH, [S(0), S(1)]))
+    assert out.placements == [S(0), P(kind)]  # handed out pending, as asked
+    local = {"sum": np.sum, "max": np.max, "min": np.min, "avg": np.mean}[kind]
+    parts = np.stack([local(c, 1) for c in np.split(X, 4, 1)])
+    np.testing.assert_allclose(out.numpy(), combine(parts, 0), rtol=1e-6)
+
+
+def test_rank_is_the_device_of_the_block():
+    mesh = dist.ProcessMesh([[4, 5, 6, 7], [0, 1, 2, 3]], ["dp", "mp"])
+
+    def rank(b):
+        return jnp.zeros((1, 1), jnp.int32) + dist.get_rank()
+
+    f = dist.local_map(rank, out_placements=[[S(0), S(1)]], process_mesh=mesh,
+                       in_placements=[[S(0), S(1)]])
+    out = f(dist.shard_tensor(X, mesh, [S(0), S(1)]))
+    np.testing.assert_array_equal(out.numpy(), np.asarray(mesh.process_ids).reshape(2, 4))
+    assert dist.get_rank() == jax.process_index()  # outside a local function
+
+
+def test_inputs_placed_otherwise_are_an_error_unless_resharding_is_asked():
+    def f(b):
+        return b * 2
+
+    x = dist.shard_tensor(X, MESH, [S(0), R])
+    strict = dist.local_map(f, out_placements=[[S(0), S(1)]], in_placements=[[S(0), S(1)]])
+    with pytest.raises(dist.LocalMapError, match=r"argument 0 is placed \[S\(0\), R\].*"
+                                                 r"reshard_inputs=True"):
+        strict(x)
+    moved = dist.local_map(f, out_placements=[[S(0), S(1)]], in_placements=[[S(0), S(1)]],
+                           reshard_inputs=True)(x)
+    assert moved.placements == [S(0), S(1)]
+    np.testing.assert_allclose(moved.numpy(), X * 2)
+
+
+def _masked_loss(w, x):
+    """Each device scales its block of h's squares by a weight of its rank (Paddle's LocalLayer
+    example: a mask that differs per device), then the parts are summed."""
+    h = x @ w
+
+    def local(hb):
+        return jnp.sum(hb ** 2) * jnp.where(dist.get_rank() % 2 == 0, 1.0, 0.5)
+
+    return dist.local_map(local, out_placements=[[P(), P()]], in_placements=[[S(0), S(1)]],
+                          process_mesh=MESH)(h)
+
+
+def _masked_loss_reference(w, x):
+    h = x @ w
+    weights = np.where(np.asarray(MESH.process_ids).reshape(-1) % 2 == 0, 1.0, 0.5)
+    blocks = [c for r in jnp.split(h, 2, 0) for c in jnp.split(r, 4, 1)]
+    return sum(jnp.sum(b ** 2) * wt for b, wt in zip(blocks, weights))
+
+
+def test_inside_dist_jit_with_gradients():
+    w = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    args = (dist.shard_tensor(w, MESH, [R, S(1)]), dist.shard_tensor(X, MESH, [S(0), R]))
+    f = dist.jit(jax.value_and_grad(_masked_loss))
+    value, grad = f(*args)
+    want_value, want_grad = jax.value_and_grad(_masked_loss_reference)(w, X)
+    np.testing.assert_allclose(value.numpy(), want_value, rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-5)
+    # h = x @ w is made where local_map reads it ([S(0), S(1)]): nothing is gathered; the
+    # loss's parts and w's gradient over dp are the only reductions
+    planned = Counter(c.kind for c in f.plan(*args).collectives)
+    assert count_collectives(f.lower(*args).compile().as_text()) == planned
+    assert set(planned) == {"all-reduce"}
+    # the same function under plain jax.jit on arrays: jax's own shard_map
+    np.testing.assert_allclose(jax.jit(_masked_loss)(w, X), want_value, rtol=1e-5)
+
+
+def test_local_map_errors_say_what_to_give():
+    x = dist.shard_tensor(X, MESH, [S(0), S(1)])
+    with pytest.raises(dist.LocalMapError, match="needs out_placements"):
+        dist.local_map(lambda b: b)
+    two = dist.local_map(lambda b: (b, b), out_placements=[[S(0), S(1)]])
+    with pytest.raises(dist.LocalMapError, match="returns 2 arrays but out_placements has 1"):
+        two(x)
+    traced = dist.local_map(lambda b: b, out_placements=[[S(0), S(1)]])
+    with pytest.raises(dist.LocalMapError, match="inside dist.jit needs in_placements.*and "
+                                                 "process_mesh"):
+        dist.jit(lambda t: traced(t) + 1)(x)
+    no_mesh = dist.local_map(lambda b: b, out_placements=[[S(0), S(1)]],
+                             in_placements=[[S(0), S(1)]])
+    with pytest.raises(dist.LocalMapError, match="traced function needs process_mesh"):
+        dist.jit(lambda t: no_mesh(t) + 1)(x)
+    with pytest.raises(dist.LocalMapError, match="got no DistTensor input: give process_mesh"):
+        traced(X)
+    partial_in = dist.local_map(lambda b: b, out_placements=[[S(0), S(1)]],
+                                in_placements=[[S(0), P()]], process_mesh=MESH)
+    with pytest.raises(dist.LocalMapError, match="is Partial"):
+        dist.jit(partial_in)(x)
