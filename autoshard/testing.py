@@ -115,6 +115,22 @@ def mse_step(apply, tx):
     return step
 
 
+def ce_step(apply, tx):
+    """A train step `(params, opt_state, x, labels) -> (params, opt_state, loss)`: optax's
+    integer-label cross-entropy of the logits `apply(params, x)`, then one update of `tx`."""
+    import jax
+    import optax
+
+    def step(params, opt_state, x, labels):
+        def loss(p):
+            return optax.softmax_cross_entropy_with_integer_labels(apply(p, x), labels).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
 def nnx_apply(graphdef):
     """`apply(params, x)` of a flax nnx model split into `graphdef` and a pure dict of params."""
     from flax import nnx

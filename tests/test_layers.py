@@ -12,7 +12,7 @@ from flax import nnx
 
 import autoshard as dist
 from autoshard.hlo import collectives
-from autoshard.testing import mse_step, nnx_apply
+from autoshard.testing import ce_step, mse_step, nnx_apply
 from autoshard.training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
                                        RowWiseParallel, SequenceParallelBegin,
                                        SequenceParallelEnd, parallelize, shard_layer)
@@ -687,17 +687,6 @@ class _CausalLM(nnx.Module):
         return self.lm_head(self.llama(ids))
 
 
-def _lm_step(graphdef, tx):
-    def step(params, opt_state, ids, labels):
-        def loss(p):
-            logits = nnx.merge(graphdef, nnx.State(p))(ids)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-    return step
-
-
 SEEN: list = []
 
 
@@ -755,8 +744,8 @@ def test_paddlenlp_llama_config_trains_like_one_device(kind):
     params = nnx.to_pure_dict(params)
     ref_graphdef, ref_params = nnx.split(_CausalLM(nnx.Rngs(0)), nnx.Param)
     ref_params = nnx.to_pure_dict(ref_params)
-    f = dist.jit(_lm_step(graphdef, tx))
-    ref = jax.jit(_lm_step(ref_graphdef, tx))
+    f = dist.jit(ce_step(nnx_apply(graphdef), tx))
+    ref = jax.jit(ce_step(nnx_apply(ref_graphdef), tx))
     state, ref_state = tx.init(params), tx.init(ref_params)
     for _ in range(2):
         with warnings.catch_warnings():

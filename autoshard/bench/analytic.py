@@ -81,4 +81,30 @@ class Minimum:
         return dict(out)
 
 
-__all__ = ["Collective", "Minimum", "nbytes", "all_reduce", "all_gather", "reduce_scatter"]
+def megatron_blocks(act: int, mp: int, layers: int, backward: tuple[str, str]) -> list:
+    """Per block of a Megatron transformer: two all-reduces of the activations forward (the
+    attention and MLP outputs), two backward (the input gradients of the two column-parallel
+    groups, named by `backward`)."""
+    out = []
+    for i in range(layers):
+        out += [all_reduce(act, mp, f"block {i} attention output"),
+                all_reduce(act, mp, f"block {i} mlp output"),
+                *(all_reduce(act, mp, f"block {i} backward: {name} input gradient")
+                  for name in backward)]
+    return out
+
+
+def dp_gradients(params, split_over_mp, dp: int, mp: int) -> list:
+    """Each gradient reduced over dp at its mp-local size; `split_over_mp(path, p)` says whether
+    a parameter is split over mp."""
+    import jax
+
+    out = []
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        local = p.nbytes // (mp if split_over_mp(path, p) else 1)
+        out.append(all_reduce(local, dp, f"grad {jax.tree_util.keystr(path)}"))
+    return out
+
+
+__all__ = ["Collective", "Minimum", "nbytes", "all_reduce", "all_gather", "reduce_scatter",
+           "megatron_blocks", "dp_gradients"]

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import autoshard as dist
 
 from . import gpt
-from .analytic import Minimum, all_gather, all_reduce, nbytes, reduce_scatter
+from .analytic import (Minimum, all_gather, all_reduce, dp_gradients, megatron_blocks, nbytes,
+                       reduce_scatter)
 from .workloads import R, S, Workload, keep_placements, mesh_1d, mesh_2x4, sgd
 
 
@@ -37,19 +38,13 @@ def megatron_minimum(params, layers: int, dp: int, mp: int, stacked: bool = Fals
     its mp-local size (the returned gradients keep the params' placements).
     """
     act, rows = nbytes((gpt.B // dp, gpt.T, gpt.D)), nbytes((gpt.B // dp, gpt.T))
-    out = [all_reduce(act, mp, "embedding lookup (partial over the vocab shards)")]
-    for i in range(layers):
-        out += [all_reduce(act, mp, f"block {i} attention output"),
-                all_reduce(act, mp, f"block {i} mlp output"),
-                all_reduce(act, mp, f"block {i} backward: qkv input gradient"),
-                all_reduce(act, mp, f"block {i} backward: fc input gradient")]
-    out += [all_reduce(rows, mp, "softmax row max"), all_reduce(rows, mp, "softmax row sum"),
-            all_reduce(rows, mp, "backward: row sum of the log-softmax cotangent"),
-            all_reduce(4, dp * mp, "loss"), all_reduce(act, mp, "backward: head input gradient")]
-    for path, p in jax.tree_util.tree_leaves_with_path(params):
-        sharded = gpt.megatron_placements(path, p, stacked)[1]
-        local = p.nbytes // (mp if isinstance(sharded, dist.Shard) else 1)
-        out.append(all_reduce(local, dp, f"grad {jax.tree_util.keystr(path)}"))
+    out = [all_reduce(act, mp, "embedding lookup (partial over the vocab shards)"),
+           *megatron_blocks(act, mp, layers, ("qkv", "fc")),
+           all_reduce(rows, mp, "softmax row max"), all_reduce(rows, mp, "softmax row sum"),
+           all_reduce(rows, mp, "backward: row sum of the log-softmax cotangent"),
+           all_reduce(4, dp * mp, "loss"), all_reduce(act, mp, "backward: head input gradient"),
+           *dp_gradients(params, lambda path, p: isinstance(
+               gpt.megatron_placements(path, p, stacked)[1], dist.Shard), dp, mp)]
     return Minimum(tuple(out), "Megatron TP collectives + dp gradient all-reduces at mp-local size")
 
 

@@ -2,13 +2,12 @@
 mesh, unrolled or as a scan over stacked layers, and its analytic minimum."""
 from __future__ import annotations
 
-import jax
 import optax
 
 import autoshard as dist
 
 from . import llama
-from .analytic import Minimum, all_reduce, nbytes
+from .analytic import Minimum, all_reduce, dp_gradients, megatron_blocks, nbytes
 from .workloads import Workload, mesh_2x4
 
 
@@ -24,19 +23,13 @@ def megatron_minimum(params, layers: int, dp: int, mp: int, stacked: bool = Fals
     mp-local size (adamw's update is elementwise, so the state adds nothing).
     """
     act, rows = nbytes((llama.B // dp, llama.T, llama.D)), nbytes((llama.B // dp, llama.T))
-    out = [all_reduce(act, mp, "embedding lookup (partial over the vocab shards)")]
-    for i in range(layers):
-        out += [all_reduce(act, mp, f"block {i} attention output"),
-                all_reduce(act, mp, f"block {i} mlp output"),
-                all_reduce(act, mp, f"block {i} backward: attention norm output gradient"),
-                all_reduce(act, mp, f"block {i} backward: mlp norm output gradient")]
-    out += [all_reduce(rows, mp, "label logit"), all_reduce(rows, mp, "softmax row max"),
-            all_reduce(rows, mp, "softmax row sum"), all_reduce(4, dp, "loss"),
-            all_reduce(act, mp, "backward: head input gradient")]
-    for path, p in jax.tree_util.tree_leaves_with_path(params):
-        sharded = llama.megatron_placements(path, p, stacked)[1]
-        local = p.nbytes // (mp if isinstance(sharded, dist.Shard) else 1)
-        out.append(all_reduce(local, dp, f"grad {jax.tree_util.keystr(path)}"))
+    out = [all_reduce(act, mp, "embedding lookup (partial over the vocab shards)"),
+           *megatron_blocks(act, mp, layers, ("q/k/v", "gate/up")),
+           all_reduce(rows, mp, "label logit"), all_reduce(rows, mp, "softmax row max"),
+           all_reduce(rows, mp, "softmax row sum"), all_reduce(4, dp, "loss"),
+           all_reduce(act, mp, "backward: head input gradient"),
+           *dp_gradients(params, lambda path, p: isinstance(
+               llama.megatron_placements(path, p, stacked)[1], dist.Shard), dp, mp)]
     return Minimum(tuple(out), "Megatron TP collectives + dp gradient all-reduces at mp-local size")
 
 
