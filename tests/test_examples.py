@@ -17,6 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("pipeline.py", [], "every loss and weight equals the one-device run"),
     ("pipeline_gpt.py", [], "every loss and weight equals the one-device run"),
     ("spatial_cnn.py", ["--steps", "3"], "every loss equals the one-device run"),
+    ("llama_paddlenlp.py", ["--steps", "4"], "every loss equals the one-device run"),
+    ("llama_paddlenlp.py", ["--steps", "3", "--sp"], "every loss equals the one-device run"),
 ])
 def test_example_runs(script, args, expect, tmp_path):
     env = dict(os.environ)
