@@ -19,7 +19,8 @@ from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshEr
                      ShardingError)
 from .layout import Layout
 from .local_map import LocalMapError, get_rank, local_map
-from .mesh import ProcessMesh
+from .mesh import ProcessMesh, get_mesh, set_mesh
+from . import auto_parallel  # noqa: F401  (Paddle's dist.auto_parallel.set_mesh path)
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, parse_placement
 from .reshard import PlannedStep, ReshardPlan, plan_reshard, reshard
 from .rules import Rule, register_rule
@@ -43,6 +44,7 @@ from .training.strategy import Strategy, StrategyError
 __version__ = "0.1.0"
 
 __all__ = [
+    "set_mesh", "get_mesh", "auto_parallel",
     "local_map", "get_rank", "LocalMapError",
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
     "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",

@@ -32,7 +32,7 @@ import numpy as np
 from .dtensor import DistTensor
 from .errors import AutoshardError
 from .layout import Layout, layout_from_placements
-from .mesh import ProcessMesh, as_process_mesh
+from .mesh import ProcessMesh, as_process_mesh, get_mesh
 from .physical import physical_spec
 from .placement import Placement, ReduceType, parse_placement
 
@@ -120,11 +120,11 @@ def _eager(func, out_placements, in_placements, mesh, reshard_inputs, args, prog
     from .compiler.jit import jit
 
     dts = [x for x in jax.tree.leaves(args, is_leaf=_is_dt) if _is_dt(x)]
+    mesh = mesh if mesh is not None else dts[0].mesh if dts else get_mesh()
     if mesh is None:
-        if not dts:
-            raise LocalMapError(f"local_map({_name(func)!r}) got no DistTensor input: give "
-                                f"process_mesh= so it knows which devices to run on")
-        mesh = dts[0].mesh
+        raise LocalMapError(f"local_map({_name(func)!r}) got no DistTensor input: give "
+                            f"process_mesh= (or dist.auto_parallel.set_mesh) so it knows which "
+                            f"devices to run on")
     mesh = as_process_mesh(mesh)
     if in_placements is None:
         in_placements = [_arg_placements(a) for a in args]
@@ -170,7 +170,9 @@ def _traced(func, out_placements, in_placements, mesh, args):
             f"local_map({_name(func)!r}) inside dist.jit needs in_placements: the plan places "
             f"values after tracing, so the blocks the function gets must be named, e.g. "
             f"in_placements=[[dist.Shard(0), dist.Replicate()]] for one argument split by rows"
-            + ("" if mesh is not None else ", and process_mesh= (the devices they run on)"))
+            + ("" if mesh is not None or get_mesh() is not None
+               else ", and process_mesh= (the devices they run on)"))
+    mesh = mesh if mesh is not None else get_mesh()
     if mesh is None:
         raise LocalMapError(f"local_map({_name(func)!r}) inside a traced function needs "
                             f"process_mesh=: the devices its blocks run on")

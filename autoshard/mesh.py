@@ -247,4 +247,18 @@ def as_process_mesh(mesh: Any) -> ProcessMesh:
                              f"write dist.ProcessMesh([[0, 1], [2, 3]], dim_names=['dp', 'mp'])")
 
 
-__all__ = ["ProcessMesh", "as_process_mesh"]
+_GLOBAL: list = []  # the mesh set by set_mesh (one entry, or none)
+
+
+def set_mesh(mesh: Any) -> None:
+    """Paddle's `dist.auto_parallel.set_mesh`: the mesh that `parallelize` and `local_map` use
+    when they are given none (None: forget it)."""
+    _GLOBAL[:] = [] if mesh is None else [as_process_mesh(mesh)]
+
+
+def get_mesh() -> ProcessMesh | None:
+    """The mesh given to `set_mesh`, or None."""
+    return _GLOBAL[0] if _GLOBAL else None
+
+
+__all__ = ["ProcessMesh", "as_process_mesh", "set_mesh", "get_mesh"]

@@ -164,8 +164,9 @@ def main() -> None:
     args = parser.parse_args()
 
     mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+    dist.auto_parallel.set_mesh(mesh)  # parallelize (mesh=None) takes it, as in Paddle
     tx = optax.adamw(3e-3)
-    model, optimizer = dist.parallelize(LlamaForCausalLM(nnx.Rngs(0)), tx, mesh=mesh,
+    model, optimizer = dist.parallelize(LlamaForCausalLM(nnx.Rngs(0)), tx,
                                         config=dist_config(args.sp))
     loader = dist.shard_dataloader(list(batches(args.steps)), meshes=mesh, shard_dims="dp")
     dist_model = dist.to_static(model, loader, loss_fn, optimizer)

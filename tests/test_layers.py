@@ -223,6 +223,22 @@ def test_parallelize_sequence_parallel_and_prepare_input():
     assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
 
 
+def test_parallelize_takes_the_mesh_set_by_set_mesh():
+    # Paddle's best practice: dist.auto_parallel.set_mesh(mesh), then parallelize(mesh=None)
+    with pytest.raises(ParallelizeError, match="set_mesh"):
+        parallelize(MLP(nnx.Rngs(0)), config=_mp({"up": ColWiseParallel()}))
+    dist.auto_parallel.set_mesh(MESH)
+    try:
+        assert dist.get_mesh() == MESH
+        model = parallelize(MLP(nnx.Rngs(0)), config=_mp({"up": ColWiseParallel(),
+                                                           "down": RowWiseParallel()}))
+        assert _placements(model) == MEGATRON
+        assert model.up.kernel.get_value().mesh == MESH
+    finally:
+        dist.set_mesh(None)
+    assert dist.get_mesh() is None
+
+
 def test_row_parallel_with_a_whole_input_splits_it_before_the_call():
     # Paddle's RowWiseParallel(is_input_parallel=False): the input arrives whole and is split on
     # its features over mp where the layer is called (here after a replicated up-projection,

@@ -109,6 +109,11 @@ def test_local_map_errors_say_what_to_give():
                              in_placements=[[S(0), S(1)]])
     with pytest.raises(dist.LocalMapError, match="traced function needs process_mesh"):
         dist.jit(lambda t: no_mesh(t) + 1)(x)
+    dist.auto_parallel.set_mesh(MESH)  # ... or the mesh set for everything
+    try:
+        np.testing.assert_allclose(dist.jit(lambda t: no_mesh(t) + 1)(x).numpy(), X + 1)
+    finally:
+        dist.set_mesh(None)
     with pytest.raises(dist.LocalMapError, match="got no DistTensor input: give process_mesh"):
         traced(X)
     partial_in = dist.local_map(lambda b: b, out_placements=[[S(0), S(1)]],

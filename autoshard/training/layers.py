@@ -16,7 +16,7 @@ from ..creation import shard_tensor
 from ..dtensor import DistTensor
 from ..errors import AutoshardError
 from ..layout import layout_from_placements
-from ..mesh import ProcessMesh, as_process_mesh
+from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..placement import Placement, Replicate, Shard
 from ..uneven import is_uneven, warn_uneven
 from . import annotations
@@ -598,8 +598,11 @@ def _model_mesh(model: Any, mesh: ProcessMesh | None, is_nnx: bool) -> ProcessMe
     for v in values:
         if isinstance(v, DistTensor):
             return v.mesh
+    if get_mesh() is not None:  # Paddle's best practice: dist.auto_parallel.set_mesh first
+        return get_mesh()
     raise ParallelizeError("parallelize needs a mesh: pass mesh=dist.ProcessMesh([[0, 1, 2, 3], "
-                           "[4, 5, 6, 7]], dim_names=['dp', 'mp'])")
+                           "[4, 5, 6, 7]], dim_names=['dp', 'mp']), or call "
+                           "dist.auto_parallel.set_mesh(mesh) first")
 
 
 def _read_config(config: Mapping[str, Any] | None
