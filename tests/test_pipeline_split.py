@@ -149,6 +149,49 @@ def test_parallelize_cuts_the_model_into_stages_that_train_like_one_device(layer
         assert [s.mesh for s in runner.stages] == [first, last] * chunks
 
 
+class CausalMask(nnx.Module):
+    def __call__(self, ids):
+        return nnx.make_causal_mask(jnp.ones(ids.shape))
+
+
+class MaskedBlock(Block):
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.drop(self.down(jax.nn.gelu(self.up(self.ln2(x)))))
+
+
+class GlobalGPT(nnx.Module):
+    """A layer computing what every block reads (PaddleNLP's `global_layer`), before them."""
+
+    def __init__(self, layers: int):
+        rngs = nnx.Rngs(0)
+        self.wte = nnx.Embed(V, D, rngs=rngs)
+        self.global_layer = CausalMask()
+        self.blocks = nnx.List([MaskedBlock(0.0, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x, mask = self.wte(ids), self.global_layer(ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
+def test_global_spec_names_the_layer_every_stage_reads():
+    # PaddleNLP's pp_config: {"split_spec": "llama.layers", "global_spec": "llama.global_layer"}
+    data = _data(2)
+    config = {"mp_config": {"parallelize_plan": PLAN},
+              "pp_config": {"split_spec": "blocks", "global_spec": "global_layer"}}
+    model, opt = dist.parallelize(GlobalGPT(2), optax.sgd(0.5), MESH, config)
+    first, last = MESH["pp", 0], MESH["pp", 1]
+    assert model.blocks[1].up.kernel.get_value().mesh == last
+    loader = dist.shard_dataloader(data, meshes=[first, last], shard_dims="dp")
+    dm = dist.to_static(model, loader, ce, opt)
+    losses = [float(dm(x, y).numpy()) for x, y in loader()]
+    np.testing.assert_allclose(losses, _one_device(GlobalGPT(2), data, optax.sgd(0.5)),
+                               rtol=2e-5)
+
+
 def test_stages_follow_definition_order():
     model = GPT(4)
     order = definition_order(model)
@@ -176,8 +219,10 @@ def test_stages_follow_definition_order():
     ({"split_spec": {"blocks.0": dist.SplitPoint.END, "wte": dist.SplitPoint.END}}, MESH,
      r"makes 3 stages, but the mesh's pp dim has 2"),
     ({"split_spec": ["blocks"]}, MESH, r"must be a layer-list path \(str\) or a dict"),
-    ({"stages": 2}, MESH, r"config\['pp_config'\] must be a dict with keys from \['mesh_dim', "
-                          r"'split_spec'\]"),
+    ({"stages": 2}, MESH, r"config\['pp_config'\] must be a dict with keys from "
+                          r"\['global_spec', 'mesh_dim', 'split_spec'\]"),
+    ({"split_spec": "blocks", "global_spec": "llama.global_layer"}, MESH,
+     r"global_spec'\] 'llama.global_layer' names no layer"),
     ({"mesh_dim": "pp"}, MESH, r"config\['pp_config'\] takes 'split_spec'"),
 ])
 def test_pp_config_errors_say_what_to_write(config, mesh, match):

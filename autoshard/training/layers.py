@@ -502,6 +502,8 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
                                "and the first layer of each stage moves its inputs on")
     # with a pipeline, each stage lives on its slice of the mesh's pp dim (dp and mp inside)
     stage_meshes = _stage_meshes(mesh, dict(pp)) if pp is not None else [mesh]
+    if pp is not None and is_nnx:
+        _check_global_spec(pp.get("global_spec"), _nnx_modules(model))
 
     if is_nnx:
         modules, params = _nnx_modules(model), _nnx_params(model)
@@ -554,12 +556,26 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
     return model, _wrap_optimizer(optimizer, decided)
 
 
+def _check_global_spec(spec: Any, modules: Mapping[str, Any]) -> None:
+    """Paddle's pp_config["global_spec"] names the layer whose outputs every stage reads
+    (PaddleNLP's `llama.global_layer`: position ids, masks). It runs on the stage it is
+    defined in, and each later stage's first layer moves the arguments it is handed onto its
+    own mesh, so its outputs reach every stage that reads them; nothing else to do but check
+    the name."""
+    if spec is None:
+        return
+    if not isinstance(spec, str) or spec not in modules:
+        raise ParallelizeError(
+            f"pp_config['global_spec'] {spec!r} names no layer: give the dotted path of the "
+            f"layer whose outputs every stage reads, one of {sorted(modules)[:8]} ...")
+
+
 def _stage_meshes(mesh: ProcessMesh, pp: dict) -> list[ProcessMesh]:
-    unknown = set(pp) - {"split_spec", "mesh_dim"}
+    unknown = set(pp) - {"split_spec", "mesh_dim", "global_spec"}
     if unknown or "split_spec" not in pp:
         raise ParallelizeError(f"config['pp_config'] takes 'split_spec' (a layer-list path or "
-                               f"{{layer: dist.SplitPoint}}) and optionally 'mesh_dim', got "
-                               f"{sorted(pp)}")
+                               f"{{layer: dist.SplitPoint}}) and optionally 'mesh_dim' and "
+                               f"'global_spec', got {sorted(pp)}")
     dim = pp.get("mesh_dim", "pp")
     if dim not in mesh.dim_names:
         raise ParallelizeError(f"pp_config splits the model over mesh dim {dim!r}, but the mesh "
@@ -610,7 +626,7 @@ def _read_config(config: Mapping[str, Any] | None
     config = dict(config or {})
     known = {"dp_config": {"sharding_level", "mesh_dim"},
              "mp_config": {"parallelize_plan", "mesh_dim"},
-             "pp_config": {"split_spec", "mesh_dim"}}
+             "pp_config": {"split_spec", "mesh_dim", "global_spec"}}
     for key, section in config.items():
         if key not in known:
             raise ParallelizeError(f"unknown parallelize config key {key!r}: the keys are "
