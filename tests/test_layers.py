@@ -782,3 +782,33 @@ def test_paddlenlp_llama_config_trains_like_one_device(kind):
         assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
         # Paddle-style hooks ran with the mesh, the layer and its inputs / output
         assert ("in", MESH, "_Layer", 1) in SEEN and ("out", MESH, "Linear", (4, 8, 32)) in SEEN
+
+
+def test_planning_again_with_later_copies_offered_lowers_the_sequence_parallel_bytes(
+        monkeypatch):
+    """PaddleNLP's sp_config: planned in order, the attention's output projection is split one
+    way forward and moved another way for the backward's weight gradient; planned a second
+    time with that copy offered to the forward, both read one copy. The second plan is kept
+    only because it moves fewer bytes (and no more collectives); values are unchanged."""
+    from autoshard.compiler import plan as plan_module
+
+    config = {"mp_config": {"parallelize_plan": PADDLENLP_CONFIGS["sp"]}}
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 32, (4, 8)).astype(np.int32)
+    labels = rng.integers(0, 32, (4, 8)).astype(np.int32)
+    tx = optax.sgd(0.1)
+
+    def planned():
+        model = dist.parallelize(_CausalLM(nnx.Rngs(0)), mesh=MESH, config=config)
+        graphdef, params = nnx.split(model, nnx.Param)
+        params = nnx.to_pure_dict(params)
+        f = dist.jit(ce_step(nnx_apply(graphdef), tx))
+        args = (params, tx.init(params), ids, labels)
+        return f.plan(*args), f(*args)[2]
+
+    twice, loss = planned()
+    monkeypatch.setattr(plan_module, "_anticipations", lambda plan: {})
+    once, once_loss = planned()
+    assert twice.total_bytes < once.total_bytes
+    assert len(twice.collectives) <= len(once.collectives)
+    np.testing.assert_allclose(loss.numpy(), once_loss.numpy(), rtol=1e-6)
