@@ -6,9 +6,11 @@ SwiGLU — and PaddleNLP's module names, so the plan is the one a PaddleNLP user
 embedding column-parallel with its output gathered, q/k/v/gate/up column-parallel, o/down
 row-parallel, the head split along the vocabulary, written for Paddle's `weight` names; the
 batch over "dp" with ZeRO-1 (`dp_config`). With `--sp` the plan adds sequence parallelism
-between the layers (PaddleNLP's `sp_config`). Every loss equals the one-device run.
+between the layers (PaddleNLP's `sp_config`); with `--pp` the mesh is 2 × 2 × 2 (pp, dp, mp)
+and `pp_config` cuts the decoder layers into two pipeline stages, run 1F1B over two
+micro-batches. Every loss equals the one-device run.
 
-Run:  python examples/llama_paddlenlp.py [--steps N] [--sp]
+Run:  python examples/llama_paddlenlp.py [--steps N] [--sp] [--pp]
 """
 import argparse
 import os
@@ -105,8 +107,8 @@ def loss_fn(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def dist_config(sp: bool) -> dict:
-    """PaddleNLP's Llama plans (its `mp_config` / `sp_config`), in Paddle's API."""
+def dist_config(sp: bool, pp: bool = False) -> dict:
+    """PaddleNLP's Llama plans (its `mp_config` / `sp_config`, `pp_config`), in Paddle's API."""
     layers = "llama.layers.*"
     plan = {f"{layers}.self_attn.q_proj": dist.ColWiseParallel(),
             f"{layers}.self_attn.k_proj": dist.ColWiseParallel(),
@@ -123,7 +125,10 @@ def dist_config(sp: bool) -> dict:
                  "lm_head": dist.SequenceParallelEnd()}
     else:
         plan["llama.embed_tokens"] = dist.ColWiseParallel(gather_output=True)
-    return {"mp_config": {"parallelize_plan": plan}, "dp_config": {"sharding_level": 1}}
+    config = {"mp_config": {"parallelize_plan": plan}, "dp_config": {"sharding_level": 1}}
+    if pp:
+        config["pp_config"] = {"split_spec": "llama.layers"}
+    return config
 
 
 def batches(steps: int, seed: int = 0):
@@ -161,19 +166,28 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sp", action="store_true", help="sequence parallel between the layers")
+    parser.add_argument("--pp", action="store_true", help="two pipeline stages (2 × 2 × 2 mesh)")
     args = parser.parse_args()
 
-    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+    if args.pp:
+        mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), dim_names=["pp", "dp", "mp"])
+        stages = [mesh["pp", 0], mesh["pp", 1]]  # the batch enters the first, labels the last
+        strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
+                                               "accumulate_steps": 2}})
+    else:
+        mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
+        stages, strategy = mesh, None
     dist.auto_parallel.set_mesh(mesh)  # parallelize (mesh=None) takes it, as in Paddle
     tx = optax.adamw(3e-3)
     model, optimizer = dist.parallelize(LlamaForCausalLM(nnx.Rngs(0)), tx,
-                                        config=dist_config(args.sp))
-    loader = dist.shard_dataloader(list(batches(args.steps)), meshes=mesh, shard_dims="dp")
-    dist_model = dist.to_static(model, loader, loss_fn, optimizer)
+                                        config=dist_config(args.sp, args.pp))
+    loader = dist.shard_dataloader(list(batches(args.steps)), meshes=stages, shard_dims="dp")
+    dist_model = dist.to_static(model, loader, loss_fn, optimizer, strategy)
 
     first = next(iter(loader))
     print(f"plan of one training step ({'sequence' if args.sp else 'tensor'} parallel, "
-          f"ZeRO-1 over dp, on 2×4):")
+          f"ZeRO-1 over dp{', two 1F1B pipeline stages' if args.pp else ''}, on "
+          f"{' × '.join(map(str, mesh.shape))}):")
     print(dist_model.summary(*first))
 
     dist_model.train()
