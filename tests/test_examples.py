@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("spatial_cnn.py", ["--steps", "3"], "every loss equals the one-device run"),
     ("llama_paddlenlp.py", ["--steps", "4"], "every loss equals the one-device run"),
     ("llama_paddlenlp.py", ["--steps", "3", "--sp"], "every loss equals the one-device run"),
-    ("llama_paddlenlp.py", ["--steps", "2", "--pp"], "every loss equals the one-device run"),
+    ("llama_paddlenlp.py", ["--steps", "3", "--pp"], "every loss equals the one-device run"),
 ])
 def test_example_runs(script, args, expect, tmp_path):
     env = dict(os.environ)
