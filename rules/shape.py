@@ -117,8 +117,10 @@ def _spread(rows: int, lo: int, hi: int, interior: int) -> bool:
 def pad_sharding(in_avals, out_avals, *, padding_config):
     shape = in_avals[0].shape
     term = LETTERS[:len(padding_config)]
+    # an interleaving dim of one row is no interleave to split: the rule's einsum gives a
+    # size-1 operand dim no factor (broadcast), which would let the result split alone
     changed = [d for d, cfg in enumerate(padding_config)
-               if tuple(cfg) != (0, 0, 0) and not _interleaving(*cfg)]
+               if tuple(cfg) != (0, 0, 0) and not (shape[d] > 1 and _interleaving(*cfg))]
     spread = [d for d in changed if _spread(shape[d], *padding_config[d])]
     # The padding value is an operand too: Partial(sum) pads parts with 0 and one part with it.
     # A spread dim's letter is the result's alone (like a broadcast's new dim).

@@ -169,6 +169,10 @@ def _program(ops):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+# cumlogsumexp's backward pads a one-column slice to two columns by interleaving (0, 1, 1):
+# the pad rule let the result split alone and the local pad made two columns, not one
+# (found by the explore profile, stop 32)
+@example((MESHES[3], ("cumlogsumexp", "ragged_dot"), ["R", "R", "S(0)"], ["R", "S(0)", "R"], 0))
 def test_random_programs_values_and_gradients(case):
     _check_random_program(*case)
 
