@@ -115,6 +115,23 @@ def mse_step(apply, tx):
     return step
 
 
+def token_streams(steps: int, batch: int, seq: int, vocab: int, *, mul: int = 5, add: int = 3,
+                  jump: float = 0.1, seed: int = 0):
+    """`steps` batches of (ids, next ids) [batch, seq]: streams that mostly follow
+    t' = (mul t + add) mod vocab and sometimes jump at random — learnable, a little noisy."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        tokens = np.empty((batch, seq + 1), np.int32)
+        tokens[:, 0] = rng.integers(0, vocab, batch)
+        for i in range(1, seq + 1):
+            jumps = rng.random(batch) < jump
+            tokens[:, i] = np.where(jumps, rng.integers(0, vocab, batch),
+                                    (mul * tokens[:, i - 1] + add) % vocab)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
 def ce_step(apply, tx):
     """A train step `(params, opt_state, x, labels) -> (params, opt_state, loss)`: optax's
     integer-label cross-entropy of the logits `apply(params, x)`, then one update of `tx`."""

@@ -25,6 +25,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import autoshard as dist  # noqa: E402
+from autoshard.testing import ce_step, nnx_apply, token_streams  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, SEQ, BATCH = 128, 64, 8, 4, 128, 2, 32, 8
 HEAD_DIM = HIDDEN // HEADS
@@ -131,30 +132,16 @@ def dist_config(sp: bool, pp: bool = False) -> dict:
     return config
 
 
-def batches(steps: int, seed: int = 0):
+def batches(steps: int):
     """Token streams that mostly follow t' = (3t + 1) mod VOCAB: learnable, a little noisy."""
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        seq = np.empty((BATCH, SEQ + 1), np.int32)
-        seq[:, 0] = rng.integers(0, VOCAB, BATCH)
-        for i in range(1, SEQ + 1):
-            jump = rng.random(BATCH) < 0.1
-            seq[:, i] = np.where(jump, rng.integers(0, VOCAB, BATCH), (3 * seq[:, i - 1] + 1) % VOCAB)
-        yield seq[:, :-1], seq[:, 1:]
+    return token_streams(steps, BATCH, SEQ, VOCAB, mul=3, add=1)
 
 
 def one_device_losses(steps: int, tx) -> list[float]:
+    """The same training on one device: plain jax.jit of the step on the unplaced params."""
     graphdef, params = nnx.split(LlamaForCausalLM(nnx.Rngs(0)), nnx.Param)
     params = nnx.to_pure_dict(params)
-
-    @jax.jit
-    def step(p, s, ids, labels):
-        def loss(p):
-            return loss_fn(nnx.merge(graphdef, nnx.State(p))(ids), labels)
-        value, grads = jax.value_and_grad(loss)(p)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, value
-
+    step = jax.jit(ce_step(nnx_apply(graphdef), tx))  # optax's integer-label cross-entropy
     state, losses = tx.init(params), []
     for ids, labels in batches(steps):
         params, state, value = step(params, state, ids, labels)

@@ -22,6 +22,7 @@ from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import autoshard as dist  # noqa: E402
+from autoshard.testing import token_streams  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 64, 64, 4, 2, 16, 16
 
@@ -94,14 +95,7 @@ def megatron_1d(name, layer, mesh):
 # -- the data: a synthetic language the repo makes itself ------------------------------------
 def synthetic_batches(steps: int, seed: int = 0):
     """Token streams that mostly follow t' = (5t + 3) mod V, sometimes jump: learnable, noisy."""
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        seq = np.empty((BATCH, SEQ + 1), np.int32)
-        seq[:, 0] = rng.integers(0, VOCAB, BATCH)
-        for i in range(1, SEQ + 1):
-            jump = rng.random(BATCH) < 0.1
-            seq[:, i] = np.where(jump, rng.integers(0, VOCAB, BATCH), (5 * seq[:, i - 1] + 3) % VOCAB)
-        yield seq[:, :-1], seq[:, 1:]
+    return token_streams(steps, BATCH, SEQ, VOCAB, seed=seed)
 
 
 def one_device_losses(steps: int, tx) -> list[float]:
