@@ -147,13 +147,13 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     plan = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model)
     anticipated = _anticipations(plan)
     if anticipated:
-        # Equations are planned in order, each by its own cost: the first of two matmuls that
-        # read one cotangent (a weight gradient, then the input gradient, as jax transposes a
-        # dot) cannot see that the second will gather that cotangent anyway, and may pick a
-        # strategy that moves something else instead (sequence parallelism's backward: an
-        # all-to-all and a pending weight gradient, then the second gathers the weight).
-        # Planned again with the later copies offered to the earlier readers, the cheaper of
-        # the two plans is kept (fewer bytes, no more collectives).
+        # Equations are planned in order, each by its own cost: an earlier matmul cannot see
+        # that a later one reading the same value will move it anyway, and may pay for
+        # another move instead (sequence parallelism: the forward output projection reads the
+        # attention output as it lies, the backward's weight gradient all-to-alls it; planned
+        # again, the forward reads that copy too). Planned again with the later copies
+        # offered to the earlier readers, the cheaper of the two plans is kept (fewer bytes,
+        # no more collectives).
         other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
                            anticipated)
         if (other.total_bytes < plan.total_bytes

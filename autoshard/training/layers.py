@@ -249,6 +249,12 @@ class ParallelConfig:
     stage_meshes: tuple = ()  # with pp_config: each pipeline stage's mesh, in order
 
 
+# What a plan does to the activations around its layer's calls, as (first input, output):
+# NO_HINT leaves that side alone; otherwise the mesh dim mp splits that tensor dim (None:
+# whole over mp). The batch stays split over dp either way (_activation_hint).
+NO_HINT = "no hint"
+
+
 class ParallelPlan:
     """Base of the entries of mp_config["parallelize_plan"]."""
 
@@ -263,9 +269,17 @@ class ParallelPlan:
         """The tensor dim a parameter of `ndim` dims is split on over the mp dim (None: keep)."""
         return None
 
+    activations: tuple = (NO_HINT, NO_HINT)  # see NO_HINT: (first input, output)
+
     def hooks(self, config: ParallelConfig, path: str, layer: Any = None) -> tuple[list, list]:
-        """(input hooks, output hooks) to run around the calls of `layer` (at `path`)."""
-        return [], []
+        """(input hooks, output hooks) to run around the calls of `layer` (at `path`): by
+        default the placements `activations` names."""
+        before, after = self.activations
+        kind = repr(self)
+        return ([] if before == NO_HINT else
+                [_on_first(functools.partial(_activation_hint, config, before, path, kind))],
+                [] if after == NO_HINT else
+                [functools.partial(_activation_hint, config, after, path, kind)])
 
     def feature_dim(self, ndim: int, features: tuple | None) -> int | None:
         """`param_dim`, knowing the parameter's (first input-feature dim, first output-feature
@@ -280,7 +294,8 @@ class ParallelPlan:
     def wants_hooks(self) -> bool:
         """Whether it runs hooks around its layer's calls (a plan that places parameters may
         too: ColWiseParallel(gather_output=True))."""
-        return not self.places_params
+        return self.activations != (NO_HINT, NO_HINT) or (
+            type(self).hooks is not ParallelPlan.hooks)
 
 
 @dataclass(frozen=True, repr=False)
@@ -301,14 +316,8 @@ class ColWiseParallel(ParallelPlan):
         return features[1] if features is not None else self.param_dim(ndim)
 
     @property
-    def wants_hooks(self) -> bool:
-        return self.gather_output
-
-    def hooks(self, config, path, layer=None):
-        if not self.gather_output:
-            return [], []
-        return [], [functools.partial(_activation_hint, config, None, path, "ColWiseParallel("
-                                      "gather_output=True)")]
+    def activations(self) -> tuple:
+        return NO_HINT, None if self.gather_output else NO_HINT
 
 
 @dataclass(frozen=True, repr=False)
@@ -327,14 +336,8 @@ class RowWiseParallel(ParallelPlan):
         return features[0] if features is not None else self.param_dim(ndim)
 
     @property
-    def wants_hooks(self) -> bool:
-        return not self.is_input_parallel
-
-    def hooks(self, config, path, layer=None):
-        if self.is_input_parallel:
-            return [], []
-        return [_on_first(functools.partial(_activation_hint, config, -1, path,
-                                            "RowWiseParallel(is_input_parallel=False)"))], []
+    def activations(self) -> tuple:
+        return NO_HINT if self.is_input_parallel else -1, NO_HINT
 
 
 # Sequence parallelism. Paddle's plans take `need_transpose`: with it, Paddle itself transposes
@@ -347,9 +350,7 @@ class SequenceParallelBegin(ParallelPlan):
     """From this layer's output on, activations [batch, seq, ...] are split on seq over mp."""
 
     need_transpose: bool = True
-
-    def hooks(self, config, path, layer=None):
-        return [], [functools.partial(_activation_hint, config, 1, path, "SequenceParallelBegin")]
+    activations = (NO_HINT, 1)
 
 
 @dataclass(frozen=True, repr=False)
@@ -357,20 +358,14 @@ class SequenceParallelEnd(ParallelPlan):
     """This layer's output is gathered back to whole sequences (Replicate over mp)."""
 
     need_transpose: bool = True
-
-    def hooks(self, config, path, layer=None):
-        return [], [functools.partial(_activation_hint, config, None, path,
-                                      "SequenceParallelEnd")]
+    activations = (NO_HINT, None)
 
 
 @dataclass(frozen=True, repr=False)
 class SequenceParallelEnable(ParallelPlan):
     """The layer runs on sequence shards: its first input and its output split on seq."""
 
-    def hooks(self, config, path, layer=None):
-        return ([_on_first(functools.partial(_activation_hint, config, 1, path,
-                                             "SequenceParallelEnable"))],
-                [functools.partial(_activation_hint, config, 1, path, "SequenceParallelEnable")])
+    activations = (1, 1)
 
 
 @dataclass(frozen=True, repr=False)
@@ -379,11 +374,7 @@ class SequenceParallelDisable(ParallelPlan):
     gathered over mp before each call, its output split on seq again after."""
 
     need_transpose: bool = True
-
-    def hooks(self, config, path, layer=None):
-        return ([_on_first(functools.partial(_activation_hint, config, None, path,
-                                             "SequenceParallelDisable"))],
-                [functools.partial(_activation_hint, config, 1, path, "SequenceParallelDisable")])
+    activations = (None, 1)
 
 
 @dataclass(frozen=True, repr=False)
