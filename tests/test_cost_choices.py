@@ -277,3 +277,33 @@ def test_a_value_made_from_nothing_is_computed_whole_for_a_reader_that_needs_it_
         assert any("computed whole" in ep.strategy for ep in plan.eqns)
     else:  # the scatter was planned split for its first reader: the gather-back moves ids
         assert len(plan.collectives) == 1
+
+
+def test_embedding_gradient_of_sequence_shards_moves_the_cotangent_not_the_table():
+    # A hidden-split table (Paddle's ColWiseParallel embedding) read by a sequence-split step:
+    # the gradient is a scatter-add of the sequence-split cotangent into the whole table.
+    # Summed where it lies, every device holds a Partial of the whole table, reduced over
+    # dp x mp; the cotangent all-to-all'd onto the hidden dim instead (a quarter of the
+    # table's bytes here) leaves each device its own columns, reduced over dp alone.
+    rng = np.random.default_rng(0)
+    table = (rng.normal(size=(1024, 256)) * 0.02).astype(np.float32)
+    ids = rng.integers(0, 1024, (8, 64)).astype(np.int32)
+    cot = rng.normal(size=(8, 64, 256)).astype(np.float32)
+
+    def step(table, ids, cot):
+        grad, = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)[1](cot)
+        return table - 0.1 * grad
+
+    args = (dist.shard_tensor(table, MESH, [R(), S(1)]),
+            dist.shard_tensor(ids, MESH, [S(0), S(1)]),
+            dist.shard_tensor(cot, MESH, [S(0), S(1)]))
+    f = dist.jit(step, out_placements=[[R(), S(1)]])
+    np.testing.assert_allclose(f(*args).numpy(), jax.jit(step)(table, ids, cot), rtol=1e-5,
+                               atol=1e-6)
+    plan = f.plan(*args)
+    steps = Counter(c.step.split(" ")[0] for c in plan.collectives)
+    assert steps["all_to_all(mp)"] == 1 and steps["psum(dp)"] == 1, plan.collectives
+    assert all(c.axes != ("dp", "mp") for c in plan.collectives), plan.collectives
+    assert plan.total_bytes < table.nbytes // 2
+    hlo = f.lower(*args).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)

@@ -203,13 +203,14 @@ def test_parallelize_sequence_parallel_and_prepare_input():
     x, y = _data((4, 8, 8))  # [batch, seq, hidden]
     seen = []
 
-    def split_batch(x, mesh):
+    def split_seq(x, mesh):
         seen.append(mesh)
-        return dist.shard_tensor(x, mesh, [S(0), R])
+        return dist.shard_tensor(x, mesh, [S(0), S(1)])
 
-    # Megatron-SP: the row-parallel output is reduce-scattered into sequence shards, and the
-    # model's output gathered back to whole sequences.
-    plan = {"": [PrepareLayerInput(split_batch), SequenceParallelEnd()], "up": ColWiseParallel(),
+    # Megatron-SP: the model reads sequence shards; SequenceParallelEnd on `up` gathers its
+    # input back to whole sequences (Paddle's pre-hook: the first layer after the range), and
+    # the row-parallel output is reduce-scattered into sequence shards again.
+    plan = {"": PrepareLayerInput(split_seq), "up": [ColWiseParallel(), SequenceParallelEnd()],
             "down": [RowWiseParallel(), SequenceParallelBegin()]}
     model = parallelize(MLP(nnx.Rngs(0)), mesh=MESH, config=_mp(plan))
     assert _placements(model) == MEGATRON
@@ -218,7 +219,7 @@ def test_parallelize_sequence_parallel_and_prepare_input():
     state = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
     p = f.plan(state, optax.sgd(0.1).init(state), x, y)
     hinted = [e.results[0].dims for e in p.eqns if e.primitive == "autoshard_hint"]
-    assert hinted[:3] == [(("dp",), (), ()), (("dp",), ("mp",), ()), (("dp",), (), ())]
+    assert hinted[:3] == [(("dp",), ("mp",), ()), (("dp",), (), ()), (("dp",), ("mp",), ())]
     steps = {c.step for c in p.collectives}
     assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
 
@@ -779,6 +780,10 @@ def test_paddlenlp_llama_config_trains_like_one_device(kind):
         assert hinted == [[S(0), R]] and "all_gather(mp) dim 2" in steps
     else:  # sequence shards between the layers: reduce-scattered in, gathered out, twice a layer
         assert hinted[0] == [S(0), S(1)] and hinted[1:9] == [[S(0), R], [S(0), S(1)]] * 4
+        # SequenceParallelEnd gathers the head's input (Paddle's pre-hook); its logits stay
+        # split on the vocabulary, and the cross-entropy reduces over mp (never gathers them)
+        assert hinted[9:] == [[S(0), R]]
+        assert "pmax(mp)" in steps and "all_gather(mp) dim 2" not in steps
         assert "psum_scatter(mp) dim 1" in steps and "all_gather(mp) dim 1" in steps
         # Paddle-style hooks ran with the mesh, the layer and its inputs / output
         assert ("in", MESH, "_Layer", 1) in SEEN and ("out", MESH, "Linear", (4, 8, 32)) in SEEN
@@ -794,8 +799,8 @@ def test_planning_again_with_later_copies_offered_lowers_the_sequence_parallel_b
 
     config = {"mp_config": {"parallelize_plan": PADDLENLP_CONFIGS["sp"]}}
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, 32, (4, 8)).astype(np.int32)
-    labels = rng.integers(0, 32, (4, 8)).astype(np.int32)
+    ids = rng.integers(0, 32, (8, 16)).astype(np.int32)  # (at (4, 8) one pass plans it)
+    labels = rng.integers(0, 32, (8, 16)).astype(np.int32)
     tx = optax.sgd(0.1)
 
     def planned():

@@ -220,7 +220,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     repeats = Repeats(_repeat_ids(program, facts))
     pref = propagate(program, mesh, fixed, registry, cost_model, facts=facts,
                      runs=repeats.run_of)
-    pick = chooser(mesh, cost_model)
+    # the plan also weighs moving a summed-over dim's axes onto another dim (an all-to-all
+    # instead of a Partial as large as the result); propagation does not: its preferences
+    # would follow those moves, and Megatron's layouts are what they should follow
+    pick = chooser(mesh, cost_model, unreducing=True)
 
     actual: dict = {}
     inputs = []

@@ -113,6 +113,25 @@ def _seed_moving(groups, layout: Layout, opsh: OpSharding):
     return assign + [(a, target) for a in spare], []
 
 
+def _seeds_unreducing(groups, layout: Layout, opsh: OpSharding):
+    """For each split dim of the operand that the op sums over: its own assignment with that
+    dim's axes moved onto a dim the op lets pass — an all-to-all of the operand instead of a
+    Partial result as large as the output (the embedding gradient: a scatter-add of a
+    sequence-split cotangent into the whole table)."""
+    kinds = [opsh.factors[groups[d]].kind if d < len(groups) and groups[d] is not None
+             else None for d in range(len(layout.dims))]
+    passing = [(not axes, d) for d, axes in enumerate(layout.dims) if kinds[d] == PASS]
+    if not passing:
+        return
+    target = groups[min(passing)[1]]
+    for moved, axes in enumerate(layout.dims):
+        if not axes or kinds[moved] != REDUCE:
+            continue
+        assign = [(a, groups[d]) for d, dim_axes in enumerate(layout.dims) if d != moved
+                  and kinds[d] in (PASS, REDUCE) for a in dim_axes]
+        yield assign + [(a, target) for a in axes], []
+
+
 def _merge(seeds) -> Strategy:
     assign, partial, used = [], [], set()
     for seed_assign, seed_partial in seeds:
@@ -130,7 +149,7 @@ def _merge(seeds) -> Strategy:
 def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                preferred: Sequence[Layout | None],
                single_use: Sequence[bool] | None = None,
-               available: Sequence[frozenset] = ()) -> list[Strategy]:
+               available: Sequence[frozenset] = (), unreducing: bool = False) -> list[Strategy]:
     """`single_use[i]`: operand i has no other consumer, so its Partial may flow through here.
     `available[i]`: layouts operand i was already moved to: each also seeds a strategy.
 
@@ -148,6 +167,9 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
     moving = [m for i, L in enumerate(actual) if L is not None
               for m in [_seed_moving(opsh.operands[i], L, opsh)] if m is not None]
+    if unreducing:
+        moving += [m for i, L in enumerate(actual) if L is not None
+                   for m in _seeds_unreducing(opsh.operands[i], L, opsh)]
     out += [_merge([s]) for s in seeds + [e for _, e in extra]]
     # a copy made for an earlier consumer, completed by another operand's axes as it lies:
     # the sequence-parallel backward reuses the gathered cotangent with the row-split weight,
@@ -269,19 +291,22 @@ def choose(sig: Signature, mesh: ProcessMesh, actual: tuple[Layout | None, ...],
     return chooser(mesh, cost_model)(sig, actual, preferred, single_use, available, parameters)
 
 
-_MEMOS: dict = {}  # (mesh, cost model) -> {the other arguments of choose: Choice}
+_MEMOS: dict = {}  # (mesh, cost model, unreducing) -> {the other arguments: Choice}
 _MAX_MEMO = 65536
 
 
-def chooser(mesh: ProcessMesh, cost_model: CostModel):
+def chooser(mesh: ProcessMesh, cost_model: CostModel, unreducing: bool = False):
     """`choose` with the mesh and cost model fixed. Propagation and the plan ask once per
     equation: fetching this once per pass spares hashing the mesh and the cost model on each
-    of those calls."""
-    memo = _MEMOS.get((mesh, cost_model))
+    of those calls.
+
+    `unreducing`: also weigh the candidates of `_seeds_unreducing`.
+    """
+    memo = _MEMOS.get((mesh, cost_model, unreducing))
     if memo is None:
         if len(_MEMOS) >= 64:
             _MEMOS.clear()
-        memo = _MEMOS[(mesh, cost_model)] = {}
+        memo = _MEMOS[(mesh, cost_model, unreducing)] = {}
 
     def pick(sig: Signature, actual: tuple, preferred: tuple, single_use: tuple,
              available: tuple, parameters: tuple) -> Choice:
@@ -291,7 +316,7 @@ def chooser(mesh: ProcessMesh, cost_model: CostModel):
             if len(memo) >= _MAX_MEMO:
                 memo.clear()
             choice = memo[key] = _choose(sig, mesh, actual, preferred, cost_model, single_use,
-                                         available, parameters)
+                                         available, parameters, unreducing)
         return choice
     return pick
 
@@ -326,13 +351,13 @@ def _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
 
 
 def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: CostModel,
-            single_use, available, parameters) -> Choice:
+            single_use, available, parameters, unreducing: bool = False) -> Choice:
     opsh, in_avals, out_avals = sig.opsh, sig.in_avals, sig.out_avals
     sizes = mesh.axis_sizes
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
-    cands = candidates(opsh, actual, preferred, single_use, available)
+    cands = candidates(opsh, actual, preferred, single_use, available, unreducing)
     for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
         cost = 0.0

@@ -355,10 +355,13 @@ class SequenceParallelBegin(ParallelPlan):
 
 @dataclass(frozen=True, repr=False)
 class SequenceParallelEnd(ParallelPlan):
-    """This layer's output is gathered back to whole sequences (Replicate over mp)."""
+    """The first layer after the sequence-parallel range: its input is gathered back to whole
+    sequences (Replicate over mp) before each call, as Paddle's pre-hook does; its output is
+    left as the layer makes it (a column-parallel head's logits stay split on the vocabulary,
+    so the cross-entropy runs vocab-parallel)."""
 
     need_transpose: bool = True
-    activations = (NO_HINT, None)
+    activations = (None, NO_HINT)
 
 
 @dataclass(frozen=True, repr=False)
