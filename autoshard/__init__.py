@@ -10,7 +10,8 @@ from .compiler.constraints import IgnoredConstraintWarning
 from .compiler.plan import FallbackWarning, Plan
 from .uneven import UnevenShardingWarning
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
-from .creation import dtensor_from_fn, dtensor_from_local, shard_tensor, unshard_dtensor
+from .creation import (dtensor_from_fn, dtensor_from_local, dtensor_to_local, shard_tensor,
+                       unshard_dtensor)
 from .display import placement_table
 from .dtensor import DistTensor, StorageViewWarning
 from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
@@ -32,6 +33,7 @@ from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInp
                               PrepareLayerOutput, RowWiseParallel, SequenceParallelBegin,
                               SequenceParallelDisable, SequenceParallelEnable,
                               SequenceParallelEnd, parallelize, shard_layer)
+from .training.local_layer import LocalLayer
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
 from .parallel_env import init_parallel_env
@@ -45,9 +47,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "set_mesh", "get_mesh", "auto_parallel",
-    "local_map", "get_rank", "LocalMapError",
+    "local_map", "get_rank", "LocalMapError", "LocalLayer",
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
-    "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "unshard_dtensor",
+    "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit",
     "DistributedFunction", "Plan",

@@ -166,6 +166,42 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
     return make_dtensor(value, mesh, layout, shape)
 
 
+def dtensor_to_local(x: DistTensor, mesh: ProcessMesh | None = None,
+                     placements: Sequence[Placement | str] | None = None) -> list:
+    """Each device's block of `x`, one per device in mesh order (row-major over mesh
+    coordinates): the inverse of `dtensor_from_local` given a list. A Partial tensor's blocks
+    are its partial values. A device of another process gives None (read it there).
+
+    `mesh` / `placements` (Paddle's arguments) name what `x` is expected to be; a tensor placed
+    otherwise is an error, not a silent reshard: `dist.reshard` it first.
+    """
+    if not isinstance(x, DistTensor):
+        if isinstance(x, jax.core.Tracer):
+            raise LocalDataError(
+                "dtensor_to_local got a traced value: inside dist.jit the plan decides where "
+                "values live after tracing; write the per-device part as a function and run it "
+                "with dist.local_map(fn, out_placements=..., in_placements=...)")
+        raise PlacementTypeError(f"dtensor_to_local needs a DistTensor, got {type(x).__name__}: "
+                                 f"make one with dist.shard_tensor or dist.dtensor_from_local")
+    if mesh is not None and as_process_mesh(mesh) != x.mesh:
+        raise LocalDataError(f"dtensor_to_local: the tensor lives on {x.mesh!r}, not on "
+                             f"{as_process_mesh(mesh)!r}: dist.reshard(x, mesh, placements) "
+                             f"first")
+    if placements is not None:
+        want = normalize_placements(placements, x.mesh.ndim, x.mesh.dim_names)
+        if list(want) != list(x.placements):
+            raise LocalDataError(f"dtensor_to_local: the tensor is placed {x.placements}, not "
+                                 f"{list(want)}: dist.reshard(x, mesh, {list(want)}) first, or "
+                                 f"pass its own placements")
+    mine = {d.id for d in jax.local_devices()}
+    blocks = []
+    for c in itertools.product(*(range(n) for n in x.mesh.shape)):
+        device_id = int(x.mesh.id_array[c])
+        on = x.mesh.device_for(device_id).id in mine
+        blocks.append(x.local(device_id) if on else None)
+    return blocks
+
+
 def unshard_dtensor(x: DistTensor) -> jax.Array:
     """The logical value of `x` as a jax.Array replicated over its mesh."""
     if not isinstance(x, DistTensor):

@@ -120,3 +120,70 @@ def test_local_map_errors_say_what_to_give():
                                 in_placements=[[S(0), P()]], process_mesh=MESH)
     with pytest.raises(dist.LocalMapError, match="is Partial"):
         dist.jit(partial_in)(x)
+
+
+# ---------------------------------------------------------------- dtensor_to_local, LocalLayer
+@pytest.mark.parametrize("placements", [[S(0), S(1)], [R, S(0)], [S(1), R], [P(), S(0)]],
+                         ids=str)
+def test_dtensor_to_local_is_the_inverse_of_dtensor_from_local(placements):
+    blocks = [np.full((2, 4), k, np.float32) + np.arange(8).reshape(2, 4) for k in range(8)]
+    x = dist.dtensor_from_local(blocks, MESH, placements)
+    got = dist.dtensor_to_local(x, MESH, placements)
+    assert len(got) == MESH.size
+    for want, block in zip(blocks, got):
+        np.testing.assert_array_equal(np.asarray(block), want)
+    again = dist.dtensor_from_local(got, MESH, placements)
+    np.testing.assert_array_equal(again.numpy(), x.numpy())
+
+
+def test_dtensor_to_local_checks_what_it_is_told():
+    x = dist.shard_tensor(X, MESH, [S(0), R])
+    # blocks in mesh order: device (dp=1, mp=2) holds rows 4:8 of the whole columns
+    np.testing.assert_array_equal(np.asarray(dist.dtensor_to_local(x)[6]), X[4:])
+    with pytest.raises(dist.LocalDataError, match=r"placed \[S\(0\), R\].*dist.reshard"):
+        dist.dtensor_to_local(x, MESH, [S(0), S(1)])
+    with pytest.raises(dist.PlacementTypeError, match="needs a DistTensor"):
+        dist.dtensor_to_local(X)
+    with pytest.raises(dist.LocalDataError, match="local_map"):
+        dist.jit(lambda t: dist.dtensor_to_local(t))(x)
+
+
+class _MaskedSums(dist.LocalLayer):
+    """Paddle's LocalLayer example, in nnx: each device sums its own rows under a mask that
+    depends on its rank."""
+
+    def forward(self, x):
+        mask = jnp.where(dist.get_rank() % 2 == 0, 1.0, 0.0)
+        return jnp.sum(x * mask), jnp.sum(x)
+
+
+def _masked_sums_reference(x):
+    per_device = [(k % 2 == 0) * b.sum() for k, b in enumerate(
+        b for rows in np.split(x, 2, 0) for b in np.split(rows, 4, 1))]
+    return sum(per_device), x.sum()
+
+
+def test_local_layer_runs_forward_on_blocks_eagerly_and_in_dist_jit():
+    attrs = [(MESH, [P(), P()]), (MESH, [P(), P()])]
+    layer = _MaskedSums(attrs)
+    x = dist.shard_tensor(X, MESH, [S(0), S(1)])
+    masked, total = layer(x)
+    want_masked, want_total = _masked_sums_reference(X)
+    assert masked.placements == [P(), P()]
+    np.testing.assert_allclose(masked.numpy(), want_masked, rtol=1e-6)
+    np.testing.assert_allclose(total.numpy(), want_total, rtol=1e-6)
+    assert layer(x)[0].numpy() == masked.numpy()  # the same program again
+
+    # inside dist.jit, with the blocks named, and differentiated: the mask's gradient
+    traced = _MaskedSums(attrs, in_placements=[[S(0), S(1)]])
+    step = dist.jit(jax.grad(lambda t: traced(t)[0]))
+    grad = step(X)
+    assert count_collectives(step.lower(X).compile().as_text()) == Counter(
+        c.kind for c in step.plan(X).collectives)
+    want = np.concatenate([np.concatenate([np.full((4, 4), float((r * 4 + c) % 2 == 0))
+                                           for c in range(4)], 1) for r in range(2)], 0)
+    np.testing.assert_array_equal(grad.numpy(), want)
+    with pytest.raises(dist.LocalMapError, match="in_placements"):
+        dist.jit(lambda t: layer(t)[0])(X)
+    with pytest.raises(dist.LocalMapError, match="one .process_mesh, placements. pair"):
+        _MaskedSums([MESH])
