@@ -6,7 +6,9 @@ in both priority orders), plus replicated. A pending Partial axis lands on a fac
 reduce-scatter — only when a consumer's preferred layout asks for that shard; sharding that
 nobody asked for (an implicit ZeRO) is the user's choice, not a side effect;
 each is priced with the cost model (reshards of operands, mismatch with what consumers prefer,
-local compute) and the cheapest wins, deterministically (first of equals).
+local compute) and the cheapest wins, deterministically (first of equals). The plan (not
+propagation) also tries each operand with the axes of a dim the op sums over moved onto a dim
+it keeps: an all-to-all of that operand instead of a Partial result as large as the output.
 """
 from __future__ import annotations
 
