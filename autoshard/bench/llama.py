@@ -45,11 +45,13 @@ def rms_norm(x, w):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w
 
 
-def rope(x):
-    """Rotate each head's two halves by position-dependent angles ([B, T, heads, DH])."""
+def rope(x, positions=None):
+    """Rotate each head's two halves by position-dependent angles ([B, t, heads, DH]; the
+    positions of its t tokens, 0.. by default)."""
     half = DH // 2
     freq = THETA ** (-jnp.arange(half) / half)
-    angle = jnp.arange(T)[:, None] * freq[None, :]
+    positions = jnp.arange(x.shape[1]) if positions is None else positions
+    angle = positions[:, None] * freq[None, :]
     sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -95,6 +97,47 @@ def train_step(loss_fn, tx):
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
     return step
+
+
+def decode_step(p, cache, tok, pos):
+    """Serving: one new token per sequence at position `pos` (a traced int), each layer's keys
+    and values written into its cache ([B, T, KV, DH] each) and attended over positions
+    0..pos; returns the updated cache and the greedy next tokens."""
+    x = p["embed"][tok][:, None]
+    at = jnp.reshape(pos, (1,))
+    new_cache = []
+    for bp, (kc, vc) in zip(p["blocks"], cache):
+        h = rms_norm(x, bp["attn_norm"])
+        q = rope((h @ bp["wq"]).reshape(-1, 1, H, DH), at)
+        k = rope((h @ bp["wk"]).reshape(-1, 1, KV, DH), at)
+        v = (h @ bp["wv"]).reshape(-1, 1, KV, DH)
+        kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, pos, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, pos, 0, 0))
+        kk, vv = jnp.repeat(kc, H // KV, axis=2), jnp.repeat(vc, H // KV, axis=2)
+        s = jnp.einsum("bqhd,bshd->bhqs", q, kk) / np.sqrt(DH)
+        s = jnp.where(jnp.arange(kc.shape[1]) <= pos, s, -1e9)
+        o = jnp.einsum("bhqs,bshd->bqhd", jax.nn.softmax(s, axis=-1), vv)
+        x = x + o.reshape(-1, 1, H * DH) @ bp["wo"]
+        h = rms_norm(x, bp["mlp_norm"])
+        x = x + (jax.nn.silu(h @ bp["gate"]) * (h @ bp["up"])) @ bp["down"]
+        new_cache.append((kc, vc))
+    logits = rms_norm(x, p["norm"]) @ p["head"]
+    return new_cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+
+def generate(p, cache, tok, steps: int):
+    """`steps` greedy tokens from `tok` in a fori_loop; (cache, last token, [B, T] tokens)."""
+    def body(i, carry):
+        cache, tok, out = carry
+        cache, tok = decode_step(p, cache, tok, i)
+        return cache, tok, out.at[:, i].set(tok)
+    out = jnp.zeros((tok.shape[0], T), jnp.int32)
+    return jax.lax.fori_loop(0, steps, body, (cache, tok, out))
+
+
+def empty_cache(layers: int, batch: int = B) -> list:
+    return [(jnp.zeros((batch, T, KV, DH)), jnp.zeros((batch, T, KV, DH)))
+            for _ in range(layers)]
 
 
 COLUMN = ("'wq'", "'wk'", "'wv'", "'gate'", "'up'", "'head'")
