@@ -29,7 +29,8 @@ from .training.checkpoint import CheckpointError, load_state_dict, save_state_di
 from .training.dataloader import BatchSplitError, DataloaderError, ShardDataloader, shard_dataloader
 from .training.dist_model import DistModel, DistModelError, to_static
 from .training.annotations import AnnotationError
-from .training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
+from .training.layers import (ColWiseParallel, ContextParallel, ParallelizeError,
+                              PrepareContextParallel, PrepareLayerInput,
                               PrepareLayerOutput, RowWiseParallel, SequenceParallelBegin,
                               SequenceParallelDisable, SequenceParallelEnable,
                               SequenceParallelEnd, parallelize, shard_layer)
@@ -60,7 +61,7 @@ __all__ = [
     "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule", "init_parallel_env",
     "ScheduleError", "shard_layer", "parallelize", "SplitPoint",
     "ColWiseParallel", "RowWiseParallel",
-    "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable",
+    "SequenceParallelBegin", "SequenceParallelEnd", "ContextParallel", "PrepareContextParallel", "SequenceParallelEnable",
     "SequenceParallelDisable", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "AnnotationError", "save_state_dict", "load_state_dict", "CheckpointError",
     "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",

@@ -1,6 +1,7 @@
 """shard_layer and parallelize: flax nnx modules and linen params placed on a mesh, then trained."""
 import re
 import warnings
+from collections import Counter
 
 import flax.linen as linen
 import jax
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 import autoshard as dist
-from autoshard.hlo import collectives
+from autoshard.hlo import collectives, count_collectives
 from autoshard.testing import ce_step, mse_step, nnx_apply
 from autoshard.training.layers import (ColWiseParallel, ParallelizeError, PrepareLayerInput,
                                        RowWiseParallel, SequenceParallelBegin,
@@ -817,3 +818,98 @@ def test_planning_again_with_later_copies_offered_lowers_the_sequence_parallel_b
     assert twice.total_bytes < once.total_bytes
     assert len(twice.collectives) <= len(once.collectives)
     np.testing.assert_allclose(loss.numpy(), once_loss.numpy(), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- context parallel (Paddle's)
+class _SDPA(nnx.Module):
+    def __call__(self, q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+class _CPAttention(nnx.Module):
+    def __init__(self, rngs, d=32, heads=8):
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nnx.Linear(d, d, use_bias=False, rngs=rngs) for _ in range(4))
+        self.sdpa = _SDPA()
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).reshape(b, t, self.heads, d // self.heads)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(self.sdpa(q, k, v).reshape(b, t, d))
+
+
+class _CPModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.attn = _CPAttention(rngs)
+        self.head = nnx.Linear(32, 64, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
+
+
+_TP_ATTENTION = {"attn.q_proj": dist.ColWiseParallel(), "attn.k_proj": dist.ColWiseParallel(),
+                 "attn.v_proj": dist.ColWiseParallel(), "attn.o_proj": dist.RowWiseParallel()}
+
+
+@pytest.mark.parametrize("backend,dims", [("all2all", ("dp", "sep")), ("p2p", ("dp", "sep")),
+                                          ("all2all", ("dp", "sep", "mp")),
+                                          ("p2p", ("sep", "mp", "dp"))])
+def test_context_parallel_trains_like_one_device(backend, dims):
+    """Paddle's PrepareContextParallel on the model splits the token sequence over 'sep';
+    ContextParallel on the attention layer: 'all2all' (Ulysses) moves q, k, v to whole
+    sequences with the heads split for the call and the output back (all-to-alls only),
+    'p2p' keeps the queries on their shard and gathers the keys and values. With an mp dim,
+    Megatron's column / row-parallel projections split the heads over it as well."""
+    mesh = dist.ProcessMesh(np.arange(8).reshape([2] * len(dims) if len(dims) == 3 else (2, 4)),
+                            dim_names=list(dims))
+    plan = {"": dist.PrepareContextParallel(backend), "attn.sdpa": dist.ContextParallel(backend)}
+    config = {"cp_config": {"parallelize_plan": plan}}
+    if "mp" in dims:
+        config["mp_config"] = {"parallelize_plan": _TP_ATTENTION}
+    model = dist.parallelize(_CPModel(nnx.Rngs(0)), mesh=mesh, config=config)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (4, 32)).astype(np.int32)
+    labels = rng.integers(0, 64, (4, 32)).astype(np.int32)
+    tx = optax.sgd(0.1)
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    ref_graphdef, ref_params = nnx.split(_CPModel(nnx.Rngs(0)), nnx.Param)
+    ref_params = nnx.to_pure_dict(ref_params)
+    f = dist.jit(ce_step(nnx_apply(graphdef), tx))
+    ref = jax.jit(ce_step(nnx_apply(ref_graphdef), tx))
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            params, state, loss = f(params, state, ids, labels)
+        ref_params, ref_state, ref_loss = ref(ref_params, ref_state, ids, labels)
+        np.testing.assert_allclose(np.asarray(loss.numpy()), ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+    args = (params, state, ids, labels)
+    p = f.plan(*args)
+    hinted = [e.results[0].placements(mesh) for e in p.eqns if e.primitive == "autoshard_hint"]
+    sep = mesh.dim_names.index("sep")
+    assert hinted[0][sep] == S(1)  # the token ids split on the sequence
+    # q, k, v as the backend wants them for the call, the output on sequence shards again
+    assert [h[sep] for h in hinted[1:5]] == [S(2) if backend == "all2all" else S(1)] * 3 + [S(1)]
+    on_sep = Counter(c.kind for c in p.collectives if "sep" in c.axes and c.kind != "all-reduce")
+    if backend == "all2all":
+        assert on_sep["all-to-all"] >= 4 and on_sep["all-gather"] == 0, on_sep
+    else:
+        assert on_sep["all-to-all"] == 0 and on_sep["all-gather"] >= 2, on_sep
+    assert count_collectives(f.lower(*args).compile().as_text()) == Counter(
+        c.kind for c in p.collectives)
+
+
+def test_context_parallel_needs_a_sep_dim_and_a_known_backend():
+    with pytest.raises(ParallelizeError, match="'sep' dim"):
+        parallelize(_CPModel(nnx.Rngs(0)), mesh=MESH, config={"cp_config": {
+            "parallelize_plan": {"attn.sdpa": dist.ContextParallel("all2all")}}})
+    with pytest.raises(ParallelizeError, match="backends are 'p2p'"):
+        dist.ContextParallel("ring")

@@ -15,7 +15,7 @@ import numpy as np
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
 from ..errors import AutoshardError
-from ..layout import layout_from_placements
+from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..placement import Placement, Replicate, Shard
 from ..uneven import is_uneven, warn_uneven
@@ -380,6 +380,107 @@ class SequenceParallelDisable(ParallelPlan):
     activations = (None, 1)
 
 
+# Context parallelism (Paddle's ContextParallel / PrepareContextParallel): the sequence split
+# over the mesh dim named "sep". Paddle's hooks reshard each tensor from the placements it has
+# at run time; a hint here is made while tracing, before the plan places anything, so the other
+# mesh dims are said too: the batch stays over dp, and over mp (if the mesh has one besides
+# sep) attention's heads stay split as Megatron's column-parallel q / k / v make them.
+CP_DIM = "sep"
+_CP_BACKENDS = ("p2p", "all2all")
+
+
+def _check_backend(plan: Any) -> None:
+    if plan.backend not in _CP_BACKENDS:
+        raise ParallelizeError(f"{type(plan).__name__}(backend={plan.backend!r}): the backends "
+                               f"are 'p2p' (ring: queries stay split on the sequence) and "
+                               f"'all2all' (Ulysses: heads split during attention)")
+
+
+def _cp_config(config: ParallelConfig, kind: str, path: str) -> ParallelConfig:
+    if CP_DIM not in config.mesh.dim_names:
+        raise ParallelizeError(
+            f"{kind} on {path!r} splits the sequence over the mesh dim {CP_DIM!r}, but the mesh "
+            f"has dims {config.mesh.dim_names}: build it with a 'sep' dim, e.g. "
+            f"dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=['dp', 'sep'])")
+    return config
+
+
+def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any) -> Any:
+    """`x` split on `sep_dim` over sep, its batch over dp, dim 2 (attention's heads) over mp."""
+    if not isinstance(x, jax.core.Tracer) or not x.ndim:
+        return x  # a placement hint means something only while dist.jit traces
+    mesh = config.mesh
+    placements: list[Placement] = []
+    for name in mesh.dim_names:
+        size = mesh.get_dim_size(name)
+        if name == CP_DIM:
+            placements.append(Shard(sep_dim))
+        elif name == config.dp_dim and x.shape[0] % size == 0:
+            placements.append(Shard(0))
+        elif name == config.mp_dim and x.ndim >= 3 and x.shape[2] % size == 0:
+            placements.append(Shard(2))
+        else:
+            placements.append(Replicate())
+    layout = layout_from_placements(placements, mesh, tuple(x.shape), what=(
+        f"the activations of layer {path!r} ({kind}: a [batch, seq, ...] tensor)"))
+    if config.mp_dim != CP_DIM and set(layout.dims[sep_dim]) == {CP_DIM, config.mp_dim}:
+        # Ulysses inside tensor parallelism: each mp device's heads (Megatron's blocks) are
+        # split again over sep — mp the outer split — so the all-to-alls stay within sep
+        # (in mesh order, a sep-major split would reorder the heads across mp as well)
+        dims = list(layout.dims)
+        dims[sep_dim] = (config.mp_dim, CP_DIM)
+        layout = Layout(tuple(dims), layout.partial)
+    from ..compiler.trace import bind_hint
+
+    return bind_hint(x, mesh, layout, False)
+
+
+def _on_all(hook: Callable) -> Callable:
+    """An input hook that applies `hook` to every positional array argument."""
+    def run(args: tuple) -> tuple:
+        return tuple(hook(a) if hasattr(a, "ndim") else a for a in args)
+    return run
+
+
+@dataclass(frozen=True, repr=False)
+class PrepareContextParallel(ParallelPlan):
+    """On the model's first layer: its [batch, seq] inputs are split on the sequence over the
+    mesh dim 'sep' before each call. Both backends split evenly: Paddle's p2p reorders the
+    chunks to balance a ring's causal work, which autoshard's attention (below) does not
+    have."""
+
+    backend: str = "p2p"
+
+    def __post_init__(self) -> None:
+        _check_backend(self)
+
+    def hooks(self, config, path, layer=None):
+        config = _cp_config(config, repr(self), path)
+        return [_on_all(functools.partial(_cp_hint, config, 1, path, repr(self)))], []
+
+
+@dataclass(frozen=True, repr=False)
+class ContextParallel(ParallelPlan):
+    """On the attention layer called as `layer(q, k, v)` ([batch, seq, heads, head_dim]), split
+    on the sequence over 'sep' before and after. 'all2all' (DeepSpeed Ulysses): q, k and v are
+    moved to whole sequences with the heads split over sep for the call (all-to-alls), and the
+    output back to sequence shards. 'p2p': the queries stay on their sequence shard and the
+    plan brings each device the keys and values it attends to (all-gathers over sep: the bytes
+    a ring passes around, without its overlap — each device holds the whole keys and values of
+    one layer at a time, and the scores of its own queries only)."""
+
+    backend: str = "p2p"
+
+    def __post_init__(self) -> None:
+        _check_backend(self)
+
+    def hooks(self, config, path, layer=None):
+        config = _cp_config(config, repr(self), path)
+        before = 2 if self.backend == "all2all" else 1
+        return ([_on_all(functools.partial(_cp_hint, config, before, path, repr(self)))],
+                [functools.partial(_cp_hint, config, 1, path, repr(self))])
+
+
 @dataclass(frozen=True, repr=False)
 class PrepareLayerInput(ParallelPlan):
     """Prepare the layer's inputs before each call. `fn` is either Paddle's form —
@@ -459,7 +560,8 @@ def _activation_hint(config: ParallelConfig, split_dim: int | None, path: str, k
 
 _PLAN_NAMES = ("ColWiseParallel(), RowWiseParallel(), SequenceParallelBegin(), "
                "SequenceParallelEnd(), SequenceParallelEnable(), SequenceParallelDisable(), "
-               "PrepareLayerInput(fn), PrepareLayerOutput(fn)")
+               "PrepareLayerInput(fn), PrepareLayerOutput(fn), ContextParallel(), "
+               "PrepareContextParallel()")
 
 
 # ------------------------------------------------------------------------------- parallelize
@@ -620,6 +722,7 @@ def _read_config(config: Mapping[str, Any] | None
     config = dict(config or {})
     known = {"dp_config": {"sharding_level", "mesh_dim"},
              "mp_config": {"parallelize_plan", "mesh_dim"},
+             "cp_config": {"parallelize_plan"},  # context parallel plans, as in mp_config
              "pp_config": {"split_spec", "mesh_dim", "global_spec"}}
     for key, section in config.items():
         if key not in known:
@@ -633,12 +736,14 @@ def _read_config(config: Mapping[str, Any] | None
     if level not in (0, 1, 2, 3) or isinstance(level, bool):
         raise ParallelizeError(f"dp_config['sharding_level'] is {level!r}: write 0 (no sharding), "
                                f"1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)")
-    plan = mp.get("parallelize_plan", {})
-    if not isinstance(plan, Mapping):
-        raise ParallelizeError(f"mp_config['parallelize_plan'] must be a dict {{pattern: plan}}, "
-                               f"got {type(plan).__name__}")
     entries: list[tuple[str, ParallelPlan]] = []
-    for pattern, value in plan.items():
+    plans = [("mp_config", mp.get("parallelize_plan", {})),
+             ("cp_config", config.get("cp_config", {}).get("parallelize_plan", {}))]
+    for key, plan in plans:
+        if not isinstance(plan, Mapping):
+            raise ParallelizeError(f"{key}['parallelize_plan'] must be a dict {{pattern: plan}}, "
+                                   f"got {type(plan).__name__}")
+    for pattern, value in [item for _, plan in plans for item in plan.items()]:
         for p in (value if isinstance(value, (list, tuple)) else [value]):
             if not isinstance(p, ParallelPlan):
                 raise ParallelizeError(
@@ -818,5 +923,5 @@ def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: Pa
 
 __all__ = ["shard_layer", "parallelize", "ParallelPlan", "ColWiseParallel", "RowWiseParallel",
            "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable",
-           "SequenceParallelDisable", "PrepareLayerInput",
+           "SequenceParallelDisable", "ContextParallel", "PrepareContextParallel", "PrepareLayerInput",
            "PrepareLayerOutput", "ParallelConfig", "ParallelizeError"]
