@@ -10,8 +10,8 @@ from .compiler.constraints import IgnoredConstraintWarning
 from .compiler.plan import FallbackWarning, Plan
 from .uneven import UnevenShardingWarning
 from .cost_model import CostModel, default_cost_model, set_default_cost_model
-from .creation import (dtensor_from_fn, dtensor_from_local, dtensor_to_local, shard_tensor,
-                       unshard_dtensor)
+from .creation import (dtensor_from_fn, dtensor_from_local, dtensor_to_local, offload,
+                       shard_tensor, unshard_dtensor)
 from .display import placement_table
 from .dtensor import DistTensor, StorageViewWarning
 from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
@@ -50,7 +50,7 @@ __all__ = [
     "set_mesh", "get_mesh", "auto_parallel",
     "local_map", "get_rank", "LocalMapError", "LocalLayer",
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
-    "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
+    "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "offload", "unshard_dtensor",
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit",
     "DistributedFunction", "Plan",

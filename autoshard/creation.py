@@ -202,6 +202,23 @@ def dtensor_to_local(x: DistTensor, mesh: ProcessMesh | None = None,
     return blocks
 
 
+def offload(tree: Any, memory_kind: str = "pinned_host") -> Any:
+    """Every DistTensor of `tree` with its blocks moved to host memory (same mesh and
+    placements); `memory_kind="device"` brings them back. A dist.jit program reading an
+    offloaded tensor copies it to the devices inside the program, where it is needed."""
+    if memory_kind not in ("pinned_host", "unpinned_host", "device"):
+        raise PlacementTypeError(f"offload: memory_kind {memory_kind!r} is not one of "
+                                 f"'pinned_host', 'unpinned_host', 'device'")
+
+    def move(x):
+        if not isinstance(x, DistTensor) or x.memory_kind == memory_kind:
+            return x
+        value = jax.device_put(x.physical, x.physical.sharding.with_memory_kind(memory_kind))
+        return make_dtensor(value, x.mesh, x.layout, x.shape)
+
+    return jax.tree.map(move, tree, is_leaf=lambda x: isinstance(x, DistTensor))
+
+
 def unshard_dtensor(x: DistTensor) -> jax.Array:
     """The logical value of `x` as a jax.Array replicated over its mesh."""
     if not isinstance(x, DistTensor):

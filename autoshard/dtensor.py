@@ -259,6 +259,12 @@ class DistTensor:
     def sharding(self):
         return physical_sharding(self._layout, self._mesh)
 
+    @property
+    def memory_kind(self) -> str:
+        """Where the blocks are stored: "device", or "pinned_host" once `dist.offload`ed."""
+        kind = getattr(getattr(self._value, "sharding", None), "memory_kind", None)
+        return kind or "device"
+
     # -- values ------------------------------------------------------------------------------
     def local(self, device_id: int) -> jax.Array:
         """The block held by device `device_id` (its partial value, for a Partial tensor)."""

@@ -16,6 +16,10 @@ MESH8 = dist.ProcessMesh(list(range(8)), ["dp"])
 R, S = dist.Replicate, dist.Shard
 
 
+def _is_dt(x):
+    return isinstance(x, dist.DistTensor)
+
+
 def apply(p, x):
     return jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"]
 
@@ -296,3 +300,67 @@ def test_strategy_sections_and_errors():
         dist.Strategy({"zero": {}})
     with pytest.raises(dist.OptimizerError, match="GradientTransformation"):
         dist.shard_optimizer(object())
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["dp+tp", "zero1"])
+def test_offloaded_optimizer_states_train_like_one_device(stage):
+    """Paddle's optimize_offload (strategy.sharding.offload): adamw's moments live in host
+    memory between steps; each step's program copies them to the devices for the update and
+    back out. The losses and params are one device's, the states stay on host after every
+    step, and the program compiled once; the collectives are those of the same step without
+    offloading."""
+    weights, batches = _weights(), _batches(n=4)
+    tx = optax.adamw(1e-2)
+    _, model = _model("tp", weights)
+    strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1),
+                                           "offload": True}})
+    m = dist.to_static(model, None, mse, tx, strategy)
+    states = [x for x in jax.tree.leaves(m.opt_state, is_leaf=_is_dt) if _is_dt(x)]
+    assert states and {x.memory_kind for x in states} == {"pinned_host"}
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-4)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-4, atol=1e-4)
+        assert m.params[name].memory_kind == "device"
+    assert {x.memory_kind for x in jax.tree.leaves(m.opt_state, is_leaf=_is_dt)
+            if _is_dt(x)} == {"pinned_host"}
+    train = m.programs()["train"]
+    assert train.trace_count == 1
+    args = m.program_args("train", *batches[0])
+    assert "pinned_host" in train.lower(*args).as_text()  # the host copies are in the program
+    plain = dist.to_static(_model("tp", weights)[1], None, mse, tx, dist.Strategy(
+        {"sharding": {"enable": stage > 0, "stage": max(stage, 1)}}))
+    plain(*batches[0])
+    assert _hlo(m, "train", batches[0]) == _hlo(plain, "train", batches[0])
+
+
+def test_offload_moves_blocks_to_host_and_back():
+    x = dist.shard_tensor(np.arange(64, dtype=np.float32).reshape(8, 8), MESH24, [R(), S(1)])
+    host = dist.offload(x)
+    assert (x.memory_kind, host.memory_kind) == ("device", "pinned_host")
+    assert host.placements == x.placements
+    np.testing.assert_array_equal(host.numpy(), x.numpy())
+    f = dist.jit(lambda a: a * 2, out_memory_kinds="pinned_host")
+    assert f(host).memory_kind == "pinned_host" and f(x).memory_kind == "pinned_host"
+    np.testing.assert_array_equal(f(host).numpy(), x.numpy() * 2)
+    assert dist.offload(host, "device").memory_kind == "device"
+    with pytest.raises(dist.PlacementTypeError, match="memory kind"):
+        dist.jit(lambda a: a, out_memory_kinds="hbm")
+    with pytest.raises(dist.PlacementTypeError, match="one per output"):
+        dist.jit(lambda a: (a, a), out_memory_kinds=["pinned_host"])(x)
+
+
+def test_offloaded_states_save_and_load_back_into_host_memory(tmp_path):
+    weights, batches = _weights(), _batches(n=2)
+    strategy = dist.Strategy({"sharding": {"enable": True, "stage": 1, "offload": True}})
+    m = dist.to_static(_model("tp", weights)[1], None, mse, optax.adamw(1e-2), strategy)
+    m(*batches[0])
+    saved = {k: v.numpy() for k, v in m.state_dict().items()}
+    dist.save_state_dict(m.state_dict(), str(tmp_path / "ckpt"))
+    fresh = dist.to_static(_model("tp", weights)[1], None, mse, optax.adamw(1e-2), strategy)
+    state = fresh.state_dict()
+    dist.load_state_dict(state, str(tmp_path / "ckpt"))
+    for key, value in state.items():
+        np.testing.assert_array_equal(value.numpy(), saved[key])
+        assert value.memory_kind == ("pinned_host" if key.startswith("opt.") else "device"), key

@@ -54,20 +54,28 @@ class _Leaf:
     dtype: Any
     mesh: ProcessMesh | None
     layout: Layout | None    # None: unplaced, the plan decides
+    memory: str | None = None  # a host memory kind the value is stored in (None: the device's)
 
     def __hash__(self) -> int:  # every call hashes the key of all its inputs' descriptions
-        return hash_once(self, lambda: (self.shape, self.dtype, self.mesh, self.layout))
+        return hash_once(self, lambda: (self.shape, self.dtype, self.mesh, self.layout,
+                                        self.memory))
+
+
+def _host_memory(sharding) -> str | None:
+    kind = getattr(sharding, "memory_kind", None)
+    return kind if kind in HOST_MEMORY_KINDS else None
 
 
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
         if x._desc is None:
-            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout)
+            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout,
+                            _host_memory(getattr(x.physical, "sharding", None)))
         return x._desc
     sharding = mesh_sharding(x)
     if sharding is not None:
         return _Leaf(tuple(x.shape), normalize(x.dtype), as_process_mesh(sharding.mesh),
-                     layout_of_spec(sharding.spec, x.ndim))
+                     layout_of_spec(sharding.spec, x.ndim), _host_memory(sharding))
     arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
     if not is_extended(arr.dtype) and arr.dtype.kind not in "biufcV":
         raise _NotAnArray(x)  # a string, an object: named with its argument by _entry
@@ -151,7 +159,7 @@ class DistributedFunction:
                  donate_argnums: Sequence[int] = (), out_placements: Any = None,
                  cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
                  in_shardings: Any = None, out_shardings: Any = None,
-                 donate_argnames: Sequence[str] = ()):
+                 donate_argnames: Sequence[str] = (), out_memory_kinds: Any = None):
         functools.update_wrapper(self, fn)
         if out_shardings is not None and out_placements is not None:
             raise PlacementTypeError("dist.jit takes out_placements or jax.jit's out_shardings, "
@@ -173,6 +181,7 @@ class DistributedFunction:
             self._static = tuple(i + 1 for i in self._static)
             self._donate = tuple(i + 1 for i in self._donate)
         self._out_placements = out_placements
+        self._out_memory_kinds = _check_memory_kinds(out_memory_kinds)
         self._cost_model = cost_model
         self._static_names = static_names
         self._by_static_kwargs: dict = {}
@@ -377,8 +386,21 @@ class DistributedFunction:
         mapped = jax.shard_map(local, mesh=mesh.to_jax(),
                                in_specs=tuple(physical_spec(L, mesh) for L in ins),
                                out_specs=[physical_spec(L, mesh) for L in outs], check_vma=True)
+        mapped = _with_memory_kinds(mapped, mesh, ins, outs, [d.memory for d in described],
+                                    self._out_kinds(len(outs)))
         fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree))
         return _Compiled(plan, fn, out_tree, described, outs, hoisted=hoisted)
+
+    def _out_kinds(self, n: int) -> list[str | None]:
+        kinds = self._out_memory_kinds
+        if kinds is None or isinstance(kinds, str):
+            return [kinds] * n
+        if len(kinds) != n:
+            raise PlacementTypeError(
+                f"dist.jit({self.__name__}): out_memory_kinds has {len(kinds)} entries but the "
+                f"function returns {n} arrays: give one per output leaf (None: device memory), "
+                f"or one string for all")
+        return list(kinds)
 
     def _leaf_names(self, tree, static) -> list[str]:
         """How the user would name each flat input: `params['w0']`-style paths from the
@@ -695,11 +717,46 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     return frozenset(nums), tuple(sorted(names))
 
 
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _check_memory_kinds(kinds: Any) -> Any:
+    if kinds is None:
+        return None
+    flat = [kinds] if isinstance(kinds, str) else list(kinds)
+    for k in flat:
+        if k is not None and k not in HOST_MEMORY_KINDS + ("device",):
+            raise PlacementTypeError(
+                f"dist.jit: out_memory_kinds entry {k!r} is not a memory kind: write "
+                f"'pinned_host' (kept in host memory between calls), 'device' or None")
+    if isinstance(kinds, str):
+        return None if kinds == "device" else kinds
+    return [None if k == "device" else k for k in flat]
+
+
+def _with_memory_kinds(mapped: Callable, mesh: ProcessMesh, ins: list, outs: list,
+                       in_kinds: list, out_kinds: list) -> Callable:
+    """Host offloading: inputs stored in host memory are copied to the devices inside the
+    program (XLA places the copy where the value is first needed, so it is not resident for the
+    whole step), outputs asked for in host memory are copied back there before they return."""
+    if not any(in_kinds) and not any(out_kinds):
+        return mapped
+    to_device = [physical_sharding(L, mesh) if k else None for L, k in zip(ins, in_kinds)]
+    to_host = [physical_sharding(L, mesh).with_memory_kind(k) if k else None
+               for L, k in zip(outs, out_kinds)]
+
+    def offloaded(*xs):
+        xs = [x if s is None else jax.device_put(x, s) for x, s in zip(xs, to_device)]
+        return [y if s is None else jax.device_put(y, s) for y, s in zip(mapped(*xs), to_host)]
+
+    return offloaded
+
+
 def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (), out_placements: Any = None,
         cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
         in_shardings: Any = None, out_shardings: Any = None,
-        donate_argnames: Sequence[str] = ()):
+        donate_argnames: Sequence[str] = (), out_memory_kinds: Any = None):
     """Partition `fn` across the mesh of its DistTensor inputs (usable as a decorator).
 
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
@@ -714,16 +771,22 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
     position and one numbered in argnums when passed by keyword. `in_shardings` /
     `out_shardings`: jax.jit's, NamedShardings (or PartitionSpecs under jax.set_mesh) — the
     arguments are placed so before the call, the results laid out so after it.
+    Host offloading: an input stored in host memory (`dist.offload(x)`, or a jax array put
+    with memory_kind="pinned_host") is copied to the devices inside the program;
+    `out_memory_kinds` ("pinned_host" for every output, or one entry per output leaf, None
+    for device memory) sends outputs back to host memory.
     """
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                  out_placements=out_placements, cost_model=cost_model,
                                  static_argnames=static_argnames, in_shardings=in_shardings,
-                                 out_shardings=out_shardings, donate_argnames=donate_argnames)
+                                 out_shardings=out_shardings, donate_argnames=donate_argnames,
+                                 out_memory_kinds=out_memory_kinds)
     return DistributedFunction(fn, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                out_placements=out_placements, cost_model=cost_model,
                                static_argnames=static_argnames, in_shardings=in_shardings,
-                               out_shardings=out_shardings, donate_argnames=donate_argnames)
+                               out_shardings=out_shardings, donate_argnames=donate_argnames,
+                               out_memory_kinds=out_memory_kinds)
 
 
 __all__ = ["jit", "DistributedFunction"]

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..creation import offload
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError
 from ..physical import physical_sharding
@@ -251,8 +252,10 @@ def _readable(target: DistTensor) -> Layout:
 def _rebuild(target: Any, value: Any) -> Any:
     if isinstance(target, DistTensor):
         out = make_dtensor(value, target.mesh, _readable(target), target.shape)
-        return out if out.layout == target.layout else reshard(out, target.mesh,
-                                                               target.placements)
+        out = out if out.layout == target.layout else reshard(out, target.mesh,
+                                                              target.placements)
+        # an offloaded target (optimizer states kept in host memory) is loaded back there
+        return offload(out, target.memory_kind) if target.memory_kind != "device" else out
     if _is_prng_key(target):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
     if isinstance(target, (bool, int, float)):

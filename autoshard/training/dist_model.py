@@ -103,6 +103,11 @@ def _is_nnx(model: Any) -> bool:
     return isinstance(model, nnx.Module)
 
 
+def _memory_kinds(leaves: list) -> list:
+    """Per leaf: the host memory kind an offloaded DistTensor lives in, else None."""
+    return [x.memory_kind if _is_dt(x) and x.memory_kind != "device" else None for x in leaves]
+
+
 class DistModel:
     """What dist.to_static returns; call it with a batch (see `__call__`)."""
 
@@ -214,8 +219,8 @@ class DistModel:
                 return loss
             grads, self._acc, self._micro = self._acc, None, 0
         if "update" not in self._programs:
-            out = [x.placements if _is_dt(x) else None for x in jax.tree.leaves(
-                (self.params, self.opt_state, scaler or {}), is_leaf=_is_dt)]
+            stored = jax.tree.leaves((self.params, self.opt_state, scaler or {}), is_leaf=_is_dt)
+            out = [x.placements if _is_dt(x) else None for x in stored]
             scale = (1.0 / self.k_steps if self.k_steps > 1 and self.strategy.gradient_merge.avg
                      else None)
 
@@ -224,7 +229,8 @@ class DistModel:
                     g = jax.tree.map(lambda x: x * scale, g)
                 return self._update(p, s, g, sc)  # float16: skipped unless every grad is finite
 
-            self._programs["update"] = jit(update, out_placements=out)
+            self._programs["update"] = jit(update, out_placements=out,
+                                           out_memory_kinds=_memory_kinds(stored))
         self.params, self.opt_state, scaler = self._programs["update"](
             self.params, self.opt_state, grads, scaler or {})
         if self.scaler_state:
@@ -240,7 +246,9 @@ class DistModel:
         sharding = self.strategy.sharding
         if sharding.enable and opt.stage == 0:
             opt = ShardedOptimizer(opt.tx, _STAGES[sharding.stage](sharding.mesh_dim),
-                                   opt.gradient_accumulation_steps)
+                                   opt.gradient_accumulation_steps, opt.offload)
+        if sharding.offload and not opt.offload:  # Paddle's sharding "optimize_offload"
+            opt = ShardedOptimizer(opt.tx, opt.shard_fn, opt.gradient_accumulation_steps, True)
         return opt
 
     def _place_state(self, state: dict) -> dict:
@@ -415,10 +423,14 @@ class DistModel:
             return self._programs[name]
         _, writes = _PROGRAMS[name]
         returned = {k: args[0][k] for k in writes}
-        out = [x.placements for x in jax.tree.leaves(returned, is_leaf=_is_dt)]
+        leaves = jax.tree.leaves(returned, is_leaf=_is_dt)
+        out = [x.placements for x in leaves]
         # predict's outputs are whatever the model returns: the plan places them.
         out = None if name == "predict" else out + [[Replicate()] * self.mesh.ndim]
-        self._programs[name] = jit(self._step_fn(name), out_placements=out)
+        # what it hands back goes back to the memory it came from (offloaded optimizer states)
+        kinds = None if name == "predict" else _memory_kinds(leaves) + [None]
+        self._programs[name] = jit(self._step_fn(name), out_placements=out,
+                                   out_memory_kinds=kinds)
         return self._programs[name]
 
     def program_args(self, name: str, *batch: Any) -> tuple:

@@ -107,8 +107,9 @@ class ShardedOptimizer:
     """An optax GradientTransformation plus where its states (and, at stage 3, params) live."""
 
     def __init__(self, tx: optax.GradientTransformation, shard_fn: Any = None,
-                 gradient_accumulation_steps: int = 1):
+                 gradient_accumulation_steps: int = 1, offload: bool = False):
         if isinstance(tx, ShardedOptimizer):
+            offload = offload or tx.offload
             tx = tx.tx
         tx = unwrap_optimizer(tx)
         if not hasattr(tx, "init") or not hasattr(tx, "update"):
@@ -122,6 +123,9 @@ class ShardedOptimizer:
         self.tx = tx
         self.shard_fn = shard_fn
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+        # the states live in host memory between steps (Paddle's optimize_offload): a step's
+        # program copies them in for the update and back out (dist.jit's host offloading)
+        self.offload = bool(offload)
 
     @property
     def stage(self) -> int:
@@ -185,11 +189,16 @@ class ShardedOptimizer:
             return self.tx.init(params)
         state = jit(self.tx.init, out_placements=[t.placements for t in flat])(params)
         if all(t.mesh == mesh for t in flat):
-            return state
+            return self._stored(state)
         # params on several meshes (pipeline stages): a state made from nothing placed (zeros
         # like a param) comes back unplaced; each goes where its param lives
         leaves, tree = jax.tree.flatten(state, is_leaf=_is_dt)
-        return jax.tree.unflatten(tree, [_put(x, t) for x, t in zip(leaves, flat)])
+        return self._stored(jax.tree.unflatten(tree, [_put(x, t) for x, t in zip(leaves, flat)]))
+
+    def _stored(self, state: Any) -> Any:
+        from ..creation import offload
+
+        return offload(state) if self.offload else state
 
     def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return self.tx.update(grads, state, params)
@@ -217,9 +226,12 @@ def _put(x: Any, target: _Target) -> DistTensor:
 
 
 def shard_optimizer(optimizer: Any, shard_fn: Any = None,
-                    gradient_accumulation_steps: int = 1) -> ShardedOptimizer:
-    """Paddle's dist.shard_optimizer for an optax transformation (see the module docstring)."""
-    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps)
+                    gradient_accumulation_steps: int = 1, *,
+                    offload: bool = False) -> ShardedOptimizer:
+    """Paddle's dist.shard_optimizer for an optax transformation (see the module docstring).
+    `offload=True` keeps the optimizer states in host memory between steps (Paddle's
+    `optimize_offload`)."""
+    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps, offload)
 
 
 def place_params(params: Any, opt: ShardedOptimizer) -> Any:

@@ -11,7 +11,8 @@ class StrategyError(AutoshardError, ValueError):
 
 
 _SECTIONS: dict[str, dict[str, Any]] = {
-    "sharding": {"enable": False, "stage": 1, "mesh_dim": None, "degree": None},
+    "sharding": {"enable": False, "stage": 1, "mesh_dim": None, "degree": None,
+                 "offload": False},
     "gradient_merge": {"enable": False, "k_steps": 1, "avg": True},
     # Loss scaling applies to float16 only; the defaults are Paddle's.
     "amp": {"enable": False, "dtype": "bfloat16", "level": "o1", "init_loss_scaling": 32768.0,
