@@ -741,6 +741,28 @@ PADDLENLP_CONFIGS = {
 }
 
 
+def _lm_trains_like_one_device(model, reference, ids, labels, tx, steps=2):
+    """Train the parallelized nnx LM `model` and an unplaced copy `reference` with the same
+    cross-entropy steps (dist.jit vs jax.jit): losses and params equal, no fallback.
+    Returns the dist.jit step and the parallel params and optimizer state after it."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    ref_graphdef, ref_params = nnx.split(reference, nnx.Param)
+    ref_params = nnx.to_pure_dict(ref_params)
+    f = dist.jit(ce_step(nnx_apply(graphdef), tx))
+    ref = jax.jit(ce_step(nnx_apply(ref_graphdef), tx))
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    for _ in range(steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            params, state, loss = f(params, state, ids, labels)
+        ref_params, ref_state, ref_loss = ref(ref_params, ref_state, ids, labels)
+        np.testing.assert_allclose(np.asarray(loss.numpy()), ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    return f, params, state
+
+
 @pytest.mark.parametrize("kind", ["mp", "sp"])
 def test_paddlenlp_llama_config_trains_like_one_device(kind):
     """PaddleNLP's Llama parallelize plans as written (ColWiseParallel(gather_output=True) on
@@ -758,21 +780,7 @@ def test_paddlenlp_llama_config_trains_like_one_device(kind):
     assert placed["lm_head.kernel"] == [R, S(1)]
     assert placed["llama.layers.1.self_attn.o_proj.kernel"] == [R, S(0)]
 
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    ref_graphdef, ref_params = nnx.split(_CausalLM(nnx.Rngs(0)), nnx.Param)
-    ref_params = nnx.to_pure_dict(ref_params)
-    f = dist.jit(ce_step(nnx_apply(graphdef), tx))
-    ref = jax.jit(ce_step(nnx_apply(ref_graphdef), tx))
-    state, ref_state = tx.init(params), tx.init(ref_params)
-    for _ in range(2):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", dist.FallbackWarning)
-            params, state, loss = f(params, state, ids, labels)
-        ref_params, ref_state, ref_loss = ref(ref_params, ref_state, ids, labels)
-        np.testing.assert_allclose(np.asarray(loss.numpy()), ref_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    f, params, state = _lm_trains_like_one_device(model, _CausalLM(nnx.Rngs(0)), ids, labels, tx)
 
     plan = f.plan(params, state, ids, labels)
     hinted = [e.results[0].placements(MESH) for e in plan.eqns if e.primitive == "autoshard_hint"]
@@ -875,21 +883,7 @@ def test_context_parallel_trains_like_one_device(backend, dims):
     ids = rng.integers(0, 64, (4, 32)).astype(np.int32)
     labels = rng.integers(0, 64, (4, 32)).astype(np.int32)
     tx = optax.sgd(0.1)
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    ref_graphdef, ref_params = nnx.split(_CPModel(nnx.Rngs(0)), nnx.Param)
-    ref_params = nnx.to_pure_dict(ref_params)
-    f = dist.jit(ce_step(nnx_apply(graphdef), tx))
-    ref = jax.jit(ce_step(nnx_apply(ref_graphdef), tx))
-    state, ref_state = tx.init(params), tx.init(ref_params)
-    for _ in range(2):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", dist.FallbackWarning)
-            params, state, loss = f(params, state, ids, labels)
-        ref_params, ref_state, ref_loss = ref(ref_params, ref_state, ids, labels)
-        np.testing.assert_allclose(np.asarray(loss.numpy()), ref_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(params, is_leaf=_is_dt), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    f, params, state = _lm_trains_like_one_device(model, _CPModel(nnx.Rngs(0)), ids, labels, tx)
 
     args = (params, state, ids, labels)
     p = f.plan(*args)
