@@ -364,3 +364,19 @@ def test_offloaded_states_save_and_load_back_into_host_memory(tmp_path):
     for key, value in state.items():
         np.testing.assert_array_equal(value.numpy(), saved[key])
         assert value.memory_kind == ("pinned_host" if key.startswith("opt.") else "device"), key
+
+
+def test_jax_offloading_shardings_work_on_dist_jit():
+    """Code written for jax.jit's host offloading moves over: in_shardings / out_shardings
+    with memory_kind="pinned_host" put the arguments and results in host memory."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    host = NamedSharding(MESH24.to_jax(), P(None, "mp"), memory_kind="pinned_host")
+    device = NamedSharding(MESH24.to_jax(), P(None, "mp"))
+    f = dist.jit(lambda s, g: s * 0.5 + g, in_shardings=(host, device), out_shardings=host)
+    a = np.arange(64, dtype=np.float32).reshape(8, 8)
+    out = f(a, np.ones_like(a))
+    assert out.memory_kind == "pinned_host" and out.placements == [R(), S(1)]
+    np.testing.assert_allclose(out.numpy(), a * 0.5 + 1)
+    again = f(dist.shard_tensor(a, MESH24, [R(), R()]), np.ones_like(a))  # resharded, then offloaded
+    np.testing.assert_allclose(again.numpy(), a * 0.5 + 1)

@@ -46,6 +46,7 @@ def _placements(s: NamedSharding) -> list:
 
 def place_arguments(in_shardings: Any, args: tuple) -> tuple:
     """`args` laid out as `in_shardings` (a pytree prefix of the tuple of arguments) says."""
+    from ..creation import offload
     from ..reshard.api import reshard
 
     spec = in_shardings
@@ -69,8 +70,8 @@ def place_arguments(in_shardings: Any, args: tuple) -> tuple:
         elif isinstance(x, DistTensor):
             target = _placements(s)
             mesh = as_process_mesh(s.mesh)
-            placed.append(x if (x.mesh, x.placements) == (mesh, target)
-                          else reshard(x, mesh, target))
+            x = x if (x.mesh, x.placements) == (mesh, target) else reshard(x, mesh, target)
+            placed.append(offload(x, s.memory_kind) if s.memory_kind else x)
         else:
             placed.append(jax.device_put(x, s))
     return tuple(jax.tree.unflatten(tree, placed))
@@ -83,4 +84,15 @@ def as_out_placements(out_shardings: Any) -> Any:
         out_shardings, is_leaf=_is_sharding)
 
 
-__all__ = ["place_arguments", "as_out_placements"]
+def as_out_memory_kinds(out_shardings: Any) -> Any:
+    """The host memory kinds `out_shardings` asks for (dist.jit's out_memory_kinds): None if
+    none, one kind if every sharding names the same, else one entry per sharding leaf."""
+    kinds = [getattr(s, "memory_kind", None) for s in
+             jax.tree.leaves(out_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
+    kinds = [k if k in ("pinned_host", "unpinned_host") else None for k in kinds]
+    if not any(kinds):
+        return None
+    return kinds[0] if len(set(kinds)) == 1 else kinds
+
+
+__all__ = ["place_arguments", "as_out_placements", "as_out_memory_kinds"]

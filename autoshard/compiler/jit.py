@@ -137,6 +137,9 @@ def _jax_arguments(method):
             args = self._placed_arguments(args)
         if self._out_shardings is not None and self._out_placements is None:
             self._out_placements = jax_shardings.as_out_placements(self._out_shardings)
+            if self._out_memory_kinds is None:  # jax's offloading: memory_kind="pinned_host"
+                self._out_memory_kinds = _check_memory_kinds(
+                    jax_shardings.as_out_memory_kinds(self._out_shardings))
         named = {k: kwargs.pop(k) for k in self._static_names if k in kwargs}
         if named:  # static_argnames: one function per their values, as jax.jit compiles one
             return getattr(self._with_static_kwargs(named), method.__name__)(*args, **kwargs)
