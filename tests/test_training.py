@@ -302,11 +302,11 @@ def test_strategy_sections_and_errors():
         dist.shard_optimizer(object())
 
 
-@pytest.mark.parametrize("stage", [0, 1], ids=["dp+tp", "zero1"])
+@pytest.mark.parametrize("stage", [0, 1, 3], ids=["dp+tp", "zero1", "zero3"])
 def test_offloaded_optimizer_states_train_like_one_device(stage):
-    """Paddle's optimize_offload (strategy.sharding.offload): adamw's moments live in host
-    memory between steps; each step's program copies them to the devices for the update and
-    back out. The losses and params are one device's, the states stay on host after every
+    """Paddle's optimize_offload (strategy.sharding.offload): adamw's moments (at stage 3 the
+    params too) live in host memory between steps; each step's program copies them to the
+    devices where it reads them and back out. The losses and params are one device's, the states stay on host after every
     step, and the program compiled once; the collectives are those of the same step without
     offloading."""
     weights, batches = _weights(), _batches(n=4)
@@ -322,7 +322,8 @@ def test_offloaded_optimizer_states_train_like_one_device(stage):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-4)
     for name, value in ref_params.items():
         np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-4, atol=1e-4)
-        assert m.params[name].memory_kind == "device"
+        # stage 3 offloads the (split) params as well
+        assert m.params[name].memory_kind == ("pinned_host" if stage == 3 else "device")
     assert {x.memory_kind for x in jax.tree.leaves(m.opt_state, is_leaf=_is_dt)
             if _is_dt(x)} == {"pinned_host"}
     train = m.programs()["train"]

@@ -235,14 +235,17 @@ def shard_optimizer(optimizer: Any, shard_fn: Any = None,
 
 
 def place_params(params: Any, opt: ShardedOptimizer) -> Any:
-    """The params as the optimizer stores them between steps (split along the axis at stage 3)."""
+    """The params as the optimizer stores them between steps (split along the axis at stage 3;
+    at stage 3 with offload, in host memory too, as Paddle's stage-3 offload keeps them)."""
+    from ..creation import offload
     from ..reshard.api import reshard
 
     def move(p):
         if not _is_dt(p):
             return p
         target = opt.storage_placements(p)
-        return p if target == p.placements else reshard(p, p.mesh, target)
+        p = p if target == p.placements else reshard(p, p.mesh, target)
+        return offload(p) if opt.offload and opt.stage == 3 else p
 
     return jax.tree.map(move, params, is_leaf=_is_dt)
 
