@@ -57,16 +57,23 @@ def rope(x, positions=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-def block(x, p):
+def _no_hint(t):
+    return t
+
+
+def block(x, p, attention_in=_no_hint, attention_out=_no_hint):
+    """`attention_in` / `attention_out`: placement hints on q, k, v ([B, T, heads, DH]) before
+    the attention and on its output after (context parallelism's; identities by default)."""
     h = rms_norm(x, p["attn_norm"])
     q = rope((h @ p["wq"]).reshape(B, T, H, DH))
     k = rope((h @ p["wk"]).reshape(B, T, KV, DH))
     v = (h @ p["wv"]).reshape(B, T, KV, DH)
     k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+    q, k, v = attention_in(q), attention_in(k), attention_in(v)
     s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(DH)
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
-    o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v).reshape(B, T, H * DH)
-    x = x + o @ p["wo"]
+    o = attention_out(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v))
+    x = x + o.reshape(B, T, H * DH) @ p["wo"]
     h = rms_norm(x, p["mlp_norm"])
     return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
 

@@ -2,7 +2,9 @@
 mesh, unrolled or as a scan over stacked layers, and its analytic minimum."""
 from __future__ import annotations
 
+import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import autoshard as dist
 
@@ -44,4 +46,46 @@ def llama_dp_tp(layers: int, form: str = "unrolled") -> Workload:
                     info={"layers": layers, "form": form})
 
 
-__all__ = ["llama_dp_tp", "megatron_minimum"]
+def llama_context_parallel(layers: int, backend: str = "all2all") -> Workload:
+    """The Llama step on a 2x4 (dp, sep) mesh with the sequence split over sep (Paddle's
+    context parallelism): tokens split on the sequence, the residual stream with them, params
+    replicated (their gradients reduced over dp and sep). "all2all" (Ulysses): q, k, v on
+    whole sequences with the heads split over sep for the attention, its output back on
+    sequence shards; "p2p": q, k, v and the output stay on sequence shards (the plan brings
+    the keys and values each device's queries attend to). The baseline runs the same
+    function with those placements written as jax sharding constraints."""
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "sep"])
+    S, R = dist.Shard, dist.Replicate()
+    heads = [S(0), S(2) if backend == "all2all" else S(1)]
+    jmesh = mesh.to_jax()
+    spec = {"heads": PartitionSpec("dp", None, "sep") if backend == "all2all"
+            else PartitionSpec("dp", "sep"), "seq": PartitionSpec("dp", "sep")}
+
+    def ours(kind):
+        placements = heads if kind == "heads" else [S(0), S(1)]
+        return lambda t: dist.shard_tensor(t, mesh, placements)
+
+    def xla(kind):
+        return lambda t: jax.lax.with_sharding_constraint(t, NamedSharding(jmesh, spec[kind]))
+
+    def make_step(hint):
+        def loss(p, ids, labels):
+            x = hint("seq")(p["embed"][ids])
+            for bp in p["blocks"]:
+                x = llama.block(x, bp, hint("heads"), hint("seq"))
+            return llama._loss(p, x, labels)
+        return llama.train_step(loss, optax.sgd(0.1))
+
+    params = llama.init(jax.random.key(0), layers)
+    dparams = jax.tree.map(lambda x: dist.shard_tensor(x, mesh, [R, R]), params)
+    ids, labels = llama.batch(0)
+    seq = [S(0), S(1)]
+    args = (dparams, optax.sgd(0.1).init(dparams), dist.shard_tensor(ids, mesh, seq),
+            dist.shard_tensor(labels, mesh, seq))
+    return Workload(f"llama cp-{backend} {layers}L", make_step(ours), args, mesh, None,
+                    notes="no closed-form minimum claimed; compare with the baseline",
+                    info={"layers": layers, "backend": backend},
+                    baseline_step=make_step(xla))
+
+
+__all__ = ["llama_dp_tp", "llama_context_parallel", "megatron_minimum"]
