@@ -8,9 +8,11 @@ row-parallel, the head split along the vocabulary, written for Paddle's `weight`
 batch over "dp" with ZeRO-1 (`dp_config`). With `--sp` the plan adds sequence parallelism
 between the layers (PaddleNLP's `sp_config`); with `--pp` the mesh is 2 × 2 × 2 (pp, dp, mp)
 and `pp_config` cuts the decoder layers into two pipeline stages, run 1F1B over two
-micro-batches. Every loss equals the one-device run.
+micro-batches; with `--cp all2all|p2p` the mesh is 2 × 2 × 2 (dp, sep, mp) and Paddle's
+context-parallel plans split the token sequence over "sep" (Ulysses, or the keys and values
+gathered for each device's queries). Every loss equals the one-device run.
 
-Run:  python examples/llama_paddlenlp.py [--steps N] [--sp] [--pp]
+Run:  python examples/llama_paddlenlp.py [--steps N] [--sp] [--pp] [--cp all2all|p2p]
 """
 import argparse
 import os
@@ -40,12 +42,24 @@ def rope(x):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+class ScaledDotProductAttention(nnx.Module):
+    """Causal attention of q, k, v ([batch, seq, heads, head_dim]); its own layer so that a
+    plan can name it (`ContextParallel` on "*.sdpa", as in Paddle's example)."""
+
+    def __call__(self, q, k, v):
+        s = q.shape[1]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
 class Attention(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         def proj(n_in, n_out):
             return nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
         self.q_proj, self.o_proj = proj(HIDDEN, HEADS * HEAD_DIM), proj(HEADS * HEAD_DIM, HIDDEN)
         self.k_proj, self.v_proj = (proj(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(2))
+        self.sdpa = ScaledDotProductAttention()
 
     def __call__(self, x):
         b, s, _ = x.shape
@@ -54,10 +68,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, s, KV_HEADS, HEAD_DIM)
         # grouped-query attention: each key-value head serves HEADS // KV_HEADS query heads
         k, v = (jnp.repeat(t, HEADS // KV_HEADS, axis=2) for t in (k, v))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
-        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return self.o_proj(out.reshape(b, s, HEADS * HEAD_DIM))
+        return self.o_proj(self.sdpa(q, k, v).reshape(b, s, HEADS * HEAD_DIM))
 
 
 class MLP(nnx.Module):
@@ -108,7 +119,7 @@ def loss_fn(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def dist_config(sp: bool, pp: bool = False) -> dict:
+def dist_config(sp: bool, pp: bool = False, cp: str | None = None) -> dict:
     """PaddleNLP's Llama plans (its `mp_config` / `sp_config`, `pp_config`), in Paddle's API."""
     layers = "llama.layers.*"
     plan = {f"{layers}.self_attn.q_proj": dist.ColWiseParallel(),
@@ -127,6 +138,10 @@ def dist_config(sp: bool, pp: bool = False) -> dict:
     else:
         plan["llama.embed_tokens"] = dist.ColWiseParallel(gather_output=True)
     config = {"mp_config": {"parallelize_plan": plan}, "dp_config": {"sharding_level": 1}}
+    if cp:  # context parallel: the token sequence split over "sep" (Paddle's plans)
+        config["cp_config"] = {"parallelize_plan": {
+            "llama": dist.PrepareContextParallel(cp),
+            f"{layers}.self_attn.sdpa": dist.ContextParallel(cp)}}
     if pp:
         config["pp_config"] = {"split_spec": "llama.layers"}
     return config
@@ -154,9 +169,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sp", action="store_true", help="sequence parallel between the layers")
     parser.add_argument("--pp", action="store_true", help="two pipeline stages (2 × 2 × 2 mesh)")
+    parser.add_argument("--cp", choices=["all2all", "p2p"],
+                        help="context parallel over 'sep' (2 × 2 × 2 dp, sep, mp mesh)")
     args = parser.parse_args()
 
-    if args.pp:
+    if args.cp:
+        mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), dim_names=["dp", "sep", "mp"])
+        stages, strategy = mesh, None
+    elif args.pp:
         mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), dim_names=["pp", "dp", "mp"])
         stages = [mesh["pp", 0], mesh["pp", 1]]  # the batch enters the first, labels the last
         strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
@@ -167,12 +187,14 @@ def main() -> None:
     dist.auto_parallel.set_mesh(mesh)  # parallelize (mesh=None) takes it, as in Paddle
     tx = optax.adamw(3e-3)
     model, optimizer = dist.parallelize(LlamaForCausalLM(nnx.Rngs(0)), tx,
-                                        config=dist_config(args.sp, args.pp))
+                                        config=dist_config(args.sp, args.pp, args.cp))
     loader = dist.shard_dataloader(list(batches(args.steps)), meshes=stages, shard_dims="dp")
     dist_model = dist.to_static(model, loader, loss_fn, optimizer, strategy)
 
     first = next(iter(loader))
-    print(f"plan of one training step ({'sequence' if args.sp else 'tensor'} parallel, "
+    kind = (f"context ({args.cp}) and tensor" if args.cp else
+            "sequence" if args.sp else "tensor")
+    print(f"plan of one training step ({kind} parallel, "
           f"ZeRO-1 over dp{', two 1F1B pipeline stages' if args.pp else ''}, on "
           f"{' × '.join(map(str, mesh.shape))}):")
     print(dist_model.summary(*first))
