@@ -69,8 +69,8 @@ def _host_memory(sharding) -> str | None:
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
         if x._desc is None:
-            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout,
-                            _host_memory(getattr(x.physical, "sharding", None)))
+            stored = None if isinstance(x.physical, jax.core.Tracer) else x.physical.sharding
+            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout, _host_memory(stored))
         return x._desc
     sharding = mesh_sharding(x)
     if sharding is not None:

@@ -64,8 +64,14 @@ class LocalLayer(nnx.Module):
     def __call__(self, *args: Any) -> Any:
         fn = _WRAPPED.get(self)
         if fn is None:  # once per layer: eagerly, local_map keeps one program per placements
+            layer = weakref.ref(self)  # (a bound method here would keep the layer alive)
+
+            def forward(*blocks):
+                return layer().forward(*blocks)
+
+            forward.__name__ = f"{type(self).__name__}.forward"
             fn = _WRAPPED[self] = local_map(
-                self.forward, out_placements=[list(p) for _, p in self.out_dist_attrs],
+                forward, out_placements=[list(p) for _, p in self.out_dist_attrs],
                 in_placements=(None if self.in_placements is None else
                                [None if p is None else list(p) for p in self.in_placements]),
                 process_mesh=self.out_dist_attrs[0][0])
