@@ -13,7 +13,7 @@ from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
 from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh
-from .physical import physical_shape, physical_sharding
+from .physical import HOST_MEMORY_KINDS, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
 from .uneven import even_part, is_uneven, pad_global, warn_uneven
 
@@ -206,9 +206,9 @@ def offload(tree: Any, memory_kind: str = "pinned_host") -> Any:
     """Every DistTensor of `tree` with its blocks moved to host memory (same mesh and
     placements); `memory_kind="device"` brings them back. A dist.jit program reading an
     offloaded tensor copies it to the devices inside the program, where it is needed."""
-    if memory_kind not in ("pinned_host", "unpinned_host", "device"):
+    if memory_kind not in HOST_MEMORY_KINDS + ("device",):
         raise PlacementTypeError(f"offload: memory_kind {memory_kind!r} is not one of "
-                                 f"'pinned_host', 'unpinned_host', 'device'")
+                                 f"{HOST_MEMORY_KINDS + ('device',)}")
 
     def move(x):
         if not isinstance(x, DistTensor) or x.memory_kind == memory_kind:

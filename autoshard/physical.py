@@ -66,5 +66,15 @@ def mesh_sharding(x) -> NamedSharding | None:
     return None
 
 
+# Host offloading: the memory kinds a value can be stored in besides the devices' own
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def host_memory(sharding) -> str | None:
+    """The host memory kind `sharding` stores its array in (None: the devices')."""
+    kind = getattr(sharding, "memory_kind", None)
+    return kind if kind in HOST_MEMORY_KINDS else None
+
+
 __all__ = ["physical_shape", "physical_spec", "physical_sharding", "layout_of_spec",
-           "mesh_sharding"]
+           "mesh_sharding", "HOST_MEMORY_KINDS", "host_memory"]

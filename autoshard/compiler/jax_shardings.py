@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..dtensor import DistTensor
 from ..errors import PlacementTypeError
 from ..mesh import as_process_mesh
-from ..physical import layout_of_spec
+from ..physical import host_memory, layout_of_spec
 
 
 def _is_sharding(x: Any) -> bool:
@@ -71,7 +71,7 @@ def place_arguments(in_shardings: Any, args: tuple) -> tuple:
             target = _placements(s)
             mesh = as_process_mesh(s.mesh)
             x = x if (x.mesh, x.placements) == (mesh, target) else reshard(x, mesh, target)
-            placed.append(offload(x, s.memory_kind) if s.memory_kind else x)
+            placed.append(offload(x, host_memory(s)) if host_memory(s) else x)
         else:
             placed.append(jax.device_put(x, s))
     return tuple(jax.tree.unflatten(tree, placed))
@@ -87,9 +87,8 @@ def as_out_placements(out_shardings: Any) -> Any:
 def as_out_memory_kinds(out_shardings: Any) -> Any:
     """The host memory kinds `out_shardings` asks for (dist.jit's out_memory_kinds): None if
     none, one kind if every sharding names the same, else one entry per sharding leaf."""
-    kinds = [getattr(s, "memory_kind", None) for s in
+    kinds = [host_memory(s) for s in
              jax.tree.leaves(out_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
-    kinds = [k if k in ("pinned_host", "unpinned_host") else None for k in kinds]
     if not any(kinds):
         return None
     return kinds[0] if len(set(kinds)) == 1 else kinds

@@ -19,8 +19,8 @@ from ..dtensor import DistTensor
 from ..errors import MeshMismatchError, PlacementTypeError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
-from ..physical import (layout_of_spec, mesh_sharding, physical_shape, physical_sharding,
-                        physical_spec)
+from ..physical import (HOST_MEMORY_KINDS, host_memory, layout_of_spec, mesh_sharding,
+                        physical_shape, physical_sharding, physical_spec)
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
@@ -61,21 +61,16 @@ class _Leaf:
                                         self.memory))
 
 
-def _host_memory(sharding) -> str | None:
-    kind = getattr(sharding, "memory_kind", None)
-    return kind if kind in HOST_MEMORY_KINDS else None
-
-
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
         if x._desc is None:
             stored = None if isinstance(x.physical, jax.core.Tracer) else x.physical.sharding
-            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout, _host_memory(stored))
+            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout, host_memory(stored))
         return x._desc
     sharding = mesh_sharding(x)
     if sharding is not None:
         return _Leaf(tuple(x.shape), normalize(x.dtype), as_process_mesh(sharding.mesh),
-                     layout_of_spec(sharding.spec, x.ndim), _host_memory(sharding))
+                     layout_of_spec(sharding.spec, x.ndim), host_memory(sharding))
     arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
     if not is_extended(arr.dtype) and arr.dtype.kind not in "biufcV":
         raise _NotAnArray(x)  # a string, an object: named with its argument by _entry
@@ -718,9 +713,6 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     names |= {p.name for i, p in enumerate(positional)
               if i in nums and p.kind == p.POSITIONAL_OR_KEYWORD}
     return frozenset(nums), tuple(sorted(names))
-
-
-HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
 def _check_memory_kinds(kinds: Any) -> Any:

@@ -254,8 +254,8 @@ def _rebuild(target: Any, value: Any) -> Any:
         out = make_dtensor(value, target.mesh, _readable(target), target.shape)
         out = out if out.layout == target.layout else reshard(out, target.mesh,
                                                               target.placements)
-        # an offloaded target (optimizer states kept in host memory) is loaded back there
-        return offload(out, target.memory_kind) if target.memory_kind != "device" else out
+        # into the target's memory: an offloaded one (optimizer states) is loaded back to host
+        return offload(out, target.memory_kind)
     if _is_prng_key(target):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
     if isinstance(target, (bool, int, float)):

@@ -396,13 +396,12 @@ def _check_backend(plan: Any) -> None:
                                f"'all2all' (Ulysses: heads split during attention)")
 
 
-def _cp_config(config: ParallelConfig, kind: str, path: str) -> ParallelConfig:
+def _check_cp_mesh(config: ParallelConfig, kind: str, path: str) -> None:
     if CP_DIM not in config.mesh.dim_names:
         raise ParallelizeError(
             f"{kind} on {path!r} splits the sequence over the mesh dim {CP_DIM!r}, but the mesh "
             f"has dims {config.mesh.dim_names}: build it with a 'sep' dim, e.g. "
             f"dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=['dp', 'sep'])")
-    return config
 
 
 def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any) -> Any:
@@ -410,25 +409,19 @@ def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any)
     if not isinstance(x, jax.core.Tracer) or not x.ndim:
         return x  # a placement hint means something only while dist.jit traces
     mesh = config.mesh
-    placements: list[Placement] = []
-    for name in mesh.dim_names:
-        size = mesh.get_dim_size(name)
-        if name == CP_DIM:
-            placements.append(Shard(sep_dim))
-        elif name == config.dp_dim and x.shape[0] % size == 0:
-            placements.append(Shard(0))
-        elif name == config.mp_dim and x.ndim >= 3 and x.shape[2] % size == 0:
-            placements.append(Shard(2))
-        else:
-            placements.append(Replicate())
-    layout = layout_from_placements(placements, mesh, tuple(x.shape), what=(
-        f"the activations of layer {path!r} ({kind}: a [batch, seq, ...] tensor)"))
-    if config.mp_dim != CP_DIM and set(layout.dims[sep_dim]) == {CP_DIM, config.mp_dim}:
+    mp = config.mp_dim
+    heads_over_mp = (mp not in (CP_DIM, config.dp_dim) and x.ndim >= 3
+                     and x.shape[2] % mesh.get_dim_size(mp) == 0)
+    split = {CP_DIM: sep_dim, **({mp: 2} if heads_over_mp else {})}
+    layout = layout_from_placements(
+        _hint_placements(config, x, split), mesh, tuple(x.shape),
+        what=f"the activations of layer {path!r} ({kind}: a [batch, seq, ...] tensor)")
+    if heads_over_mp and sep_dim == 2:
         # Ulysses inside tensor parallelism: each mp device's heads (Megatron's blocks) are
         # split again over sep — mp the outer split — so the all-to-alls stay within sep
         # (in mesh order, a sep-major split would reorder the heads across mp as well)
         dims = list(layout.dims)
-        dims[sep_dim] = (config.mp_dim, CP_DIM)
+        dims[sep_dim] = (mp, CP_DIM)
         layout = Layout(tuple(dims), layout.partial)
     from ..compiler.trace import bind_hint
 
@@ -455,7 +448,7 @@ class PrepareContextParallel(ParallelPlan):
         _check_backend(self)
 
     def hooks(self, config, path, layer=None):
-        config = _cp_config(config, repr(self), path)
+        _check_cp_mesh(config, repr(self), path)
         return [_on_all(functools.partial(_cp_hint, config, 1, path, repr(self)))], []
 
 
@@ -475,7 +468,7 @@ class ContextParallel(ParallelPlan):
         _check_backend(self)
 
     def hooks(self, config, path, layer=None):
-        config = _cp_config(config, repr(self), path)
+        _check_cp_mesh(config, repr(self), path)
         before = 2 if self.backend == "all2all" else 1
         return ([_on_all(functools.partial(_cp_hint, config, before, path, repr(self)))],
                 [functools.partial(_cp_hint, config, 1, path, repr(self))])
@@ -542,20 +535,29 @@ def _activation_hint(config: ParallelConfig, split_dim: int | None, path: str, k
     """`x` placed with its batch (dim 0) over dp and `split_dim` over mp (None: whole over mp)."""
     if not isinstance(x, jax.core.Tracer):
         return x  # a placement hint means something only while dist.jit traces
+    split = {config.mp_dim: split_dim} if split_dim is not None and x.ndim else {}
+    placements = _hint_placements(config, x, split)
+    layout_from_placements(placements, config.mesh, tuple(x.shape), what=(
+        f"the activations of layer {path!r} ({kind}, [batch, seq, ...])"))
+    return shard_tensor(x, config.mesh, placements)
+
+
+def _hint_placements(config: ParallelConfig, x: Any, split: dict) -> list[Placement]:
+    """Per mesh dim of an activation hint: the tensor dim `split` names for it (None: whole),
+    else the batch over dp where it divides, else Replicate."""
     mesh = config.mesh
     placements: list[Placement] = []
     for name in mesh.dim_names:
-        if name == config.mp_dim and split_dim is not None and x.ndim:
-            placements.append(Shard(split_dim % x.ndim))
+        if name in split:
+            d = split[name]
+            placements.append(Replicate() if d is None else Shard(d % x.ndim))
         elif name == config.dp_dim and x.ndim and x.shape[0] % mesh.get_dim_size(name) == 0:
             # Keep the batch split over dp as data parallelism left it; a Replicate hint there
             # would make the plan gather the whole batch at every sequence-parallel boundary.
             placements.append(Shard(0))
         else:
             placements.append(Replicate())
-    layout_from_placements(placements, mesh, tuple(x.shape), what=(
-        f"the activations of layer {path!r} ({kind}, [batch, seq, ...])"))
-    return shard_tensor(x, mesh, placements)
+    return placements
 
 
 _PLAN_NAMES = ("ColWiseParallel(), RowWiseParallel(), SequenceParallelBegin(), "
