@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .local_map import LocalMapError, local_map
@@ -47,84 +48,212 @@ def _placements(mesh: ProcessMesh, axis: str, shape: tuple) -> list:
     return out
 
 
-def _ring(axis: str, n: int, causal: bool, scale: float):
-    """The per-device function of the local blocks q, k, v ([b, s, h, d]), differentiable."""
+def _softmax_step(o, m, l, s, v):
+    """The running (output, max, sum) of some query rows after one more block of scores."""
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    o = o * corr.transpose(0, 2, 1)[..., None] + jnp.einsum(
+        "bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
+    return o, m_new, l * corr + p.sum(-1)
+
+
+def _block_grads(q, k, v, do, lse, delta, s, scale):
+    """(dq, dk, dv) of one block of queries against one block of keys, scores `s` recomputed."""
+    p = jnp.exp(s - lse[..., None])
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
+    ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do, v.astype(jnp.float32)) - delta[..., None])
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(jnp.float32)) * scale
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * scale
+    return dq, dk, dv
+
+
+def _rows(x, part, c):
+    """Rows (dim 1 of [b, s, ...], dim 2 of [b, h, s]) `part` of a zigzag block: 0 the front
+    chunk, 1 the back one, None both."""
+    if part is None:
+        return x
+    return lax.slice_in_dim(x, part * c, (part + 1) * c, axis=1 if x.ndim == 4 else 2)
+
+
+def _put(x, part, c, value):
+    if part is None:
+        return value
+    return lax.dynamic_update_slice_in_dim(x, value, part * c, axis=1 if x.ndim == 4 else 2)
+
+
+def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
+    """The per-device function of the local blocks q, k, v ([b, s, h, d]), differentiable.
+
+    `zigzag`: the blocks hold the sequence's chunks (i, 2n-1-i) of 2n (causal only). Then of a
+    key block from an earlier device every query sees the front chunk and none the back one;
+    of a block from a later device only the back query chunk sees anything, all of it: every
+    step after the first computes half a block, unmasked, on every device alike — the causal
+    half of the work, balanced. Without it the causal mask hides whole blocks on the first
+    devices while the last device computes all of them, and each step waits for the slowest.
+    """
     forward_perm = [(j, (j + 1) % n) for j in range(n)]  # block t steps later: from idx - t
 
-    def scores(q, k, t):
+    def positions(block, rows):
+        if not zigzag:
+            return block * rows + jnp.arange(rows)
+        c = rows // 2
+        return jnp.concatenate([block * c + jnp.arange(c), (2 * n - 1 - block) * c + jnp.arange(c)])
+
+    def scores(q, k, t=None):
+        """Scores of q against k; with `t`, masked as block t steps around the ring (a whole
+        block), without, none hidden (a zigzag half block)."""
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-        if not causal:
+        if not causal or t is None:
             return s
         idx = lax.axis_index(axis)
-        src = (idx - t) % n
-        rows, cols = q.shape[1], k.shape[1]
-        seen = (idx * rows + jnp.arange(rows))[:, None] >= (src * cols + jnp.arange(cols))[None]
+        seen = positions(idx, q.shape[1])[:, None] >= positions((idx - t) % n, k.shape[1])[None]
         return jnp.where(seen, s, _NEG)
+
+    def visit(t, update, *state):
+        """`update(query part, key part, t or None, *state)` for the block t steps around:
+        the whole block masked, or (zigzag, after the own block) the visible half by itself."""
+        if not zigzag or isinstance(t, int) and t == 0:
+            return update(None, None, t, *state)
+        earlier = (lax.axis_index(axis) - t) % n < lax.axis_index(axis)
+        return lax.cond(earlier, lambda *st: update(None, 0, None, *st),
+                        lambda *st: update(1, None, None, *st), *state)
 
     def forward(q, k, v):
         b, s_q, h, _ = q.shape
+        c = s_q // 2
         m = jnp.full((b, h, s_q), _NEG, jnp.float32) + 0 * q[..., 0].transpose(0, 2, 1)
         o = jnp.zeros(q.shape, jnp.float32) + 0 * q
 
-        def step(t, carry):
-            o, m, l, k, v = carry
-            s = scores(q, k, t)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            o = o * corr.transpose(0, 2, 1)[..., None] + jnp.einsum(
-                "bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
-            return o, m_new, l * corr + p.sum(-1), k, v
+        def update(qp, kp, t, k, v, o, m, l):
+            s = scores(_rows(q, qp, c), _rows(k, kp, c), t)
+            o1, m1, l1 = _softmax_step(_rows(o, qp, c), _rows(m, qp, c), _rows(l, qp, c), s,
+                                       _rows(v, kp, c))
+            return _put(o, qp, c, o1), _put(m, qp, c, m1), _put(l, qp, c, l1)
 
-        def step_and_pass(t, carry):
-            o, m, l, k, v = step(t, carry)
-            return o, m, l, lax.ppermute(k, axis, forward_perm), lax.ppermute(v, axis, forward_perm)
+        # The own block first (every causal row sees its diagonal before anything is hidden),
+        # the next one already on its way; then a loop, not unrolled — one block's scores
+        # live at a time — each step sending on the block it is about to use.
+        o, m, l = visit(0, update, k, v, o, m, jnp.zeros_like(m))
+        first = (k, v)
+        if n > 1:
+            def step(t, carry):
+                k, v, o, m, l = carry
+                nxt = [lax.ppermute(x, axis, forward_perm) for x in (k, v)]
+                return (*nxt, *visit(t, update, k, v, o, m, l))
 
-        # a loop, not unrolled: one block's scores live at a time. The own block comes first,
-        # so every causal row has seen its diagonal before any fully masked block
-        carry = lax.fori_loop(0, n - 1, step_and_pass, (o, m, jnp.zeros_like(m), k, v))
-        o, m, l, _, _ = step(n - 1, carry)  # the last block needs passing no further
+            k, v = first = tuple(lax.ppermute(x, axis, forward_perm) for x in (k, v))
+            if n > 2:
+                k, v, o, m, l = lax.fori_loop(1, n - 1, step, (k, v, o, m, l))
+            o, m, l = visit(n - 1, update, k, v, o, m, l)  # the last block goes no further
         out = (o / l.transpose(0, 2, 1)[..., None]).astype(q.dtype)
-        return out, m + jnp.log(l)
+        return out, m + jnp.log(l), first
 
     @jax.custom_vjp
     def attend(q, k, v):
         return forward(q, k, v)[0]
 
     def attend_fwd(q, k, v):
-        out, lse = forward(q, k, v)
-        return out, (q, k, v, out, lse)
+        out, lse, first = forward(q, k, v)
+        return out, (q, k, v, out, lse, first)
 
     def attend_bwd(res, do):
-        q, k, v, out, lse = res
+        # `first`: the neighbour's key / value block the forward received, kept so the
+        # backward does not send it again (XLA would merge the two sends where n is 2)
+        q, k, v, out, lse, first = res
+        c = q.shape[1] // 2
         do32 = do.astype(jnp.float32)
         delta = jnp.sum(do32 * out.astype(jnp.float32), -1).transpose(0, 2, 1)  # [b, h, q]
 
-        def step(t, carry):
-            dq, k, v, dk, dv = carry
-            p = jnp.exp(scores(q, k, t) - lse[..., None])
-            dv = dv + jnp.einsum("bhqk,bqhd->bkhd", p, do32)
-            ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do32, v.astype(jnp.float32))
-                      - delta[..., None])
-            dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(jnp.float32)) * scale
-            dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * scale
-            # the gradients travel with their blocks: after n moves all are home again
-            return (dq, *(lax.ppermute(x, axis, forward_perm) for x in (k, v, dk, dv)))
+        def update(qp, kp, t, k, v, dq, dk, dv):
+            qr, kr, vr = _rows(q, qp, c), _rows(k, kp, c), _rows(v, kp, c)
+            gq, gk, gv = _block_grads(qr, kr, vr, _rows(do32, qp, c), _rows(lse, qp, c),
+                                      _rows(delta, qp, c), scores(qr, kr, t), scale)
+            return (_put(dq, qp, c, _rows(dq, qp, c) + gq),
+                    _put(dk, kp, c, _rows(dk, kp, c) + gk), _put(dv, kp, c, _rows(dv, kp, c) + gv))
+
+        def passed(*xs):
+            return [lax.ppermute(x, axis, forward_perm) for x in xs]
 
         zeros = [jnp.zeros(x.shape, jnp.float32) + 0 * x for x in (q, k, v)]
-        dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros[0], k, v, zeros[1], zeros[2]))
+        dq, dk, dv = visit(0, update, k, v, *zeros)
+        if n > 1:
+            # the gradients travel with their blocks: after n moves all are home again
+            def step(t, carry):
+                k, v, dq, dk, dv = carry
+                k, v, dk, dv = passed(k, v, dk, dv)
+                dq, dk, dv = visit(t, update, k, v, dq, dk, dv)
+                return k, v, dq, dk, dv
+
+            k, v = first
+            dk, dv = passed(dk, dv)
+            dq, dk, dv = visit(1, update, k, v, dq, dk, dv)
+            if n > 2:
+                _, _, dq, dk, dv = lax.fori_loop(2, n, step, (k, v, dq, dk, dv))
+            dk, dv = passed(dk, dv)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
 
 
+def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
+    """The token order that balances causal ring attention over `n` devices: `x[:, idx]`
+    puts chunks (i, 2n-1-i) of 2n on device i when the sequence is split evenly. Apply it to
+    the tokens, labels and positions once in the data pipeline, then call
+    `ring_attention(..., order="zigzag")`: no reordering inside the attention at all.
+    `np.argsort(idx)` undoes it."""
+    if seq_len % (2 * n):
+        raise LocalMapError(f"zigzag_indices: the sequence length {seq_len} must divide into "
+                            f"2 × {n} chunks")
+    c = seq_len // (2 * n)
+    chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def _to_zigzag(axis: str, n: int):
+    """Contiguous blocks (chunks 2i, 2i+1 on device i) → zigzag ones (chunks i, 2n-1-i), and
+    back: two collective-permutes each way, as every device receives one even and one odd
+    chunk (i + 2n-1-i is odd)."""
+    def home(chunk):  # the device holding `chunk` in zigzag order
+        return chunk if chunk < n else 2 * n - 1 - chunk
+
+    to_even = [(i, home(2 * i)) for i in range(n)]
+    to_odd = [(i, home(2 * i + 1)) for i in range(n)]
+    back_even = [(d, s) for s, d in to_even]
+    back_odd = [(d, s) for s, d in to_odd]
+
+    def there(x):
+        c = x.shape[1] // 2
+        even = lax.ppermute(x[:, :c], axis, to_even)
+        odd = lax.ppermute(x[:, c:], axis, to_odd)
+        first = lax.axis_index(axis) % 2 == 0  # an even device's front chunk is the even one
+        return jnp.where(first, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
+
+    def back(x):
+        c = x.shape[1] // 2
+        first = lax.axis_index(axis) % 2 == 0
+        even = jnp.where(first, x[:, :c], x[:, c:])
+        odd = jnp.where(first, x[:, c:], x[:, :c])
+        return jnp.concatenate([lax.ppermute(even, axis, back_even),
+                                lax.ppermute(odd, axis, back_odd)], 1)
+
+    return there, back
+
+
 def ring_attention(q: Any, k: Any, v: Any, *, axis: str = "sep", causal: bool = True,
-                   mesh: ProcessMesh | None = None, scale: float | None = None) -> Any:
+                   mesh: ProcessMesh | None = None, scale: float | None = None,
+                   order: str = "contiguous") -> Any:
     """Attention of q over k, v ([batch, seq, heads, head_dim], equal heads: repeat grouped
     key-value heads first) with the sequence split over mesh dim `axis`; see the module
     docstring. `mesh`: the DistTensors' own eagerly, else `dist.set_mesh`'s; required inside
-    dist.jit when none is set. `scale` defaults to 1/sqrt(head_dim)."""
+    dist.jit when none is set. `scale` defaults to 1/sqrt(head_dim).
+
+    Causal attention is load-balanced when the sequence divides into 2 × devices chunks:
+    `order="contiguous"` (the sequence as the user holds it) moves each block to the zigzag
+    order and the output back (two collective-permutes per tensor each way);
+    `order="zigzag"` says the tokens already are in `zigzag_indices` order (the data pipeline
+    permuted them once), and nothing is moved."""
     if mesh is None:
         mesh = next((x.mesh for x in (q, k, v) if hasattr(x, "mesh") and
                      isinstance(x.mesh, ProcessMesh)), None) or get_mesh()
@@ -146,10 +275,27 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis: str = "sep", causal: bool = 
     if q.shape[1] % n or k.shape[1] % n:
         raise LocalMapError(f"ring_attention: sequence lengths {q.shape[1]} / {k.shape[1]} "
                             f"must divide by the {n} devices of mesh dim {axis!r}")
+    if order not in ("contiguous", "zigzag"):
+        raise LocalMapError(f"ring_attention: order={order!r}; write order='contiguous' (the "
+                            f"sequence in its own order) or 'zigzag' (permuted by "
+                            f"dist.zigzag_indices)")
+    balanced = causal and q.shape[1] == k.shape[1] and q.shape[1] % (2 * n) == 0
+    if order == "zigzag" and not balanced:
+        raise LocalMapError(f"ring_attention: order='zigzag' needs causal attention of a "
+                            f"sequence into 2 × {n} chunks (q {q.shape[1]}, k {k.shape[1]} "
+                            f"tokens, causal={causal}): use order='contiguous'")
     placements = _placements(mesh, axis, tuple(q.shape))
-    attend = _ring(axis, n, causal, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    ring = _ring(axis, n, causal, scale if scale is not None else 1 / math.sqrt(q.shape[-1]),
+                 zigzag=balanced)
+    if balanced and order == "contiguous":
+        there, back = _to_zigzag(axis, n)
+
+        def attend(q, k, v):
+            return back(ring(there(q), there(k), there(v)))
+    else:
+        attend = ring
     return local_map(attend, out_placements=[placements], in_placements=[placements] * 3,
                      process_mesh=mesh, reshard_inputs=True)(q, k, v)
 
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "zigzag_indices"]

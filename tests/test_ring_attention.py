@@ -6,6 +6,7 @@ of gathering the keys and values."""
 from collections import Counter
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,6 +54,77 @@ def test_ring_attention_equals_one_device_forward_and_gradients(name, causal):
         c.kind for c in plan.collectives)
 
 
+def _dot_flops(jaxpr) -> float:
+    """Matmul flops of the slowest device: a loop's body times its length, a branch (which
+    depends on the device) at its most expensive."""
+    total = 0.0
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if name == "dot_general":
+            (lc, _), _ = e.params["dimension_numbers"]
+            contracted = np.prod([e.invars[0].aval.shape[d] for d in lc])
+            total += 2.0 * np.prod(e.outvars[0].aval.shape) * contracted
+        elif name == "cond":
+            total += max(_dot_flops(b.jaxpr) for b in e.params["branches"])
+        elif name == "scan":
+            total += e.params["length"] * _dot_flops(e.params["jaxpr"].jaxpr)
+        else:
+            assert name != "while", "a loop of unknown length"
+            total += sum(_dot_flops(getattr(j, "jaxpr", j))
+                         for j in jax.extend.core.jaxprs_in_params(e.params))
+    return total
+
+
+@pytest.mark.parametrize("tokens", [64, 56], ids=["balanced", "24-chunks"])
+def test_causal_ring_balances_work_across_devices(tokens):
+    """Causal attention needs half the scores. With the zigzag order (chunks i and 2n-1-i on
+    device i) every device computes its own block and then half of each other block: the
+    slowest device does (n+1)/2n of full attention's matmuls, forward and backward; without
+    it (a sequence that is not 2n chunks) the last device computes every block."""
+    mesh, placements = MESHES["sep"]
+    q, k, v, w = _qkvw((1, tokens, 2, 8))
+    work = {}
+    for causal in (True, False):
+        def loss(q, k, v):
+            return jnp.sum(dist.ring_attention(q, k, v, mesh=mesh, causal=causal) * w)
+        work[causal] = _dot_flops(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    n = 8
+    if tokens % (2 * n) == 0:
+        assert work[True] <= (n + 1) / (2 * n) * work[False] * 1.02, work
+    else:
+        assert work[True] == work[False], work
+
+
+def test_zigzag_order_from_the_data_pipeline_moves_nothing_extra():
+    """Tokens permuted once by dist.zigzag_indices (as a data loader would, with labels and
+    positions): order="zigzag" computes the same attention in that order, with only the ring's
+    sends — no reordering collectives."""
+    mesh, placements = MESHES["dp×sep"]
+    q, k, v, w = _qkvw((4, 32, 4, 8))
+    idx = dist.zigzag_indices(32, 4)
+    assert sorted(idx) == list(range(32)) and list(idx[:4]) == [0, 1, 2, 3] \
+        and list(idx[4:8]) == [28, 29, 30, 31]
+    args = [dist.shard_tensor(x[:, idx], mesh, placements) for x in (q, k, v)]
+
+    def run(order):
+        def loss(q, k, v):
+            return jnp.sum(dist.ring_attention(q, k, v, mesh=mesh, order=order) * w[:, idx])
+        return dist.jit(jax.grad(loss, argnums=(0, 1, 2)), out_placements=[placements] * 3)
+
+    def reference(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) * w)
+
+    zigzag = run("zigzag")
+    for got, want in zip(zigzag(*args), jax.grad(reference, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got.numpy(), want[:, idx], rtol=1e-4, atol=1e-5)
+    sends = {o: len(run(o).plan(*args).collectives) for o in ("zigzag", "contiguous")}
+    # the contiguous order sends q, k, v into the zigzag order, the output's cotangent too,
+    # and the three gradients back (2 sends each); the output itself the gradient never reads
+    assert sends["contiguous"] == sends["zigzag"] + 14, sends
+    assert count_collectives(zigzag.lower(*args).compile().as_text()) == Counter(
+        c.kind for c in zigzag.plan(*args).collectives)
+
+
 def test_ring_attention_holds_one_block_where_gathering_holds_the_sequence():
     mesh, placements = MESHES["sep"]
     q, k, v, w = _qkvw((1, 1024, 2, 32))
@@ -87,6 +159,12 @@ def test_ring_attention_errors_name_what_to_change():
     with pytest.raises(dist.LocalMapError, match="must divide"):
         odd = dist.shard_tensor(np.zeros((4, 30, 4, 8), np.float32), mesh, [S(0), R])
         dist.ring_attention(odd, odd, odd)
+    with pytest.raises(dist.LocalMapError, match="order='contiguous'"):
+        dist.ring_attention(q, q, q, order="zigzag", causal=False)
+    with pytest.raises(dist.LocalMapError, match="'zigzag' \\(permuted"):
+        dist.ring_attention(q, q, q, order="striped")
+    with pytest.raises(dist.LocalMapError, match="2 × 4 chunks"):
+        dist.zigzag_indices(20, 4)
     with pytest.raises(dist.LocalMapError, match="repeat grouped"):
         kv = dist.shard_tensor(np.zeros((4, 32, 2, 8), np.float32), mesh, placements)
         dist.ring_attention(q, kv, kv)

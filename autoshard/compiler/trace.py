@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from jax import lax
 from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jex_core
 
 from ..layout import Layout
@@ -475,8 +476,12 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             env.update(zip(eqn.outvars, outs))
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
-    inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
-    outputs = walk(closed.jaxpr, closed.consts, inputs)
+    # Dead code out first, into every body (a user's shard_map included): what XLA would drop
+    # must not be planned, or the plan lists collectives the compiled program never runs (the
+    # unused primal output of a differentiated local_map). Every input is kept.
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    inputs = [fresh(v.aval) for v in jaxpr.invars]
+    outputs = walk(jaxpr, closed.consts, inputs)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
     eqns = widen_slices(eqns, outputs, regions, fresh, const_value)
