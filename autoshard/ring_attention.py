@@ -12,6 +12,13 @@ after the last step. Per device: its own queries' scores against one key block a
 two key / value blocks — where the all-gather form (`ContextParallel("p2p")` around a plain
 attention) holds a layer's whole keys and values.
 
+Causal attention hides half the scores. Split in order, the first device would see one block
+and the last all n, and every step waits for the slowest; so each device holds chunks i and
+2n-1-i of 2n instead (zigzag), and after its own block computes only the visible half of each
+other block — (n+1)/2n of the full work on every device. A sequence held in order is moved
+into zigzag order and back inside (two collective-permutes per tensor each way); tokens the
+data pipeline already permuted with `zigzag_indices` pass `order="zigzag"` and move nothing.
+
 Built on `dist.local_map`: it runs eagerly on DistTensors and inside `dist.jit`, where the
 blocks are named (the sequence over `axis`, the batch over dp, heads over mp when the mesh has
 them) and the plan moves q, k, v there first.

@@ -21,6 +21,10 @@ _CORE = {  # primitive: (dims of operand 0 after its batch dims, how a Partial(s
     linalg.householder_product_p: (2, NONE), linalg.lu_pivots_to_permutation_p: (1, NONE),
     linalg.tridiagonal_p: (2, NONE), linalg.tridiagonal_solve_p: (1, NONE),
     linalg.triangular_solve_p: (2, ONE),
+    # jax.scipy.linalg's eig / schur / hessenberg / pivoted qr and their helpers
+    linalg.eig_p: (2, NONE), linalg.schur_p: (2, NONE), linalg.hessenberg_p: (2, NONE),
+    linalg.geqp3_p: (2, NONE), linalg.ormqr_p: (2, NONE), linalg.cholesky_update_p: (2, NONE),
+    linalg.symmetric_product_p: (2, NONE),
 }
 
 
@@ -52,6 +56,7 @@ def validation_samples() -> list:
     """Batches of 8 small matrices (split over the batch dim or not), made well conditioned
     inside the sample; outputs that are unique up to sign are squared."""
     import jax.numpy as jnp
+    import jax.scipy.linalg as jsl
     from jax import lax
 
     m3, v3 = ((8, 4, 4), "f"), ((8, 4, 2), "f")
@@ -78,6 +83,19 @@ def validation_samples() -> list:
          lambda d, b: lax.linalg.tridiagonal_solve(
              jnp.pad(d[..., 1:] * 0.5, [(0, 0), (1, 0)]), 10.0 + jnp.abs(d),
              jnp.pad(d[..., :-1] * 0.5, [(0, 0), (0, 1)]), b), (((8, 4), "f"), v3)),
+        # eigenvalues and Schur forms come in LAPACK's order: sorted, of a symmetric matrix
+        ("eig", "eig", lambda a: jnp.sort(jnp.linalg.eigvals(spd(a)).real, axis=-1), (m3,)),
+        ("schur", "schur",
+         lambda a: jnp.sort(jnp.diagonal(jsl.schur(spd(a))[0], axis1=-2, axis2=-1), axis=-1),
+         (m3,)),
+        ("hessenberg", "hessenberg", lambda a: jnp.abs(jsl.hessenberg(spd(a) - a)), (m3,)),
+        ("pivoted qr", "geqp3", lambda a: jnp.abs(jsl.qr(spd(a) - a, pivoting=True)[1]), (m3,)),
+        ("ormqr", "ormqr", lambda a, b: jnp.abs(linalg.ormqr(*linalg.geqrf(spd(a)), b)), (m3, v3)),
+        ("cholesky_update", "cholesky_update",
+         lambda a, w: lax.linalg.cholesky_update(jnp.linalg.cholesky(spd(a)), w * 0.1),
+         (((4, 4), "f"), ((4,), "f"))),
+        ("symmetric_product", "symmetric_product",
+         lambda a, c: lax.linalg.symmetric_product(a, spd(c), alpha=0.5, beta=2.0), (m3, m3)),
         ("fft", "fft", lambda a: jnp.abs(jnp.fft.fft(a, axis=-1)), (m3,)),
         ("rfft2 / irfft2", "fft", lambda a: jnp.fft.irfft2(jnp.fft.rfft2(a) * 0.5, s=(4, 4)), (m3,)),
     ]

@@ -13,6 +13,7 @@ import math
 import jax
 import numpy as np
 from jax import lax
+from jax._src.lax import lax as lax_internal
 from jax._src.random import prng
 from jax._src.random import threefry2x32 as threefry
 
@@ -157,6 +158,9 @@ TABLE = {
     prng.random_unwrap_p: Rule(replicated_sharding),
     prng.random_split_p: Rule(replicated_sharding),
     prng.random_fold_in_p: Rule(replicated_sharding),
+    # lax.rng_bit_generator's bits depend on the whole shape drawn: every device draws all of
+    # them from the (whole) key, as one device does, and its consumers take their blocks
+    lax_internal.rng_bit_generator_p: Rule(replicated_sharding),
 }
 if _gamma_one is not None:
     TABLE[random_gamma_p] = Rule(random_gamma_sharding, random_gamma_lower)
@@ -167,6 +171,9 @@ def validation_samples() -> list:
     return [
         ("gamma", "random_gamma",
          lambda x: jax.random.gamma(jax.random.key(5), jax.numpy.abs(x) + 0.5), (f2,)),
+        ("raw rng_bit_generator", "rng_bit_generator",
+         lambda k, x: x * lax.rng_bit_generator(k.astype(np.uint32), x.shape)[1]
+         .astype(np.float32), (((4,), "f"), f2)),
         ("uniform", "random_bits",
          lambda x: x * jax.random.uniform(jax.random.key(3), x.shape), (f2,)),
         ("bernoulli dropout", "random_bits",
