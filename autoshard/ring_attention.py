@@ -40,7 +40,9 @@ from .placement import Replicate, Shard
 _NEG = -1e30  # a masked score: finite, so a block with nothing visible adds exp(-1e30 - m) = 0
 
 
-def _placements(mesh: ProcessMesh, axis: str, shape: tuple) -> list:
+def _placements(mesh: ProcessMesh, axis: str, shape: tuple, kv_heads: int) -> list:
+    """The blocks' placements: sequence over `axis`, batch over dp, heads over mp (query and
+    key-value heads alike, so each device keeps the key-value heads its queries read)."""
     out = []
     for name in mesh.dim_names:
         size = mesh.get_dim_size(name)
@@ -48,15 +50,28 @@ def _placements(mesh: ProcessMesh, axis: str, shape: tuple) -> list:
             out.append(Shard(1))
         elif name == "dp" and shape[0] % size == 0:
             out.append(Shard(0))
-        elif name == "mp" and shape[2] % size == 0:
+        elif name == "mp" and shape[2] % size == 0 and kv_heads % size == 0:
             out.append(Shard(2))
         else:
             out.append(Replicate())
     return out
 
 
+def _grouped(x, heads: int):
+    """Key / value heads repeated for the query heads that read them (grouped-query
+    attention); the ring passes them unrepeated."""
+    return x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2)
+
+
+def _ungrouped(dx, kv_heads: int):
+    """A gradient over the repeated heads summed back onto the key-value heads."""
+    b, s, h, d = dx.shape
+    return dx if h == kv_heads else dx.reshape(b, s, kv_heads, h // kv_heads, d).sum(3)
+
+
 def _softmax_step(o, m, l, s, v):
     """The running (output, max, sum) of some query rows after one more block of scores."""
+    v = _grouped(v, o.shape[2])
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
@@ -67,12 +82,13 @@ def _softmax_step(o, m, l, s, v):
 
 def _block_grads(q, k, v, do, lse, delta, s, scale):
     """(dq, dk, dv) of one block of queries against one block of keys, scores `s` recomputed."""
+    kv_heads, k, v = k.shape[2], _grouped(k, q.shape[2]), _grouped(v, q.shape[2])
     p = jnp.exp(s - lse[..., None])
     dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
     ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do, v.astype(jnp.float32)) - delta[..., None])
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(jnp.float32)) * scale
     dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * scale
-    return dq, dk, dv
+    return dq, _ungrouped(dk, kv_heads), _ungrouped(dv, kv_heads)
 
 
 def _rows(x, part, c):
@@ -110,7 +126,8 @@ def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
     def scores(q, k, t=None):
         """Scores of q against k; with `t`, masked as block t steps around the ring (a whole
         block), without, none hidden (a zigzag half block)."""
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, _grouped(k, q.shape[2]),
+                       preferred_element_type=jnp.float32) * scale
         if not causal or t is None:
             return s
         idx = lax.axis_index(axis)
@@ -251,8 +268,9 @@ def _to_zigzag(axis: str, n: int):
 def ring_attention(q: Any, k: Any, v: Any, *, axis: str = "sep", causal: bool = True,
                    mesh: ProcessMesh | None = None, scale: float | None = None,
                    order: str = "contiguous") -> Any:
-    """Attention of q over k, v ([batch, seq, heads, head_dim], equal heads: repeat grouped
-    key-value heads first) with the sequence split over mesh dim `axis`; see the module
+    """Attention of q over k, v ([batch, seq, heads, head_dim]; k and v may have fewer heads,
+    a divisor of q's: grouped-query attention, the ring passing them unrepeated) with the
+    sequence split over mesh dim `axis`; see the module
     docstring. `mesh`: the DistTensors' own eagerly, else `dist.set_mesh`'s; required inside
     dist.jit when none is set. `scale` defaults to 1/sqrt(head_dim).
 
@@ -271,13 +289,12 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis: str = "sep", causal: bool = 
     if axis not in mesh.dim_names:
         raise LocalMapError(f"ring_attention splits the sequence over mesh dim {axis!r}, but "
                             f"the mesh has dims {mesh.dim_names}: pass axis= one of them")
-    shapes = {tuple(x.shape) for x in (k, v)}
-    if len(q.shape) != 4 or len(shapes) != 1 or tuple(q.shape[:1] + q.shape[2:]) != \
-            tuple(next(iter(shapes))[:1] + next(iter(shapes))[2:]):
+    if len(q.shape) != 4 or tuple(k.shape) != tuple(v.shape) or len(k.shape) != 4 or \
+            (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]) or q.shape[2] % k.shape[2]:
         raise LocalMapError(f"ring_attention takes q, k, v as [batch, seq, heads, head_dim] "
-                            f"with the same batch, heads and head_dim, got {tuple(q.shape)}, "
-                            f"{tuple(k.shape)}, {tuple(v.shape)}: repeat grouped key-value "
-                            f"heads first")
+                            f"with the same batch and head_dim, k and v alike, and q's heads a "
+                            f"multiple of k's (grouped-query attention), got {tuple(q.shape)}, "
+                            f"{tuple(k.shape)}, {tuple(v.shape)}")
     n = mesh.get_dim_size(axis)
     if q.shape[1] % n or k.shape[1] % n:
         raise LocalMapError(f"ring_attention: sequence lengths {q.shape[1]} / {k.shape[1]} "
@@ -291,7 +308,7 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis: str = "sep", causal: bool = 
         raise LocalMapError(f"ring_attention: order='zigzag' needs causal attention of a "
                             f"sequence into 2 × {n} chunks (q {q.shape[1]}, k {k.shape[1]} "
                             f"tokens, causal={causal}): use order='contiguous'")
-    placements = _placements(mesh, axis, tuple(q.shape))
+    placements = _placements(mesh, axis, tuple(q.shape), k.shape[2])
     ring = _ring(axis, n, causal, scale if scale is not None else 1 / math.sqrt(q.shape[-1]),
                  zigzag=balanced)
     if balanced and order == "contiguous":

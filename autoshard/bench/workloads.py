@@ -288,5 +288,33 @@ def shifted_lm_loss(quick: bool = False) -> Workload:
         info={"batch": b, "seq": t, "d": d, "vocab": v})
 
 
+# ------------------------------------------------------------------------ ring attention
+def ring_attention(quick: bool = False) -> Workload:
+    """Causal attention over a long sequence split 8 ways (q, k, v and the output's weights
+    split on the sequence), forward and backward: `dist.ring_attention` against plain jax.jit
+    of `jax.nn.dot_product_attention` from the same placements (XLA brings each device the
+    keys and values it needs). The ring passes key / value blocks round and balances the
+    causal work (zigzag chunks); no closed form is claimed."""
+    b, t, h, dh = (1, 128, 2, 16) if quick else (1, 4096, 4, 64)
+    mesh = mesh_1d("sep")
+    rng = np.random.default_rng(6)
+    q, k, v, w = (_normal(rng, b, t, h, dh) for _ in range(4))
+
+    def grads(attention):
+        def step(q, k, v, w):
+            return jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v) * w),
+                            argnums=(0, 1, 2))(q, k, v)
+        return step
+
+    seq = [S(1)]
+    return Workload(
+        "ring attention", grads(lambda q, k, v: dist.ring_attention(q, k, v, mesh=mesh)),
+        tuple(dist.shard_tensor(x, mesh, seq) for x in (q, k, v, w)), mesh, None, [seq] * 3,
+        notes="causal, sequence over 8 devices: ring of key / value blocks vs XLA's gather",
+        info={"batch": b, "seq": t, "heads": h, "head_dim": dh},
+        baseline_step=grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                          is_causal=True)))
+
+
 __all__ = ["Workload", "keep_placements", "dp_mlp", "tp_mlp", "vocab_ce", "dropout_mlp",
-           "spatial_cnn", "shifted_lm_loss", "mesh_1d", "mesh_2x4", "sgd"]
+           "spatial_cnn", "shifted_lm_loss", "ring_attention", "mesh_1d", "mesh_2x4", "sgd"]

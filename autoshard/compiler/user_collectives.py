@@ -79,11 +79,12 @@ def plan_shard_map(e, mesh: ProcessMesh) -> tuple[list[Layout], list[Layout]]:
 
 
 def body_collectives(e, mesh: ProcessMesh) -> list[tuple[str, str, tuple[str, ...], int]]:
-    """(HLO kind, step, mesh axes, bytes per device) of each collective in the user's body."""
+    """(HLO kind, step, mesh axes, bytes per device) of each collective in the user's body; one
+    inside a scan (a fori_loop of fixed length) sends its bytes on every iteration."""
     sizes = mesh.axis_sizes
     found = []
 
-    def walk(jaxpr) -> None:
+    def walk(jaxpr, times: int = 1) -> None:
         for eq in jaxpr.eqns:
             name = eq.primitive.name
             if name in _COLLECTIVES:
@@ -95,9 +96,12 @@ def body_collectives(e, mesh: ProcessMesh) -> list[tuple[str, str, tuple[str, ..
                     kind, factor = _COLLECTIVES[name]
                     nbytes = sum(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
                                  for v in eq.invars if hasattr(v.aval, "shape"))
-                    found.append((kind, f"{name}({', '.join(axes)})", axes, int(nbytes * factor(n))))
+                    found.append((kind, f"{name}({', '.join(axes)})"
+                                  + (f" × {times} iterations" if times > 1 else ""), axes,
+                                  int(nbytes * factor(n)) * times))
+            inner = times * eq.params["length"] if name == "scan" else times
             for sub in jex_core.jaxprs_in_params(eq.params):
-                walk(sub)
+                walk(sub, inner)
 
     walk(e.params["jaxpr"])
     return found
