@@ -1,0 +1,161 @@
+"""Associative scans along a split axis: linear recurrences (Mamba / S5 / linear attention's
+`h_t = a_t * h_{t-1} + b_t`) over a sequence split across devices.
+
+    h = dist.associative_scan(combine, (a, b), axis=1, mesh_dim="sep")
+
+`jax.lax.associative_scan` is a tree of strided slices over the whole axis: on a split axis
+every level reads rows of other devices, and the plan gathers the sequence. This scans in
+blocks instead, one per device of the split: each device scans its own block, the block totals
+(one row per device) are scanned across blocks, and each block folds in the total of the blocks
+before it — the same combine applied in the same order, so the result equals the whole-axis
+scan (up to float reassociation, as jax's own tree is). It is plain jax (a reshape of the axis
+into (blocks, rows) and scans along each), differentiated by jax like the rest of the model;
+the plan keeps the blocks where they are and moves only the totals.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .errors import PlacementError
+from .mesh import ProcessMesh, as_process_mesh, get_mesh
+from .placement import Replicate, Shard
+
+
+class ScanBlocksError(PlacementError):
+    """dist.associative_scan cannot tell or use the number of blocks."""
+
+
+def _is_dist(x: Any) -> bool:
+    return hasattr(x, "placements") and hasattr(x, "mesh")
+
+
+def _split_of(placements, mesh: ProcessMesh, axis: int, ndim: int) -> int:
+    return math.prod(mesh.get_dim_size(name) for name, p in zip(mesh.dim_names, placements)
+                     if p.is_shard() and p.get_dim() % ndim == axis)
+
+
+def _blocked_placements(placements, axis: int, ndim: int, *, totals: bool) -> list:
+    """The input's placements on its (…, blocks, rows, …) view: the scanned axis's split on
+    the blocks dim, later dims one further; `totals`: the blocks dim whole (the block totals,
+    one row per device, gathered so the scan across blocks is local everywhere)."""
+    out = []
+    for p in placements:
+        if p.is_shard():
+            d = p.get_dim() % ndim
+            out.append(Replicate() if totals and d == axis else
+                       Shard(d) if d <= axis else Shard(d + 1))
+        else:
+            out.append(p)
+    return out
+
+
+def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: bool, n: int,
+                  hint: Callable | None = None) -> list:
+    shape = leaves[0].shape
+    rows = shape[axis] // n
+    blocked = [x.reshape(x.shape[:axis] + (n, rows) + x.shape[axis + 1:]) for x in leaves]
+
+    def scan(xs, along):
+        return jax.tree.leaves(lax.associative_scan(fn, jax.tree.unflatten(tree, xs),
+                                                    reverse=reverse, axis=along))
+
+    local = scan(blocked, axis + 1)                      # each block by itself
+    edge = 0 if reverse else rows - 1
+    totals = [lax.slice_in_dim(x, edge, edge + 1, axis=axis + 1) for x in local]
+    if hint is not None:
+        totals = [hint(t) for t in totals]
+    running = scan(totals, axis)                         # across blocks: one row each
+    # the blocks before each block (after it, reversed) combined: the running totals moved by
+    # one block; the first block (the last, reversed) has none and keeps its own scan
+    shift = -1 if reverse else 1
+    before = [jnp.roll(r, shift, axis=axis) for r in running]
+    if hint is not None:  # whole along the blocks, and so their gradients
+        before = [hint(b) for b in before]
+    before = [jnp.broadcast_to(b, x.shape) for b, x in zip(before, local)]
+    folded = jax.tree.leaves(fn(jax.tree.unflatten(tree, before), jax.tree.unflatten(tree, local)))
+    first = (jnp.arange(n) == (n - 1 if reverse else 0)).reshape(
+        (1,) * axis + (n, 1) + (1,) * (len(shape) - axis - 1))
+    out = [jnp.where(first, x, f) for x, f in zip(local, folded)]
+    return [x.reshape(x.shape[:axis] + (n * rows,) + x.shape[axis + 2:]) for x in out]
+
+
+def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool = False,
+                     placements: Sequence | None = None, mesh: ProcessMesh | None = None,
+                     blocks: int | None = None) -> Any:
+    """`jax.lax.associative_scan(fn, elems, reverse, axis)` computed in blocks along a split
+    axis (see the module docstring).
+
+    On DistTensors, eagerly: one `dist.jit` program, the results placed as the inputs.
+    Inside `dist.jit`: pass the arrays' `placements` (and `mesh=`, or `set_mesh`), as for
+    `local_map`: the blocks follow the mesh dims that split `axis`, and the block totals are
+    gathered over them alone. On plain arrays: `blocks=`."""
+    leaves, tree = jax.tree.flatten(elems, is_leaf=_is_dist)
+    if not leaves:
+        raise ScanBlocksError("dist.associative_scan needs at least one array to scan")
+    ndim = len(leaves[0].shape)
+    axis = axis % ndim if ndim else 0
+    length = leaves[0].shape[axis]
+    if any(tuple(x.shape) != tuple(leaves[0].shape) for x in leaves):
+        raise ScanBlocksError(f"dist.associative_scan: the arrays scanned together need one "
+                              f"shape, got {[tuple(x.shape) for x in leaves]}")
+    placed = [x for x in leaves if _is_dist(x)]
+    if placed:
+        mesh, placements = placed[0].mesh, list(placed[0].placements)
+        if any(x.mesh != mesh or list(x.placements) != placements for x in placed[1:]):
+            raise ScanBlocksError("dist.associative_scan: the DistTensors scanned together "
+                                  "must be placed alike: reshard them to one placements list")
+    elif placements is not None:
+        mesh = mesh if mesh is not None else get_mesh()
+        if mesh is None:
+            raise ScanBlocksError("dist.associative_scan(placements=...) needs the mesh: pass "
+                                  "mesh=, or call dist.auto_parallel.set_mesh(mesh) first")
+        mesh = as_process_mesh(mesh)
+        if len(placements) != mesh.ndim:
+            raise ScanBlocksError(f"dist.associative_scan: placements {list(placements)} name "
+                                  f"{len(placements)} mesh dims, the mesh has {mesh.dim_names}")
+    elif blocks is None:
+        raise ScanBlocksError(
+            "dist.associative_scan cannot see how the scanned axis is split: inside dist.jit "
+            "pass placements= (the arrays' placements, e.g. [dist.Shard(0), dist.Shard(1)]) "
+            "and mesh=; on plain arrays pass blocks=")
+    n = blocks if placements is None else _split_of(placements, mesh, axis, ndim)
+    if n < 1 or length % n:
+        raise ScanBlocksError(f"dist.associative_scan: axis {axis} of length {length} does not "
+                              f"divide into {n} blocks (one per device it is split over): pad "
+                              f"the sequence to a multiple of {n}")
+    if n == 1:
+        return lax.associative_scan(fn, elems, reverse=reverse, axis=axis)
+    if placements is None:
+        return jax.tree.unflatten(tree, _scan_blocked(fn, leaves, tree, axis, reverse, n))
+    from .creation import shard_tensor
+
+    totals = _blocked_placements(placements, axis, ndim, totals=True)
+
+    @jax.custom_vjp
+    def whole_blocks(t):
+        return shard_tensor(t, mesh, totals)
+
+    # the gradient of the totals too: else the plan, placing the backward's small scan on its
+    # own, splits it on another dim and pads it back to block size before moving it
+    whole_blocks.defvjp(lambda t: (whole_blocks(t), None),
+                        lambda _, ct: (shard_tensor(ct, mesh, totals),))
+
+    def run(*xs):
+        out = _scan_blocked(fn, list(xs), tree, axis, reverse, n, hint=whole_blocks)
+        return [shard_tensor(x, mesh, placements) for x in out]
+
+    if placed:
+        # eagerly: one program, each result placed as its input was
+        from .compiler.jit import jit
+
+        return jax.tree.unflatten(tree, jit(run, out_placements=[placements] * len(leaves))(
+            *leaves))
+    return jax.tree.unflatten(tree, run(*leaves))
+
+
+__all__ = ["associative_scan", "ScanBlocksError"]
