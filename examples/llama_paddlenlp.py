@@ -8,11 +8,12 @@ row-parallel, the head split along the vocabulary, written for Paddle's `weight`
 batch over "dp" with ZeRO-1 (`dp_config`). With `--sp` the plan adds sequence parallelism
 between the layers (PaddleNLP's `sp_config`); with `--pp` the mesh is 2 × 2 × 2 (pp, dp, mp)
 and `pp_config` cuts the decoder layers into two pipeline stages, run 1F1B over two
-micro-batches; with `--cp all2all|p2p` the mesh is 2 × 2 × 2 (dp, sep, mp) and Paddle's
-context-parallel plans split the token sequence over "sep" (Ulysses, or the keys and values
-gathered for each device's queries). Every loss equals the one-device run.
+micro-batches; with `--cp all2all|p2p|ring` the mesh is 2 × 2 × 2 (dp, sep, mp) and Paddle's
+context-parallel plans split the token sequence over "sep" (Ulysses, the keys and values
+gathered for each device's queries, or the attention swapped for `dist.ring_attention`).
+Every loss equals the one-device run.
 
-Run:  python examples/llama_paddlenlp.py [--steps N] [--sp] [--pp] [--cp all2all|p2p]
+Run:  python examples/llama_paddlenlp.py [--steps N] [--sp] [--pp] [--cp all2all|p2p|ring]
 """
 import argparse
 import os
@@ -51,6 +52,15 @@ class ScaledDotProductAttention(nnx.Module):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
         scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+class RingAttention(nnx.Module):
+    """The same attention as a ring over "sep" (`dist.ring_attention`): key / value blocks
+    passed around the devices, causal work balanced — what Paddle's "p2p" context parallelism
+    runs inside its sdpa kernel. Swapped in for `ScaledDotProductAttention` with `--cp ring`."""
+
+    def __call__(self, q, k, v):
+        return dist.ring_attention(q, k, v)  # the mesh: set_mesh's
 
 
 class Attention(nnx.Module):
@@ -138,7 +148,9 @@ def dist_config(sp: bool, pp: bool = False, cp: str | None = None) -> dict:
     else:
         plan["llama.embed_tokens"] = dist.ColWiseParallel(gather_output=True)
     config = {"mp_config": {"parallelize_plan": plan}, "dp_config": {"sharding_level": 1}}
-    if cp:  # context parallel: the token sequence split over "sep" (Paddle's plans)
+    if cp == "ring":  # the inputs split on the sequence; the ring places its own blocks
+        config["cp_config"] = {"parallelize_plan": {"llama": dist.PrepareContextParallel("p2p")}}
+    elif cp:  # context parallel: the token sequence split over "sep" (Paddle's plans)
         config["cp_config"] = {"parallelize_plan": {
             "llama": dist.PrepareContextParallel(cp),
             f"{layers}.self_attn.sdpa": dist.ContextParallel(cp)}}
@@ -169,7 +181,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sp", action="store_true", help="sequence parallel between the layers")
     parser.add_argument("--pp", action="store_true", help="two pipeline stages (2 × 2 × 2 mesh)")
-    parser.add_argument("--cp", choices=["all2all", "p2p"],
+    parser.add_argument("--cp", choices=["all2all", "p2p", "ring"],
                         help="context parallel over 'sep' (2 × 2 × 2 dp, sep, mp mesh)")
     args = parser.parse_args()
 
@@ -186,7 +198,11 @@ def main() -> None:
         stages, strategy = mesh, None
     dist.auto_parallel.set_mesh(mesh)  # parallelize (mesh=None) takes it, as in Paddle
     tx = optax.adamw(3e-3)
-    model, optimizer = dist.parallelize(LlamaForCausalLM(nnx.Rngs(0)), tx,
+    model = LlamaForCausalLM(nnx.Rngs(0))
+    if args.cp == "ring":
+        for layer in model.llama.layers:
+            layer.self_attn.sdpa = RingAttention()
+    model, optimizer = dist.parallelize(model, tx,
                                         config=dist_config(args.sp, args.pp, args.cp))
     loader = dist.shard_dataloader(list(batches(args.steps)), meshes=stages, shard_dims="dp")
     dist_model = dist.to_static(model, loader, loss_fn, optimizer, strategy)
