@@ -313,11 +313,13 @@ class DistributedFunction:
             if e.primitive is hint_p:
                 seen.append((e.params["mesh"], f"the annotation at {e.source or '?'}"))
         seen.extend(constraints.meshes(program))
-        # a user's shard_map (local_map's) runs on its mesh: with its annotated inputs dead
-        # (a gradient that never reads the forward), it is what names the devices
-        seen.extend((as_process_mesh(e.params["mesh"]), f"the shard_map at {e.source or '?'}")
-                    for e in program.eqns if e.primitive.name == "shard_map"
-                    and isinstance(e.params.get("mesh"), jax.sharding.Mesh))
+        if not seen:
+            # a user's shard_map (local_map's) runs on its mesh: with its annotated inputs dead
+            # (a gradient that never reads the forward), it is what names the devices (with
+            # another mesh named, user_collectives.check_mesh says how the two differ)
+            seen.extend((as_process_mesh(e.params["mesh"]), f"the shard_map at {e.source or '?'}")
+                        for e in program.eqns if e.primitive.name == "shard_map"
+                        and isinstance(e.params.get("mesh"), jax.sharding.Mesh))
         if not seen:
             raise MeshMismatchError(
                 "dist.jit found no mesh: no argument is a DistTensor or a sharded jax.Array and "
