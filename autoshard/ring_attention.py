@@ -7,8 +7,10 @@ Each device keeps its queries and passes its key / value block to the next devic
 ring (a collective-permute per step); after as many steps as there are devices every query has
 met every key, and the softmax is accumulated block by block (running max and sum, as flash
 attention does). The backward pass runs the ring again, recomputing each block's scores from
-the saved log-sum-exp, and the key / value gradients travel with their blocks, arriving home
-after the last step. Per device: its own queries' scores against one key block at a time, and
+the saved log-sum-exp, with whichever side sends fewer bytes travelling: the key / value
+blocks with their gradients (grouped-query attention: fewer key heads), or the queries with
+the output's gradient, the row statistics and dq (every head with its own keys); the
+travelling gradients arrive home after the last step. Per device: its own queries' scores against one key block at a time, and
 two key / value blocks — where the all-gather form (`ContextParallel("p2p")` around a plain
 attention) holds a layer's whole keys and values.
 
@@ -123,25 +125,31 @@ def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
         c = rows // 2
         return jnp.concatenate([block * c + jnp.arange(c), (2 * n - 1 - block) * c + jnp.arange(c)])
 
-    def scores(q, k, t=None):
-        """Scores of q against k; with `t`, masked as block t steps around the ring (a whole
-        block), without, none hidden (a zigzag half block)."""
+    def scores(q, k, t=None, queries_visit=False):
+        """Scores of q against k; with `t`, masked as the block t steps around the ring (the
+        keys', or with `queries_visit` the queries'), whole; without, none hidden (a zigzag
+        half block)."""
         s = jnp.einsum("bqhd,bkhd->bhqk", q, _grouped(k, q.shape[2]),
                        preferred_element_type=jnp.float32) * scale
         if not causal or t is None:
             return s
         idx = lax.axis_index(axis)
-        seen = positions(idx, q.shape[1])[:, None] >= positions((idx - t) % n, k.shape[1])[None]
+        q_at, k_at = ((idx - t) % n, idx) if queries_visit else (idx, (idx - t) % n)
+        seen = positions(q_at, q.shape[1])[:, None] >= positions(k_at, k.shape[1])[None]
         return jnp.where(seen, s, _NEG)
 
-    def visit(t, update, *state):
+    def visit(t, update, *state, queries_visit=False):
         """`update(query part, key part, t or None, *state)` for the block t steps around:
-        the whole block masked, or (zigzag, after the own block) the visible half by itself."""
+        the whole block masked, or (zigzag, after the own block) the visible half by itself —
+        of keys from an earlier device the front chunk for all queries, from a later one all
+        of them for the back query chunk; of visiting queries, the mirror image."""
         if not zigzag or isinstance(t, int) and t == 0:
             return update(None, None, t, *state)
         earlier = (lax.axis_index(axis) - t) % n < lax.axis_index(axis)
-        return lax.cond(earlier, lambda *st: update(None, 0, None, *st),
-                        lambda *st: update(1, None, None, *st), *state)
+        front_keys = lambda *st: update(None, 0, None, *st)  # noqa: E731
+        back_queries = lambda *st: update(1, None, None, *st)  # noqa: E731
+        return lax.cond(earlier, *((back_queries, front_keys) if queries_visit
+                                   else (front_keys, back_queries)), *state)
 
     def forward(q, k, v):
         b, s_q, h, _ = q.shape
@@ -177,17 +185,35 @@ def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
     def attend(q, k, v):
         return forward(q, k, v)[0]
 
+    def queries_travel(q, k) -> bool:
+        """Which blocks the backward ring passes: the keys and values with their gradients
+        (the neighbour's block the forward received kept, so n - 2 sends of k and v, n of dk
+        and dv in float32), or the queries with the output's gradient, the softmax's saved
+        row statistics and their gradient (n - 1 sends each, n of dq): whichever sends fewer
+        bytes — the queries where every head has its own keys, the keys where heads share
+        them (grouped-query attention)."""
+        if n < 3:
+            return False
+        size = lambda x: math.prod(x.shape)  # noqa: E731
+        keys = 2 * (n - 2) * size(k) * k.dtype.itemsize + 2 * n * size(k) * 4
+        rows = size(q) // q.shape[-1]
+        queries = (2 * (n - 1) * size(q) * q.dtype.itemsize + 2 * (n - 1) * rows * 4
+                   + n * size(q) * 4)
+        return queries < keys
+
     def attend_fwd(q, k, v):
         out, lse, first = forward(q, k, v)
-        return out, (q, k, v, out, lse, first)
+        # `first`: the neighbour's key / value block the forward received, kept where the
+        # backward passes the keys round, so they are not sent again
+        return out, (q, k, v, out, lse, None if queries_travel(q, k) else first)
 
     def attend_bwd(res, do):
-        # `first`: the neighbour's key / value block the forward received, kept so the
-        # backward does not send it again (XLA would merge the two sends where n is 2)
         q, k, v, out, lse, first = res
         c = q.shape[1] // 2
         do32 = do.astype(jnp.float32)
         delta = jnp.sum(do32 * out.astype(jnp.float32), -1).transpose(0, 2, 1)  # [b, h, q]
+        if first is None:
+            return queries_round(q, k, v, do, lse, delta)
 
         def update(qp, kp, t, k, v, dq, dk, dv):
             qr, kr, vr = _rows(q, qp, c), _rows(k, kp, c), _rows(v, kp, c)
@@ -215,6 +241,30 @@ def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
             if n > 2:
                 _, _, dq, dk, dv = lax.fori_loop(2, n, step, (k, v, dq, dk, dv))
             dk, dv = passed(dk, dv)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    def queries_round(q, k, v, do, lse, delta):
+        """The backward with the queries travelling: each device keeps its keys and values and
+        sums their gradients in place; q, the output's gradient, the row statistics and dq go
+        around, dq arriving home after n moves."""
+        c = q.shape[1] // 2
+
+        def update(qp, kp, t, q, do, lse, delta, dq, dk, dv):
+            qr, kr, vr = _rows(q, qp, c), _rows(k, kp, c), _rows(v, kp, c)
+            s = scores(qr, kr, t, queries_visit=True)
+            gq, gk, gv = _block_grads(qr, kr, vr, _rows(do, qp, c).astype(jnp.float32),
+                                      _rows(lse, qp, c), _rows(delta, qp, c), s, scale)
+            return (q, do, lse, delta, _put(dq, qp, c, _rows(dq, qp, c) + gq),
+                    _put(dk, kp, c, _rows(dk, kp, c) + gk), _put(dv, kp, c, _rows(dv, kp, c) + gv))
+
+        def step(t, carry):
+            travelling = [lax.ppermute(x, axis, forward_perm) for x in carry[:5]]
+            return visit(t, update, *travelling, *carry[5:], queries_visit=True)
+
+        zeros = [jnp.zeros(x.shape, jnp.float32) + 0 * x for x in (q, k, v)]
+        state = visit(0, update, q, do, lse, delta, *zeros)
+        state = lax.fori_loop(1, n, step, state)
+        dq, dk, dv = lax.ppermute(state[4], axis, forward_perm), state[5], state[6]
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)

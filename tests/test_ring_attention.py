@@ -153,6 +153,14 @@ def test_zigzag_order_from_the_data_pipeline_moves_nothing_extra():
     assert sends["contiguous"] == sends["zigzag"] + 14, sends
     assert count_collectives(zigzag.lower(*args).compile().as_text()) == Counter(
         c.kind for c in zigzag.plan(*args).collectives)
+    # the bytes, block by block (n = 4 devices, a block 2048 B, a row statistic 256 B): the
+    # forward passes k and v n - 1 times; the backward passes the queries (every head has its
+    # own keys, so they are the cheaper side): q and the output's gradient n - 1 times, the
+    # two row statistics n - 1 times, dq (float32) n times — where passing k, v again (n - 2)
+    # and dk, dv (n) would send 36864
+    block, rows, n = 2048, 256, 4
+    want = 2 * (n - 1) * block + 2 * (n - 1) * block + 2 * (n - 1) * rows + n * block
+    assert zigzag.plan(*args).total_bytes == want == 34304
 
 
 def test_ring_attention_holds_one_block_where_gathering_holds_the_sequence():
