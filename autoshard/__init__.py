@@ -20,7 +20,7 @@ from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshEr
                      ShardingError)
 from .layout import Layout
 from .local_map import LocalMapError, get_rank, local_map
-from .ring_attention import ring_attention, zigzag_indices
+from .ring_attention import ring_attention, ring_attention_fn, zigzag_indices
 from .associative_scan import ScanBlocksError, associative_scan
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from . import auto_parallel  # noqa: F401  (Paddle's dist.auto_parallel.set_mesh path)
@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "set_mesh", "get_mesh", "auto_parallel",
-    "local_map", "get_rank", "LocalMapError", "LocalLayer", "ring_attention", "zigzag_indices",
+    "local_map", "get_rank", "LocalMapError", "LocalLayer", "ring_attention", "ring_attention_fn", "zigzag_indices",
     "associative_scan", "ScanBlocksError",
     "ProcessMesh", "Placement", "Replicate", "Shard", "Partial", "ReduceType", "parse_placement",
     "DistTensor", "shard_tensor", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "offload", "unshard_dtensor",

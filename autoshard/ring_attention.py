@@ -28,7 +28,7 @@ them) and the plan moves q, k, v there first.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -372,4 +372,27 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis: str = "sep", causal: bool = 
                      process_mesh=mesh, reshard_inputs=True)(q, k, v)
 
 
-__all__ = ["ring_attention", "zigzag_indices"]
+def ring_attention_fn(*, axis: str = "sep", mesh: ProcessMesh | None = None,
+                      order: str = "contiguous") -> Callable[..., Any]:
+    """`ring_attention` as flax's `attention_fn`:
+    `nnx.MultiHeadAttention(..., attention_fn=dist.ring_attention_fn())`, called with
+    `is_causal=True` for a causal model (flax passes it through). An explicit `mask` or `bias`
+    and attention dropout are errors that say what to write: the ring masks by position."""
+    def attention(query, key, value, bias=None, mask=None, *, dropout_rate=0.0,
+                  deterministic=True, dtype=None, is_causal=False, **_ignored):
+        if bias is not None or mask is not None:
+            raise LocalMapError(
+                "ring_attention_fn takes no mask or bias: the ring masks by position — call "
+                "the attention with is_causal=True (flax passes it on) instead of "
+                "mask=nnx.make_causal_mask(...), or keep flax's dot_product_attention")
+        if dropout_rate and not deterministic:
+            raise LocalMapError(f"ring_attention_fn has no attention dropout (dropout_rate="
+                                f"{dropout_rate}): set the layer's dropout_rate=0.0")
+        out = ring_attention(query, key, value, axis=axis, causal=is_causal, mesh=mesh,
+                             order=order)
+        return out if dtype is None else out.astype(dtype)
+
+    return attention
+
+
+__all__ = ["ring_attention", "ring_attention_fn", "zigzag_indices"]
