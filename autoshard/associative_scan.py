@@ -76,8 +76,20 @@ def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: boo
     before = [jnp.roll(r, shift, axis=axis) for r in running]
     if hint is not None:  # whole along the blocks, and so their gradients
         before = [hint(b) for b in before]
-    before = [jnp.broadcast_to(b, x.shape) for b, x in zip(before, local)]
-    folded = jax.tree.leaves(fn(jax.tree.unflatten(tree, before), jax.tree.unflatten(tree, local)))
+
+    def fold(before):
+        return jax.tree.leaves(fn(jax.tree.unflatten(tree, before),
+                                  jax.tree.unflatten(tree, local)))
+
+    # one row per block, broadcast by fn itself where it can (its gradient then keeps the row,
+    # not a block-sized copy of it); else broadcast first
+    try:
+        fits = [tuple(y.shape) for y in jax.eval_shape(fold, before)] == \
+            [tuple(x.shape) for x in local]
+    except (TypeError, ValueError):
+        fits = False
+    folded = fold(before if fits else
+                  [jnp.broadcast_to(b, x.shape) for b, x in zip(before, local)])
     first = (jnp.arange(n) == (n - 1 if reverse else 0)).reshape(
         (1,) * axis + (n, 1) + (1,) * (len(shape) - axis - 1))
     out = [jnp.where(first, x, f) for x, f in zip(local, folded)]

@@ -33,7 +33,8 @@ def catalog(quick: bool) -> list[Entry]:
                 Entry("dropout", lambda: w.dropout_mlp(True)),
                 Entry("spatial-cnn", lambda: w.spatial_cnn(True)),
                 Entry("shifted-lm", lambda: w.shifted_lm_loss(True)),
-                Entry("ring-attention", lambda: w.ring_attention(True))]
+                Entry("ring-attention", lambda: w.ring_attention(True)),
+                Entry("linear-recurrence", lambda: w.linear_recurrence(True))]
     return [Entry("dp-mlp", w.dp_mlp), Entry("tp-mlp", w.tp_mlp),
             Entry("gpt-2", lambda: g.gpt_dp_tp(2)), Entry("gpt-12", lambda: g.gpt_dp_tp(12)),
             Entry("gpt-48", lambda: g.gpt_dp_tp(48)),
@@ -46,7 +47,8 @@ def catalog(quick: bool) -> list[Entry]:
             Entry("seq-parallel", lambda: g.gpt_sequence_parallel(12)),
             Entry("vocab-ce", w.vocab_ce), Entry("dropout", w.dropout_mlp),
             Entry("spatial-cnn", w.spatial_cnn), Entry("shifted-lm", w.shifted_lm_loss),
-            Entry("ring-attention", w.ring_attention)]
+            Entry("ring-attention", w.ring_attention),
+            Entry("linear-recurrence", w.linear_recurrence)]
 
 
 def run(quick: bool = False, only: Sequence[str] | None = None, pairs: int | None = None,

@@ -316,5 +316,36 @@ def ring_attention(quick: bool = False) -> Workload:
                                                                           is_causal=True)))
 
 
+# ------------------------------------------------------------------------ linear recurrence
+def linear_recurrence(quick: bool = False) -> Workload:
+    """A gated linear recurrence (h_t = a_t h_{t-1} + b_t, Mamba / S5's scan) over a sequence
+    split by batch (dp) and sequence (mp), forward and backward: `dist.associative_scan`
+    against plain jax.jit of `jax.lax.associative_scan` from the same placements. The blocked
+    scan moves one row of block totals per device; no closed form is claimed."""
+    b, t, d = (4, 64, 16) if quick else (16, 4096, 256)
+    mesh = mesh_2x4()
+    rng = np.random.default_rng(7)
+    a = rng.uniform(0.5, 1.0, (b, t, d)).astype(np.float32)
+    x, w = _normal(rng, b, t, d), _normal(rng, b, t, d)
+    seq = [S(0), S(1)]
+
+    def combine(p, q):
+        return p[0] * q[0], q[0] * p[1] + q[1]
+
+    def grads(scan):
+        def step(a, x, w):
+            return jax.grad(lambda a, x: jnp.sum(scan((a, x))[1] * w), argnums=(0, 1))(a, x)
+        return step
+
+    return Workload(
+        "linear recurrence",
+        grads(lambda e: dist.associative_scan(combine, e, axis=1, placements=seq, mesh=mesh)),
+        tuple(dist.shard_tensor(v, mesh, seq) for v in (a, x, w)), mesh, None, [seq] * 2,
+        notes="associative scan over the split sequence: block totals only",
+        info={"batch": b, "seq": t, "d": d},
+        baseline_step=grads(lambda e: jax.lax.associative_scan(combine, e, axis=1)))
+
+
 __all__ = ["Workload", "keep_placements", "dp_mlp", "tp_mlp", "vocab_ce", "dropout_mlp",
-           "spatial_cnn", "shifted_lm_loss", "ring_attention", "mesh_1d", "mesh_2x4", "sgd"]
+           "spatial_cnn", "shifted_lm_loss", "ring_attention", "linear_recurrence", "mesh_1d",
+           "mesh_2x4", "sgd"]
