@@ -295,6 +295,8 @@ def _hi_primitive_body(eqn) -> Any:
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# autoshard's binding plumbing: the compiler and the annotation entry points
+_PLUMBING = (os.path.join(_PKG, "compiler") + os.sep, os.path.join(_PKG, "creation.py"))
 _LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
@@ -308,7 +310,7 @@ def source_line(source_info) -> str | None:
     """
     if not source_info or not source_info.traceback:
         return None
-    first = None
+    first = feature = None
     for code, lasti in zip(*source_info.traceback.raw_frames()):
         if not source_info_util.is_user_filename(code.co_filename):
             continue  # jax's own frames
@@ -316,7 +318,12 @@ def source_line(source_info) -> str | None:
             return _frame_line(code, lasti)
         if first is None:
             first = (code, lasti)
-    return None if first is None else _frame_line(*first)
+        if feature is None and not code.co_filename.startswith(_PLUMBING):
+            feature = (code, lasti)
+    # no user frame (a rule autoshard's own custom_vjp binds while jax differentiates): the
+    # feature that bound it (ring_attention.py, associative_scan.py), not the binding plumbing
+    chosen = feature or first
+    return None if chosen is None else _frame_line(*chosen)
 
 
 _LIBRARY_FILES: dict[str, bool] = {}
