@@ -58,6 +58,9 @@ def test_blocked_scan_equals_one_device(name, reverse):
     plan = grad.plan(da, db)
     assert not plan.fallbacks
     assert {c.axes for c in plan.collectives} <= {("sep",)}
+    # each move is named by a line of this test or of the feature, never the compiler's
+    assert all(c.source.startswith(("test_associative_scan.py", "associative_scan.py"))
+               for c in plan.collectives), [c.source for c in plan.collectives]
     assert count_collectives(grad.lower(da, db).compile().as_text()) == Counter(
         c.kind for c in plan.collectives)
     # jax's tree of strided slices over the split axis gathers the sequence
