@@ -210,15 +210,15 @@ def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
     def attend_bwd(res, do):
         q, k, v, out, lse, first = res
         c = q.shape[1] // 2
-        do32 = do.astype(jnp.float32)
-        delta = jnp.sum(do32 * out.astype(jnp.float32), -1).transpose(0, 2, 1)  # [b, h, q]
-        if first is None:
-            return queries_round(q, k, v, do, lse, delta)
+        delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32),
+                        -1).transpose(0, 2, 1)  # [b, h, q]
 
-        def update(qp, kp, t, k, v, dq, dk, dv):
+        def grads_into(qp, kp, t, q, k, v, do, lse, delta, dq, dk, dv, queries_visit=False):
+            """dq, dk, dv with one block pair's gradients added (parts as `visit` names them)."""
             qr, kr, vr = _rows(q, qp, c), _rows(k, kp, c), _rows(v, kp, c)
-            gq, gk, gv = _block_grads(qr, kr, vr, _rows(do32, qp, c), _rows(lse, qp, c),
-                                      _rows(delta, qp, c), scores(qr, kr, t), scale)
+            gq, gk, gv = _block_grads(qr, kr, vr, _rows(do, qp, c).astype(jnp.float32),
+                                      _rows(lse, qp, c), _rows(delta, qp, c),
+                                      scores(qr, kr, t, queries_visit), scale)
             return (_put(dq, qp, c, _rows(dq, qp, c) + gq),
                     _put(dk, kp, c, _rows(dk, kp, c) + gk), _put(dv, kp, c, _rows(dv, kp, c) + gv))
 
@@ -226,45 +226,37 @@ def _ring(axis: str, n: int, causal: bool, scale: float, zigzag: bool):
             return [lax.ppermute(x, axis, forward_perm) for x in xs]
 
         zeros = [jnp.zeros(x.shape, jnp.float32) + 0 * x for x in (q, k, v)]
-        dq, dk, dv = visit(0, update, k, v, *zeros)
-        if n > 1:
-            # the gradients travel with their blocks: after n moves all are home again
+        if first is None:
+            # the queries travel: each device keeps its keys and values and sums their
+            # gradients in place; q, the output's gradient, the row statistics and dq go
+            # around, dq arriving home after n moves
+            def visitors(qp, kp, t, q, do, lse, delta, dq, dk, dv):
+                return (q, do, lse, delta,
+                        *grads_into(qp, kp, t, q, k, v, do, lse, delta, dq, dk, dv, True))
+
+            def step(t, carry):
+                return visit(t, visitors, *passed(*carry[:5]), *carry[5:], queries_visit=True)
+
+            state = lax.fori_loop(1, n, step, visit(0, visitors, q, do, lse, delta, *zeros))
+            dq, dk, dv = passed(state[4])[0], state[5], state[6]
+        else:
+            # the keys travel, their gradients with them: after n moves all are home again
+            def keys(qp, kp, t, k, v, dq, dk, dv):
+                return grads_into(qp, kp, t, q, k, v, do, lse, delta, dq, dk, dv)
+
             def step(t, carry):
                 k, v, dq, dk, dv = carry
                 k, v, dk, dv = passed(k, v, dk, dv)
-                dq, dk, dv = visit(t, update, k, v, dq, dk, dv)
-                return k, v, dq, dk, dv
+                return (k, v, *visit(t, keys, k, v, dq, dk, dv))
 
-            k, v = first
-            dk, dv = passed(dk, dv)
-            dq, dk, dv = visit(1, update, k, v, dq, dk, dv)
-            if n > 2:
-                _, _, dq, dk, dv = lax.fori_loop(2, n, step, (k, v, dq, dk, dv))
-            dk, dv = passed(dk, dv)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-    def queries_round(q, k, v, do, lse, delta):
-        """The backward with the queries travelling: each device keeps its keys and values and
-        sums their gradients in place; q, the output's gradient, the row statistics and dq go
-        around, dq arriving home after n moves."""
-        c = q.shape[1] // 2
-
-        def update(qp, kp, t, q, do, lse, delta, dq, dk, dv):
-            qr, kr, vr = _rows(q, qp, c), _rows(k, kp, c), _rows(v, kp, c)
-            s = scores(qr, kr, t, queries_visit=True)
-            gq, gk, gv = _block_grads(qr, kr, vr, _rows(do, qp, c).astype(jnp.float32),
-                                      _rows(lse, qp, c), _rows(delta, qp, c), s, scale)
-            return (q, do, lse, delta, _put(dq, qp, c, _rows(dq, qp, c) + gq),
-                    _put(dk, kp, c, _rows(dk, kp, c) + gk), _put(dv, kp, c, _rows(dv, kp, c) + gv))
-
-        def step(t, carry):
-            travelling = [lax.ppermute(x, axis, forward_perm) for x in carry[:5]]
-            return visit(t, update, *travelling, *carry[5:], queries_visit=True)
-
-        zeros = [jnp.zeros(x.shape, jnp.float32) + 0 * x for x in (q, k, v)]
-        state = visit(0, update, q, do, lse, delta, *zeros)
-        state = lax.fori_loop(1, n, step, state)
-        dq, dk, dv = lax.ppermute(state[4], axis, forward_perm), state[5], state[6]
+            dq, dk, dv = visit(0, keys, k, v, *zeros)
+            if n > 1:
+                k, v = first  # the neighbour's block, as the forward received it
+                dk, dv = passed(dk, dv)
+                dq, dk, dv = visit(1, keys, k, v, dq, dk, dv)
+                if n > 2:
+                    _, _, dq, dk, dv = lax.fori_loop(2, n, step, (k, v, dq, dk, dv))
+                dk, dv = passed(dk, dv)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)
