@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .dtensor import is_dist_tensor
 from .errors import PlacementError
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
 from .placement import Replicate, Shard
@@ -30,28 +31,18 @@ class ScanBlocksError(PlacementError):
     """dist.associative_scan cannot tell or use the number of blocks."""
 
 
-def _is_dist(x: Any) -> bool:
-    return hasattr(x, "placements") and hasattr(x, "mesh")
-
-
 def _split_of(placements, mesh: ProcessMesh, axis: int, ndim: int) -> int:
     return math.prod(mesh.get_dim_size(name) for name, p in zip(mesh.dim_names, placements)
                      if p.is_shard() and p.get_dim() % ndim == axis)
 
 
-def _blocked_placements(placements, axis: int, ndim: int, *, totals: bool) -> list:
-    """The input's placements on its (…, blocks, rows, …) view: the scanned axis's split on
-    the blocks dim, later dims one further; `totals`: the blocks dim whole (the block totals,
-    one row per device, gathered so the scan across blocks is local everywhere)."""
-    out = []
-    for p in placements:
-        if p.is_shard():
-            d = p.get_dim() % ndim
-            out.append(Replicate() if totals and d == axis else
-                       Shard(d) if d <= axis else Shard(d + 1))
-        else:
-            out.append(p)
-    return out
+def _totals_placements(placements, axis: int, ndim: int) -> list:
+    """The block totals' placements on the (…, blocks, 1, …) view of the input: the blocks dim
+    whole (one row per device, gathered so the scan across blocks is local everywhere), the
+    dims after it one further, the rest as the input's."""
+    return [Replicate() if p.is_shard() and p.get_dim() % ndim == axis else
+            Shard(p.get_dim() % ndim + 1) if p.is_shard() and p.get_dim() % ndim > axis else p
+            for p in placements]
 
 
 def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: bool, n: int,
@@ -106,7 +97,7 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
     Inside `dist.jit`: pass the arrays' `placements` (and `mesh=`, or `set_mesh`), as for
     `local_map`: the blocks follow the mesh dims that split `axis`, and the block totals are
     gathered over them alone. On plain arrays: `blocks=`."""
-    leaves, tree = jax.tree.flatten(elems, is_leaf=_is_dist)
+    leaves, tree = jax.tree.flatten(elems, is_leaf=is_dist_tensor)
     if not leaves:
         raise ScanBlocksError("dist.associative_scan needs at least one array to scan")
     ndim = len(leaves[0].shape)
@@ -115,7 +106,7 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
     if any(tuple(x.shape) != tuple(leaves[0].shape) for x in leaves):
         raise ScanBlocksError(f"dist.associative_scan: the arrays scanned together need one "
                               f"shape, got {[tuple(x.shape) for x in leaves]}")
-    placed = [x for x in leaves if _is_dist(x)]
+    placed = [x for x in leaves if is_dist_tensor(x)]
     if placed:
         mesh, placements = placed[0].mesh, list(placed[0].placements)
         if any(x.mesh != mesh or list(x.placements) != placements for x in placed[1:]):
@@ -146,7 +137,7 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
         return jax.tree.unflatten(tree, _scan_blocked(fn, leaves, tree, axis, reverse, n))
     from .creation import shard_tensor
 
-    totals = _blocked_placements(placements, axis, ndim, totals=True)
+    totals = _totals_placements(placements, axis, ndim)
 
     @jax.custom_vjp
     def whole_blocks(t):

@@ -328,6 +328,11 @@ class DistTensor:
         return dtensor_html(self)
 
 
+def is_dist_tensor(x: Any) -> bool:
+    """`is_leaf` for jax.tree functions that must see DistTensors (a pytree node) whole."""
+    return isinstance(x, DistTensor)
+
+
 def make_dtensor(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> DistTensor:
     """Wrap a physical array, checking that its shape and sharding are what `layout` implies."""
     expected = physical_shape(layout, mesh, shape)

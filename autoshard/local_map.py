@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .dtensor import DistTensor
+from .dtensor import DistTensor, is_dist_tensor as _is_dt
 from .errors import AutoshardError
 from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
@@ -56,9 +56,6 @@ def get_rank():
         index = index * size + jax.lax.axis_index(name)
     return jnp.asarray(np.asarray(mesh.process_ids, np.int32).reshape(-1))[index]
 
-
-def _is_dt(x: Any) -> bool:
-    return isinstance(x, DistTensor)
 
 
 def _is_array(x: Any) -> bool:

@@ -32,15 +32,12 @@ import numpy as np
 
 import autoshard as dist
 from autoshard.compiler.gc_pause import gc_paused
-from autoshard.dtensor import DistTensor
+from autoshard.dtensor import is_dist_tensor as _is_dt
 from autoshard.hlo import (collective_bytes, collective_wire_bytes, count_collective_ops,
                            count_collectives)
 
 from .workloads import Workload
 
-
-def _is_dt(x: Any) -> bool:
-    return isinstance(x, DistTensor)
 
 
 def baseline_inputs(args: tuple) -> tuple:

@@ -24,7 +24,7 @@ import optax
 
 from ..compiler.jit import jit
 from ..creation import shard_tensor
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, is_dist_tensor as _is_dt
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import mesh_sharding
 from ..placement import Partial, Replicate, Shard
@@ -51,9 +51,6 @@ _PROGRAMS = {
 _ATTRIBUTES = {"params": "params", "opt_state": "opt_state", "state": "state",
                "scaler": "scaler_state", "acc": "_acc"}
 
-
-def _is_dt(x: Any) -> bool:
-    return isinstance(x, DistTensor)
 
 
 def _is_placements(x: Any) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from ..dtensor import DistTensor
+from ..dtensor import is_dist_tensor as _is_dt
 from ..errors import AutoshardError
 
 # Attributes flax's Module.train() / Module.eval() set, by DistModel mode.
@@ -29,9 +29,6 @@ _MODE_ATTRIBUTES = {
 class DistModelError(AutoshardError, ValueError):
     """A model, batch or mode that to_static cannot work with."""
 
-
-def _is_dt(x: Any) -> bool:
-    return isinstance(x, DistTensor)
 
 
 def _is_key(x: Any) -> bool:

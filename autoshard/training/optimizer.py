@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import jax
 import optax
 
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, is_dist_tensor as _is_dt
 from ..errors import AutoshardError
 from ..mesh import ProcessMesh
 from ..placement import Placement, Replicate, Shard
@@ -86,9 +86,6 @@ def split_placements(placements: Sequence[Placement], shape: Sequence[int], mesh
             return out
     return out
 
-
-def _is_dt(x: Any) -> bool:
-    return isinstance(x, DistTensor)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
