@@ -125,7 +125,8 @@ def random_gamma_lower(ctx, key, a, *, log_space):
 
 
 def replicated_sharding(in_avals, out_avals, **params):
-    """Every dim stays whole: for small key arrays, where sharding gains nothing."""
+    """Every dim stays whole: small key arrays, where sharding gains nothing, and draws whose
+    values depend on the whole shape."""
     factors, operands, results = [], [], []
     for group, avals in ((operands, in_avals), (results, out_avals)):
         for aval in avals:
