@@ -307,3 +307,71 @@ def test_embedding_gradient_of_sequence_shards_moves_the_cotangent_not_the_table
     assert plan.total_bytes < table.nbytes // 2
     hlo = f.lower(*args).compile().as_text()
     assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+
+
+LINE = dist.ProcessMesh(list(range(8)), dim_names=["x"])
+
+
+def _widened_matmul(widen: str):
+    """x (64 x 256) widened — padded to 512 columns, or cast bf16 → f32 — then multiplied by
+    a weight the plan keeps column-split: the matmul needs x whole."""
+    def f(x, w):
+        if widen == "pad":
+            y = jnp.tanh(jnp.pad(x, ((0, 0), (0, 256))))
+        else:
+            y = x.astype(jnp.float32) * 0.5
+        return y @ w
+    rng = np.random.default_rng(0)
+    cols = 256 if widen == "cast" else 512
+    x = rng.normal(size=(64, 256)).astype(jnp.bfloat16 if widen == "cast" else np.float32)
+    w = rng.normal(size=(cols, 128)).astype(np.float32)
+    return f, x, w
+
+
+@pytest.mark.parametrize("widen,mesh,x_placements,w_placements", [
+    ("pad", LINE, [S(0)], [S(1)]), ("pad", MESH, [S(0), S(0)], [R(), S(1)]),
+    ("cast", LINE, [S(0)], [S(1)]), ("cast", LINE, [S(1)], [S(1)]),
+    ("cast", MESH, [S(0), S(0)], [R(), S(1)])],
+    ids=["pad-1d", "pad-2d", "cast-1d-rows", "cast-1d-cols", "cast-2d"])
+def test_a_value_is_moved_before_the_steps_that_widen_it(widen, mesh, x_placements,
+                                                         w_placements):
+    f, x, w = _widened_matmul(widen)
+    xd = dist.shard_tensor(x, mesh, x_placements)
+    wd = dist.shard_tensor(w, mesh, w_placements)
+    g = dist.jit(f)
+    np.testing.assert_allclose(g(xd, wd).numpy(), f(x, w), rtol=1e-5, atol=1e-4)
+    plan = g.plan(xd, wd)
+    gathers = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert gathers and all(c.value == "a" for c in gathers), plan.collectives  # x itself
+    moved = [ep for ep in plan.eqns if ep.reshards]  # where x is moved: at the widening step
+    assert [ep.primitive for ep in moved] == [
+        "pad" if widen == "pad" else "convert_element_type"], str(plan)
+    assert "moved before this step" in moved[0].strategy
+    # the program gathers x as it came (unpadded; in bf16: XLA's CPU backend then gathers in
+    # f32, having no bf16 collectives, so the dtype is read from the emitted program)
+    emitted = g.lower(xd, wd).as_text()
+    gathered = [line for line in emitted.splitlines() if "all_gather" in line]
+    narrow = "x256xf32>) ->" if widen == "pad" else "xbf16>) ->"
+    assert gathered and all(narrow in line for line in gathered), gathered
+    if widen == "pad":
+        compiled = collective_bytes(g.lower(xd, wd).compile().as_text())
+        assert compiled["all-gather"] <= x.nbytes, compiled  # the padded x is twice that
+
+
+def test_a_widened_value_another_reader_takes_as_it_is_is_moved_where_it_is_read():
+    f, x, w = _widened_matmul("pad")
+
+    def both(x, w):
+        y = jnp.tanh(jnp.pad(x, ((0, 0), (0, 256))))
+        return y @ w, y  # y is also returned, split as it was made
+
+    xd = dist.shard_tensor(x, LINE, [S(0)])
+    wd = dist.shard_tensor(w, LINE, [S(1)])
+    g = dist.jit(both, out_placements=[None, [S(0)]])
+    out, y = g(xd, wd)
+    ref_out, ref_y = both(x, w)
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(y.numpy(), ref_y, rtol=1e-6)
+    plan = g.plan(xd, wd)
+    assert not any("moved before" in ep.strategy for ep in plan.eqns), str(plan)
+    assert [c.kind for c in plan.collectives] == ["all-gather"], plan.collectives

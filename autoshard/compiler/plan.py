@@ -17,6 +17,7 @@ from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
 from .commute import hoist_reductions
+from .early_moves import move_before_widening
 from .control_flow import HIGHER_ORDER, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
@@ -462,6 +463,17 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         outputs.append(dst)
     touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard,
                                mesh.axis_sizes)
+
+    def price(value: Value, dst: Layout, at: int) -> float:
+        """What moving `value` to `dst` for equation `at` would cost (as `reshard` plans it)."""
+        if (value, dst) in done or dst in moves(value, at):
+            return 0.0
+        return min(sum(s.seconds for s in plan_layouts(
+            tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh, dst, cost_model).steps)
+            for src in [actual[value], *moves(value, at)])
+
+    touched |= move_before_widening(program, eqn_plans, actual, output_reshards, collectives,
+                                    reshard, price, lambda k: k in region_of)
     split_output_reductions(program, output_reshards, collectives, mesh, cost_model, record)
     same_as = {start + j: first + j for first, start, period in copies for j in range(period)
                if start + j not in touched and first + j not in touched}
