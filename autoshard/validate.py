@@ -259,11 +259,17 @@ def _fits_without_moving(plan) -> bool:
     from .compiler.strategy import candidates, layouts
     from .rules import REGISTRY
 
+    # a step moved early for its readers (early_moves.py) fits as it came; its readers are
+    # judged by the layout the value had before that move
+    before: dict = {}
     for e, ep in zip(plan.program.eqns, plan.eqns):
+        if ep.early is not None:
+            before[e.outputs[0]] = before.get(e.inputs[ep.early], ep.operands[ep.early])
+            continue
         opsh = rule_sharding(e, REGISTRY)
         if opsh is None:
             return False
-        actual = [L if not v.is_const else None for v, L in zip(e.inputs, ep.operands)]
+        actual = [None if v.is_const else before.get(v, L) for v, L in zip(e.inputs, ep.operands)]
         implied = layouts(opsh, candidates(opsh, actual, [None] * len(e.outputs))[0],
                           [v.shape for v in e.inputs], [v.shape for v in e.outputs],
                           plan.mesh.axis_sizes)

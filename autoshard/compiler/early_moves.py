@@ -118,6 +118,7 @@ def move_before_widening(program: Program, eqn_plans: list, actual: dict,
                 if p != p0:
                     sp.operands = [dst if q == n else L for q, L in enumerate(sp.operands)]
                 sp.required = [dst if q == n else L for q, L in enumerate(sp.required)]
+                sp.early = n
                 sp.results = [dst]
                 sp.strategy = "as its readers need it: moved before this step (narrower there)"
                 actual[program.eqns[p].outputs[0]] = dst

@@ -73,6 +73,8 @@ class EqnPlan:
     reshards: list[tuple[int, ReshardPlan]] = field(default_factory=list)
     sub_plans: list = field(default_factory=list)  # bodies of scan / while / cond / checkpoint
     sends: tuple[int, ...] = ()  # operands the rule's lowering sends to other devices (a halo)
+    # the operand a move was made early at or before, for this step's readers (early_moves.py)
+    early: int | None = None
 
     @property
     def source(self) -> str | None:
