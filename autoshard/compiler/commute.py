@@ -76,9 +76,7 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
     indices of the equations whose plans changed."""
     touched: set[int] = set()
     readers = program.readers()
-    out_readers: dict[Value, list] = {}
-    for k, v in enumerate(program.outputs):
-        out_readers.setdefault(v, []).append(k)
+    out_readers = program.output_readers()
     out_plans = dict(output_reshards)
     # collectives of values whose reduction moved: dropped once at the end (one pass over the
     # list, not one per chain), except the moves planned here

@@ -19,7 +19,7 @@ from typing import Callable
 from jax import lax
 
 from ..layout import Layout
-from .trace import Program, Value
+from .trace import Program
 
 # one-operand steps that run on any layout and keep each element where it was (their other
 # operands, if any, are scalars)
@@ -66,9 +66,7 @@ def move_before_widening(program: Program, eqn_plans: list, actual: dict,
     the equations whose plans changed."""
     touched: set[int] = set()
     readers = program.readers()
-    outs: dict[Value, list] = {}
-    for k, v in enumerate(program.outputs):
-        outs.setdefault(v, []).append(k)
+    outs = program.output_readers()
     out_plans = dict(output_reshards)
     dropped: set[str] = set()
     # latest first: a move placed before a chain is itself a move a chain before it may take

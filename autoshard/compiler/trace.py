@@ -229,6 +229,13 @@ class Program:
             self.__dict__["_readers"] = readers
         return readers
 
+    def output_readers(self) -> dict:
+        """value -> the indices of the program outputs it is."""
+        found: dict = {}
+        for k, v in enumerate(self.outputs):
+            found.setdefault(v, []).append(k)
+        return found
+
     def block_values(self, start: int, stop: int) -> tuple[tuple, list]:
         """The wiring of block eqns[start:stop]: every operand and result as the index of its
         value in order of first use (which reads are one value, inside the block or outside
