@@ -256,6 +256,21 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         return moved_to.get(value, default) if scope < 0 else moved_in.get((value, scope), default)
     fallbacks: list[tuple[str, str | None]] = []
 
+    def cheapest(value: Value, dst: Layout, at: int | None,
+                 from_own: bool = False) -> tuple[ReshardPlan, float]:
+        """The move of `value` to `dst` from its cheapest copy, and its seconds: the value itself
+        or one it was already moved to (the all-to-all an earlier consumer paid for is not paid
+        again on the way to a gather)."""
+        rp, best = None, 0.0
+        copies = [] if from_own else sorted(moves(value, at), key=repr)
+        for src in [actual[value], *copies]:
+            cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
+                                dst, cost_model)
+            seconds = sum(s.seconds for s in cand.steps)
+            if rp is None or seconds < best - 1e-15:
+                rp, best = cand, seconds
+        return rp, best
+
     def reshard(value: Value, dst: Layout, consumer: str, source,
                 planned: ReshardPlan | None = None, *, at: int | None = None,
                 from_own: bool = False) -> ReshardPlan:
@@ -267,18 +282,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         key = (value, dst) if scope < 0 else (value, dst, scope)
         if key in done and not from_own:  # a value resharded twice the same way (in one
             return done[key]              # scope) is moved once
-        rp = planned
-        if rp is None:
-            # Start from the cheapest copy: the value itself or one it was already moved to (the
-            # all-to-all an earlier consumer paid for is not paid again on the way to a gather).
-            best = 0.0
-            copies = [] if from_own else sorted(moves(value, at), key=repr)
-            for src in [actual[value], *copies]:
-                cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
-                                    dst, cost_model)
-                seconds = sum(s.seconds for s in cand.steps)
-                if rp is None or seconds < best - 1e-15:
-                    rp, best = cand, seconds
+        rp = planned if planned is not None else cheapest(value, dst, at, from_own)[0]
         done[key] = rp
         if scope < 0:
             moved_to[value] = moved_to.get(value, frozenset()) | {dst}
@@ -467,12 +471,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                                mesh.axis_sizes)
 
     def price(value: Value, dst: Layout, at: int) -> float:
-        """What moving `value` to `dst` for equation `at` would cost (as `reshard` plans it)."""
+        """What moving `value` to `dst` for equation `at` would cost (0: already moved there)."""
         if (value, dst) in done or dst in moves(value, at):
             return 0.0
-        return min(sum(s.seconds for s in plan_layouts(
-            tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh, dst, cost_model).steps)
-            for src in [actual[value], *moves(value, at)])
+        return cheapest(value, dst, at)[1]
 
     touched |= move_before_widening(program, eqn_plans, actual, output_reshards, collectives,
                                     reshard, price, lambda k: k in region_of)
