@@ -213,6 +213,10 @@ def test_out_placements_as_a_pytree_prefix_of_the_result(spec, asked):
     ([{"w": [R, S(1)]}, None], "has keys ['w'] where the result has ['b', 'w']"),
     ([None, None, None, None], "4 entries where the result has 2"),
     ([{"b": None, "w": [R, S(1)]}, None, None], "3 entries where the result has 2"),
+    ([None, [[R, R], [R, R]]], "out_placements[1] is a list of 2 entries where the result is "
+                               "one array: give one placements list"),
+    ([{"b": None, "w": {"x": None}}, None], "out_placements[0]['w'] is a dict of 1 entries "
+                                            "where the result is one array"),
 ])
 def test_out_placements_that_do_not_match_the_result_say_where(spec, says):
     params = {"w": np.ones((4, 8), np.float32), "b": np.ones(8, np.float32)}

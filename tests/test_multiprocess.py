@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _launch(script: pathlib.Path, nproc: int = 2, devices: int = 4, timeout: float = 240):
+def _launch(script: pathlib.Path, nproc: int = 2, devices: int = 4, timeout: float = 600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets them
     return subprocess.run([sys.executable, "-m", "autoshard.launch", "--nproc", str(nproc),
                            "--devices", str(devices), str(script)], capture_output=True,

@@ -74,6 +74,12 @@ def _match(spec: Any, node: Any, found: list, where: str) -> None:
         for k, (s, x) in enumerate(zip(spec, node)):
             _match(s, x, found, f"{where}[{k}]")
         return
+    if isinstance(node, int):  # one output (its flat index): jax's message would say "int"
+        shape = (f"a {type(spec).__name__} of {len(spec)} entries"
+                 if isinstance(spec, (list, tuple, dict)) else repr(spec))
+        raise PlacementTypeError(
+            f"{where} is {shape} where the result is one array: give one placements list for "
+            f"it (e.g. [dist.Shard(0), dist.Replicate()]), or None to let the plan choose")
     try:  # other pytree nodes (dataclasses, flax State): jax's own prefix matching
         leaves = broadcast_prefix(spec, node, is_leaf=_covers)
     except (ValueError, TypeError) as exc:
