@@ -302,6 +302,22 @@ def test_strategy_sections_and_errors():
         dist.shard_optimizer(object())
 
 
+@pytest.mark.parametrize("tx,n_moments", [(optax.sgd(0.1), 0), (optax.adam(0.1), 2)],
+                         ids=["sgd", "adam"])
+@pytest.mark.parametrize("stage", [dist.ShardingStage1, dist.ShardingStage2, dist.ShardingStage3])
+def test_a_sharding_stage_on_a_mesh_dim_the_params_lack_is_an_error(tx, n_moments, stage):
+    # sgd keeps no state to shard: the misnamed dim is reported all the same
+    w = dist.shard_tensor(np.ones((8, 4), np.float32), MESH24, [dist.Replicate(), dist.Shard(1)])
+    with pytest.raises(dist.OptimizerError, match=r"mesh_dim='zz'\): the params' mesh has dims "
+                                                  r"\['dp', 'mp'\]; name one of them"):
+        dist.shard_optimizer(tx, stage("zz")).init({"w": w})
+    state = dist.shard_optimizer(tx, stage("dp")).init({"w": w})  # the dim named right
+    moments = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, dist.DistTensor))
+               if isinstance(x, dist.DistTensor) and x.shape == (8, 4)]
+    assert len(moments) == n_moments
+    assert all(m.placements == [dist.Shard(0), dist.Shard(1)] for m in moments), moments
+
+
 @pytest.mark.parametrize("stage", [0, 1, 3], ids=["dp+tp", "zero1", "zero3"])
 def test_offloaded_optimizer_states_train_like_one_device(stage):
     """Paddle's optimize_offload (strategy.sharding.offload): adamw's moments (at stage 3 the

@@ -177,6 +177,11 @@ class ShardedOptimizer:
             raise OptimizerError("shard_optimizer.init needs params that are DistTensors: place "
                                  "them with dist.shard_tensor or dist.shard_layer first")
         mesh = leaves[0].mesh
+        if isinstance(self.shard_fn, _Stage):
+            # a mesh dim the params' mesh lacks is an error even where no state is sharded yet
+            # (sgd keeps none): it would surface only once the optimizer is swapped for adam
+            for m in {id(p.mesh): p.mesh for p in leaves}.values():
+                self.shard_fn.axis(m)
         logical = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype) if _is_dt(p) else p,
                                params, is_leaf=_is_dt)
         shapes = jax.eval_shape(self.tx.init, logical)
