@@ -154,6 +154,9 @@ def samples() -> list[Sample]:
     add("pad interior dim 1", "pad", lambda x: lax.pad(x, 0.0, [(0, 0, 0), (0, 1, 1)]), f2)
     add("slice", "slice", lambda x: lax.slice(x, (0, 2), (4, 6)), f2)
     add("slice strided", "slice", lambda x: lax.slice(x, (0, 0), (4, 8), (1, 2)), f2)
+    add("slice odd rows", "slice", lambda x: lax.slice(x, (1, 1), (4, 8), (2, 2)), f2)
+    add("slice every fourth row from the third", "slice",
+        lambda x: lax.slice(x, (0, 2), (4, 8), (1, 4)), f2)
     add("slice the last row", "slice", lambda x: lax.slice(x, (3, 0), (4, 8)), f2)
     add("slice rows across blocks", "slice", lambda x: lax.slice(x, (0, 3), (4, 6)) * 2.0, f2)
     add("slice a corner", "slice", lambda x: lax.slice(x, (1, 2), (3, 4)), f2)

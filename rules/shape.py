@@ -160,12 +160,21 @@ def _few_rows(size: int, start: int, limit: int, stride: int) -> bool:
     return stride == 1 and 2 * (limit - start) <= size
 
 
+def _every_kth(size: int, start: int, limit: int, stride: int) -> bool:
+    """A strided slice taking one row in every `stride` from the first `stride` rows on
+    (x[:, ::2], x[:, 1::2]: a 2x downsample, even and odd rows): result block i is read from
+    operand block i alone whenever the result's rows divide over the devices, so the dim
+    stays split and each device slices its own block."""
+    rows = len(range(start, limit, stride))
+    return 0 <= start < stride and rows * stride == size
+
+
 def slice_sharding(in_avals, out_avals, *, start_indices, limit_indices, strides):
     shape = in_avals[0].shape
     term = LETTERS[:len(shape)]
     strides = strides or (1,) * len(shape)
     cut = [d for d, (s, lo, hi, st) in enumerate(zip(shape, start_indices, limit_indices, strides))
-           if (lo, hi, st) != (0, s, 1)]
+           if (lo, hi, st) != (0, s, 1) and not _every_kth(s, lo, hi, st)]
     summable = jax.dtypes.issubdtype(in_avals[0].dtype, np.number)
     few = [d for d in cut if summable and _few_rows(shape[d], start_indices[d],
                                                     limit_indices[d], strides[d])]
@@ -176,12 +185,12 @@ def slice_sharding(in_avals, out_avals, *, start_indices, limit_indices, strides
 
 
 def slice_lower(ctx, x, *, start_indices, limit_indices, strides):
-    # A split dim is whole (each device slices its block as it is) or a few rows
+    # A split dim is whole, or every k-th row from the first k (each device slices its own
+    # block from the same start), or a few rows
     local = x.shape
     ins, outs = ctx.in_layouts[0].dims, ctx.out_layouts[0].dims
     few = [d for d, (a, b) in enumerate(zip(ins, outs)) if a and not b]
-    starts = tuple(lo if not axes or d in few else 0
-                   for d, (lo, axes) in enumerate(zip(start_indices, ins)))
+    starts = tuple(start_indices)
     limits = tuple(local[d] if axes and d not in few else hi
                    for d, (hi, axes) in enumerate(zip(limit_indices, ins)))
     for d in few:  # the slice's rows where this block holds them, zeros elsewhere

@@ -22,6 +22,7 @@ from jax.extend import core as jex_core
 
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .constant_gathers import constant_gathers
 from .fold import fold_conv_padding
 from .shift import fold_shifts
 from .widen import widen_slices
@@ -496,6 +497,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
     outputs = walk(jaxpr, closed.consts, inputs)
+    eqns = constant_gathers(eqns, outputs, regions, fresh, const_value)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
     eqns = widen_slices(eqns, outputs, regions, fresh, const_value)

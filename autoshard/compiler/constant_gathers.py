@@ -1,0 +1,274 @@
+"""Gathers and scatter-adds along one dim by a constant index that a slice or a repeat says.
+
+`jax.image.resize(x, ..., "nearest")` to twice the size and `x[:, jnp.arange(64) // 2]` gather
+row i // 2 of a dim; `x[:, jnp.arange(0, 32, 2)]` gathers every other row; their gradients
+scatter-add by the same index. The index is computed in the program (iota, a floor divide,
+jnp's wrap of negative indices), so the gather rule sees only an int array and must assume any
+row may be read from anywhere: a split dim is gathered, or looked up masked and all-reduced.
+Evaluated here (small integer arithmetic, done with numpy), such an index is recognised as
+- a repeat, `i // r`: the gather is a broadcast to a new minor dim and a reshape (jnp.repeat),
+  its scatter-add a reshape and a sum over that dim;
+- every k-th row from one of the first k, `lo + k i`: the gather is a strided slice, its
+  scatter-add an interior pad (a strided slice's own gradient);
+whose rules keep the dim split with no communication (row block i of the result comes from
+row block i of the operand). Anything else stays a gather. Exact: the same rows are read or
+summed (a scatter-add into a nonzero operand adds the summed rows to it).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.extend.core
+import numpy as np
+from jax import lax
+
+_MAX_INDEX = 1 << 16  # an index longer than this is not worth evaluating at trace time
+
+
+def _int_div(a, b):
+    q = np.abs(a) // np.abs(b)  # lax.div on integers rounds toward zero
+    return np.where((a < 0) != (b < 0), -q, q)
+
+
+def _div(a, b):
+    return _int_div(a, b) if np.issubdtype(a.dtype, np.integer) else np.divide(a, b)
+
+
+def _broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
+    expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(d)] if d in broadcast_dimensions
+                              else 1 for d in range(len(shape))])
+    return np.broadcast_to(expanded, shape)
+
+
+# What an index computation is made of (jnp.arange, //, %, the wrap of negative indices,
+# jax.image's float arithmetic), as numpy: IEEE-exact operations only, so the values are the
+# ones the program computes. A primitive not here leaves its result unknown.
+_ELEMENTWISE: dict = {
+    lax.add_p: np.add, lax.sub_p: np.subtract, lax.mul_p: np.multiply, lax.div_p: _div,
+    lax.rem_p: np.fmod, lax.neg_p: np.negative, lax.abs_p: np.abs, lax.sign_p: np.sign,
+    lax.floor_p: np.floor, lax.ceil_p: np.ceil, lax.max_p: np.maximum, lax.min_p: np.minimum,
+    lax.lt_p: np.less, lax.le_p: np.less_equal, lax.gt_p: np.greater,
+    lax.ge_p: np.greater_equal, lax.eq_p: np.equal, lax.ne_p: np.not_equal,
+    lax.and_p: np.bitwise_and, lax.or_p: np.bitwise_or, lax.not_p: np.invert,
+    lax.select_n_p: lambda which, *cases: np.choose(which.astype(np.int32), cases),
+    lax.clamp_p: lambda lo, x, hi: np.clip(x, lo, hi),
+}  # their params (an accuracy, a result sharding) do not change an exact result
+_NUMPY: dict = {
+    **{p: (lambda f: lambda *args, **_: f(*args))(f) for p, f in _ELEMENTWISE.items()},
+    lax.iota_p: lambda *, dtype, shape, dimension, **_: np.broadcast_to(
+        np.arange(shape[dimension]).reshape([-1 if d == dimension else 1
+                                             for d in range(len(shape))]), shape).astype(dtype),
+    lax.convert_element_type_p: lambda x, *, new_dtype, **_: x.astype(new_dtype),
+    lax.broadcast_in_dim_p: _broadcast_in_dim,
+    lax.reshape_p: lambda x, *, new_sizes, dimensions, **_: np.reshape(
+        x if dimensions is None else np.transpose(x, dimensions), new_sizes),
+}
+
+
+class _Constants:
+    """The values of small computed constants, found by walking back to literals."""
+
+    def __init__(self, made_by: dict):
+        self.made_by, self.memo = made_by, {}
+
+    def __call__(self, v) -> np.ndarray | None:
+        if v.is_const:
+            # in the value's own dtype: a Python float literal would make numpy work in f64
+            return None if v.const is None else np.asarray(v.const, dtype=v.dtype)
+        if v in self.memo:
+            return self.memo[v]
+        self.memo[v] = None  # (a cycle cannot happen in SSA; this also bounds the work)
+        e = self.made_by.get(v)
+        fn = None if e is None else _NUMPY.get(e.primitive)
+        if fn is None or len(e.outputs) != 1 or np.prod(v.shape, dtype=np.int64) > _MAX_INDEX:
+            return None
+        args = [self(u) for u in e.inputs]
+        if any(a is None for a in args):
+            return None
+        with np.errstate(all="ignore"):
+            value = np.asarray(fn(*args, **e.params)).astype(v.dtype)
+        if value.shape != v.shape:
+            return None
+        self.memo[v] = value
+        return value
+
+
+def _pattern(index: np.ndarray, rows: int) -> tuple | None:
+    """('repeat', r) for i // r; ('every', lo, k) for lo + k i with 0 <= lo < k and k times
+    as many rows as indices; None for any other index into a dim of `rows` rows."""
+    n = index.shape[0]
+    steps = np.arange(n)
+    if n > rows and n % rows == 0 and np.array_equal(index, steps // (n // rows)):
+        return ("repeat", n // rows)
+    if n >= 2:
+        lo, k = int(index[0]), int(index[1]) - int(index[0])
+        if 0 <= lo < k and n * k == rows and np.array_equal(index, lo + k * steps):
+            return ("every", lo, k)
+    return None
+
+
+def _one_dim(operand_shape, index_shape, window_dims, inserted, to_operand, batching,
+             sizes=None) -> int | None:
+    """The dim d of a gather / scatter along one dim by a [n, 1] index whose result (updates)
+    is the operand with dim d replaced by the n indexed rows, in place; else None."""
+    rank = len(operand_shape)
+    if len(index_shape) != 2 or index_shape[1] != 1 or batching or len(inserted) != 1:
+        return None
+    d = inserted[0]
+    if tuple(to_operand) != (d,) or tuple(window_dims) != tuple(i for i in range(rank) if i != d):
+        return None
+    if sizes is not None and tuple(sizes) != tuple(1 if i == d else s
+                                                   for i, s in enumerate(operand_shape)):
+        return None
+    return d
+
+
+def _gather_dim(e) -> int | None:
+    dn = e.params["dimension_numbers"]
+    return _one_dim(e.inputs[0].shape, e.inputs[1].shape, dn.offset_dims,
+                    dn.collapsed_slice_dims, dn.start_index_map, dn.operand_batching_dims,
+                    e.params["slice_sizes"])
+
+
+def _scatter_dim(e) -> int | None:
+    if len(e.inputs) != 3 or e.inputs[0].dtype == np.bool_:
+        return None
+    dn = e.params["dimension_numbers"]
+    return _one_dim(e.inputs[0].shape, e.inputs[1].shape, dn.update_window_dims,
+                    dn.inserted_window_dims, dn.scatter_dims_to_operand_dims,
+                    dn.operand_batching_dims)
+
+
+def _zeros(v, made_by: dict, known: _Constants) -> bool:
+    """Whether `v` is all zeros: a constant, or a constant scalar broadcast (a gradient's
+    scatter-add starts from one)."""
+    e = made_by.get(v)
+    if e is not None and e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1:
+        v = e.inputs[0]
+    c = known(v)
+    return c is not None and not np.any(c)
+
+
+def _gather_as(shape: tuple, d: int, pattern: tuple) -> Callable:
+    if pattern[0] == "repeat":
+        r = pattern[1]
+        wide = shape[:d + 1] + (r,) + shape[d + 1:]
+        out = shape[:d] + (shape[d] * r,) + shape[d + 1:]
+        keep = tuple(i if i <= d else i + 1 for i in range(len(shape)))
+        return lambda x: lax.reshape(lax.broadcast_in_dim(x, wide, keep), out)
+    _, lo, k = pattern
+    starts = tuple(lo if i == d else 0 for i in range(len(shape)))
+    strides = tuple(k if i == d else 1 for i in range(len(shape)))
+    return lambda x: lax.slice(x, starts, shape, strides)
+
+
+def _scatter_add_as(shape: tuple, d: int, pattern: tuple, into_zeros: bool) -> Callable:
+    if pattern[0] == "repeat":
+        r = pattern[1]
+        parts = shape[:d] + (shape[d], r) + shape[d + 1:]
+
+        def summed(u):
+            return lax.reduce_sum_p.bind(lax.reshape(u, parts), axes=(d + 1,), out_sharding=None)
+    else:
+        _, lo, k = pattern
+        n = shape[d] // k
+
+        def summed(u):
+            config = [(0, 0, 0)] * len(shape)
+            config[d] = (lo, shape[d] - lo - (n - 1) * k - 1, k - 1)
+            return lax.pad(u, np.zeros((), u.dtype), config)
+    if into_zeros:
+        return lambda operand, u: summed(u)
+    return lambda operand, u: lax.add(operand, summed(u))
+
+
+def constant_gathers(eqns: list, outputs: list, regions: list, fresh: Callable[[Any], Any],
+                     constant: Callable[[Any, Any], Any]) -> list:
+    """`eqns` with each one-dim gather / scatter-add by a constant repeat or every-k-th-row
+    index made the equations that say so (see the module's docstring); the index
+    computations left unread are dropped. `fresh(aval)` makes a value, `constant(value, aval)`
+    a constant."""
+    gather, scatter_add = lax.gather_p, lax.scatter_add_p
+    candidates = [(e, _gather_dim(e) if e.primitive is gather else _scatter_dim(e))
+                  for e in eqns if e.primitive is gather or e.primitive is scatter_add]
+    candidates = [(e, d) for e, d in candidates if d is not None]
+    if not candidates:
+        return eqns  # most programs (an embedding lookup's index is no [n, 1] column)
+    from .trace import Eqn, params_key
+
+    made_by = {v: e for e in eqns for v in e.outputs}
+    known = _Constants(made_by)
+    replaced: dict = {}
+    for e, d in candidates:
+        data = e.inputs[0] if e.primitive is gather else e.inputs[2]
+        index = known(e.inputs[1])
+        pattern = None if index is None else _pattern(index.reshape(-1), e.inputs[0].shape[d])
+        if pattern is None:
+            continue
+        shape = tuple(e.inputs[0].shape)
+        if e.primitive is gather:
+            fn, args = _gather_as(shape, d, pattern), [data]
+        else:
+            zeros = _zeros(e.inputs[0], made_by, known)
+            fn = _scatter_add_as(shape, d, pattern, zeros)
+            args = [e.inputs[0], data]
+        body = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.shape, v.dtype) for v in args])
+        replaced[id(e)] = _inline(body, args, e.outputs[0], e.where, fresh, constant, Eqn,
+                                  params_key)
+    if not replaced:
+        return eqns
+    return _dead_indices_dropped(_spliced(eqns, replaced, regions), outputs, regions)
+
+
+def _inline(closed, args: list, out, where, fresh, constant, Eqn, params_key) -> list:
+    """The equations of `closed` on our values `args`, its result written to `out`."""
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.invars, args))
+    env.update((v, constant(c, v.aval)) for v, c in zip(jaxpr.constvars, closed.consts))
+    made = []
+    for k, je in enumerate(jaxpr.eqns):
+        ins = [constant(a.val, a.aval) if isinstance(a, jax.extend.core.Literal) else env[a]
+               for a in je.invars]
+        last = k == len(jaxpr.eqns) - 1 and je.outvars[0] is jaxpr.outvars[0]
+        outs = [out if last else fresh(v.aval) for v in je.outvars]
+        made.append(Eqn(je.primitive, ins, outs, dict(je.params), where,
+                        params_key=params_key(je.params)))
+        env.update(zip(je.outvars, outs))
+    if not made or made[-1].outputs[0] is not out:  # the body passes its input through
+        made.append(Eqn(lax.copy_p, [env[jaxpr.outvars[0]]], [out], {}, where, params_key=()))
+    return made
+
+
+def _spliced(eqns: list, replaced: dict, regions: list) -> list:
+    """`eqns` with each equation whose id `replaced` names swapped for its equations
+    (regions' bounds follow)."""
+    new, new_index = [], []
+    for e in eqns:
+        new_index.append(len(new))
+        new.extend(replaced.get(id(e), (e,)))
+    new_index.append(len(new))
+    for r in regions:
+        r.start, r.stop = new_index[r.start], new_index[r.stop]
+    return new
+
+
+def _dead_indices_dropped(eqns: list, outputs: list, regions: list) -> list:
+    """Index computations (the numpy-evaluable primitives) that nothing reads any more."""
+    from collections import Counter
+
+    from .fold import without
+
+    uses = Counter(v for e in eqns for v in e.inputs)
+    uses.update(outputs)
+    pinned = {v for r in regions for v in (*r.inputs, *r.outputs)}
+    dead: set = set()
+    for e in reversed(eqns):
+        if e.primitive in _NUMPY and all(uses[v] == 0 and v not in pinned for v in e.outputs):
+            dead.add(id(e))
+            for v in e.inputs:
+                uses[v] -= 1
+    return without(eqns, dead, regions)
+
+
+__all__ = ["constant_gathers"]

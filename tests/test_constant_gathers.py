@@ -1,0 +1,140 @@
+"""Up- and downsampling along a split dim: nearest-neighbour resizes, repeats and every-k-th-row
+picks — by a constant index or a strided slice — keep the dim split with no communication,
+forward and backward, and equal one device.
+
+A gather by a computed index would gather the dim whole (or look it up masked and all-reduce
+the result); `compiler/constant_gathers.py` recognises the index, `rules/shape.py` lets a
+strided slice keep its blocks.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard as dist
+from autoshard.hlo import collective_bytes, count_collectives
+
+S, R = dist.Shard, dist.Replicate
+MESHES = {
+    "8": dist.ProcessMesh(list(range(8)), dim_names=["x"]),
+    "2x4": dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"]),
+    "2x2x2": dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["a", "b", "c"]),
+}
+# NHWC images; the rows (and on 3-d meshes the columns) split
+PLACEMENTS = {
+    "8": [S(1)],
+    "2x4": [S(0), S(1)],
+    "2x2x2": [S(0), S(1), S(2)],
+}
+IMAGE = np.random.default_rng(0).normal(size=(4, 32, 32, 8)).astype(np.float32)
+
+FUNCTIONS = {
+    "nearest resize 2x": lambda x: jax.image.resize(x, (4, 64, 64, 8), "nearest"),
+    "rows i // 2, columns i // 2": lambda x: x[:, jnp.arange(64) // 2][:, :, jnp.arange(64) // 2],
+    "columns i // 4": lambda x: x[:, :, jnp.arange(128) // 4],
+    "take even rows by index": lambda x: x[:, jnp.arange(0, 32, 2)],
+    "take odd rows and columns by index": lambda x: jnp.take(
+        jnp.take(x, jnp.arange(1, 32, 2), axis=1), jnp.arange(1, 32, 2), axis=2),
+    "strided slice ::2, ::2": lambda x: x[:, ::2, ::2],
+    "strided slice 1::4": lambda x: x[:, 1::4],
+    "repeat": lambda x: jnp.repeat(x, 2, axis=1),
+}
+
+
+def _placed(mesh_name):
+    mesh = MESHES[mesh_name]
+    return mesh, PLACEMENTS[mesh_name], dist.shard_tensor(IMAGE, mesh, PLACEMENTS[mesh_name])
+
+
+def _compiled_collectives(f, *args):
+    hlo = f.lower(*args).compile().as_text()
+    return count_collectives(hlo), collective_bytes(hlo)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_resampling_keeps_the_split_dims_and_moves_nothing(name, mesh_name):
+    fn = FUNCTIONS[name]
+    mesh, placements, x = _placed(mesh_name)
+    f = dist.jit(fn, out_placements=placements)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        got = f(x)
+        plan = f.plan(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(IMAGE)))
+    assert got.placements == placements
+    assert plan.collectives == [], plan
+    kinds, _ = _compiled_collectives(f, x)
+    assert not kinds, kinds
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_resampling_gradient_stays_split_and_only_the_loss_is_reduced(name, mesh_name):
+    fn = FUNCTIONS[name]
+    mesh, placements, x = _placed(mesh_name)
+    weights = np.random.default_rng(1).normal(size=jax.eval_shape(fn, IMAGE).shape)
+    weights = weights.astype(np.float32)
+
+    def loss(x):
+        return jnp.sum(fn(x) ** 2 * weights)
+
+    step = jax.value_and_grad(loss)
+    f = dist.jit(step, out_placements=([R()] * len(placements), placements))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        value, grad = f(x)
+    want_value, want_grad = jax.jit(step)(IMAGE)
+    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
+    assert grad.placements == placements
+    # the scatter-add of the gradient is a local sum or pad: the scalar loss is all that moves
+    kinds, nbytes = _compiled_collectives(f, x)
+    assert set(kinds) == {"all-reduce"}, kinds
+    assert sum(nbytes.values()) <= 4 * len(placements), nbytes
+
+
+def test_an_index_that_is_no_repeat_or_stride_is_still_a_gather():
+    # rows [0, 3, 1, 2, ...]: no slice or repeat says it; the gather rule decides as before
+    mesh, placements, x = _placed("2x4")
+    index = np.argsort(np.random.default_rng(2).random(32)).astype(np.int32)
+    fn = lambda x: x[:, jnp.asarray(index)]  # noqa: E731
+    f = dist.jit(fn, out_placements=placements)
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(jax.jit(fn)(IMAGE)))
+    assert any(e.primitive == "gather" for e in f.plan(x).eqns)
+
+
+def test_nearest_upsampling_before_a_convolution_trains_with_halos_only():
+    """A U-Net decoder's upsample then 3x3 convolution, rows split: the convolutions exchange
+    edge rows (collective-permute); nothing is gathered."""
+    mesh, placements, x = _placed("2x4")
+    kernel = (np.random.default_rng(3).normal(size=(3, 3, 8, 8)) * 0.1).astype(np.float32)
+
+    def loss(x, k):
+        y = jax.image.resize(x, (4, 64, 64, 8), "nearest")
+        y = jax.lax.conv_general_dilated(y, k, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(jax.nn.relu(y) ** 2)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    f = dist.jit(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        value, (gx, gk) = f(x, kernel)
+        plan = f.plan(x, kernel)
+    want_value, (want_gx, want_gk) = jax.jit(step)(IMAGE, kernel)
+    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(gk), want_gk, rtol=1e-4, atol=1e-7)
+    kinds, _ = _compiled_collectives(f, x, kernel)
+    assert set(kinds) <= {"collective-permute", "all-reduce"}, kinds
+    assert kinds == count_collectives_of(plan), (kinds, plan.collectives)
+
+
+def count_collectives_of(plan):
+    from collections import Counter
+    return Counter(c.kind for c in plan.collectives)
