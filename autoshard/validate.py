@@ -157,6 +157,8 @@ def samples() -> list[Sample]:
     add("slice odd rows", "slice", lambda x: lax.slice(x, (1, 1), (4, 8), (2, 2)), f2)
     add("slice every fourth row from the third", "slice",
         lambda x: lax.slice(x, (0, 2), (4, 8), (1, 4)), f2)
+    add("slice one row with a stride as long as the dim", "slice",
+        lambda x: lax.slice(x, (3, 0), (4, 8), (4, 1)) * 2.0, f2)
     add("slice the last row", "slice", lambda x: lax.slice(x, (3, 0), (4, 8)), f2)
     add("slice rows across blocks", "slice", lambda x: lax.slice(x, (0, 3), (4, 6)) * 2.0, f2)
     add("slice a corner", "slice", lambda x: lax.slice(x, (1, 2), (3, 4)), f2)

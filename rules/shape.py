@@ -166,7 +166,9 @@ def _every_kth(size: int, start: int, limit: int, stride: int) -> bool:
     operand block i alone whenever the result's rows divide over the devices, so the dim
     stays split and each device slices its own block."""
     rows = len(range(start, limit, stride))
-    return 0 <= start < stride and rows * stride == size
+    # one row is no block to keep: the rule gives a size-1 dim no factor, which would let the
+    # operand split alone and each device slice a row of its own block
+    return 0 <= start < stride and rows * stride == size and rows > 1
 
 
 def slice_sharding(in_avals, out_avals, *, start_indices, limit_indices, strides):

@@ -138,3 +138,27 @@ def test_nearest_upsampling_before_a_convolution_trains_with_halos_only():
 def count_collectives_of(plan):
     from collections import Counter
     return Counter(c.kind for c in plan.collectives)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("rows", [8, 16, 32])
+def test_jax_associative_scan_of_strided_slices_and_interleaves_equals_one_device(rows, mesh_name):
+    """lax.associative_scan is made of x[0:-1:2], x[1::2] and interleaving pads, down to slices
+    of one row of two (which cannot stay split); its JVP is how jax differentiates cummax."""
+    mesh, placements, _ = _placed(mesh_name)
+    x = np.random.default_rng(4).normal(size=(4, rows, 8)).astype(np.float32)
+    xd = dist.shard_tensor(x, mesh, placements)
+
+    def fn(x):
+        h = jax.lax.associative_scan(jnp.add, x, axis=1)
+        return jnp.sum(jnp.tanh(h) * jax.lax.cummax(x, axis=1)), h
+
+    step = jax.value_and_grad(fn, has_aux=True)
+    f = dist.jit(step)
+    (value, h), grad = f(xd)
+    (want_value, want_h), want_grad = jax.jit(step)(x)
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
+    kinds, _ = _compiled_collectives(f, xd)
+    assert kinds == count_collectives_of(f.plan(xd)), f.plan(xd).collectives
