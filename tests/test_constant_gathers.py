@@ -162,3 +162,41 @@ def test_jax_associative_scan_of_strided_slices_and_interleaves_equals_one_devic
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
     kinds, _ = _compiled_collectives(f, xd)
     assert kinds == count_collectives_of(f.plan(xd)), f.plan(xd).collectives
+
+
+INDEX_EXPRESSIONS = {
+    "floor divide": lambda: jnp.arange(64) // 2,
+    "floor divide of negatives": lambda: (jnp.arange(16) - 8) // 3,
+    "remainder of negatives": lambda: (jnp.arange(16) - 8) % 3,
+    "lax.rem and lax.div": lambda: jax.lax.rem(jnp.arange(16) - 8, 3) + jax.lax.div(
+        jnp.arange(16) - 8, 3),
+    "nearest resize index": lambda: jnp.floor((jnp.arange(48, dtype=jnp.float32) + 0.5)
+                                              * 32.0 / 48.0).astype(jnp.int32),
+    "wrapped negative index": lambda: jnp.where(jnp.arange(8) - 4 < 0, jnp.arange(8) + 4,
+                                                jnp.arange(8) - 4),
+    "clamp and select": lambda: jnp.clip(jnp.arange(12) * 3 - 5, 0, 20),
+}
+
+
+@pytest.mark.parametrize("name", list(INDEX_EXPRESSIONS))
+def test_index_computations_evaluated_at_trace_time_equal_jax(name):
+    from autoshard.compiler.constant_gathers import _Constants
+    from autoshard.compiler.trace import build_program
+
+    fn = INDEX_EXPRESSIONS[name]
+    program = build_program(jax.make_jaxpr(fn)())
+    known = _Constants({v: e for e in program.eqns for v in e.outputs})
+    value = known(program.outputs[0])
+    assert value is not None
+    np.testing.assert_array_equal(value, np.asarray(jax.jit(fn)()))
+
+
+def test_an_index_divided_by_zero_is_left_unknown():
+    # XLA's integer division by zero has its own answer; numpy's would be a guess
+    from autoshard.compiler.constant_gathers import _Constants
+    from autoshard.compiler.trace import build_program
+
+    program = build_program(jax.make_jaxpr(
+        lambda: jax.lax.div(jnp.arange(8), jnp.arange(8) % 1))())
+    known = _Constants({v: e for e in program.eqns for v in e.outputs})
+    assert known(program.outputs[0]) is None

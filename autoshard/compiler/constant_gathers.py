@@ -86,8 +86,13 @@ class _Constants:
         args = [self(u) for u in e.inputs]
         if any(a is None for a in args):
             return None
-        with np.errstate(all="ignore"):
-            value = np.asarray(fn(*args, **e.params)).astype(v.dtype)
+        try:
+            # a division by zero, a NaN cast to an integer, an overflow: XLA's answer is its
+            # own, so the value is left unknown rather than guessed
+            with np.errstate(all="raise"):
+                value = np.asarray(fn(*args, **e.params)).astype(v.dtype)
+        except (FloatingPointError, ValueError, OverflowError):
+            return None
         if value.shape != v.shape:
             return None
         self.memo[v] = value
