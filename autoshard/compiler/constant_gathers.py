@@ -16,12 +16,16 @@ summed (a scatter-add into a nonzero operand adds the summed rows to it).
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable
 
 import jax
 import jax.extend.core
 import numpy as np
 from jax import lax
+
+from .fold import spliced
+from .shift import drop_dead
 
 _MAX_INDEX = 1 << 16  # an index longer than this is not worth evaluating at trace time
 
@@ -223,7 +227,11 @@ def constant_gathers(eqns: list, outputs: list, regions: list, fresh: Callable[[
                                   params_key)
     if not replaced:
         return eqns
-    return _dead_indices_dropped(_spliced(eqns, replaced, regions), outputs, regions)
+    eqns = spliced(eqns, replaced, regions)
+    # the index computations nothing reads any more
+    pinned = {v for r in regions for v in (*r.inputs, *r.outputs)}
+    return drop_dead(eqns, outputs, regions, pinned, Counter(),
+                     also=frozenset(id(e) for e in eqns if e.primitive in _NUMPY))
 
 
 def _inline(closed, args: list, out, where, fresh, constant, Eqn, params_key) -> list:
@@ -243,37 +251,6 @@ def _inline(closed, args: list, out, where, fresh, constant, Eqn, params_key) ->
     if not made or made[-1].outputs[0] is not out:  # the body passes its input through
         made.append(Eqn(lax.copy_p, [env[jaxpr.outvars[0]]], [out], {}, where, params_key=()))
     return made
-
-
-def _spliced(eqns: list, replaced: dict, regions: list) -> list:
-    """`eqns` with each equation whose id `replaced` names swapped for its equations
-    (regions' bounds follow)."""
-    new, new_index = [], []
-    for e in eqns:
-        new_index.append(len(new))
-        new.extend(replaced.get(id(e), (e,)))
-    new_index.append(len(new))
-    for r in regions:
-        r.start, r.stop = new_index[r.start], new_index[r.stop]
-    return new
-
-
-def _dead_indices_dropped(eqns: list, outputs: list, regions: list) -> list:
-    """Index computations (the numpy-evaluable primitives) that nothing reads any more."""
-    from collections import Counter
-
-    from .fold import without
-
-    uses = Counter(v for e in eqns for v in e.inputs)
-    uses.update(outputs)
-    pinned = {v for r in regions for v in (*r.inputs, *r.outputs)}
-    dead: set = set()
-    for e in reversed(eqns):
-        if e.primitive in _NUMPY and all(uses[v] == 0 and v not in pinned for v in e.outputs):
-            dead.add(id(e))
-            for v in e.inputs:
-                uses[v] -= 1
-    return without(eqns, dead, regions)
 
 
 __all__ = ["constant_gathers"]

@@ -140,15 +140,20 @@ def without(eqns: list, dead: set, regions: list) -> list:
     """`eqns` less those whose ids are in `dead`; regions' bounds follow."""
     if not dead:
         return eqns
-    kept, new_index = [], []
+    return spliced(eqns, {i: () for i in dead}, regions)
+
+
+def spliced(eqns: list, replaced: dict, regions: list) -> list:
+    """`eqns` with each equation whose id `replaced` names swapped for the equations it maps
+    to (none: dropped); regions' bounds follow."""
+    new, new_index = [], []
     for e in eqns:
-        new_index.append(len(kept))
-        if id(e) not in dead:
-            kept.append(e)
-    new_index.append(len(kept))
+        new_index.append(len(new))
+        new.extend(replaced.get(id(e), (e,)))
+    new_index.append(len(new))
     for r in regions:
         r.start, r.stop = new_index[r.start], new_index[r.stop]
-    return kept
+    return new
 
 
-__all__ = ["fold_conv_padding", "without", "constant", "is_zero"]
+__all__ = ["fold_conv_padding", "without", "spliced", "constant", "is_zero"]
