@@ -1,8 +1,14 @@
 """8 simulated CPU devices for every test; must run before jax is first imported."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# The tests check values and the collectives in the compiled HLO, never speed: LLVM's
+# optimization of the CPU kernels (XLA's backend level, which leaves the HLO as it is) is
+# about half of the suite's time, so it is off unless XLA_FLAGS chooses a level itself.
+# Subprocesses (examples, the launcher, the bench smoke run) inherit both flags.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _launch(script: pathlib.Path, nproc: int = 2, devices: int = 4, timeout: float = 600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets them
+    env = dict(os.environ)  # the launcher replaces the device count, keeps the other flags
     return subprocess.run([sys.executable, "-m", "autoshard.launch", "--nproc", str(nproc),
                            "--devices", str(devices), str(script)], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
