@@ -89,7 +89,8 @@ def test_resampling_gradient_stays_split_and_only_the_loss_is_reduced(name, mesh
         warnings.simplefilter("error", dist.FallbackWarning)
         value, grad = f(x)
     want_value, want_grad = jax.jit(step)(IMAGE)
-    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-5)
+    # the loss sums thousands of squares in another order on each device (1.4e-5 apart)
+    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
     assert grad.placements == placements
     # the scatter-add of the gradient is a local sum or pad: the scalar loss is all that moves

@@ -85,8 +85,10 @@ def test_grad_through_dist_jit_uses_the_custom_rule(loss, case):
     value, grad = jax.value_and_grad(lambda a: f(a, xd))(wd)
     ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
     np.testing.assert_allclose(np.asarray(value), ref_value, rtol=1e-5)
+    # gelu's tanh, fused in one program here and op by op in the reference, rounds apart by
+    # ~2e-5 in the gradient's sums over 8 rows; a wrong wrap at zero is off by 0.5 or NaN
     np.testing.assert_allclose(np.asarray(grad.numpy() if hasattr(grad, "numpy") else grad),
-                               ref_grad, rtol=1e-5, atol=1e-5)
+                               ref_grad, rtol=1e-4, atol=1e-4)
     # the rule really matters: autodiff of the primal would give a different gradient
     if loss is loss_ste:
         assert not np.allclose(ref_grad, 0.0)
