@@ -99,6 +99,48 @@ def test_resampling_gradient_stays_split_and_only_the_loss_is_reduced(name, mesh
     assert sum(nbytes.values()) <= 4 * len(placements), nbytes
 
 
+def _up_down(h):
+    return jax.image.resize(h, (4, 64, 32, 8), "nearest")[:, ::2] * 0.9 + jnp.tanh(h)
+
+
+def _nested_scan(x):
+    def outer(c, _):
+        return jax.lax.scan(lambda c, _: (_up_down(c), None), c, None, length=2)[0], None
+    return jax.lax.scan(outer, x, None, length=2)[0]
+
+
+# jax computes a loop's gather index once, outside the loop, and hands it to the forward and
+# the backward loop as an operand: each body sees an input, not a constant, unless it is made one
+LOOPS = {
+    "scan": lambda x: jax.lax.scan(lambda c, _: (_up_down(c), c.sum()), x, None, length=3)[0],
+    "fori_loop": lambda x: jax.lax.fori_loop(0, 2, lambda i, h: _up_down(h), x),
+    "scan inside a scan": _nested_scan,
+}
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_resampling_inside_a_differentiated_loop_stays_split(loop, mesh_name):
+    mesh, placements, x = _placed(mesh_name)
+
+    def loss(x):
+        return jnp.sum(LOOPS[loop](x) ** 2)
+
+    step = jax.value_and_grad(loss)
+    f = dist.jit(step, out_placements=([R()] * len(placements), placements))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        value, grad = f(x)
+    want_value, want_grad = jax.jit(step)(IMAGE)
+    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-4)
+    # the index reached the bodies: their scatter-adds are pads, the loss all that moves
+    kinds, nbytes = _compiled_collectives(f, x)
+    assert set(kinds) == {"all-reduce"}, kinds
+    assert sum(nbytes.values()) <= 4 * len(placements), nbytes
+    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"]
+
+
 def test_an_index_that_is_no_repeat_or_stride_is_still_a_gather():
     # rows [0, 3, 1, 2, ...]: no slice or repeat says it; the gather rule decides as before
     mesh, placements, x = _placed("2x4")

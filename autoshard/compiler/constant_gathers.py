@@ -28,6 +28,7 @@ from .fold import spliced
 from .shift import drop_dead
 
 _MAX_INDEX = 1 << 16  # an index longer than this is not worth evaluating at trace time
+_LOOPS = ("scan", "while", "cond")
 
 
 def _int_div(a, b):
@@ -192,23 +193,91 @@ def _scatter_add_as(shape: tuple, d: int, pattern: tuple, into_zeros: bool) -> C
     return lambda operand, u: lax.add(operand, summed(u))
 
 
+def _closed_with(closed, sunk: dict):
+    """`closed` (a ClosedJaxpr) with the invars at the positions in `sunk` made constants of
+    the values there."""
+    jaxpr = closed.jaxpr
+    keep = [v for i, v in enumerate(jaxpr.invars) if i not in sunk]
+    moved = [jaxpr.invars[i] for i in sorted(sunk)]
+    inner = jaxpr.replace(constvars=[*jaxpr.constvars, *moved], invars=keep)
+    return jax.extend.core.ClosedJaxpr(inner, [*closed.consts, *(sunk[i] for i in sorted(sunk))])
+
+
+def _invariant_operands(e) -> range:
+    """The positions of the operands of loop / branch `e` that every iteration or branch
+    reads as they are: a scan's consts, a while's cond and body consts, a cond's operands."""
+    p, name = e.params, e.primitive.name
+    if name == "scan" and "num_consts" in p:  # (jax 0.11 counts them in a tree: not sunk)
+        return range(p["num_consts"])
+    if name == "while":
+        return range(p["cond_nconsts"] + p["body_nconsts"])
+    if name == "cond":
+        return range(1, len(e.inputs))  # the branch index stays an operand
+    return range(0)
+
+
+def _sunk_params(e, sunk: dict) -> dict:
+    """The params of loop / branch `e` with its invariant operands at positions `sunk`
+    (position → value) made constants of its bodies."""
+    p, name = dict(e.params), e.primitive.name
+    if name == "scan":
+        p["jaxpr"] = _closed_with(p["jaxpr"], sunk)
+        p["num_consts"] -= len(sunk)
+        if "linear" in p:  # (older jax's per-operand flags)
+            p["linear"] = tuple(x for i, x in enumerate(p["linear"]) if i not in sunk)
+    elif name == "while":
+        cn = p["cond_nconsts"]
+        p["cond_jaxpr"] = _closed_with(p["cond_jaxpr"], {i: x for i, x in sunk.items() if i < cn})
+        p["body_jaxpr"] = _closed_with(p["body_jaxpr"],
+                                       {i - cn: x for i, x in sunk.items() if i >= cn})
+        p["cond_nconsts"] = cn - sum(i < cn for i in sunk)
+        p["body_nconsts"] -= sum(i >= cn for i in sunk)
+    else:
+        p["branches"] = tuple(_closed_with(b, {i - 1: x for i, x in sunk.items()})
+                              for b in p["branches"])
+    return p
+
+
+def _sink_into_bodies(loops: list, known: _Constants, params_key: Callable) -> dict:
+    """{id(e): [e']} for each scan / while / cond `e` handed a small computed integer
+    constant as an invariant operand — a gather's index, which jax hoists out of a
+    differentiated scan or fori_loop and out of cond branches — with that constant made
+    one of its bodies': the body's gathers are then rewritten knowing their index."""
+    from .trace import Eqn
+
+    made: dict = {}
+    for e in loops:
+        sunk = {i: value for i in _invariant_operands(e)
+                if np.issubdtype(e.inputs[i].dtype, np.integer)
+                and (value := known(e.inputs[i])) is not None}
+        if sunk:
+            params = _sunk_params(e, sunk)
+            ins = [v for i, v in enumerate(e.inputs) if i not in sunk]
+            made[id(e)] = [Eqn(e.primitive, ins, e.outputs, params, e.where,
+                               params_key=params_key(params))]
+    return made
+
+
 def constant_gathers(eqns: list, outputs: list, regions: list, fresh: Callable[[Any], Any],
                      constant: Callable[[Any, Any], Any]) -> list:
     """`eqns` with each one-dim gather / scatter-add by a constant repeat or every-k-th-row
-    index made the equations that say so (see the module's docstring); the index
-    computations left unread are dropped. `fresh(aval)` makes a value, `constant(value, aval)`
-    a constant."""
+    index made the equations that say so (see the module's docstring), and such an index
+    handed to a loop or branch as an operand made a constant of its body (where it is
+    rewritten alike, when the body is built); the index computations left unread are
+    dropped. `fresh(aval)` makes a value, `constant(value, aval)` a constant."""
+    from .trace import Eqn, params_key
+
     gather, scatter_add = lax.gather_p, lax.scatter_add_p
     candidates = [(e, _gather_dim(e) if e.primitive is gather else _scatter_dim(e))
                   for e in eqns if e.primitive is gather or e.primitive is scatter_add]
     candidates = [(e, d) for e, d in candidates if d is not None]
-    if not candidates:
+    loops = [e for e in eqns if e.primitive.name in _LOOPS
+             and any(np.issubdtype(v.dtype, np.integer) for v in e.inputs)]
+    if not candidates and not loops:
         return eqns  # most programs (an embedding lookup's index is no [n, 1] column)
-    from .trace import Eqn, params_key
-
     made_by = {v: e for e in eqns for v in e.outputs}
     known = _Constants(made_by)
-    replaced: dict = {}
+    replaced = _sink_into_bodies(loops, known, params_key)
     for e, d in candidates:
         data = e.inputs[0] if e.primitive is gather else e.inputs[2]
         index = known(e.inputs[1])
