@@ -141,6 +141,23 @@ def test_resampling_inside_a_differentiated_loop_stays_split(loop, mesh_name):
     assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"]
 
 
+@pytest.mark.parametrize("key", [jax.random.key(3), np.asarray(jax.random.PRNGKey(3))],
+                         ids=["typed key", "uint32 key constant"])
+def test_a_loop_handed_a_key_and_a_constant_index_equals_one_device(key):
+    # integer operands that are no index: a typed key (no numpy dtype) stays an operand; a
+    # raw uint32 key known at trace time becomes a constant of the body like an index
+    mesh, placements, x = _placed("2x4")
+
+    def fn(x):
+        def body(i, h):
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, h.shape)
+            return jnp.where(keep, _up_down(h), 0.0)
+        return jax.lax.fori_loop(0, 2, body, x)
+
+    f = dist.jit(fn, out_placements=placements)
+    np.testing.assert_allclose(np.asarray(f(x)), np.asarray(jax.jit(fn)(IMAGE)), rtol=1e-6)
+
+
 def test_an_index_that_is_no_repeat_or_stride_is_still_a_gather():
     # rows [0, 3, 1, 2, ...]: no slice or repeat says it; the gather rule decides as before
     mesh, placements, x = _placed("2x4")

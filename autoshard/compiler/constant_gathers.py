@@ -203,6 +203,11 @@ def _closed_with(closed, sunk: dict):
     return jax.extend.core.ClosedJaxpr(inner, [*closed.consts, *(sunk[i] for i in sorted(sunk))])
 
 
+def _is_int(v) -> bool:
+    # (a PRNG key's dtype is no numpy dtype)
+    return isinstance(v.dtype, np.dtype) and np.issubdtype(v.dtype, np.integer)
+
+
 def _invariant_operands(e) -> range:
     """The positions of the operands of loop / branch `e` that every iteration or branch
     reads as they are: a scan's consts, a while's cond and body consts, a cond's operands."""
@@ -248,8 +253,7 @@ def _sink_into_bodies(loops: list, known: _Constants, params_key: Callable) -> d
     made: dict = {}
     for e in loops:
         sunk = {i: value for i in _invariant_operands(e)
-                if np.issubdtype(e.inputs[i].dtype, np.integer)
-                and (value := known(e.inputs[i])) is not None}
+                if _is_int(e.inputs[i]) and (value := known(e.inputs[i])) is not None}
         if sunk:
             params = _sunk_params(e, sunk)
             ins = [v for i, v in enumerate(e.inputs) if i not in sunk]
@@ -271,8 +275,7 @@ def constant_gathers(eqns: list, outputs: list, regions: list, fresh: Callable[[
     candidates = [(e, _gather_dim(e) if e.primitive is gather else _scatter_dim(e))
                   for e in eqns if e.primitive is gather or e.primitive is scatter_add]
     candidates = [(e, d) for e, d in candidates if d is not None]
-    loops = [e for e in eqns if e.primitive.name in _LOOPS
-             and any(np.issubdtype(v.dtype, np.integer) for v in e.inputs)]
+    loops = [e for e in eqns if e.primitive.name in _LOOPS and any(map(_is_int, e.inputs))]
     if not candidates and not loops:
         return eqns  # most programs (an embedding lookup's index is no [n, 1] column)
     made_by = {v: e for e in eqns for v in e.outputs}
