@@ -233,7 +233,29 @@ def _index_spec(shape: tuple[int, ...], key: Any) -> tuple[tuple, list]:
             raise IndexError(f"DistTensor index {k!r:.60}: only integers, slices (`:`), ellipsis "
                              f"(`...`), None and integer or boolean arrays are valid indices")
     _check_bounds(shape, spec, arrays)
-    return tuple(spec), arrays
+    return _progression_as_slice(shape, spec, arrays)
+
+
+def _progression_as_slice(shape: tuple[int, ...], spec: list, arrays: list) -> tuple[tuple, list]:
+    """A lone 1-d host index array that steps evenly up a dim (`np.arange(1, 32, 2)`, a mask
+    of every other row) as the slice it equals: the program is the strided slice, which
+    keeps a split dim split (an index operand is a gather that must assume any row), and one
+    program serves every array with the same start, stop and step. Exact: the same rows in
+    the same order, and the same result shape (one advanced index in one dim keeps its place)."""
+    if len(arrays) != 1 or not isinstance(arrays[0], np.ndarray) or arrays[0].ndim != 1 \
+            or not arrays[0].size or any(isinstance(k, bool) for k in spec):
+        return tuple(spec), arrays  # (a scalar bool is an advanced index too)
+    at = spec.index(_ARRAY)
+    takes = [k is not None and k is not Ellipsis and not isinstance(k, bool) for k in spec]
+    dim = sum(takes[:at]) + (len(shape) - sum(takes) if Ellipsis in spec[:at] else 0)
+    n = shape[dim]
+    rows = np.asarray(arrays[0], np.int64) % n  # (in bounds: checked above)
+    step = int(rows[1] - rows[0]) if rows.size > 1 else 1
+    if step < 1 or np.any(np.diff(rows) != step):
+        return tuple(spec), arrays
+    start = int(rows[0])
+    spec = spec[:at] + [("slice", start, start + step * (rows.size - 1) + 1, step)] + spec[at + 1:]
+    return tuple(spec), []
 
 
 def _index(static: tuple, idx: Iterator) -> tuple:

@@ -110,11 +110,14 @@ def _nested_scan(x):
 
 
 # jax computes a loop's gather index once, outside the loop, and hands it to the forward and
-# the backward loop as an operand: each body sees an input, not a constant, unless it is made one
+# the backward loop as an operand; a cond's forward branch hands it to the backward branch as
+# a residual: each body sees an input, not a constant, unless it is made one.
+# (function, the scalars it all-reduces: the loss, and the cond's predicate)
 LOOPS = {
-    "scan": lambda x: jax.lax.scan(lambda c, _: (_up_down(c), c.sum()), x, None, length=3)[0],
-    "fori_loop": lambda x: jax.lax.fori_loop(0, 2, lambda i, h: _up_down(h), x),
-    "scan inside a scan": _nested_scan,
+    "scan": (lambda x: jax.lax.scan(lambda c, _: (_up_down(c), c.sum()), x, None, length=3)[0], 1),
+    "fori_loop": (lambda x: jax.lax.fori_loop(0, 2, lambda i, h: _up_down(h), x), 1),
+    "scan inside a scan": (_nested_scan, 1),
+    "cond": (lambda x: jax.lax.cond(x.sum() > 0, _up_down, lambda h: jnp.tanh(h) * 2, x), 2),
 }
 
 
@@ -123,8 +126,10 @@ LOOPS = {
 def test_resampling_inside_a_differentiated_loop_stays_split(loop, mesh_name):
     mesh, placements, x = _placed(mesh_name)
 
+    fn, scalars = LOOPS[loop]
+
     def loss(x):
-        return jnp.sum(LOOPS[loop](x) ** 2)
+        return jnp.sum(fn(x) ** 2)
 
     step = jax.value_and_grad(loss)
     f = dist.jit(step, out_placements=([R()] * len(placements), placements))
@@ -137,8 +142,8 @@ def test_resampling_inside_a_differentiated_loop_stays_split(loop, mesh_name):
     # the index reached the bodies: their scatter-adds are pads, the loss all that moves
     kinds, nbytes = _compiled_collectives(f, x)
     assert set(kinds) == {"all-reduce"}, kinds
-    assert sum(nbytes.values()) <= 4 * len(placements), nbytes
-    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"]
+    assert sum(nbytes.values()) <= 4 * len(placements) * scalars, nbytes
+    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"] * scalars
 
 
 @pytest.mark.parametrize("key", [jax.random.key(3), np.asarray(jax.random.PRNGKey(3))],

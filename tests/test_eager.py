@@ -197,6 +197,34 @@ def test_indexing_and_slicing(a):
     check(rows[5], A[5])
 
 
+X3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
+
+
+@pytest.mark.parametrize("key", [
+    np.s_[:, :, np.arange(0, 32, 2)], np.s_[..., np.arange(1, 32, 4)], np.s_[:, [1, 3, 5, 7]],
+    np.s_[:, np.arange(8) % 2 == 1], np.s_[..., np.arange(-32, 0, 2)],
+    np.s_[None, :, np.arange(0, 8, 4)],
+], ids=["even cols", "... every 4th", "odd rows list", "odd rows mask", "negative evens",
+        "new axis, every 4th row"])
+def test_an_evenly_stepping_host_index_is_a_strided_slice_that_stays_split(key):
+    # the index array a notebook user writes for every other row keeps the split, as the
+    # slice it equals does; an index operand would make the result a pending sum
+    x = dist.shard_tensor(X3, MESH24, [S(1), S(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        got = x[key]
+    check(got, X3[key])
+    assert not any(isinstance(p, P) for p in got.placements), got.placements
+    check(x.at[key].set(-1.0), np.asarray(jnp.asarray(X3).at[key].set(-1.0)))
+
+
+@pytest.mark.parametrize("key", [np.s_[:, [5, 3, 1]], np.s_[:, [0, 0, 2]], np.s_[:, :, [3]],
+                                 np.s_[:, [1, 2], [0, 4]], np.s_[[0, 2], True]])
+def test_other_host_indices_still_gather_like_jax(key):
+    x = dist.shard_tensor(X3, MESH24, [S(1), S(2)])
+    check(x[key], np.asarray(jnp.asarray(X3)[key]))
+
+
 def test_shapes_reductions_and_casts(a):
     check(a.T, A.T)
     check(a.reshape(4, 16), A.reshape(4, 16))

@@ -238,22 +238,62 @@ def _sunk_params(e, sunk: dict) -> dict:
         p["cond_nconsts"] = cn - sum(i < cn for i in sunk)
         p["body_nconsts"] -= sum(i >= cn for i in sunk)
     else:
-        p["branches"] = tuple(_closed_with(b, {i - 1: x for i, x in sunk.items()})
-                              for b in p["branches"])
+        p["branches"] = tuple(
+            _closed_with(b, {i - 1: x[j] if isinstance(x, _PerBranch) else x
+                             for i, x in sunk.items()})
+            for j, b in enumerate(p["branches"]))
     return p
+
+
+class _PerBranch(tuple):
+    """A cond operand's value in each of its branches."""
+
+
+def _reads(closed, k: int) -> bool:
+    v = closed.jaxpr.invars[k]
+    return any(v is a for e in closed.jaxpr.eqns for a in e.invars) or \
+        any(v is a for a in closed.jaxpr.outvars)
+
+
+def _residual_per_branch(e, i: int, made_by: dict) -> _PerBranch | None:
+    """The value of operand i of cond `e` in each of its branches, where it is an output of
+    an earlier cond on the same branch index (a differentiated cond's residual: the backward
+    cond takes branch j exactly when the forward one took branch j) and each branch of `e`
+    that reads it finds a constant there: a gather's index computed in the forward branch."""
+    from .trace import build_program
+
+    fwd, v = made_by.get(e.inputs[i]), e.inputs[i]
+    if fwd is None or fwd.primitive.name != "cond" or fwd.inputs[0] is not e.inputs[0] \
+            or len(fwd.params["branches"]) != len(e.params["branches"]):
+        return None
+    k = fwd.outputs.index(v)
+    values = []
+    for forward, branch in zip(fwd.params["branches"], e.params["branches"]):
+        if not _reads(branch, i - 1):  # this branch never looks at it
+            values.append(np.zeros(v.shape, v.dtype))
+            continue
+        program = build_program(forward)
+        value = _Constants({u: q for q in program.eqns for u in q.outputs})(program.outputs[k])
+        if value is None:
+            return None
+        values.append(value)
+    return _PerBranch(values)
 
 
 def _sink_into_bodies(loops: list, known: _Constants, params_key: Callable) -> dict:
     """{id(e): [e']} for each scan / while / cond `e` handed a small computed integer
     constant as an invariant operand — a gather's index, which jax hoists out of a
-    differentiated scan or fori_loop and out of cond branches — with that constant made
-    one of its bodies': the body's gathers are then rewritten knowing their index."""
+    differentiated scan or fori_loop, and which a differentiated cond's forward branch
+    hands its backward branch as a residual — with that constant made one of its bodies':
+    the body's gathers are then rewritten knowing their index."""
     from .trace import Eqn
 
     made: dict = {}
     for e in loops:
         sunk = {i: value for i in _invariant_operands(e)
-                if _is_int(e.inputs[i]) and (value := known(e.inputs[i])) is not None}
+                if _is_int(e.inputs[i]) and (value := known(e.inputs[i])) is not None
+                or e.primitive.name == "cond" and _is_int(e.inputs[i])
+                and (value := _residual_per_branch(e, i, known.made_by)) is not None}
         if sunk:
             params = _sunk_params(e, sunk)
             ins = [v for i, v in enumerate(e.inputs) if i not in sunk]
