@@ -72,13 +72,11 @@ def test_resampling_keeps_the_split_dims_and_moves_nothing(name, mesh_name):
     assert not kinds, kinds
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_resampling_gradient_stays_split_and_only_the_loss_is_reduced(name, mesh_name):
-    fn = FUNCTIONS[name]
+def _assert_step_moves_only_scalars(fn, mesh_name: str, scalars: int = 1, weights=1.0,
+                                    grad_tol: float = 1e-5) -> None:
+    """value_and_grad of sum(fn(x)² · weights) equals one device with the gradient split like
+    x, and all that moves is `scalars` all-reduced scalars (the loss, a cond's predicate)."""
     mesh, placements, x = _placed(mesh_name)
-    weights = np.random.default_rng(1).normal(size=jax.eval_shape(fn, IMAGE).shape)
-    weights = weights.astype(np.float32)
 
     def loss(x):
         return jnp.sum(fn(x) ** 2 * weights)
@@ -91,12 +89,21 @@ def test_resampling_gradient_stays_split_and_only_the_loss_is_reduced(name, mesh
     want_value, want_grad = jax.jit(step)(IMAGE)
     # the loss sums thousands of squares in another order on each device (1.4e-5 apart)
     np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=grad_tol, atol=grad_tol)
     assert grad.placements == placements
-    # the scatter-add of the gradient is a local sum or pad: the scalar loss is all that moves
+    # the scatter-adds of the gradient are local sums or pads: only the scalars move
     kinds, nbytes = _compiled_collectives(f, x)
     assert set(kinds) == {"all-reduce"}, kinds
-    assert sum(nbytes.values()) <= 4 * len(placements), nbytes
+    assert sum(nbytes.values()) <= 4 * len(placements) * scalars, nbytes
+    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"] * scalars
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_resampling_gradient_stays_split_and_only_the_loss_is_reduced(name, mesh_name):
+    fn = FUNCTIONS[name]
+    weights = np.random.default_rng(1).normal(size=jax.eval_shape(fn, IMAGE).shape)
+    _assert_step_moves_only_scalars(fn, mesh_name, weights=weights.astype(np.float32))
 
 
 def _up_down(h):
@@ -124,26 +131,9 @@ LOOPS = {
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("loop", list(LOOPS))
 def test_resampling_inside_a_differentiated_loop_stays_split(loop, mesh_name):
-    mesh, placements, x = _placed(mesh_name)
-
+    # the index reached the bodies: their gathers are slices, their scatter-adds pads
     fn, scalars = LOOPS[loop]
-
-    def loss(x):
-        return jnp.sum(fn(x) ** 2)
-
-    step = jax.value_and_grad(loss)
-    f = dist.jit(step, out_placements=([R()] * len(placements), placements))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", dist.FallbackWarning)
-        value, grad = f(x)
-    want_value, want_grad = jax.jit(step)(IMAGE)
-    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-4)
-    # the index reached the bodies: their scatter-adds are pads, the loss all that moves
-    kinds, nbytes = _compiled_collectives(f, x)
-    assert set(kinds) == {"all-reduce"}, kinds
-    assert sum(nbytes.values()) <= 4 * len(placements) * scalars, nbytes
-    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"] * scalars
+    _assert_step_moves_only_scalars(fn, mesh_name, scalars, grad_tol=1e-4)
 
 
 @pytest.mark.parametrize("key", [jax.random.key(3), np.asarray(jax.random.PRNGKey(3))],
