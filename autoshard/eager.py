@@ -246,8 +246,9 @@ def _progression_as_slice(shape: tuple[int, ...], spec: list, arrays: list) -> t
             or not arrays[0].size or any(isinstance(k, bool) for k in spec):
         return tuple(spec), arrays  # (a scalar bool is an advanced index too)
     at = spec.index(_ARRAY)
-    takes = [k is not None and k is not Ellipsis and not isinstance(k, bool) for k in spec]
-    dim = sum(takes[:at]) + (len(shape) - sum(takes) if Ellipsis in spec[:at] else 0)
+    dim = _dims(shape, spec)[at]
+    if dim >= len(shape):  # too many indices: jnp says so
+        return tuple(spec), arrays
     n = shape[dim]
     rows = np.asarray(arrays[0], np.int64) % n  # (in bounds: checked above)
     step = int(rows[1] - rows[0]) if rows.size > 1 else 1
@@ -335,13 +336,9 @@ for _op in _AT_OPS:
 def _check_bounds(shape: tuple[int, ...], spec: list, arrays: list) -> None:
     # jnp clamps an out-of-range index; numpy (and Python iteration) raise IndexError. Host
     # index arrays are checked too; device ones would have to be fetched, so they are not.
-    consumed = sum(1 for k in spec if k is not None and k is not Ellipsis and not isinstance(k, bool))
-    dim, it = 0, iter(arrays)
-    for k in spec:
-        if k is Ellipsis:
-            dim += max(len(shape) - consumed, 0)
-            continue
-        if k is None or isinstance(k, bool):
+    it = iter(arrays)
+    for k, dim in zip(spec, _dims(shape, spec)):
+        if dim is None:
             continue
         values = next(it) if k is _ARRAY else k
         if dim < len(shape) and isinstance(values, (int, np.ndarray)):
@@ -351,7 +348,18 @@ def _check_bounds(shape: tuple[int, ...], spec: list, arrays: list) -> None:
             if bad.size:
                 raise IndexError(f"index {int(bad.flat[0])} is out of bounds for axis {dim} "
                                  f"with size {n}")
-        dim += 1
+
+
+def _dims(shape: tuple[int, ...], spec: list) -> list:
+    """The dim of `shape` each index entry takes (None: a new axis, `...`, a scalar bool)."""
+    takes = [k is not None and k is not Ellipsis and not isinstance(k, bool) for k in spec]
+    dims, dim = [], 0
+    for k, t in zip(spec, takes):
+        if k is Ellipsis:
+            dim += max(len(shape) - sum(takes), 0)
+        dims.append(dim if t else None)
+        dim += t
+    return dims
 
 
 def _iter(self: DistTensor) -> Iterator[DistTensor]:

@@ -288,12 +288,17 @@ def _sink_into_bodies(loops: list, known: _Constants, params_key: Callable) -> d
     the body's gathers are then rewritten knowing their index."""
     from .trace import Eqn
 
+    def value(e, i: int):
+        if not _is_int(e.inputs[i]):
+            return None
+        found = known(e.inputs[i])
+        if found is None and e.primitive.name == "cond":
+            found = _residual_per_branch(e, i, known.made_by)
+        return found
+
     made: dict = {}
     for e in loops:
-        sunk = {i: value for i in _invariant_operands(e)
-                if _is_int(e.inputs[i]) and (value := known(e.inputs[i])) is not None
-                or e.primitive.name == "cond" and _is_int(e.inputs[i])
-                and (value := _residual_per_branch(e, i, known.made_by)) is not None}
+        sunk = {i: x for i in _invariant_operands(e) if (x := value(e, i)) is not None}
         if sunk:
             params = _sunk_params(e, sunk)
             ins = [v for i, v in enumerate(e.inputs) if i not in sunk]
