@@ -14,11 +14,11 @@ ROW_KEYS = {"workload", "key", "mesh", "equations", "bytes", "xla_bytes", "wire_
             "xla_collective_ops", "bytes_by_kind",
             "xla_bytes_by_kind", "count_by_kind", "xla_count_by_kind", "bytes_ratio",
             "wire_ratio", "min_bytes", "vs_min", "mem", "xla_mem", "mem_ratio", "plan_s",
-            "partition_s", "lower_s", "pass_s", "xla_compile_s", "xla_base_compile_s", "pass_over_compile",
+            "partition_s", "trace_s", "pass_per_trace", "lower_s", "pass_s", "xla_compile_s", "xla_base_compile_s", "pass_over_compile",
             "step_ms", "xla_step_ms", "step_ratio", "step_ratio_min", "step_ratio_max",
             "outputs_agree", "flops", "xla_flops", "flops_ratio", "bytes_accessed",
             "xla_bytes_accessed", "bytes_accessed_ratio"}
-RATIOS = ("bytes_ratio", "wire_ratio", "mem_ratio", "step_ratio", "pass_over_compile",
+RATIOS = ("bytes_ratio", "wire_ratio", "mem_ratio", "step_ratio", "pass_over_compile", "pass_per_trace",
           "flops_ratio", "bytes_accessed_ratio")
 
 
@@ -62,6 +62,7 @@ def test_compiler_suite(tmp_path):
     assert one["workload"] == "gpt unrolled 1L" and two["workload"] == "gpt unrolled 2L"
     for row in rows:
         assert row["equations"] > 100 and row["pass_s"] > 0 and row["xla_compile_s"] > 0
+        assert row["trace_s"] > 0 and row["pass_per_trace"] > 0
         assert row["bytes"] <= row["xla_bytes"]  # deterministic counts from the compiled HLO
     # the slope between depths (timing noise may make it any sign, never missing)
     assert "marginal_s_per_10k_eqns" not in one

@@ -3,7 +3,10 @@ partitioned GPT step communicates against plain jax.jit with the same input shar
 
 Pass time is plan (build_program + propagate + plan) + partition (tracing our local program
 under shard_map); jax's lowering of it to StableHLO is the `lower_s` column, apart, and
-`s_per_10k_eqns_with_lower` counts it in (see `measure.py`).
+`s_per_10k_eqns_with_lower` counts it in (see `measure.py`). `trace_s` is jax's `make_jaxpr`
+of the same step on the same machine, and `pass_per_trace` our pass time over it: seconds per
+10k equations vary with the machine's speed (2-3x between days on the shared machine these
+were measured on), the ratio to jax's own tracing much less.
 
     python -m autoshard.bench compiler [--layers 2 12 48] [--scan 12] [--json FILE]
 
@@ -39,7 +42,8 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
         b["marginal_s_per_10k_eqns"] = round((b["pass_s"] - a["pass_s"]) * 1e4 / added, 3) \
             if added > 0 else None
     rows += [measure(n, "scan") for n in scan]
-    cols = ["workload", "equations", "plan_s", "partition_s", "lower_s", "s_per_10k_eqns",
+    cols = ["workload", "equations", "plan_s", "partition_s", "trace_s", "pass_per_trace",
+            "lower_s", "s_per_10k_eqns",
             "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes",
             "xla_bytes", "bytes_ratio", "collectives", "xla_collectives", "collective_ops",
             "xla_collective_ops"]

@@ -11,6 +11,11 @@ Timings and what they include:
   partitioning (building the local program: tracing it under `shard_map`, `jit.trace`),
   excluding `make_jaxpr` of the user's function, jax's lowering and XLA; each part the best
   of 3 runs on a fresh `dist.jit`;
+- trace: `make_jaxpr` of the user's step (jax's own tracing of the program we are handed),
+  best of 3, timed beside the passes as a yardstick of this machine's Python speed: pass time
+  per 10k equations in seconds depends on the machine (the same code measured 0.27 s at 48
+  layers on one day and 0.5 s on a slower one); `pass_per_trace` (pass time / trace time) does
+  not;
 - lower: jax's lowering of that program to StableHLO (`traced.lower()`, jax's MLIR emission,
   none of our code runs there), reported apart from the pass time, not hidden: the
   `*_with_lower` columns add it back;
@@ -64,6 +69,7 @@ class Built:
     planned_collectives: int
     plan_s: float
     partition_s: float
+    trace_s: float             # make_jaxpr of the user's step (best of the repeats)
     lower_s: float
     xla_compile_s: float
     base_compile_s: float
@@ -76,8 +82,9 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int]:
-    """Time propagation + planning by themselves, on an already traced program.
+def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, float]:
+    """Time propagation + planning by themselves, on an already traced program; and jax's
+    tracing of the user's function that precedes them (seconds, equations, trace seconds).
 
     Uses the DistributedFunction's internals (as the compiler benchmark always has): there is
     no public hook between make_jaxpr and the plan.
@@ -88,7 +95,7 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int]:
 
     static, leaves, tree = f._split(args, {})
     described = tuple(_describe_leaf(x) for x in leaves)
-    closed, _ = f._trace(static, tree, described)
+    (closed, _), trace_s = _timed(lambda: gc_paused(f._trace)(static, tree, described))
 
     @gc_paused  # as in dist.jit's _passes: one collection pause over both
     def passes():
@@ -98,7 +105,7 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int]:
         return program
 
     program, seconds = _timed(passes)
-    return seconds, len(program.eqns)
+    return seconds, len(program.eqns), trace_s
 
 
 def build(w: Workload, repeats: int = 3) -> Built:
@@ -108,7 +115,8 @@ def build(w: Workload, repeats: int = 3) -> Built:
     third. XLA's compiles are timed once (minutes at 48 layers)."""
     f = dist.jit(w.step, out_placements=w.out_placements)
     plans = [time_plan(f, w.args, w.mesh) for _ in range(repeats)]
-    plan_s, equations = min(t for t, _ in plans), plans[0][1]
+    plan_s, equations = min(p[0] for p in plans), plans[0][1]
+    trace_s = min(p[2] for p in plans)
     partition_s = math.inf
     for _ in range(repeats):
         f = dist.jit(w.step, out_placements=w.out_placements)
@@ -122,7 +130,7 @@ def build(w: Workload, repeats: int = 3) -> Built:
     base_inputs = baseline_inputs(w.args)
     base, base_compile_s = _timed(lambda: jax.jit(w.baseline_step or w.step).lower(*base_inputs).compile())
     return Built(ours, base, ours_inputs, base_inputs, equations, len(entry.plan.collectives),
-                 plan_s, partition_s, lower_s, xla_compile_s, base_compile_s,
+                 plan_s, partition_s, trace_s, lower_s, xla_compile_s, base_compile_s,
                  lambda: f(*w.args))
 
 
@@ -135,6 +143,7 @@ def pass_times(b: Built) -> dict:
             "lower_s": round(b.lower_s, 3), "pass_s": round(pass_s, 3),
             "pass_with_lower_s": round(with_lower, 3),
             "s_per_10k_eqns": round(pass_s * per_10k, 3),
+            "trace_s": round(b.trace_s, 3), "pass_per_trace": round(pass_s / b.trace_s, 3),
             "s_per_10k_eqns_with_lower": round(with_lower * per_10k, 3)}
 
 

@@ -9,11 +9,10 @@ import sys
 import threading
 import warnings
 from collections.abc import MutableMapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from ..creation import offload
 from ..dtensor import DistTensor, make_dtensor
@@ -22,6 +21,17 @@ from ..physical import physical_sharding
 from ..layout import Layout
 from ..reshard.api import reshard, to_even
 from ..uneven import even_part
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+
+def _orbax():
+    # imported when a checkpoint is first saved or loaded: orbax is a sixth of
+    # `import autoshard`'s time, which every run (and every launched process) would pay
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 class CheckpointError(AutoshardError, ValueError):
@@ -168,6 +178,7 @@ def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
         raise CheckpointError(f"cannot save to {path}: it exists and is not a checkpoint, and "
                               f"saving would delete it; pass a new or empty directory")
     flat = {key: _to_saveable(key, leaf) for key, leaf in zip(keys, leaves)}
+    ocp = _orbax()
     checkpointer = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
     try:
         checkpointer.save(path, args=ocp.args.PyTreeSave(flat), force=True)
@@ -187,6 +198,7 @@ def _read_metadata(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it is not a directory; pass the "
                               f"directory given to save_state_dict")
+    ocp = _orbax()
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:
             meta = checkpointer.metadata(path).item_metadata
@@ -210,6 +222,7 @@ def _same_kind(a: np.dtype, b: np.dtype) -> bool:
 
 def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, Any]:
     """(item, restore args) reading `key` straight into the target's sharding, after checks."""
+    ocp = _orbax()
     if isinstance(target, DistTensor):
         shape, dtype = target.shape, np.dtype(target.dtype)
         sharding = physical_sharding(_readable(target), target.mesh)
@@ -266,6 +279,7 @@ def _rebuild(target: Any, value: Any) -> Any:
 
 
 def _restore(path: str, items: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    ocp = _orbax()
     with ocp.PyTreeCheckpointer() as checkpointer:
         def read(keys: list[str]) -> dict[str, Any]:
             return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
