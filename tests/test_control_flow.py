@@ -59,6 +59,50 @@ def test_gradient_accumulated_across_a_scan_is_reduced_once_after_the_loop():
     assert any(L.partial for L in backward.results)  # the carry stays Partial through the loop
 
 
+def _layers_loss(w, xb):  # a scan over stacked layers: its gradient comes out of a loop
+    def layer(h, wl):
+        return h + jnp.tanh(h @ wl), None
+    h, _ = jax.lax.scan(layer, xb, w)
+    return jnp.mean(h ** 2)
+
+
+def _plain_loss(w, xb):
+    return jnp.mean(jnp.tanh(xb @ w[0]) ** 2)
+
+
+@pytest.mark.parametrize("loss", [_layers_loss, _plain_loss], ids=["layers-scan", "plain"])
+@pytest.mark.parametrize("bound", ["static", "traced"])
+def test_gradients_accumulated_over_micro_batches_are_reduced_once_after_the_loop(loss, bound):
+    # gradient accumulation as users write it: zeros, then each micro-batch's gradient added
+    # in a fori_loop (a scan; a while loop when the trip count is traced). The batch is split
+    # over dp, so each gradient is pending over dp: carried pending, it is reduced once after
+    # the loop, where reducing it before each add all-reduces it on every iteration (as it was
+    # for a gradient made by a scan inside the body, whose pending sum propagation cannot see)
+    rng = np.random.default_rng(0)
+    w = (rng.normal(size=(3, 8, 8)) * 0.3).astype(np.float32)
+    xs = rng.normal(size=(4, 16, 8)).astype(np.float32)  # 4 micro-batches of 16 rows
+
+    def step(w, xs, n):
+        def body(i, acc):
+            l, g = jax.value_and_grad(loss)(w, xs[i])
+            return acc[0] + l, acc[1] + g
+        stop = n if bound == "traced" else 4
+        return jax.lax.fori_loop(0, stop, body, (jnp.zeros(()), jnp.zeros_like(w)))
+
+    dw = dist.shard_tensor(w, MESH, ["R", "R"])
+    dxs = dist.shard_tensor(xs, MESH, [dist.Shard(1), dist.Replicate()])
+    n = np.int32(4)
+    f, (l, g) = run_checked(step, dw, dxs, n)
+    ref_l, ref_g = jax.jit(step)(w, xs, n)
+    np.testing.assert_allclose(l.numpy(), ref_l, rtol=1e-5)
+    np.testing.assert_allclose(g.numpy(), ref_g, rtol=1e-4, atol=1e-6)
+    plan = f.plan(dw, dxs, n)
+    assert not [c.reason for c in plan.collectives if "inside" in c.reason]
+    # the loss and the gradient, each all-reduced once over dp
+    assert sorted(c.bytes_per_device for c in plan.collectives) == [4, w.nbytes]
+    assert all(c.kind == "all-reduce" and c.axes == ("dp",) for c in plan.collectives)
+
+
 def test_cond_and_while():
     x = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
     dx = dist.shard_tensor(x, MESH, ["S(0)", "S(1)"])

@@ -173,6 +173,10 @@ def _program(ops):
 # the pad rule let the result split alone and the local pad made two columns, not one
 # (found by the explore profile, stop 32)
 @example((MESHES[3], ("cumlogsumexp", "ragged_dot"), ["R", "R", "S(0)"], ["R", "S(0)", "R"], 0))
+# a pending sum reduced before a transpose instead of after the roll that followed it: the
+# plan dropped the roll's own halo collective with the moved reduction (HLO: 2 permutes, plan:
+# 1; found by the explore profile, stop 39)
+@example((MESHES[1], ("transpose", "roll"), ["S(0)", "P(sum)"], ["R", "R"], 0))
 def test_random_programs_values_and_gradients(case):
     _check_random_program(*case)
 

@@ -42,6 +42,7 @@ from .trace import build_program
 
 HIGHER_ORDER = {"scan", "while", "cond", "checkpoint", "remat", "remat2"}
 _MAX_FIXPOINT = 4
+_ADDS = ("add", "add_any")
 
 
 def _closed(jaxpr):
@@ -78,18 +79,62 @@ def _sub_plan(jaxpr, mesh, inputs, targets, registry, cost_model):
 
 def _loop_carries(make, carries: list[Layout], n_outputs_after: int, first: int):
     """Plan a loop body until its carry-out layouts equal its carry-in layouts (the carries
-    are the body's inputs first, first + 1, ...)."""
+    are the body's inputs first, first + 1, ...). A fixpoint whose body reduces an update
+    only to add it to a complete carry is planned again with that carry Partial (see
+    `_accumulators`), and the plan moving fewer bytes per iteration is kept."""
     from .plan import KEEP
 
     n = len(carries)
+    found = None  # (carries, body) of the first fixpoint
     for _ in range(_MAX_FIXPOINT):
         sub = make(carries, [KEEP] * (n + n_outputs_after))
         out = sub.outputs[:n]
         if list(out) == list(carries):
+            if found is None:
+                found = (carries, sub)
+                pending = _accumulators(sub, carries, first)
+                if pending != carries:
+                    carries = pending
+                    continue
+            elif sub.total_bytes >= found[1].total_bytes:
+                break
             return _complete_if_reduced(make, carries, sub, n_outputs_after, first)
+        if found is not None:
+            break  # the Partial carries lead nowhere: keep the first fixpoint
         carries = list(out)
+    if found is not None:
+        return _complete_if_reduced(make, found[0], found[1], n_outputs_after, first)
     # No fixpoint: force the body to hand back what it was given.
     return carries, make(carries, carries + [KEEP] * n_outputs_after)
+
+
+def _accumulators(sub, carries: list[Layout], first: int) -> list[Layout]:
+    """`carries` with each complete carry that the body hands back as `carry + update`, the
+    update Partial(sum) and reduced only to be added, made Partial like the update.
+
+    Gradient accumulation over micro-batches (`fori_loop` / `scan` adding each step's
+    gradient to zeros) is planned with complete carries first: the zeros are complete, and an
+    update made by a loop or branch inside the body has no preference for propagation to
+    carry out to the add. Reduced there, the gradient is all-reduced on every iteration;
+    carried Partial (the zeros are a Partial value as they are, any other initial value is
+    counted on one device only), it is reduced once, after the loop."""
+    program, out = sub.program, list(carries)
+    for i, L in enumerate(carries):
+        v = program.outputs[i]
+        if L.partial or v.producer < 0:
+            continue
+        e, ep = program.eqns[v.producer], sub.eqns[v.producer]
+        carry = program.inputs[first + i]
+        if e.primitive.name not in _ADDS or len(e.inputs) != 2 or e.inputs.count(carry) != 1:
+            continue
+        k = 1 - e.inputs.index(carry)
+        update = sub.layouts[e.inputs[k]]
+        if (k not in dict(ep.reshards) or not update.partial
+                or any(t is not ReduceType.SUM for _, t in update.partial)
+                or any(a in axes for a, _ in update.partial for axes in L.dims)):
+            continue
+        out[i] = Layout(L.dims, update.partial)
+    return out
 
 
 def _reduced_inside(sub, i: int) -> bool:
@@ -152,7 +197,6 @@ def _ys_as_reduced(make, carries: list[Layout], body, nk: int):
     return fixed if list(fixed.outputs[:nk]) == list(carries) else body
 
 
-_ADDS = ("add", "add_any")
 _LINEAR = {ReduceType.SUM, ReduceType.AVG}
 
 
