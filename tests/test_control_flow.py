@@ -103,6 +103,36 @@ def test_gradients_accumulated_over_micro_batches_are_reduced_once_after_the_loo
     assert all(c.kind == "all-reduce" and c.axes == ("dp",) for c in plan.collectives)
 
 
+@pytest.mark.parametrize("bound", ["static", "traced"])
+def test_a_loop_constant_moved_alike_at_every_read_is_moved_once_before_the_loop(bound):
+    # micro-batches sliced along the dim the batch is split on: each is held by some devices
+    # only, so the batch is re-split (an all-to-all) — once, before the loop, not per micro-batch
+    # (no larger per device). A weight the body gathers is still gathered inside: hoisted, the
+    # gathered copy would be held for the whole loop (ZeRO-3's params across micro-batches).
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(8, 8)) * 0.3).astype(np.float32)
+    x = rng.normal(size=(16, 4, 8)).astype(np.float32)
+
+    def step(w, x, n):
+        def body(i, acc):
+            xb = jax.lax.dynamic_slice_in_dim(x, i * 4, 4)
+            l, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(xb @ w) ** 2))(w)
+            return acc[0] + l, acc[1] + g
+        stop = n if bound == "traced" else 4
+        return jax.lax.fori_loop(0, stop, body, (jnp.zeros(()), jnp.zeros_like(w)))
+
+    dw = dist.shard_tensor(w, MESH, [dist.Shard(0), dist.Replicate()])   # ZeRO-3-like
+    dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])   # batch over dp
+    n = np.int32(4)
+    f, (l, g) = run_checked(step, dw, dx, n)
+    ref_l, ref_g = jax.jit(step)(w, x, n)
+    np.testing.assert_allclose(l.numpy(), ref_l, rtol=1e-5)
+    np.testing.assert_allclose(g.numpy(), ref_g, rtol=1e-4, atol=1e-6)
+    moves = {(c.kind, "inside" in c.reason) for c in f.plan(dw, dx, n).collectives}
+    assert ("all-to-all", False) in moves and ("all-to-all", True) not in moves
+    assert ("all-gather", True) in moves and ("all-gather", False) not in moves
+
+
 def test_cond_and_while():
     x = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
     dx = dist.shard_tensor(x, MESH, ["S(0)", "S(1)"])

@@ -38,6 +38,7 @@ from jax.extend import core as jex_core
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
+from .dtypes import local_nbytes
 from .trace import build_program
 
 HIGHER_ORDER = {"scan", "while", "cond", "checkpoint", "remat", "remat2"}
@@ -134,6 +135,32 @@ def _accumulators(sub, carries: list[Layout], first: int) -> list[Layout]:
                 or any(a in axes for a, _ in update.partial for axes in L.dims)):
             continue
         out[i] = Layout(L.dims, update.partial)
+    return out
+
+
+def _invariant_moves(sub, consts: list[Layout], first: int, mesh) -> list[Layout]:
+    """`consts` (the body's inputs first, first + 1, ...) with each that the body moves to
+    one same layout wherever it reads it, no larger per device (an all-to-all, a slice, a
+    split of a pending sum), in that layout: moved once before the loop instead of on every
+    iteration. Gathers stay in the body: hoisted, every gathered copy would be held for the
+    whole loop (ZeRO-3's params across accumulated micro-batches)."""
+    program, out = sub.program, list(consts)
+    readers, results = program.readers(), set(program.outputs)
+    sizes = mesh.axis_sizes
+    for i, L in enumerate(consts):
+        v = program.inputs[first + i]
+        reads = readers.get(v)
+        if not reads or v in results:
+            continue
+        dsts = {dict(sub.eqns[j].reshards).get(k) for j, k in reads}
+        if None in dsts:
+            continue  # some read takes it as it is
+        targets = {rp.dst for rp in dsts}
+        if len(targets) != 1:
+            continue
+        dst = targets.pop()
+        if local_nbytes(v.shape, v.dtype, dst, sizes) <= local_nbytes(v.shape, v.dtype, L, sizes):
+            out[i] = dst
     return out
 
 
@@ -322,6 +349,10 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
             return _sub_plan(p["jaxpr"], mesh, consts + carries + xs_in, targets, registry, cost_model)
 
         carries, body = _loop_carries(make, list(init), n_ys, nc)
+        moved = _invariant_moves(body, consts, 0, mesh)
+        if moved != consts:
+            consts = moved  # (read by `make`)
+            carries, body = _loop_carries(make, list(init), n_ys, nc)
         body = _ys_as_reduced(make, carries, body, nk)
         ys = [_stacked(L) for L in body.outputs[nk:]]
         return consts + carries + xs_req, carries + ys, [body], f"scan × {p['length']}"
@@ -333,6 +364,10 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
             return _sub_plan(p["body_jaxpr"], mesh, bconsts + carries, targets, registry, cost_model)
 
         carries, body = _loop_carries(make, list(init), 0, bn)
+        moved = _invariant_moves(body, bconsts, 0, mesh)
+        if moved != bconsts:
+            bconsts = moved  # (read by `make`)
+            carries, body = _loop_carries(make, list(init), 0, bn)
         cond = _sub_plan(p["cond_jaxpr"], mesh, cconsts + carries, [Layout.replicated(0)],
                          registry, cost_model)
         return cconsts + bconsts + carries, carries, [cond, body], "while loop"
