@@ -82,7 +82,8 @@ def time_table(rows: Sequence[dict]) -> str:
                "pass/compile", "xla jit compile s", "flops ours/xla", "mem traffic ours/xla",
                "step ms ours", "step ms xla", "step ours/xla [min–max]", "same values"]
     body = [[r["workload"], str(r["equations"]), _s(r["plan_s"]), _s(r["partition_s"]),
-             _s(r["pass_s"]), _x(r.get("pass_per_trace")), _s(r["lower_s"]), _s(r["xla_compile_s"]), f"{100 * r['pass_over_compile']:.0f}%",
+             _s(r["pass_s"]), _x(r.get("pass_per_trace")), _s(r["lower_s"]),
+             _s(r["xla_compile_s"]), f"{100 * r['pass_over_compile']:.0f}%",
              _s(r["xla_base_compile_s"]), _x(r.get("flops_ratio")),
              _x(r.get("bytes_accessed_ratio")), f"{r['step_ms']:.2f}", f"{r['xla_step_ms']:.2f}",
              f"{_x(r['step_ratio'])} [{r['step_ratio_min']:.2f}–{r['step_ratio_max']:.2f}]",

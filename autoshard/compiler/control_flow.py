@@ -81,32 +81,27 @@ def _sub_plan(jaxpr, mesh, inputs, targets, registry, cost_model):
 def _loop_carries(make, carries: list[Layout], n_outputs_after: int, first: int):
     """Plan a loop body until its carry-out layouts equal its carry-in layouts (the carries
     are the body's inputs first, first + 1, ...). A fixpoint whose body reduces an update
-    only to add it to a complete carry is planned again with that carry Partial (see
-    `_accumulators`), and the plan moving fewer bytes per iteration is kept."""
+    only to add it to a complete carry is planned once more with that carry Partial (see
+    `_accumulators`); that plan is kept if it is a fixpoint too and moves fewer bytes per
+    iteration."""
     from .plan import KEEP
 
     n = len(carries)
-    found = None  # (carries, body) of the first fixpoint
     for _ in range(_MAX_FIXPOINT):
         sub = make(carries, [KEEP] * (n + n_outputs_after))
-        out = sub.outputs[:n]
-        if list(out) == list(carries):
-            if found is None:
-                found = (carries, sub)
-                pending = _accumulators(sub, carries, first)
-                if pending != carries:
-                    carries = pending
-                    continue
-            elif sub.total_bytes >= found[1].total_bytes:
-                break
-            return _complete_if_reduced(make, carries, sub, n_outputs_after, first)
-        if found is not None:
-            break  # the Partial carries lead nowhere: keep the first fixpoint
-        carries = list(out)
-    if found is not None:
-        return _complete_if_reduced(make, found[0], found[1], n_outputs_after, first)
-    # No fixpoint: force the body to hand back what it was given.
-    return carries, make(carries, carries + [KEEP] * n_outputs_after)
+        out = list(sub.outputs[:n])
+        if out == list(carries):
+            break
+        carries = out
+    else:
+        # No fixpoint: force the body to hand back what it was given.
+        return carries, make(carries, carries + [KEEP] * n_outputs_after)
+    pending = _accumulators(sub, carries, first)
+    if pending != carries:
+        other = make(pending, [KEEP] * (n + n_outputs_after))
+        if list(other.outputs[:n]) == pending and other.total_bytes < sub.total_bytes:
+            carries, sub = pending, other
+    return _complete_if_reduced(make, carries, sub, n_outputs_after, first)
 
 
 def _accumulators(sub, carries: list[Layout], first: int) -> list[Layout]:
