@@ -107,3 +107,26 @@ def test_uneven_storage_seen_by_a_tree_map_is_named():
         for state in (dist.jit(tx.init)(params), dist.shard_optimizer(tx).init(params)):
             is_dt = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
             assert jax.tree.map(lambda t: tuple(t.shape), state, is_leaf=is_dt) == ref
+
+
+@pytest.mark.parametrize("wrap", ["apply_if_finite", "multisteps_skip_not_finite"])
+def test_a_gradient_checked_for_finiteness_is_reduced_once(wrap):
+    """optax.apply_if_finite checks every gradient with is_finite (which needs the summed
+    gradient), then updates inside a lax.cond: the update takes the gradients already reduced
+    for the check — as many bytes as adam alone plus the check's flags, not each gradient
+    reduced a second time inside the branch — and trains like one device."""
+    inner = optax.adam(1e-2)
+    tx = (optax.apply_if_finite(inner, 3) if wrap == "apply_if_finite" else
+          optax.MultiSteps(inner, 1, should_skip_update_fn=optax.skip_not_finite))
+    w = _weights()
+    params = {k: dist.shard_tensor(v, MESH, MEGATRON[k]) for k, v in w.items()}
+    rng = np.random.default_rng(1)
+    x, y = (rng.normal(size=(8, 16)).astype(np.float32) for _ in range(2))
+    dx = dist.shard_tensor(x, MESH, [S(0), R()])
+    f = assert_trains_like_one_device(mse_step(apply, tx), params, w, tx.init(w), dx, x, y,
+                                      steps=3)
+    plan = f.plan(params, tx.init(params), dx, y)
+    adam = dist.jit(mse_step(apply, inner)).plan(params, inner.init(params), dx, y)
+    assert plan.total_bytes <= adam.total_bytes + 64, (plan.total_bytes, adam.total_bytes)
+    assert count_collectives(f.lower(params, tx.init(params), dx, y).compile().as_text()) == \
+        Counter(c.kind for c in plan.collectives)

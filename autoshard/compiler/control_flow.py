@@ -159,6 +159,71 @@ def _invariant_moves(sub, consts: list[Layout], first: int, mesh) -> list[Layout
     return out
 
 
+def _seconds(v, src: Layout, dsts, mesh, cost_model) -> float:
+    """Seconds to move value `v` from `src` to each of `dsts`."""
+    from ..reshard.api import plan_layouts
+    from .dtypes import cost_dtype
+
+    return sum(s.seconds for dst in dsts for s in plan_layouts(
+        tuple(v.shape), cost_dtype(v.dtype), mesh, src, mesh, dst, cost_model).steps)
+
+
+def _join(branches, outputs, mesh, cost_model) -> list[Layout]:
+    """A cond's result layouts: per result, the branches' layout that is cheapest to move every
+    branch's result to (the first branch's on a tie). A branch that hands back zeros (optax's
+    apply_if_finite rejecting an update) can make them split for free; the other branch's split
+    update should not be gathered to match its replicated zeros."""
+    joined = []
+    for j, v in enumerate(outputs):
+        made = [b.outputs[j] for b in branches]
+        joined.append(min(dict.fromkeys(made),
+                          key=lambda L: _seconds(v, L, [], mesh, cost_model) + sum(
+                              _seconds(v, m, [L], mesh, cost_model) for m in made if m != L)))
+    return joined
+
+
+def _read_as(sub, v) -> set:
+    """The layouts body `sub` moves its value `v` to where it reads it (None: read as it is),
+    looking through the conds it hands `v` to (optax.MultiSteps' update nests one)."""
+    program, dsts = sub.program, set()
+    if v in set(program.outputs):
+        dsts.add(None)  # handed back as it came: the result keeps its layout
+    for j, k in program.readers().get(v, ()):
+        moved = dict(sub.eqns[j].reshards).get(k)
+        if moved is not None:
+            dsts.add(moved.dst)
+        elif program.eqns[j].primitive.name == "cond" and k > 0:
+            for inner in sub.eqns[j].sub_plans:
+                dsts |= _read_as(inner, inner.program.inputs[k - 1])
+        else:
+            dsts.add(None)
+    return dsts
+
+
+def _copies_reused(branches, ops: list[Layout], available: list, mesh,
+                   cost_model) -> list[Layout]:
+    """`ops` (a cond's branch operands) with each that the program already holds a copy of
+    that the branches should take instead: the one cheapest to move to where they read it, or
+    (where a branch reads it as it is) a complete copy of a pending sum, smallest per device
+    — to be tried, as the branches may reduce what they compute from it. A gradient all-reduced
+    for optax's is_finite check is then not reduced a second time by the update in the taken
+    branch (apply_if_finite, MultiSteps' skip_not_finite)."""
+    out = list(ops)
+    for i, L in enumerate(ops):
+        if not available[i]:
+            continue
+        v = branches[0].program.inputs[i]
+        copies = sorted(available[i], key=repr)
+        dsts: set = set().union(*(_read_as(sub, sub.program.inputs[i]) for sub in branches))
+        if dsts and None not in dsts:
+            best = min(copies, key=lambda c: _seconds(v, c, dsts, mesh, cost_model))
+            if _seconds(v, best, dsts, mesh, cost_model) < _seconds(v, L, dsts, mesh, cost_model) - 1e-15:
+                out[i] = best
+        elif L.partial and (complete := [c for c in copies if not c.partial]):
+            out[i] = min(complete, key=lambda c: local_nbytes(v.shape, v.dtype, c, mesh.axis_sizes))
+    return out
+
+
 def _reduced_inside(sub, i: int) -> bool:
     """Whether the body reduces its Partial input i, or a value the Partial passed into
     (`carry + update`), where it reads it."""
@@ -325,8 +390,12 @@ def split_axes(e, ep) -> tuple[str, ...]:
     return xs[0].dims[0] if xs else ()
 
 
-def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
-    """(required operand layouts, result layouts, sub-plans, description) for `e`."""
+def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
+                      available: list | None = None):
+    """(required operand layouts, result layouts, sub-plans, description) for `e`.
+
+    `available`: per operand, the layouts the program already moved it to before `e` (copies
+    it can take for free)."""
     from .plan import KEEP
 
     p = e.params
@@ -370,8 +439,15 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model):
         index, ops = Layout.replicated(0), operands[1:]
         branches = [_sub_plan(b, mesh, ops, [KEEP] * len(e.outputs), registry, cost_model)
                     for b in p["branches"]]
-        joined = list(branches[0].outputs)
-        if any(list(b.outputs) != joined for b in branches[1:]):
+        reused = _copies_reused(branches, ops, (available or [frozenset()] * len(operands))[1:],
+                                mesh, cost_model)
+        if reused != ops:  # kept if the branches then move fewer bytes
+            tried = [_sub_plan(b, mesh, reused, [KEEP] * len(e.outputs), registry, cost_model)
+                     for b in p["branches"]]
+            if sum(b.total_bytes for b in tried) < sum(b.total_bytes for b in branches):
+                ops, branches = reused, tried
+        joined = _join(branches, e.outputs, mesh, cost_model)
+        if any(list(b.outputs) != joined for b in branches):
             branches = [_sub_plan(b, mesh, ops, joined, registry, cost_model) for b in p["branches"]]
         return [index] + ops, joined, branches, f"cond of {len(branches)} branches"
     # checkpoint / remat

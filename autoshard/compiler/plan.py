@@ -349,7 +349,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     f"{e.name} (eqn {e.index})", e.where, "written by the user in a shard_map"))
         elif name in HIGHER_ORDER:
             required, results, sub_plans, strategy = plan_higher_order(
-                e, operands, mesh, registry, cost_model)
+                e, operands, mesh, registry, cost_model,
+                [moves(v, e.index, _NOT_MOVED) for v in e.inputs])
             considered, seconds = 1, 0.0
             for sub in sub_plans:
                 for c in sub.collectives:  # once in the plan, as once in the loop's HLO body
