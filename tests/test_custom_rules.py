@@ -143,6 +143,36 @@ def test_custom_rule_survives_inside_the_program():
     np.testing.assert_allclose(f(wd, xd).numpy(), jax.grad(loss_ste)(w, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.softplus, ste_round],
+                         ids=lambda f: getattr(f, "__name__", "ste_round"))
+def test_a_pending_sum_reduced_inside_and_outside_a_custom_rule_is_reduced_once(act):
+    """`x @ w` over a split contracting dim is a pending sum; relu (a custom_jvp) reduces it
+    inside its body and relu's derivative (`x > 0`, outside the body) reduces it again: the
+    same psum of the same operand, which XLA runs once, so the plan lists it once too (it
+    listed it twice: plan 2 all-reduces, HLO 1)."""
+    from collections import Counter
+
+    from autoshard.hlo import count_collectives
+
+    mesh, w_pl, x_pl = PLACEMENTS["contracting-split"]
+    w, x = _data(6)
+    wd, xd = dist.shard_tensor(w, mesh, w_pl), dist.shard_tensor(x, mesh, x_pl)
+
+    def loss(w, x):
+        return jnp.sum(act(x @ w) ** 2)
+
+    f = dist.jit(jax.value_and_grad(loss))
+    value, grad = f(wd, xd)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(float(value.numpy()), ref_value, rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-4, atol=1e-4)
+    collectives = f.plan(wd, xd).collectives
+    planned = Counter(c.kind for c in collectives)
+    assert count_collectives(f.lower(wd, xd).compile().as_text()) == planned
+    moves = [(c.value, c.step) for c in collectives]
+    assert len(moves) == len(set(moves)), collectives  # no value moved the same way twice
+
+
 def test_differentiating_a_partial_input_is_a_clear_error():
     mesh = MESH8
     w, x = _data(4)
