@@ -4,6 +4,7 @@ Each op is a small dist.jit program, cached per (op, static params), that keeps 
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import threading
 from typing import Any, Callable, Iterator
@@ -152,15 +153,35 @@ def _no_out(out: Any, name: str) -> None:
 
 
 def _reduction(name: str, f: Callable[..., Any]) -> Callable:
-    def method(self: DistTensor, axis: Any = None, dtype: Any = None, out: Any = None,
-               keepdims: bool = False) -> DistTensor:
-        _no_out(out, name)
-        axes, keep = _axes(axis, self.ndim), bool(keepdims)
-        kw = {} if dtype is None else {"dtype": np.dtype(dtype)}
-        return run((name, axes, keep, *kw.values()),
-                   lambda: lambda x: f(x, axis=axes, keepdims=keep, **kw), self)
+    # the arguments in jnp's own order (x.max(0, None, True) is axis, out, keepdims as in jnp)
+    sig = inspect.signature(f)
+    first = next(iter(sig.parameters))
 
-    method.__doc__ = f"jnp.{f.__name__} over `axis` (all dims when None), as a DistTensor."
+    def method(self: DistTensor, *args: Any, **kwargs: Any) -> DistTensor:
+        given = sig.bind(self, *args, **kwargs).arguments
+        _no_out(given.get("out"), name)
+        other = set(given) - {first, "axis", "dtype", "out", "keepdims", "initial", "where"}
+        if other:
+            raise TypeError(f"DistTensor.{name}: {', '.join(sorted(other))} is not supported; "
+                            f"call jnp.{f.__name__} inside a dist.jit function for it")
+        axes, keep = _axes(given.get("axis"), self.ndim), bool(given.get("keepdims", False))
+        kw: dict = {}
+        if given.get("dtype") is not None:
+            kw["dtype"] = np.dtype(given["dtype"])
+        if given.get("initial") is not None:
+            kw["initial"] = np.asarray(given["initial"]).item()  # static: one program per value
+        where = given.get("where")
+        key = (name, axes, keep, *sorted(kw.items()), *(() if where is None else ("where",)))
+        if where is None:
+            return run(key, lambda: lambda x: f(x, axis=axes, keepdims=keep, **kw), self)
+        if not isinstance(where, (DistTensor, jax.Array)):
+            where = np.asarray(where, dtype=bool)
+        return run(key, lambda: lambda x, w: f(x, axis=axes, keepdims=keep, where=w, **kw),
+                   self, where)
+
+    method.__signature__ = sig  # type: ignore[attr-defined]
+    method.__doc__ = (f"jnp.{f.__name__} over `axis` (all dims when None), as a DistTensor; "
+                      f"`where` may be a DistTensor.")
     return method
 
 

@@ -257,6 +257,20 @@ def test_shapes_reductions_and_casts(a):
     assert a.astype(jnp.bfloat16).dtype == jnp.bfloat16
 
 
+def test_reductions_take_jnps_where_initial_and_argument_order(a):
+    """x.mean(where=mask) with the mask a DistTensor or an array, max / min with `initial`,
+    and positional arguments in jnp's order (max has no dtype: x.max(0, None, True) keeps
+    dims); an argument the eager op does not take is named."""
+    check(a.mean(where=a > 0), A.mean(where=A > 0), rtol=1e-5)
+    check(a.sum(1, where=A > 0), A.sum(1, where=A > 0), rtol=1e-5)
+    check(a.max(axis=0, initial=-5.0, where=a < 0), A.max(axis=0, initial=-5.0, where=A < 0))
+    check(a.min(1, None, True), A.min(1, keepdims=True))
+    check(a.prod(0, np.float32, None, False, 2.0), A.prod(0, initial=2.0), rtol=1e-5)
+    check((a > 0).any(where=a > 1), (A > 0).any(where=A > 1), dtype=np.bool_)
+    with pytest.raises(TypeError, match="promote_integers is not supported"):
+        a.sum(promote_integers=False)
+
+
 def test_at_updates_match_jax(a):
     ref = jnp.asarray(A)
     rows = np.array([0, 3, 3, 7])
