@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from .fold import spliced
-from .shift import drop_dead
+from .shift import drop_dead, shift_p
 
 _MAX_INDEX = 1 << 16  # an index longer than this is not worth evaluating at trace time
 _LOOPS = ("scan", "while", "cond")
@@ -46,9 +46,48 @@ def _broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
     return np.broadcast_to(expanded, shape)
 
 
+def _shift(x, *fill, dim, shift, lo, hi):
+    """numpy's autoshard_shift (shift.py): rows rolled by `shift`, those outside [lo, hi) fill."""
+    out = np.roll(x, -(shift % x.shape[dim]), axis=dim)
+    rows = np.arange(x.shape[dim]).reshape([-1 if d == dim else 1 for d in range(x.ndim)])
+    return np.where((rows >= lo) & (rows < hi), out, fill[0]) if fill else out
+
+
+def _cumsum(x, *, axis, reverse):
+    if not np.issubdtype(x.dtype, np.integer):
+        raise ValueError("a float sum's rounding depends on XLA's order")
+    flip = (lambda a: np.flip(a, axis)) if reverse else (lambda a: a)
+    return flip(np.cumsum(flip(x), axis=axis, dtype=x.dtype))
+
+
+def _scatter_1d(combine):
+    """A scatter into a 1-d operand at single indices (jnp.repeat's `total_repeat_length`
+    builds its index with two); anything else, a dropped duplicate's order, is left unknown."""
+    def scatter(operand, indices, updates, *, dimension_numbers, mode, **_):
+        dn = dimension_numbers
+        if (operand.ndim != 1 or dn.update_window_dims or tuple(dn.inserted_window_dims) != (0,)
+                or tuple(dn.scatter_dims_to_operand_dims) != (0,) or dn.operand_batching_dims
+                or indices.shape[-1:] != (1,) or updates.size != indices.size):
+            raise ValueError("not a scatter of single elements into a vector")
+        at, values = indices.reshape(-1).astype(np.int64), updates.reshape(-1)
+        inside = (at >= 0) & (at < operand.shape[0])
+        if not inside.all() and mode != lax.GatherScatterMode.FILL_OR_DROP:
+            raise ValueError("an out-of-bounds index clamped or promised away")
+        at, values, out = at[inside], values[inside], operand.copy()
+        if combine is None:
+            if len(set(at.tolist())) != len(at):
+                raise ValueError("which duplicate wins is XLA's choice")
+            out[at] = values
+        else:
+            combine(out, at, values)
+        return out
+    return scatter
+
+
 # What an index computation is made of (jnp.arange, //, %, the wrap of negative indices,
-# jax.image's float arithmetic), as numpy: IEEE-exact operations only, so the values are the
-# ones the program computes. A primitive not here leaves its result unknown.
+# jax.image's float arithmetic; the scatters, roll and cumsums jnp.repeat builds an index with
+# for a `total_repeat_length`), as numpy: IEEE-exact operations only (integer sums), so the
+# values are the ones the program computes. A primitive not here leaves its result unknown.
 _ELEMENTWISE: dict = {
     lax.add_p: np.add, lax.sub_p: np.subtract, lax.mul_p: np.multiply, lax.div_p: _div,
     lax.rem_p: np.fmod, lax.neg_p: np.negative, lax.abs_p: np.abs, lax.sign_p: np.sign,
@@ -68,6 +107,14 @@ _NUMPY: dict = {
     lax.broadcast_in_dim_p: _broadcast_in_dim,
     lax.reshape_p: lambda x, *, new_sizes, dimensions, **_: np.reshape(
         x if dimensions is None else np.transpose(x, dimensions), new_sizes),
+    lax.slice_p: lambda x, *, start_indices, limit_indices, strides, **_: x[tuple(
+        slice(lo, hi, step) for lo, hi, step in zip(start_indices, limit_indices,
+                                                    strides or [1] * x.ndim))],
+    lax.concatenate_p: lambda *xs, dimension, **_: np.concatenate(xs, axis=dimension),
+    lax.cumsum_p: _cumsum,
+    lax.scatter_p: _scatter_1d(None),
+    lax.scatter_add_p: _scatter_1d(np.add.at),
+    shift_p: _shift,
 }
 
 
