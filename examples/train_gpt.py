@@ -154,6 +154,7 @@ def main() -> None:
         plt.ylabel("cross-entropy")
         plt.title("GPT on 8 devices: DP × TP × ZeRO-1")
         plt.tight_layout()
+        os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "train_gpt_loss.png")
         plt.savefig(path, dpi=100)
         print(f"loss curve saved to {path}")
@@ -164,7 +165,8 @@ def main() -> None:
     gap = max(abs(a - b) for a, b in zip(losses, reference))
     print(f"largest difference from one device over {args.steps} steps: {gap:.2e}")
     assert gap < 1e-3, "the distributed run drifted from the one-device run"
-    assert losses[-1] < losses[0] * 0.7, "the model did not learn"
+    if args.steps >= 50:  # a few steps only check the equality
+        assert losses[-1] < losses[0] * 0.7, "the model did not learn"
     print("losses equal the one-device run")
 
     # Save from the 2×4 mesh; load onto 4 devices with tensor parallelism only, and evaluate.
