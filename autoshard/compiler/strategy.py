@@ -170,8 +170,17 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
     moving = [m for i, L in enumerate(actual) if L is not None
               for m in [_seed_moving(opsh.operands[i], L, opsh)] if m is not None]
     if unreducing:
-        moving += [m for i, L in enumerate(actual) if L is not None
-                   for m in _seeds_unreducing(opsh.operands[i], L, opsh)]
+        for i, L in enumerate(actual):
+            for m in _seeds_unreducing(opsh.operands[i], L, opsh) if L is not None else ():
+                # first with the other operands' axes as they lie: a weight gradient's batch
+                # axis moved onto a feature dim of the activations while the cotangent keeps
+                # its tensor-parallel split — the gradient comes out split on two dims, as
+                # ZeRO shards a tensor-parallel weight's optimizer state (on a tie it wins
+                # over the batch axis nested under the tensor-parallel one)
+                others = [sd for j, sd in operand_seeds.items() if j != i]
+                moving.append((list(m[0]) + [x for sd in others for x in sd[0]],
+                               list(m[1]) + [x for sd in others for x in sd[1]]))
+                moving.append(m)
     out += [_merge([s]) for s in seeds + [e for _, e in extra]]
     # a copy made for an earlier consumer, completed by another operand's axes as it lies:
     # the sequence-parallel backward reuses the gathered cotangent with the row-split weight,
@@ -359,6 +368,7 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
+    best_nested = 0
     cands = candidates(opsh, actual, preferred, single_use, available, unreducing)
     for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
@@ -374,8 +384,13 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
             cost += deferred_reduction_seconds(mesh, R, P, aval, cost_model)
             local = math.prod(R.local_shape(aval.shape, sizes)) * itemsize(aval.dtype)
             cost += cost_model.local(local)
-        if best is None or cost < best.seconds - 1e-15:
-            best = Choice(s, ins, outs, cost, len(cands))
+        # on a tie, the results with fewer dims split over several axes: the batch axis of a
+        # weight gradient on a dim of its own, as ZeRO shards a tensor-parallel weight's
+        # optimizer state, not nested under the tensor-parallel axis
+        nested = sum(len(axes) > 1 for R in outs for axes in R.dims)
+        if (best is None or cost < best.seconds - 1e-15
+                or (cost <= best.seconds + 1e-15 and nested < best_nested)):
+            best, best_nested = Choice(s, ins, outs, cost, len(cands)), nested
     assert best is not None  # the replicated strategy is always valid
     return replace(best, description=best.strategy.describe(opsh))
 
