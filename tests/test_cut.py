@@ -109,6 +109,41 @@ def test_a_train_step_with_grad_and_adamw_inside_runs_as_three_stages():
     assert [pl.mesh for pl in step.stage_plans(p, state, x, label)] == [MESH0, MESH1, MESH0]
 
 
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "inf-skipped"])
+@pytest.mark.parametrize("wrap", ["apply_if_finite", "multisteps_skip"])
+def test_an_update_in_one_lax_cond_over_params_of_both_meshes_equals_one_device(wrap, poison):
+    """optax.apply_if_finite (and MultiSteps' skip_not_finite) update every param inside one
+    lax.cond: operands of both meshes meet there. Its branches are computed and each result
+    selected, element by element on the result's own mesh (it stopped with a
+    MeshMismatchError); a non-finite gradient skips the update as on one device."""
+    p, x, label = placed()
+    tx = (optax.apply_if_finite(optax.adamw(1e-2), 3) if wrap == "apply_if_finite" else
+          optax.MultiSteps(optax.adamw(1e-2), 1, should_skip_update_fn=optax.skip_not_finite))
+    scale = np.float32(np.inf if poison else 1.0)
+
+    def make_step(move):
+        def step(p, state, x, label, scale):
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, label, move) * scale)(p)
+            updates, state = tx.update(grads, state, p)
+            return optax.apply_updates(p, updates), state, loss
+        return step
+
+    step, ref_step = dist.jit(make_step(True)), jax.jit(make_step(False))
+    # (MultiSteps' init runs skip_not_finite, which stacks a flag of every param: eagerly, jax
+    # cannot stack arrays of two meshes; dist.jit's init cuts it like the step)
+    state, ref_p = dist.jit(tx.init)(p), {"w0": W0, "w1": W1}
+    ref_state = tx.init(ref_p)
+    for _ in range(2):
+        p, state, loss = step(p, state, x, label, scale)
+        ref_p, ref_state, ref_loss = ref_step(ref_p, ref_state, X, Y, scale)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for name in ref_p:
+        np.testing.assert_allclose(p[name].numpy(), ref_p[name], rtol=1e-4, atol=1e-6)
+        if poison:  # skipped: the weights are the initial ones
+            np.testing.assert_array_equal(p[name].numpy(), {"w0": W0, "w1": W1}[name])
+    assert (p["w0"].mesh, p["w1"].mesh) == (MESH0, MESH1)
+
+
 def test_a_jax_jit_body_that_moves_to_another_mesh_is_cut_like_inline_code():
     # a jitted helper holding the stage boundary (a call is its body): spliced into the
     # program, forward and backward, then cut as if written inline

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jax import lax
 from jax.extend import core as jex_core
 
 from ..dtensor import DistTensor
@@ -90,13 +91,18 @@ def inline_calls_that_move(closed: Any, spanning: tuple = ()) -> Any:
     """`closed` with the jax.jit bodies that move values to a mesh spliced in (any depth), so
     that the cut can put their equations on the stages they belong to; also the calls of the
     bodies in `spanning` (bodies found reading values of several meshes, such as optax's
-    jitted bias correction over every parameter); other equations stay as they are. Only
+    jitted bias correction over every parameter), and the conds whose branches are there
+    (optax.apply_if_finite's update of every param) as their branches computed and each result
+    selected — exact for branches without effects; other equations stay as they are. Only
     for programs on several meshes (one-mesh programs keep their calls)."""
     def inlined(e) -> bool:
         return _moves_inside(e) or (e.primitive.name in _CALLS
                                     and any(_call_body(e) is b for b in spanning))
 
-    if not any(inlined(e) for e in closed.jaxpr.eqns):
+    def selected(e) -> bool:
+        return e.primitive.name == "cond" and any(e.params["branches"] is b for b in spanning)
+
+    if not any(inlined(e) or selected(e) for e in closed.jaxpr.eqns):
         return closed
     constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
 
@@ -121,6 +127,19 @@ def inline_calls_that_move(closed: Any, spanning: tuple = ()) -> Any:
                 inner, inner_consts = ((body.jaxpr, body.consts)
                                        if isinstance(body, jex_core.ClosedJaxpr) else (body, ()))
                 env.update(zip(e.outvars, splice(inner, inner_consts, ins, False)))
+                continue
+            if selected(e):
+                # every branch computed, each result selected by the index: a select runs
+                # element by element, so each result is made on its own mesh
+                made = [splice(b.jaxpr, b.consts, ins[1:], False) for b in e.params["branches"]]
+                for j, v in enumerate(e.outvars):
+                    if isinstance(v, jex_core.DropVar):
+                        continue
+                    out = v if top else jex_core.Var(v.aval)
+                    eqns.append(jex_core.new_jaxpr_eqn(
+                        [ins[0], *(m[j] for m in made)], [out], lax.select_n_p, {}, set(),
+                        e.source_info))
+                    env[v] = out
                 continue
             outs = list(e.outvars) if top else [
                 v if isinstance(v, jex_core.DropVar) else jex_core.Var(v.aval)
@@ -229,7 +248,8 @@ def _is_var(a) -> bool:
 
 
 class _CallSpansMeshes(Exception):
-    """A call reads values of several meshes: its body is inlined and the cut made again."""
+    """A call reads values of several meshes: its body is inlined and the cut made again (a
+    cond's branches, given as `body`, are inlined and their results selected)."""
 
     def __init__(self, body):
         super().__init__()
@@ -281,6 +301,10 @@ def _cut(closed: Any, in_meshes: list) -> Cut:
                     where=source_line(eqn.source_info))
             if len(fixed) > 1 and eqn.primitive.name in _CALLS:
                 raise _CallSpansMeshes(_call_body(eqn))  # a jax.jit body is cut like inline code
+            if len(fixed) > 1 and eqn.primitive.name == "cond" and not eqn.effects:
+                # (optax.apply_if_finite updates every stage's params in one lax.cond): its
+                # branches are computed and each result selected, which the cut can split
+                raise _CallSpansMeshes(eqn.params["branches"])
             if len(fixed) > 1:
                 raise MeshMismatchError(
                     f"values on {fixed[0]!r} and on {fixed[1]!r} meet in `{eqn.primitive.name}`: "
