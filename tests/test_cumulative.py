@@ -30,6 +30,42 @@ def test_sharded_axis_is_combined_not_gathered(fn):
     assert count_collectives(f.lower(x).compile().as_text()) == Counter(c.kind for c in plan.collectives)
 
 
+REVERSED = {  # the op from the end of a split dim, written with flips, and as lax writes it
+    "flip-cumsum-flip": (lambda x: jnp.flip(jnp.cumsum(jnp.flip(x, 1), 1), 1),
+                         lambda x: lax.cumsum(x, 1, reverse=True)),
+    "[::-1]-cummax-[::-1]": (lambda x: lax.cummax(x[:, ::-1], 1)[:, ::-1],
+                             lambda x: lax.cummax(x, 1, reverse=True)),
+    "reverse-cumprod-between-flips": (
+        lambda x: jnp.flip(lax.cumprod(jnp.flip(x, 1), 1, reverse=True), 1),
+        lambda x: lax.cumprod(x, 1)),
+    "flip-flip": (lambda x: jnp.flip(jnp.flip(x, (0, 1)), (1, 0)) * 2, lambda x: x * 2),
+}
+# (cummax's and cumprod's gradients are associative scans of their own, not these ops)
+_GRADIENT_TOO = {"flip-cumsum-flip", "flip-flip"}
+
+
+@pytest.mark.parametrize("name", list(REVERSED))
+def test_reversals_around_a_scan_fold_into_the_reverse_scan(name):
+    """A sum from the end written with flips (returns-to-go) reverses the split dim twice —
+    each reversal a move of every block to the mirrored device; folded, it is the reverse
+    scan and moves exactly what lax's own reverse scan moves (the gradient too, a cumsum's
+    being a cumsum between the same flips)."""
+    flipped, plain = REVERSED[name]
+    x = dist.shard_tensor(X, MESH, [dist.Shard(0), dist.Shard(1)])
+    cases = [(flipped, plain)]
+    if name in _GRADIENT_TOO:
+        cases.append((jax.grad(lambda x: jnp.sum(flipped(x) ** 2)),
+                      jax.grad(lambda x: jnp.sum(plain(x) ** 2))))
+    for fn, ref in cases:
+        f = dist.jit(fn)
+        np.testing.assert_allclose(f(x).numpy(), np.asarray(jax.jit(fn)(X)), rtol=1e-5, atol=1e-5)
+        plan, ref_plan = f.plan(x), dist.jit(ref).plan(x)
+        assert plan.total_bytes == ref_plan.total_bytes, plan.collectives
+        assert not any(e.primitive is lax.rev_p for e in plan.program.eqns)
+        assert count_collectives(f.lower(x).compile().as_text()) == Counter(
+            c.kind for c in plan.collectives)
+
+
 @pytest.mark.parametrize("fn", [
     lambda x: jnp.sort(x, axis=1), lambda x: jnp.argsort(x, axis=1),
     lambda x: jnp.median(x, axis=1), lambda x: jnp.flip(jnp.moveaxis(x.reshape(16, 4, 8), 1, 2), 2),

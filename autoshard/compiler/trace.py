@@ -24,6 +24,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from .constant_gathers import constant_gathers
 from .fold import fold_conv_padding
+from .reversals import fold_reversals
 from .shift import fold_shifts
 from .widen import widen_slices
 from .gc_pause import gc_paused
@@ -500,6 +501,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     eqns = constant_gathers(eqns, outputs, regions, fresh, const_value)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
+    eqns = fold_reversals(eqns, outputs, regions)
     eqns = widen_slices(eqns, outputs, regions, fresh, const_value)
     for i, e in enumerate(eqns):
         e.index = i
