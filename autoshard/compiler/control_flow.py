@@ -39,6 +39,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from .dtypes import local_nbytes
+from .strategy import reshard_seconds
 from .trace import build_program
 
 HIGHER_ORDER = {"scan", "while", "cond", "checkpoint", "remat", "remat2"}
@@ -159,15 +160,6 @@ def _invariant_moves(sub, consts: list[Layout], first: int, mesh) -> list[Layout
     return out
 
 
-def _seconds(v, src: Layout, dsts, mesh, cost_model) -> float:
-    """Seconds to move value `v` from `src` to each of `dsts`."""
-    from ..reshard.api import plan_layouts
-    from .dtypes import cost_dtype
-
-    return sum(s.seconds for dst in dsts for s in plan_layouts(
-        tuple(v.shape), cost_dtype(v.dtype), mesh, src, mesh, dst, cost_model).steps)
-
-
 def _join(branches, outputs, mesh, cost_model) -> list[Layout]:
     """A cond's result layouts: per result, the branches' layout that is cheapest to move every
     branch's result to (the first branch's on a tie). A branch that hands back zeros (optax's
@@ -176,9 +168,8 @@ def _join(branches, outputs, mesh, cost_model) -> list[Layout]:
     joined = []
     for j, v in enumerate(outputs):
         made = [b.outputs[j] for b in branches]
-        joined.append(min(dict.fromkeys(made),
-                          key=lambda L: _seconds(v, L, [], mesh, cost_model) + sum(
-                              _seconds(v, m, [L], mesh, cost_model) for m in made if m != L)))
+        joined.append(min(dict.fromkeys(made), key=lambda L: sum(
+            reshard_seconds(mesh, m, L, v.shape, v.dtype, cost_model) for m in made)))
     return joined
 
 
@@ -216,8 +207,12 @@ def _copies_reused(branches, ops: list[Layout], available: list, mesh,
         copies = sorted(available[i], key=repr)
         dsts: set = set().union(*(_read_as(sub, sub.program.inputs[i]) for sub in branches))
         if dsts and None not in dsts:
-            best = min(copies, key=lambda c: _seconds(v, c, dsts, mesh, cost_model))
-            if _seconds(v, best, dsts, mesh, cost_model) < _seconds(v, L, dsts, mesh, cost_model) - 1e-15:
+            def seconds(src: Layout) -> float:
+                return sum(reshard_seconds(mesh, src, d, v.shape, v.dtype, cost_model)
+                           for d in dsts)
+
+            best = min(copies, key=seconds)
+            if seconds(best) < seconds(L) - 1e-15:
                 out[i] = best
         elif L.partial and (complete := [c for c in copies if not c.partial]):
             out[i] = min(complete, key=lambda c: local_nbytes(v.shape, v.dtype, c, mesh.axis_sizes))

@@ -354,7 +354,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         elif name in HIGHER_ORDER:
             required, results, sub_plans, strategy = plan_higher_order(
                 e, operands, mesh, registry, cost_model,
-                [moves(v, e.index, _NOT_MOVED) for v in e.inputs])
+                [moves(v, e.index, _NOT_MOVED) for v in e.inputs] if name == "cond" else None)
             considered, seconds = 1, 0.0
             for sub in sub_plans:
                 for c in sub.collectives:  # once in the plan, as once in the loop's HLO body
