@@ -191,7 +191,8 @@ def test_a_calibrated_cost_model_is_measured_per_axis_and_plans_a_correct_step()
 def test_a_reshape_mp_cannot_follow_keeps_the_batch_split(kv_heads):
     # grouped-query attention: the column-parallel k projection's (kv_heads * head_dim)
     # features split over mp = 4 cannot become a split of (kv_heads, head_dim) when kv_heads
-    # < 4; only mp is given up there — the batch stays split over dp (it was gathered too)
+    # < 4; only mp is given up there — the batch stays split over dp (it was gathered too) —
+    # and mp moves onto another dim by an all-to-all (it was gathered: 4x the bytes)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 16, 32)).astype(np.float32)
     w = (rng.normal(size=(32, kv_heads * 8)) * 0.1).astype(np.float32)
@@ -211,9 +212,9 @@ def test_a_reshape_mp_cannot_follow_keeps_the_batch_split(kv_heads):
     assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
     base = jax.jit(attend).lower(xd.physical, wd.physical).compile().as_text()
     assert sum(collective_bytes(hlo).values()) <= sum(collective_bytes(base).values())
-    if kv_heads == 2:  # this device's rows of k gathered over mp where it is reshaped
+    if kv_heads == 2:  # this device's block of k re-split over mp where it is reshaped
         assert [(c.kind, c.bytes_per_device) for c in plan.collectives] == \
-            [("all-gather", 4 * 16 * 16 * 4 * 3 // 4)]
+            [("all-to-all", 4 * 16 * 16 * 4 * 3 // 4 // 4)]
     if kv_heads == 4:
         assert not plan.collectives
 
@@ -375,3 +376,32 @@ def test_a_widened_value_another_reader_takes_as_it_is_is_moved_where_it_is_read
     plan = g.plan(xd, wd)
     assert not any("moved before" in ep.strategy for ep in plan.eqns), str(plan)
     assert [c.kind for c in plan.collectives] == ["all-gather"], plan.collectives
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_query_heads_grouped_finer_than_mp_stay_split(grad):
+    # jax.nn.dot_product_attention with 2 key-value heads groups 8 query heads split over
+    # mp = 4 as (2, 4): mp cannot split the group dim of 2, so it moves onto the sequence (one
+    # all-to-all of a shard) instead of the queries being gathered and every head computed on
+    # every device
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(4, 16, 8, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(4, 16, 2, 8)).astype(np.float32) for _ in range(2))
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    if grad:
+        fn = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True) ** 2), argnums=(0, 1, 2))
+    qd = dist.shard_tensor(q, MESH, [S(0), S(2)])
+    kd, vd = (dist.shard_tensor(a, MESH, [S(0), R()]) for a in (k, v))
+    f = dist.jit(fn)
+    got = jax.tree.leaves(f(qd, kd, vd), is_leaf=lambda a: isinstance(a, dist.DistTensor))
+    for g, w in zip(got, jax.tree.leaves(jax.jit(fn)(q, k, v))):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-4, atol=1e-5)
+    plan = f.plan(qd, kd, vd)
+    kinds = Counter(c.kind for c in plan.collectives)
+    assert kinds["all-gather"] == 0 and kinds["all-to-all"] == 1, plan.collectives
+    shard = q.nbytes // 8
+    moved = [c for c in plan.collectives if c.kind == "all-to-all"]
+    assert moved[0].bytes_per_device == shard * 3 // 4
+    hlo = f.lower(qd, kd, vd).compile().as_text()
+    assert count_collectives(hlo) == kinds

@@ -345,18 +345,47 @@ def _repaired(opsh: OpSharding, s: Strategy, in_shapes, out_shapes, sizes) -> St
     return Strategy(tuple(kept), s.partial)
 
 
+def _moved(opsh: OpSharding, s: Strategy, repaired: Strategy, in_shapes, out_shapes,
+           sizes) -> Strategy | None:
+    """`repaired` with each axis the repair dropped moved onto another passing factor that
+    takes it (the first in order): an all-to-all instead of an all-gather where a reshape
+    splits a dim finer than its mesh axis (8 query heads over 4 devices grouped as 2 key-value
+    heads × 4: the axis moves to the sequence, the heads stay computed split)."""
+    kept = list(repaired.assign)
+    used = {a for a, _ in kept}
+    moved = False
+    for a, f in s.assign:
+        if a in used:
+            continue
+        for g, factor in enumerate(opsh.factors):
+            if g == f or factor.kind != PASS:
+                continue
+            trial = Strategy(tuple(kept) + ((a, g),), s.partial)
+            if layouts(opsh, trial, in_shapes, out_shapes, sizes) is not None:
+                kept.append((a, g))
+                used.add(a)
+                moved = True
+                break
+    return Strategy(tuple(kept), s.partial) if moved else None
+
+
 def _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
     """(strategy, its layouts) of the valid candidates, an invalid one replaced by its repair
-    (when that is not a candidate already)."""
+    (when that is not a candidate already) and by the repair with the dropped axes moved."""
     tried = set(cands)
     for s in cands:
         implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
         if implied is None and s.assign:
-            s = _repaired(opsh, s, in_shapes, out_shapes, sizes)
-            if s in tried:
-                continue
-            tried.add(s)
-            implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
+            fixed = _repaired(opsh, s, in_shapes, out_shapes, sizes)
+            moved = _moved(opsh, s, fixed, in_shapes, out_shapes, sizes)
+            for r in (fixed, moved):
+                if r is None or r in tried:
+                    continue
+                tried.add(r)
+                implied = layouts(opsh, r, in_shapes, out_shapes, sizes)
+                if implied is not None:
+                    yield r, implied
+            continue
         if implied is not None:
             yield s, implied
 
