@@ -84,7 +84,8 @@ def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
     unpermuted: list = [None] * len(src)
     for k, d in enumerate(order):
         unpermuted[d] = operand[k]
-    return OpSharding((tuple(unpermuted),), (tuple(result),), tuple(factors), **_KEEP)
+    return OpSharding((tuple(unpermuted),), (tuple(result),), tuple(factors), regroups=True,
+                      **_KEEP)
 
 
 def concatenate_sharding(in_avals, out_avals, *, dimension):

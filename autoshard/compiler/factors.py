@@ -40,6 +40,9 @@ class OpSharding:
     monotone: str = NONE         # how P(max)/P(min) pass: NONE or ALL
     partial_operands: tuple[int, ...] | None = None  # operands that may be the partial one (ONE)
     monotone_types: tuple[ReduceType, ...] = (ReduceType.MAX, ReduceType.MIN)
+    # a mesh axis a dim's factor cannot take (a reshape splitting the dim finer than the axis)
+    # may move onto another passing factor instead of being given up (strategy._moved)
+    regroups: bool = False
 
     def partial_mode(self, reduce_type: ReduceType) -> str:
         if reduce_type in (ReduceType.SUM, ReduceType.AVG):

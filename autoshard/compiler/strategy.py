@@ -350,7 +350,11 @@ def _moved(opsh: OpSharding, s: Strategy, repaired: Strategy, in_shapes, out_sha
     """`repaired` with each axis the repair dropped moved onto another passing factor that
     takes it (the first in order): an all-to-all instead of an all-gather where a reshape
     splits a dim finer than its mesh axis (8 query heads over 4 devices grouped as 2 key-value
-    heads × 4: the axis moves to the sequence, the heads stay computed split)."""
+    heads × 4: the axis moves to the sequence, the heads stay computed split).
+
+    Reshapes only (`OpSharding.regroups`): offered to every op, each strided slice of jax's
+    associative scan moved the axis to the next dim and the op after it moved it back (27
+    all-to-alls where 8 gathers did)."""
     kept = list(repaired.assign)
     used = {a for a, _ in kept}
     moved = False
@@ -377,7 +381,8 @@ def _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         implied = layouts(opsh, s, in_shapes, out_shapes, sizes)
         if implied is None and s.assign:
             fixed = _repaired(opsh, s, in_shapes, out_shapes, sizes)
-            moved = _moved(opsh, s, fixed, in_shapes, out_shapes, sizes)
+            moved = _moved(opsh, s, fixed, in_shapes, out_shapes, sizes) if opsh.regroups \
+                else None
             for r in (fixed, moved):
                 if r is None or r in tried:
                     continue
