@@ -21,6 +21,13 @@ def _is_dt(x):
     return isinstance(x, dist.DistTensor)
 
 
+def _without_fallback(f, args):
+    """f(*args), a fallback warning (a primitive run replicated) an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        return f(*args)
+
+
 def _physical(tree):
     return jax.tree.map(lambda x: x.physical if _is_dt(x) else x, tree, is_leaf=_is_dt)
 
@@ -36,9 +43,7 @@ def test_llama_train_step_equals_one_device_at_megatron_minimum(form):
     ids, labels = llama.batch(0)
 
     f = dist.jit(step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", dist.FallbackWarning)
-        new, new_state, loss = f(*args)
+    new, new_state, loss = _without_fallback(f, args)
     ref_new, ref_state, ref_loss = jax.jit(step)(params, state, ids, labels)
 
     np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
@@ -133,9 +138,7 @@ def test_fewer_key_value_heads_than_mp_devices_moves_fewer_bytes_than_jax_jit():
     args = (jax.tree_util.tree_map_with_path(place, params), state,
             dist.shard_tensor(ids, mesh, [S(0), R()]), dist.shard_tensor(labels, mesh, [S(0), R()]))
     f = dist.jit(step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", dist.FallbackWarning)
-        new, _, value = f(*args)
+    new, _, value = _without_fallback(f, args)
     ref_new, _, ref_value = jax.jit(step)(params, state, ids, labels)
     np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(new, is_leaf=_is_dt), jax.tree.leaves(ref_new)):
@@ -166,9 +169,7 @@ def test_kv_cache_decoding_equals_one_device():
             [tuple(dist.shard_tensor(c, mesh, [S(0), S(2)]) for c in kv) for kv in cache],
             dist.shard_tensor(tok, mesh, [S(0), R]))
     f = dist.jit(llama.generate, static_argnums=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", dist.FallbackWarning)
-        new_cache, last, out = f(*args, llama.T)
+    new_cache, last, out = _without_fallback(f, (*args, llama.T))
     ref_cache, ref_last, ref_out = jax.jit(llama.generate, static_argnums=3)(
         params, cache, tok, llama.T)
     np.testing.assert_array_equal(out.numpy(), ref_out)
