@@ -130,3 +130,41 @@ def test_a_gradient_checked_for_finiteness_is_reduced_once(wrap):
     assert plan.total_bytes <= adam.total_bytes + 64, (plan.total_bytes, adam.total_bytes)
     assert count_collectives(f.lower(params, tx.init(params), dx, y).compile().as_text()) == \
         Counter(c.kind for c in plan.collectives)
+
+
+def test_multisteps_accumulator_kept_partial_reduces_gradients_once_per_update():
+    # The accumulated gradients returned Partial over dp (out_placements): the micro-steps add
+    # their pending gradients as they lie and only the update branch, once every k calls,
+    # reduces them; returned reduced (the default), every call all-reduces every gradient.
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
+    w = _weights()
+    step = mse_step(apply, tx)
+    partial = {k: [dist.Partial(), *MEGATRON[k][1:]] for k in w}
+    state0 = tx.init(w)
+    inner = jax.tree.map(lambda _: None, state0.inner_opt_state)
+    out = (MEGATRON, state0._replace(mini_step=None, gradient_step=None, inner_opt_state=inner,
+                                     acc_grads=partial), None)
+    f = dist.jit(step, out_placements=out)
+    params = {k: dist.shard_tensor(v, MESH, MEGATRON[k]) for k, v in w.items()}
+    state, ref_params, ref_state = state0, w, state0
+    rng = np.random.default_rng(1)
+    for _ in range(5):  # a first call from the plain zeros, then from the Partial sums
+        x, y = (rng.normal(size=(8, 16)).astype(np.float32) for _ in range(2))
+        xd, yd = (dist.shard_tensor(a, MESH, [S(0), R()]) for a in (x, y))
+        params, state, loss = f(params, state, xd, yd)
+        ref_params, ref_state, ref_loss = jax.jit(step)(ref_params, ref_state, x, y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+        for k in w:
+            np.testing.assert_allclose(params[k].numpy(), ref_params[k], rtol=1e-4, atol=1e-6)
+            assert state.acc_grads[k].placements[0] == dist.Partial()
+            np.testing.assert_allclose(state.acc_grads[k].numpy(), ref_state.acc_grads[k],
+                                       rtol=1e-4, atol=1e-6)
+    plan = f.plan(params, state, xd, yd)
+    gradients = [c for c in plan.collectives if c.axes == ("dp",) and c.bytes_per_device >= 64]
+    assert len(gradients) >= 2 and all("inside cond" in c.reason for c in gradients), \
+        plan.collectives  # w0's and w1's sums (b0's too), in the update branch only
+    assert count_collectives(f.lower(params, state, xd, yd).compile().as_text()) == \
+        Counter(c.kind for c in plan.collectives)
+    every_call = dist.jit(step).plan(params, state, xd, yd)
+    assert any(c.axes == ("dp",) and c.bytes_per_device >= 64 and "inside cond" not in c.reason
+               for c in every_call.collectives)
