@@ -405,3 +405,24 @@ def test_query_heads_grouped_finer_than_mp_stay_split(grad):
     assert moved[0].bytes_per_device == shard * 3 // 4
     hlo = f.lower(qd, kd, vd).compile().as_text()
     assert count_collectives(hlo) == kinds
+
+
+def test_unflattening_a_batch_smaller_than_the_axis_does_not_move_it_onto_the_features():
+    # (batch * sequence, features) split over 8 devices, unflattened to a batch of 4: the axis
+    # cannot follow onto the batch; moved onto the features, the matmul after contracts them
+    # and all-reduces its whole output — twice the bytes of gathering the rows once
+    mesh = dist.ProcessMesh(list(range(8)), dim_names=["dp"])
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 32)).astype(np.float32)
+    w = (rng.normal(size=(32, 32)) * 0.2).astype(np.float32)
+
+    def fn(x, w):
+        h = jnp.tanh(x @ w).reshape(4, 16, 32)
+        return (h - h.mean(1, keepdims=True)).reshape(64, 32) @ w
+    xd, wd = dist.shard_tensor(x, mesh, [S(0)]), dist.shard_tensor(w, mesh, [R()])
+    f = dist.jit(fn)
+    np.testing.assert_allclose(f(xd, wd).numpy(), fn(x, w), rtol=1e-4, atol=1e-5)
+    plan = f.plan(xd, wd)
+    assert plan.total_bytes <= x.nbytes * 7 // 8, plan.collectives  # one gather of the rows
+    assert count_collectives(f.lower(xd, wd).compile().as_text()) == \
+        Counter(c.kind for c in plan.collectives)

@@ -354,15 +354,19 @@ def _moved(opsh: OpSharding, s: Strategy, repaired: Strategy, in_shapes, out_sha
 
     Reshapes only (`OpSharding.regroups`): offered to every op, each strided slice of jax's
     associative scan moved the axis to the next dim and the op after it moved it back (27
-    all-to-alls where 8 gathers did)."""
+    all-to-alls where 8 gathers did). Never onto the operand's minor dim: features, which the
+    next matmul contracts — unflattening (batch * sequence, features) with the batch smaller
+    than the axis moved it there, and the matmul after left its whole output to all-reduce
+    (2x the bytes of the gather)."""
     kept = list(repaired.assign)
     used = {a for a, _ in kept}
+    minor = {dims[-1] for dims in opsh.operands if dims}
     moved = False
     for a, f in s.assign:
         if a in used:
             continue
         for g, factor in enumerate(opsh.factors):
-            if g == f or factor.kind != PASS:
+            if g == f or factor.kind != PASS or g in minor:
                 continue
             trial = Strategy(tuple(kept) + ((a, g),), s.partial)
             if layouts(opsh, trial, in_shapes, out_shapes, sizes) is not None:
