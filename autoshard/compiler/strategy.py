@@ -350,7 +350,8 @@ def _moved(opsh: OpSharding, s: Strategy, repaired: Strategy, in_shapes, out_sha
     """`repaired` with each axis the repair dropped moved onto another passing factor that
     takes it (the first in order): an all-to-all instead of an all-gather where a reshape
     splits a dim finer than its mesh axis (8 query heads over 4 devices grouped as 2 key-value
-    heads × 4: the axis moves to the sequence, the heads stay computed split).
+    heads × 4: the axis moves to the batch or the sequence, and the attention stays computed
+    split, by rows instead of heads).
 
     Reshapes only (`OpSharding.regroups`): offered to every op, each strided slice of jax's
     associative scan moved the axis to the next dim and the op after it moved it back (27
