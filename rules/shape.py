@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 
 import jax
 import numpy as np
@@ -59,6 +60,20 @@ def _runs(a: tuple[int, ...], b: tuple[int, ...]):
         yield [d for d in ri if d < len(a)], [d for d in rj if d < len(b)]
 
 
+def _pieces(src: list[int], dst: list[int]) -> list[int] | None:
+    """The common refinement of two factorizations of one extent: the sizes between the cuts
+    both shapes make (prefix products), if each cut divides the next; else None ((4, 6) and
+    (6, 4) cut at 4 and 6, and no piece of 6 / 4 exists)."""
+    cuts = sorted({p for sizes in (src, dst) for p in itertools.accumulate(sizes, operator.mul)})
+    pieces, last = [], 1
+    for c in cuts:
+        if c % last:
+            return None
+        pieces.append(c // last)
+        last = c
+    return pieces
+
+
 def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
     # `dimensions`: the operand is transposed first (a grouped convolution's kernel gradient
     # has one); the runs are those of the transposed shape, mapped back to the operand's dims
@@ -69,9 +84,30 @@ def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
     operand: list = [None] * len(src)
     result: list = [None] * len(dst)
     factors: list[Factor] = []
+    compounds: list[tuple[int, ...]] = []
     for run_in, run_out in _runs(src, dst):
         big_in = [d for d in run_in if src[d] > 1]
         big_out = [d for d in run_out if dst[d] > 1]
+        pieces = _pieces([src[d] for d in big_in], [dst[d] for d in big_out]) \
+            if len(big_in) + len(big_out) > 2 else None
+        if pieces is not None:
+            # split or merged dims: each piece is a factor, and a dim spanning several carries
+            # them all (major first), so an axis per piece moves nothing (heads over (m0, m1)
+            # reshaped to (kv_heads, group): m0 on kv_heads, m1 on the group)
+            first = len(factors)
+            factors.extend(Factor(PASS, size=p) for p in pieces)
+            for dims, sizes, into in ((big_in, src, operand), (big_out, dst, result)):
+                k = first
+                for d in dims:
+                    covered, mine = 1, []
+                    while covered < sizes[d]:
+                        covered *= factors[k].size
+                        mine.append(k)
+                        k += 1
+                    into[d] = mine[0] if len(mine) == 1 else tuple(mine)
+                    if len(mine) > 1:
+                        compounds.append(tuple(mine))
+            continue
         if big_in and big_out:
             operand[big_in[0]] = result[big_out[0]] = len(factors)
             factors.append(Factor(PASS))
@@ -85,7 +121,7 @@ def reshape_sharding(in_avals, out_avals, *, new_sizes, dimensions, **params):
     for k, d in enumerate(order):
         unpermuted[d] = operand[k]
     return OpSharding((tuple(unpermuted),), (tuple(result),), tuple(factors), regroups=True,
-                      **_KEEP)
+                      compounds=tuple(compounds), **_KEEP)
 
 
 def concatenate_sharding(in_avals, out_avals, *, dimension):

@@ -1,6 +1,7 @@
 """Shape primitives over split dims: a reversed dim stays split (mirror blocks swapped) instead
 of being gathered — values and gradients equal one device, the planned collectives are the
 compiled ones, and a flip moves the bytes jax.jit moves with the same input shardings."""
+import math
 import warnings
 from collections import Counter
 
@@ -85,6 +86,53 @@ def test_empty_arrays_reshape_without_falling_back():
         warnings.simplefilter("error", dist.FallbackWarning)
         np.testing.assert_array_equal(f(dx).numpy(), np.pad(x, ((0, 0), (2, 2)), mode="edge"))
     assert not f.plan(dx).fallbacks
+
+
+MESH222 = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["dp", "m0", "m1"])
+
+# (mesh, shape, new shape, placements, the result's placements when the reshape moves nothing)
+SPLIT_DIMS = {
+    "heads over m0,m1 into (kv, group)": (MESH222, (4, 8, 6), (4, 2, 4, 6), [S(0), S(1), S(1)],
+                                          [S(0), S(1), S(2)]),
+    "(kv over m0, group over m1) merged": (MESH222, (4, 2, 4, 6), (4, 8, 6), [S(0), S(1), S(2)],
+                                           [S(0), S(1), S(1)]),
+    "heads over m1 alone, kv takes it": (MESH222, (4, 8, 6), (4, 2, 4, 6), [S(0), R, S(1)],
+                                         [S(0), R, S(1)]),
+    "tokens over dp,mp, batch = dp": (MESH24, (16, 6), (2, 8, 6), [S(0), S(0)], [S(0), S(1)]),
+    "batch over dp, sequence over mp, flattened": (MESH24, (2, 8, 6), (16, 6), [S(0), S(1)],
+                                                   [S(0), S(0)]),
+    "group over m0 merged under a whole kv dim: blocks not contiguous": (
+        MESH222, (2, 4, 6), (8, 6), [R, S(1), R], None),
+    "heads over mp = 4 into (2, 4): finer than the axis": (
+        MESH24, (4, 8, 6), (4, 2, 4, 6), [S(0), S(1)], None),
+}
+
+
+@pytest.mark.parametrize("mesh,shape,new,placements,free", SPLIT_DIMS.values(),
+                         ids=SPLIT_DIMS.keys())
+def test_a_dim_split_over_several_axes_reshapes_where_it_lies(mesh, shape, new, placements,
+                                                               free):
+    """A reshape splitting (or merging) a dim that several mesh axes split gives each axis the
+    piece of the dim it falls in (a compound dim): no collective, the result split on the new
+    dims. Where the blocks would not stay contiguous the plan moves data instead — forward and
+    gradient equal one device either way, and the plan is the compiled program."""
+    x = np.random.default_rng(2).normal(size=shape).astype(np.float32)
+    ramp = jnp.linspace(0.0, 1.0, math.prod(new)).reshape(new)
+    dx = dist.shard_tensor(x, mesh, placements)
+    for fn in (lambda x: x.reshape(new) * 2.0,
+               jax.grad(lambda x: jnp.sum(jnp.tanh(x.reshape(new)) * ramp))):
+        g = dist.jit(fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dist.FallbackWarning)
+            out = g(dx)
+        np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-5, atol=1e-6)
+        plan = g.plan(dx)
+        assert count_collectives(g.lower(dx).compile().as_text()) == Counter(
+            c.kind for c in plan.collectives)
+        if free is not None:
+            assert not plan.collectives, [c.step for c in plan.collectives]
+    if free is not None:
+        assert dist.jit(lambda x: x.reshape(new) * 2.0)(dx).placements == free
 
 
 SHIFTS = {

@@ -22,13 +22,20 @@ from ..placement import ReduceType
 PASS, REDUCE, REPLICATE, COMBINE = "pass", "reduce", "replicate", "combine"
 NONE, ALL, ONE = "none", "all", "one"
 
-DimFactors = tuple  # tuple[int | None, ...]: factor index per dim
+DimFactors = tuple  # tuple[int | tuple[int, ...] | None, ...]: factor index per dim
+# A dim may carry a tuple of factors, major first: a compound dim (Shardy's term). A reshape
+# splitting heads (8) into (kv_heads 2, group 4) gives the operand's dim both pieces; a dim
+# split over axes (a, b) then puts a on the major piece and b on the minor one — valid only
+# when the major piece is split whole before the minor takes an axis (the blocks stay
+# contiguous), which `strategy.layouts` checks.
 
 
 @dataclass(frozen=True)
 class Factor:
     kind: str = PASS
     reduce_type: ReduceType | None = None
+    # a piece of a compound dim (below): its own extent, which no single dim may have
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class OpSharding:
     # a mesh axis a dim's factor cannot take (a reshape splitting the dim finer than the axis)
     # may move onto another passing factor instead of being given up (strategy._moved)
     regroups: bool = False
+    compounds: tuple[tuple[int, ...], ...] = ()  # every compound dim's factors, for the check
 
     def partial_mode(self, reduce_type: ReduceType) -> str:
         if reduce_type in (ReduceType.SUM, ReduceType.AVG):
@@ -55,7 +63,7 @@ class OpSharding:
         for kind, groups in (("operand", self.operands), ("result", self.results)):
             for i, dims in enumerate(groups):
                 for d, f in enumerate(dims):
-                    if f == factor:
+                    if f == factor or (type(f) is tuple and factor in f):
                         out.append((kind, i, d))
         return out
 

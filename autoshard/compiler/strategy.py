@@ -46,7 +46,33 @@ class Strategy:
 
 
 def _dims(groups, factors_axes) -> tuple[tuple[str, ...], ...]:
-    return tuple(factors_axes.get(f, ()) if f is not None else () for f in groups)
+    return tuple(() if f is None else factors_axes.get(f, ()) if type(f) is not tuple
+                 else tuple(a for g in f for a in factors_axes.get(g, ())) for f in groups)
+
+
+def _kind(opsh: OpSharding, f) -> str | None:
+    """The kind of a dim's factor (a compound dim's pieces all pass)."""
+    if f is None:
+        return None
+    return opsh.factors[f[0] if type(f) is tuple else f].kind
+
+
+def _assigned(f, axes, opsh: OpSharding, sizes) -> list[tuple[str, int]]:
+    """(axis, factor) for a dim split over `axes` (major first) carrying factor(s) `f`: on a
+    compound dim each axis takes the piece it falls in, a piece moving on once its axes split
+    it whole. An axis that does not fit stays on its piece: the strategy is then invalid and
+    repaired (`_repaired`). Without mesh sizes, every axis goes to the major piece."""
+    if type(f) is not tuple:
+        return [(a, f) for a in axes]
+    out, k, left = [], 0, opsh.factors[f[0]].size
+    for a in axes:
+        while left == 1 and k + 1 < len(f):
+            k += 1
+            left = opsh.factors[f[k]].size
+        out.append((a, f[k]))
+        if sizes is not None and left % sizes[a] == 0:
+            left //= sizes[a]
+    return out
 
 
 def layouts(opsh: OpSharding, s: Strategy, in_shapes: Sequence[tuple[int, ...]],
@@ -59,9 +85,17 @@ def layouts(opsh: OpSharding, s: Strategy, in_shapes: Sequence[tuple[int, ...]],
         factor_axes[f] = factor_axes.get(f, ()) + (a,)
     for f, axes in factor_axes.items():
         n = math.prod(sizes[a] for a in axes)
+        piece = opsh.factors[f].size
+        if piece is not None and piece % n:
+            return None
         for kind, i, d in opsh.dims_of(f):
             shape = in_shapes[i] if kind == "operand" else out_shapes[i]
             if shape[d] % n:
+                return None
+    for pieces in opsh.compounds:  # a minor piece split only under a major one split whole
+        for k, f in enumerate(pieces[:-1]):
+            if (any(g in factor_axes for g in pieces[k + 1:])
+                    and math.prod(sizes[a] for a in factor_axes.get(f, ())) != opsh.factors[f].size):
                 return None
     try:
         ins = []
@@ -80,13 +114,13 @@ def layouts(opsh: OpSharding, s: Strategy, in_shapes: Sequence[tuple[int, ...]],
 
 
 def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
-               may_pass: bool = True):
+               may_pass: bool = True, sizes=None):
     assign, partial = [], []
     for d, axes in enumerate(layout.dims):
         f = groups[d] if d < len(groups) else None
-        if f is None or opsh.factors[f].kind == REPLICATE:
+        if f is None or _kind(opsh, f) == REPLICATE:
             continue
-        assign.extend((a, f) for a in axes)
+        assign.extend(_assigned(f, axes, opsh, sizes))
     if operand is not None and may_pass:
         for a, t in layout.partial:
             mode = opsh.partial_mode(t)
@@ -97,22 +131,24 @@ def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
     return assign, partial
 
 
-def _seed_moving(groups, layout: Layout, opsh: OpSharding):
+def _seed_moving(groups, layout: Layout, opsh: OpSharding, sizes=None):
     """The operand's own assignment with the axes of its dims the op needs whole moved onto
     another of its dims the op lets pass (an all-to-all instead of an all-gather: a sort
     along a split dim re-splits the rows by that axis, as XLA does); None if nothing moves."""
-    spare, assign, passing = [], [], []
+    spare, kept, passing = [], {}, []
     for d, axes in enumerate(layout.dims):
         f = groups[d] if d < len(groups) else None
-        if f is None or opsh.factors[f].kind == REPLICATE:
+        kind = _kind(opsh, f)
+        if f is None or kind == REPLICATE:
             spare.extend(axes)
-        elif opsh.factors[f].kind == PASS:
-            assign.extend((a, f) for a in axes)
-            passing.append((not axes, d, f))  # a dim already split first, then in order
+        elif kind == PASS:
+            kept[d] = axes
+            passing.append((not axes, d))  # a dim already split first, then in order
     if not spare or not passing:
         return None
-    target = min(passing)[2]
-    return assign + [(a, target) for a in spare], []
+    target = min(passing)[1]
+    kept[target] = kept[target] + tuple(spare)
+    return [x for d, axes in kept.items() for x in _assigned(groups[d], axes, opsh, sizes)], []
 
 
 def _seeds_unreducing(groups, layout: Layout, opsh: OpSharding):
@@ -120,8 +156,10 @@ def _seeds_unreducing(groups, layout: Layout, opsh: OpSharding):
     dim's axes moved onto a dim the op lets pass — an all-to-all of the operand instead of a
     Partial result as large as the output (the embedding gradient: a scatter-add of a
     sequence-split cotangent into the whole table)."""
-    kinds = [opsh.factors[groups[d]].kind if d < len(groups) and groups[d] is not None
-             else None for d in range(len(layout.dims))]
+    if opsh.compounds:  # a reshape's: it sums over nothing
+        return
+    kinds = [_kind(opsh, groups[d]) if d < len(groups) else None
+             for d in range(len(layout.dims))]
     passing = [(not axes, d) for d, axes in enumerate(layout.dims) if kinds[d] == PASS]
     if not passing:
         return
@@ -151,24 +189,26 @@ def _merge(seeds) -> Strategy:
 def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                preferred: Sequence[Layout | None],
                single_use: Sequence[bool] | None = None,
-               available: Sequence[frozenset] = (), unreducing: bool = False) -> list[Strategy]:
+               available: Sequence[frozenset] = (), unreducing: bool = False,
+               sizes=None) -> list[Strategy]:
     """`single_use[i]`: operand i has no other consumer, so its Partial may flow through here.
     `available[i]`: layouts operand i was already moved to: each also seeds a strategy.
 
     A Partial with several consumers is reduced once, where it is first needed, and every
     consumer reads the reduced value — else each branch would reduce its own view of it.
+    `sizes` (the mesh's axis sizes) place the axes of a compound dim on its pieces.
     """
     single_use = single_use if single_use is not None else [True] * len(actual)
-    operand_seeds = {i: _seed_from(opsh.operands[i], L, opsh, i, single_use[i])
+    operand_seeds = {i: _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes)
                      for i, L in enumerate(actual) if L is not None}
     seeds = list(operand_seeds.values())
-    seeds += [_seed_from(opsh.results[j], L, opsh, None) for j, L in enumerate(preferred)
-              if L is not None]
-    extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i]))
+    seeds += [_seed_from(opsh.results[j], L, opsh, None, sizes=sizes)
+              for j, L in enumerate(preferred) if L is not None]
+    extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes))
              for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
     moving = [m for i, L in enumerate(actual) if L is not None
-              for m in [_seed_moving(opsh.operands[i], L, opsh)] if m is not None]
+              for m in [_seed_moving(opsh.operands[i], L, opsh, sizes)] if m is not None]
     if unreducing:
         for i, L in enumerate(actual):
             for m in _seeds_unreducing(opsh.operands[i], L, opsh) if L is not None else ():
@@ -361,7 +401,8 @@ def _moved(opsh: OpSharding, s: Strategy, repaired: Strategy, in_shapes, out_sha
     (2x the bytes of the gather)."""
     kept = list(repaired.assign)
     used = {a for a, _ in kept}
-    minor = {dims[-1] for dims in opsh.operands if dims}
+    minor = {g for dims in opsh.operands if dims
+             for g in (dims[-1] if type(dims[-1]) is tuple else (dims[-1],))}
     moved = False
     for a, f in s.assign:
         if a in used:
@@ -408,7 +449,7 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
     out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
     best_nested = 0
-    cands = candidates(opsh, actual, preferred, single_use, available, unreducing)
+    cands = candidates(opsh, actual, preferred, single_use, available, unreducing, sizes)
     for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
         cost = 0.0
