@@ -24,6 +24,9 @@ def explain_text(plan) -> str:
     mesh = plan.mesh
     lines = [f"autoshard plan on mesh {mesh.shape} {mesh.dim_names} "
              f"({len(plan.program.eqns)} equations)"]
+    if plan.refinement is not None:
+        lines.append(f"sub-axes: {plan.refinement.describe()} — a reshape splits a dim finer "
+                     f"than the axis")
     lines.append("inputs:  " + ", ".join(L.describe(mesh) for L in plan.inputs))
     lines.append("outputs: " + ", ".join(L.describe(mesh) for L in plan.outputs))
     rows = _rows(plan)

@@ -31,6 +31,7 @@ from .gc_pause import gc_paused
 from . import out_spec
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
+from .refine import refined_plan
 from . import constraints, graph_nodes, jax_shardings
 from .trace import build_program, hint_p
 
@@ -277,10 +278,10 @@ class DistributedFunction:
         for (t, s, seen, r), entry in self._cache.items():
             if (t, s, r) != (tree, static, reduced) or not isinstance(entry, _Compiled):
                 continue
-            if all(new == old or (old.mesh is None and new.mesh == entry.plan.mesh
+            if all(new == old or (old.mesh is None and new.mesh == entry.plan.user_mesh
                                   and new.layout == L and (new.shape, new.dtype) ==
                                   (old.shape, old.dtype))
-                   for new, old, L in zip(described, seen, entry.plan.inputs)):
+                   for new, old, L in zip(described, seen, entry.plan.user_inputs)):
                 return entry
         return None
 
@@ -381,6 +382,10 @@ class DistributedFunction:
                          [t if s is None else even_part(s, mesh, v.shape)
                           for t, s, v in zip(targets, stored_out, program.outputs)],
                          _registry(), cost_model)
+        if not (any(stored_in) or any(stored_out) or any(d.memory for d in described)
+                or self._out_memory_kinds):
+            # a reshape splitting a dim finer than its axis: planned on sub-axes (refine.py)
+            plan = refined_plan(plan, program, targets, _registry(), cost_model)
         local = local_function(plan, _registry())
         if any(stored_in) or any(stored_out):
             local = _with_uneven_boundaries(local, plan, described, stored_in, stored_out,
@@ -388,12 +393,18 @@ class DistributedFunction:
                                             eager=self._always_dist)
         ins = [L if s is None else s for L, s in zip(plan.inputs, stored_in)]
         outs = [L if s is None else s for L, s in zip(plan.outputs, stored_out)]
-        mapped = jax.shard_map(local, mesh=mesh.to_jax(),
-                               in_specs=tuple(physical_spec(L, mesh) for L in ins),
-                               out_specs=[physical_spec(L, mesh) for L in outs], check_vma=True)
+        mapped = jax.shard_map(local, mesh=plan.mesh.to_jax(),
+                               in_specs=tuple(physical_spec(L, plan.mesh) for L in ins),
+                               out_specs=[physical_spec(L, plan.mesh) for L in outs],
+                               check_vma=True)
         mapped = _with_memory_kinds(mapped, mesh, ins, outs, [d.memory for d in described],
                                     self._out_kinds(len(outs)))
-        fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree))
+        if plan.refinement is None:
+            fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree))
+        else:  # the refined mesh's devices are the user's in order: the same arrays, renamed
+            outs = plan.user_outputs
+            fn = jax.jit(mapped, donate_argnums=self._flat_donations(tree),
+                         out_shardings=[physical_sharding(L, mesh) for L in outs])
         return _Compiled(plan, fn, out_tree, described, outs, hoisted=hoisted)
 
     def _out_kinds(self, n: int) -> list[str | None]:
@@ -441,14 +452,14 @@ class DistributedFunction:
 
     def _physical_inputs(self, entry: _Compiled, leaves) -> list:
         out = []
-        for x, d, L in zip(leaves, entry.leaves, entry.plan.inputs):
+        for x, d, L in zip(leaves, entry.leaves, entry.plan.user_inputs):
             if isinstance(x, DistTensor):
                 out.append(x.physical)
             elif d.layout is not None:
                 out.append(x)
             else:
                 arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x, dtype=d.dtype)
-                out.append(jax.device_put(arr, physical_sharding(L, entry.plan.mesh)))
+                out.append(jax.device_put(arr, physical_sharding(L, entry.plan.user_mesh)))
         return out + list(entry.hoisted)
 
     # -- public -------------------------------------------------------------------------------
@@ -482,8 +493,8 @@ class DistributedFunction:
         plan = entry.plan
         wrapped = [DistTensor(o if o.size or isinstance(o, jax.core.Tracer) else
                               # jax hands an empty result back replicated: give it its layout
-                              jax.device_put(o, physical_sharding(L, plan.mesh)),
-                              plan.mesh, L, v.shape)
+                              jax.device_put(o, physical_sharding(L, plan.user_mesh)),
+                              plan.user_mesh, L, v.shape)
                    for o, L, v in zip(outs, entry.stored_outputs, plan.program.outputs)]
         if entry.out_descs is None:
             entry.out_descs = [_describe_leaf(d) for d in wrapped]

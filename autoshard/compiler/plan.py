@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..cost_model import CostModel
 from ..layout import Layout
@@ -96,6 +97,23 @@ class Plan:
     # eqn index -> index of the equation whose decisions it took (repeats.py), for equations
     # whose plans are still those copies (the reduction hoist rewrote neither)
     same_as: dict = field(default_factory=dict)
+    # planned on the mesh with an axis split in two (refine.py): `mesh` and every layout here
+    # are the refined mesh's; `user_*` are the caller's terms
+    refinement: Any = None
+
+    @property
+    def user_mesh(self) -> ProcessMesh:
+        return self.mesh if self.refinement is None else self.refinement.user_mesh
+
+    @property
+    def user_inputs(self) -> list[Layout]:
+        return self.inputs if self.refinement is None else [
+            self.refinement.user(L) for L in self.inputs]
+
+    @property
+    def user_outputs(self) -> list[Layout]:
+        return self.outputs if self.refinement is None else [
+            self.refinement.user(L) for L in self.outputs]
 
     @property
     def total_bytes(self) -> int:

@@ -477,7 +477,7 @@ class PipelineRunner(StageRunner):
         leaves, tree = jax.tree.flatten((out, new[0]) if aux else out, is_leaf=_is_leaf)
         if not all(isinstance(o, DistTensor) for o in leaves):
             plan = program.plan(*args)
-            leaves = [make_dtensor(o, plan.mesh, plan.outputs[k].without_partial(), o.shape)
+            leaves = [make_dtensor(o, plan.user_mesh, plan.user_outputs[k].without_partial(), o.shape)
                       if isinstance(o, jax.Array) else o for k, o in enumerate(leaves)]
         y = jax.tree.unflatten(tree, leaves)
         if aux:

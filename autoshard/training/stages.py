@@ -141,7 +141,7 @@ class StageRunner:
                              f"array (its activation, or the scalar loss for the last stage)")
         plan = program.plan(*args)
         # Pending Partial outputs were reduced for the outer autodiff: the layout without them.
-        return make_dtensor(out, plan.mesh, plan.outputs[0].without_partial(), out.shape)
+        return make_dtensor(out, plan.user_mesh, plan.user_outputs[0].without_partial(), out.shape)
 
 
 __all__ = ["Stage", "StageRunner", "StageError"]

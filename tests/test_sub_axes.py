@@ -1,0 +1,219 @@
+"""Sub-axes: a reshape that splits a dim finer than its mesh axis (8 query heads over mp = 4
+grouped as 2 key-value heads × 4) is planned on the mesh with that axis split in two (mp.0 ×
+mp.1), where it moves nothing — kept when the cost model prices it cheaper, always equal to
+one device, with inputs and outputs on the user's mesh."""
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard as dist
+from autoshard.compiler import refine
+from autoshard.compiler.refine import Refinement
+from autoshard.hlo import count_collectives
+from autoshard.layout import Layout
+from autoshard.placement import ReduceType
+
+R, S = dist.Replicate(), dist.Shard
+MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+MESH8 = dist.ProcessMesh(list(range(8)), ["mp"])
+
+
+def _attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _run(f, args, ref_fn, ref_args, atol=1e-5):
+    """f(*args) with fallbacks as errors, against ref_fn(*ref_args) on one device; the plan,
+    and the compiled program's collectives (which must be the plan's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(*args)
+    for got, want in zip(jax.tree.leaves(out, is_leaf=lambda a: isinstance(a, dist.DistTensor)),
+                         jax.tree.leaves(ref_fn(*ref_args))):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=atol)
+    plan = f.plan(*args)
+    hlo = count_collectives(f.lower(*args).compile().as_text())
+    assert hlo == Counter(c.kind for c in plan.collectives), (hlo, plan.collectives)
+    return out, plan, hlo
+
+
+@pytest.mark.parametrize("mesh,heads,kv,q_placements,split", [
+    (MESH24, 8, 2, [S(0), S(2)], ("mp", 2)),
+    (MESH8, 16, 2, [S(2)], ("mp", 2)),       # mp = 8 as 2 × 4
+    (MESH8, 16, 4, [S(2)], ("mp", 4)),       # mp = 8 as 4 × 2
+], ids=["kv 2 of 8 heads over mp 4", "kv 2 of 16 heads over mp 8", "kv 4 of 16 over mp 8"])
+def test_grouped_query_heads_stay_where_they_lie(mesh, heads, kv, q_placements, split,
+                                                 monkeypatch):
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(4, 16, heads, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(4, 16, kv, 8)).astype(np.float32) for _ in range(2))
+    qd = dist.shard_tensor(q, mesh, q_placements)
+    kd, vd = (dist.shard_tensor(a, mesh, [R] * mesh.ndim) for a in (k, v))
+    f = dist.jit(_attention)
+    out, plan, hlo = _run(f, (qd, kd, vd), _attention, (q, k, v))
+    assert plan.refinement is not None and plan.refinement.split == (split,)
+    assert not plan.collectives and not hlo
+    # the output is the user's: its mesh, its placements, and it feeds the next call as is
+    assert out.mesh == mesh and out.placements == q_placements
+    again = dist.jit(lambda o, k, v: _attention(o, k, v))(out, kd, vd)
+    np.testing.assert_allclose(again.numpy(), _attention(_attention(q, k, v), k, v),
+                               rtol=1e-4, atol=1e-5)
+    # on the user's mesh alone the heads move (the test would pass without sub-axes otherwise)
+    monkeypatch.setattr(refine, "ENABLED", False)
+    assert dist.jit(_attention).plan(qd, kd, vd).collectives
+
+
+def _llama_like(kv: int):
+    """A 2-layer grouped-query attention + MLP model's loss with Megatron placements (the
+    key-value projections replicated: fewer heads than mp devices)."""
+    rng = np.random.default_rng(1)
+    B, T, D, H, DH, F, V = 8, 16, 32, 8, 4, 64, 64
+
+    def n(*shape):
+        return (rng.normal(size=shape) * 0.05).astype(np.float32)
+    params = {"embed": n(V, D), "head": n(D, V), "blocks": [
+        {"wq": n(D, H * DH), "wk": n(D, kv * DH), "wv": n(D, kv * DH), "wo": n(H * DH, D),
+         "up": n(D, F), "down": n(F, D)} for _ in range(2)]}
+    placements = {"embed": [R, S(0)], "head": [R, S(1)], "blocks": [
+        {"wq": [R, S(1)], "wk": [R, R], "wv": [R, R], "wo": [R, S(0)], "up": [R, S(1)],
+         "down": [R, S(0)]} for _ in range(2)]}
+
+    def rms(x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+    def loss(p, ids, labels):
+        x = p["embed"][ids]
+        for b in p["blocks"]:
+            h = rms(x)
+            q = (h @ b["wq"]).reshape(B, T, H, DH)
+            k = (h @ b["wk"]).reshape(B, T, kv, DH)
+            v = (h @ b["wv"]).reshape(B, T, kv, DH)
+            x = x + _attention(q, k, v).reshape(B, T, H * DH) @ b["wo"]
+            x = x + jax.nn.gelu(rms(x) @ b["up"]) @ b["down"]
+        logits = rms(x) @ p["head"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    labels = rng.integers(0, V, (B, T)).astype(np.int32)
+    placed = jax.tree.map(lambda a, p: dist.shard_tensor(a, MESH24, p), params, placements,
+                          is_leaf=lambda x: isinstance(x, list) and isinstance(x[0], dist.Placement))
+    data = [dist.shard_tensor(a, MESH24, [S(0), R]) for a in (ids, labels)]
+    return loss, (params, ids, labels), (placed, *data)
+
+
+def test_a_grouped_query_model_is_planned_on_sub_axes_when_that_prices_cheaper(monkeypatch):
+    # two key-value heads over mp = 4: on the user's mesh the queries move to another dim
+    # around each attention (all-to-alls, gathers); on mp.0 × mp.1 every attention is local
+    # and each block all-reduces twice, as Megatron does
+    loss, args, placed = _llama_like(kv=2)
+    f = dist.jit(loss)
+    _, plan, hlo = _run(f, placed, loss, args)
+    assert plan.refinement is not None
+    assert "sub-axes: mp (4) planned as mp.0 × mp.1 (2 × 2)" in str(plan)
+    assert set(hlo) == {"all-reduce"}, hlo
+    monkeypatch.setattr(refine, "ENABLED", False)
+    g = dist.jit(loss)
+    _, flat, flat_hlo = _run(g, placed, loss, args)
+    assert flat.refinement is None
+    model = dist.default_cost_model()
+    assert refine._seconds(plan, plan.refinement.cost_model(model)) < refine._seconds(flat, model)
+    assert sum(hlo.values()) < sum(flat_hlo.values())
+
+
+def test_a_program_that_names_mesh_axes_keeps_the_users_mesh():
+    # the user's own shard_map with a psum over mp names the user's axes: no sub-axes there
+    # (still one device's values); a sharding constraint is an annotation and is translated
+    rng = np.random.default_rng(2)
+    q = rng.normal(size=(4, 16, 8, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(4, 16, 2, 8)).astype(np.float32) for _ in range(2))
+    P = jax.sharding.PartitionSpec
+    jmesh = MESH24.to_jax()
+
+    def scaled(o):  # o / its global sum of squares, written with the user's psum
+        return o / jax.lax.psum(jnp.sum(o * o), ("dp", "mp"))
+
+    def fn(q, k, v):
+        o = _attention(q, k, v)
+        return jax.shard_map(scaled, mesh=jmesh, in_specs=P("dp", None, "mp"),
+                             out_specs=P("dp", None, "mp"))(o)
+    qd = dist.shard_tensor(q, MESH24, [S(0), S(2)])
+    kd, vd = (dist.shard_tensor(a, MESH24, [S(0), R]) for a in (k, v))
+    _, plan, _ = _run(dist.jit(fn), (qd, kd, vd), fn, (q, k, v))
+    assert plan.refinement is None
+
+    sharding = jax.sharding.NamedSharding(jmesh, P("dp", None, "mp"))
+
+    def constrained(q, k, v):
+        return jax.lax.with_sharding_constraint(_attention(q, k, v), sharding)
+    out, plan, hlo = _run(dist.jit(constrained), (qd, kd, vd), constrained, (q, k, v))
+    assert plan.refinement is not None and not hlo
+    assert out.placements == [S(0), S(2)]
+
+
+def test_annotations_scans_gradients_and_eager_reshapes_on_sub_axes():
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(4, 16, 8, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(4, 16, 2, 8)).astype(np.float32) for _ in range(2))
+    kd, vd = (dist.shard_tensor(a, MESH24, [S(0), R]) for a in (k, v))
+
+    def annotated(q, k, v):  # placed inside: the annotation is translated to the sub-axes
+        return _attention(dist.shard_tensor(q, MESH24, [S(0), S(2)]), k, v)
+    _, plan, hlo = _run(dist.jit(annotated), (q, kd, vd), _attention, (q, k, v))
+    assert plan.refinement is not None and not hlo
+
+    def scanned(q, k, v):  # the attention in a loop body, planned on the same sub-axes
+        def body(x, _):
+            return _attention(x, k, v), None
+        return jax.lax.scan(body, q, None, length=2)[0]
+    qd = dist.shard_tensor(q, MESH24, [S(0), S(2)])
+    _, plan, hlo = _run(dist.jit(scanned), (qd, kd, vd), scanned, (q, k, v))
+    assert plan.refinement is not None and not hlo
+
+    # differentiated from outside: the program's outputs are reduced for jax.grad
+    f = dist.jit(_attention)
+
+    def outer(q):
+        return jnp.sum(f(q, kd, vd) ** 2)
+    got = jax.grad(outer)(qd)
+    want = jax.grad(lambda q: jnp.sum(_attention(q, k, v) ** 2))(q)
+    np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got), want,
+                               rtol=1e-4, atol=1e-5)
+
+    # an eager reshape into (kv, group) ends on the user's mesh, values as one device
+    grouped = qd.reshape(4, 16, 2, 4, 8)
+    assert grouped.mesh == MESH24
+    np.testing.assert_array_equal(grouped.numpy(), q.reshape(4, 16, 2, 4, 8))
+
+
+P_SUM = (("mp.0", ReduceType.SUM), ("mp.1", ReduceType.SUM))
+
+
+@pytest.mark.parametrize("user,refined", [
+    (Layout((("dp",), ("mp",))), Layout((("dp",), ("mp.0", "mp.1")))),
+    (Layout((("dp", "mp"), ())), Layout((("dp", "mp.0", "mp.1"), ()))),
+    (Layout(((), ()), (("mp", ReduceType.SUM),)), Layout(((), ()), P_SUM)),
+])
+def test_layouts_cross_between_the_users_mesh_and_its_sub_axes(user, refined):
+    r = Refinement(MESH24, (("mp", 2),))
+    assert r.mesh.dim_names == ["dp", "mp.0", "mp.1"] and r.mesh.shape == [2, 2, 2]
+    assert r.mesh.process_ids == MESH24.process_ids
+    assert r.refined(user) is refined
+    assert r.user(refined) is user
+    assert r.coarsened(refined) is refined
+
+
+@pytest.mark.parametrize("lone,coarse", [
+    (Layout((("mp.0",), ())), Layout(((), ()))),                      # major half alone
+    (Layout((("mp.1", "mp.0"), ())), Layout(((), ()))),               # halves out of order
+    (Layout((("dp",), ("mp.1",))), Layout((("dp",), ()))),
+    (Layout(((), ()), (("mp.1", ReduceType.SUM),)), Layout(((), ()))),  # reduced over one half
+])
+def test_a_lone_sub_axis_has_no_layout_on_the_users_mesh(lone, coarse):
+    r = Refinement(MESH24, (("mp", 2),))
+    assert r.user(lone) is None
+    assert r.coarsened(lone) is coarse
+    assert r.user(coarse) is not None
