@@ -1,8 +1,10 @@
 """Shape primitives: data movement that keeps every Partial; dims that cannot move stay whole.
 
 reshape uses a small dim algebra: input and output dims are grouped into runs of equal product;
-in each run only the major-most dims share a factor (a contiguous block of the major input dim
-is a contiguous block of the major output dim when the mesh size divides both). A reversed
+a run is cut into the pieces both shapes agree on (their common refinement: (8) → (2, 4) is the
+pieces 2 and 4), each piece a factor, and a dim spanning several pieces carries them all — a
+compound dim, whose axes fill its major piece before the next (factors.py). Where no common
+refinement exists ((4, 6) → (6, 4)) only the major-most dims share a factor. A reversed
 dim stays split: each device reverses its block and swaps it with its mirror device's.
 """
 from __future__ import annotations

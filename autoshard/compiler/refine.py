@@ -27,6 +27,7 @@ from jax import lax
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .control_flow import HIGHER_ORDER
 from .propagate import rule_sharding
 from .trace import Program, hint_p, params_key
 
@@ -159,10 +160,17 @@ def straddled(program: Program, mesh: ProcessMesh, registry) -> Refinement | Non
                 if axis not in major and 1 < g < n:
                     major[axis] = g
 
-    rule = registry.lookup(lax.reshape_p)
-    for e in program.eqns:
-        if e.primitive is lax.reshape_p:
-            note(rule_sharding(e, registry))
+    rule, reshape, seen = registry.lookup(lax.reshape_p), lax.reshape_p, set()
+    for e in program.eqns:  # every equation of a deep model: kept to two checks each
+        p = e.primitive
+        if p is reshape:
+            opsh = rule_sharding(e, registry)
+            if opsh is not None and opsh.compounds and id(opsh) not in seen:
+                seen.add(id(opsh))  # interned: every layer's reshape is one object
+                note(opsh)
+            continue
+        if p.name not in HIGHER_ORDER:
+            continue
         for inner in _jaxprs(e.params):  # a loop body's (a scan over layers)
             for x in _reshapes(inner):
                 try:
