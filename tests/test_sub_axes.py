@@ -68,8 +68,8 @@ def test_grouped_query_heads_stay_where_they_lie(mesh, heads, kv, q_placements, 
 
 
 def _llama_like(kv: int):
-    """A 2-layer grouped-query attention + MLP model's loss with Megatron placements (the
-    key-value projections replicated: fewer heads than mp devices)."""
+    """A 2-layer grouped-query attention + MLP model (its logits and loss) with Megatron
+    placements (the key-value projections replicated: fewer heads than mp devices)."""
     rng = np.random.default_rng(1)
     B, T, D, H, DH, F, V = 8, 16, 32, 8, 4, 64, 64
 
@@ -85,7 +85,7 @@ def _llama_like(kv: int):
     def rms(x):
         return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
 
-    def loss(p, ids, labels):
+    def logits(p, ids):
         x = p["embed"][ids]
         for b in p["blocks"]:
             h = rms(x)
@@ -94,15 +94,18 @@ def _llama_like(kv: int):
             v = (h @ b["wv"]).reshape(B, T, kv, DH)
             x = x + _attention(q, k, v).reshape(B, T, H * DH) @ b["wo"]
             x = x + jax.nn.gelu(rms(x) @ b["up"]) @ b["down"]
-        logits = rms(x) @ p["head"]
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+        return rms(x) @ p["head"]
+
+    def loss(p, ids, labels):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits(p, ids)),
+                                             labels[..., None], -1))
 
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     labels = rng.integers(0, V, (B, T)).astype(np.int32)
     placed = jax.tree.map(lambda a, p: dist.shard_tensor(a, MESH24, p), params, placements,
                           is_leaf=lambda x: isinstance(x, list) and isinstance(x[0], dist.Placement))
     data = [dist.shard_tensor(a, MESH24, [S(0), R]) for a in (ids, labels)]
-    return loss, (params, ids, labels), (placed, *data)
+    return logits, loss, (params, ids, labels), (placed, *data)
 
 
 def _hlo_bytes(compiled) -> int:
@@ -114,7 +117,7 @@ def test_a_grouped_query_model_is_planned_on_sub_axes_when_that_prices_cheaper(m
     # around each attention (all-to-alls, gathers); on mp.0 × mp.1 every attention is local
     # and each block all-reduces twice, as Megatron does — the bytes of jax.jit with the same
     # input shardings (Shardy splits mp the same way), where the user's mesh alone moved more
-    loss, args, placed = _llama_like(kv=2)
+    _, loss, args, placed = _llama_like(kv=2)
     f = dist.jit(loss)
     _, plan, hlo = _run(f, placed, loss, args)
     assert plan.refinement is not None
@@ -228,3 +231,28 @@ def test_a_lone_sub_axis_has_no_layout_on_the_users_mesh(lone, coarse):
     assert r.user(lone) is None
     assert r.coarsened(lone) is coarse
     assert r.user(coarse) is not None
+
+
+def test_to_static_trains_and_serves_a_grouped_query_model():
+    # the Paddle-style entry: the train step stays on the user's mesh (its replicated key-value
+    # weights come back replicated), predict and eval run on sub-axes; all equal one device
+    import optax
+
+    apply, _, (params, ids, labels), (placed, dids, dlabels) = _llama_like(kv=2)
+    def ce(logits, labels):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+    m = dist.to_static((apply, placed), None, ce, optax.sgd(0.1))
+    p, want = jax.tree.map(jnp.asarray, params), []
+    for _ in range(2):
+        value, g = jax.value_and_grad(lambda p: ce(apply(p, ids), labels))(p)
+        want.append(float(value))
+        p = jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+    got = [float(m(dids, dlabels).numpy()) for _ in range(2)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    out = m.predict()(dids)
+    np.testing.assert_allclose(out.numpy(), apply(p, ids), rtol=1e-4, atol=1e-5)
+    assert out.mesh == MESH24
+    predict = m.programs()["predict"]
+    assert predict.plan(*m.program_args("predict", dids)).refinement is not None
+    np.testing.assert_allclose(float(m.eval()(dids, dlabels).numpy()),
+                               float(ce(apply(p, ids), labels)), rtol=1e-5)

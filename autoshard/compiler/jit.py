@@ -383,7 +383,7 @@ class DistributedFunction:
                           for t, s, v in zip(targets, stored_out, program.outputs)],
                          _registry(), cost_model)
         if not (any(stored_in) or any(stored_out) or any(d.memory for d in described)
-                or self._out_memory_kinds):
+                or any(self._out_kinds(len(program.outputs)))):
             # a reshape splitting a dim finer than its axis: planned on sub-axes (refine.py)
             plan = refined_plan(plan, program, targets, _registry(), cost_model)
         local = local_function(plan, _registry())
