@@ -150,7 +150,9 @@ def straddled(program: Program, mesh: ProcessMesh, registry) -> Refinement | Non
     (1 < g < n), that axis as (g, n / g). None if no reshape straddles, or the program names
     mesh axes itself."""
     major: dict[str, int] = {}
-    sizes = mesh.axis_sizes
+    # (an axis whose halves' names the mesh already uses is left whole)
+    sizes = {a: n for a, n in mesh.axis_sizes.items()
+             if not set(sub_names(a)) & set(mesh.dim_names)}
 
     def note(opsh) -> None:
         for pieces in () if opsh is None else opsh.compounds:
