@@ -256,3 +256,58 @@ def test_to_static_trains_and_serves_a_grouped_query_model():
     assert predict.plan(*m.program_args("predict", dids)).refinement is not None
     np.testing.assert_allclose(float(m.eval()(dids, dlabels).numpy()),
                                float(ce(apply(p, ids), labels)), rtol=1e-5)
+
+
+def test_an_nnx_grouped_query_module_and_its_gradient_on_sub_axes():
+    # a free output left on a lone sub-axis (the key-value kernels' gradients: split over mp.0
+    # only) is finished on the user's mesh the cheaper way: gathered, or split finer over the
+    # whole axis (here: its sum over mp.1 reduce-scattered, not all-reduced then gathered)
+    from flax import nnx
+
+    class GQA(nnx.Module):
+        def __init__(self, d, heads, kv, rngs):
+            self.heads, self.kv, self.dh = heads, kv, d // heads
+            self.q = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+            self.k = nnx.Linear(d, kv * self.dh, use_bias=False, rngs=rngs)
+            self.v = nnx.Linear(d, kv * self.dh, use_bias=False, rngs=rngs)
+            self.o = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            B, T, _ = x.shape
+            q = self.q(x).reshape(B, T, self.heads, self.dh)
+            k = self.k(x).reshape(B, T, self.kv, self.dh)
+            v = self.v(x).reshape(B, T, self.kv, self.dh)
+            return self.o(_attention(q, k, v).reshape(B, T, -1))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+    x = np.random.default_rng(4).normal(size=(8, 16, 32)).astype(np.float32)
+    m, ref = GQA(32, 8, 2, nnx.Rngs(0)), GQA(32, 8, 2, nnx.Rngs(0))
+    for layer, placements in (("q", [R, S(1)]), ("o", [R, S(0)]), ("k", [R, R]), ("v", [R, R])):
+        kernel = getattr(m, layer).kernel
+        kernel.set_value(dist.shard_tensor(kernel.get_value(), MESH24, placements))
+    xd = dist.shard_tensor(x, MESH24, [S(0), R])
+    forward, grad = dist.jit(lambda m, x: m(x)), dist.jit(nnx.grad(loss))
+    np.testing.assert_allclose(forward(m, xd).numpy(), ref(x), rtol=1e-4, atol=1e-5)
+    assert forward.plan(m, xd).refinement is not None
+    got, want = grad(m, xd), nnx.grad(loss)(ref, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-6)
+    plan = grad.plan(m, xd)
+    assert plan.refinement is not None
+    assert Counter(c.kind for c in plan.collectives) == \
+        count_collectives(grad.lower(m, xd).compile().as_text())
+    assert "all-gather" not in {c.kind for c in plan.collectives}
+
+
+@pytest.mark.parametrize("lone,shape,finer", [
+    (Layout((("mp.0",), ())), (8, 4), Layout((("mp.0", "mp.1"), ()))),
+    (Layout(((), ("mp.1",))), (8, 4), Layout(((), ("mp.0", "mp.1")))),
+    (Layout((("dp", "mp.0"), ()), ((("mp.1", ReduceType.SUM),))), (8, 4),
+     Layout((("dp", "mp.0", "mp.1"), ()))),            # the Partial half reduce-scattered in
+    (Layout((("mp.0",), ("mp.1",))), (8, 4), None),    # the other half splits another dim
+    (Layout((("mp.0",), ())), (2, 4), None),           # 2 rows cannot split over 4
+])
+def test_a_lone_sub_axis_joined_by_its_other_half(lone, shape, finer):
+    r = Refinement(MESH24, (("mp", 2),))
+    assert r.completed(lone, shape) is finer

@@ -130,6 +130,33 @@ class Refinement:
             partial.get(h) == t for pair in pairs if a in pair for h in pair)]
         return Layout(tuple(keep(d) for d in layout.dims), tuple(kept))
 
+    def completed(self, layout: Layout, shape) -> Layout | None:
+        """`layout` with each lone sub-axis joined by its other half on the same dim (a local
+        slice, or a reduce-scatter where that half is Partial): a layout of the user's mesh
+        split finer; None where the other half splits another dim or the dim is too small."""
+        sizes = self.mesh.axis_sizes
+        halves = {h: pair for a, _ in self.split for pair in [sub_names(a)] for h in pair}
+        used = {a for names in layout.dims for a in names}
+        dims, joined = [], set()
+        for names, size in zip(layout.dims, shape):
+            out = []
+            for k, a in enumerate(names):
+                pair = halves.get(a)
+                if pair is None or (a == pair[0] and names[k + 1:k + 2] == (pair[1],)) or (
+                        a == pair[1] and k and names[k - 1] == pair[0]):
+                    out.append(a)
+                    continue
+                other = pair[1] if a == pair[0] else pair[0]
+                if other in used:
+                    return None
+                out += list(pair)
+                joined.add(other)
+            if size % math.prod(sizes[a] for a in out):
+                return None
+            dims.append(tuple(out))
+        partial = tuple(p for p in layout.partial if p[0] not in joined)
+        return self.user(Layout(tuple(dims), partial)) and Layout(tuple(dims), partial)
+
     def cost_model(self, model: CostModel) -> CostModel:
         """`model` with an axis's own latency and bandwidth given to both its halves."""
         def halves(table):
@@ -249,20 +276,26 @@ def refined_plan(plan, program: Program, output_targets: list, registry,
             e.params_key = params_key(e.params)
         # unplaced inputs as the user's plan placed them; outputs it decided are free, and
         # if the refined plan leaves one on a sub-axis alone, planned once more with each
-        # such output moved to what the user's mesh holds (the lone sub-axes gathered)
+        # such output moved to what the user's mesh holds: the lone sub-axes gathered, or
+        # joined by their other halves (split finer), whichever prices cheaper
+        model = r.cost_model(cost_model)
         ins = [r.refined(L) for L in plan.inputs]
         targets = [r.refined(t) if isinstance(t, Layout) else t for t in output_targets]
-        other = make_plan(program, r.mesh, ins, targets, registry, r.cost_model(cost_model),
-                          top_level=False)
-        if any(r.user(L) is None for L in other.outputs):
-            targets = [t if r.user(L) is not None else r.coarsened(L)
-                       for t, L in zip(targets, other.outputs)]
-            other = make_plan(program, r.mesh, ins, targets, registry,
-                              r.cost_model(cost_model), top_level=False)
+        other = make_plan(program, r.mesh, ins, targets, registry, model, top_level=False)
+        lone = [r.user(L) is None for L in other.outputs]
+        if any(lone):
+            tries = [[r.coarsened(L) if x else t
+                      for t, L, x in zip(targets, other.outputs, lone)]]
+            finer = [r.completed(L, v.shape) if x else t
+                     for t, L, v, x in zip(targets, other.outputs, program.outputs, lone)]
+            if all(t is not None or not x for t, x in zip(finer, lone)):
+                tries.append(finer)
+            other = min((make_plan(program, r.mesh, ins, t, registry, model, top_level=False)
+                         for t in tries), key=lambda p: _seconds(p, model))
     finally:
         for e, params, key in saved:
             e.params, e.params_key = params, key
-    if _seconds(other, r.cost_model(cost_model)) >= _seconds(plan, cost_model):
+    if _seconds(other, model) >= _seconds(plan, cost_model):
         return plan
     if any(r.user(L) is None for L in (*other.inputs, *other.outputs)):
         return plan
