@@ -154,8 +154,8 @@ class Refinement:
             if size % math.prod(sizes[a] for a in out):
                 return None
             dims.append(tuple(out))
-        partial = tuple(p for p in layout.partial if p[0] not in joined)
-        return self.user(Layout(tuple(dims), partial)) and Layout(tuple(dims), partial)
+        finer = Layout(tuple(dims), tuple(p for p in layout.partial if p[0] not in joined))
+        return finer if self.user(finer) is not None else None
 
     def cost_model(self, model: CostModel) -> CostModel:
         """`model` with an axis's own latency and bandwidth given to both its halves."""
