@@ -78,35 +78,13 @@ class Refinement:
     def user(self, layout: Layout) -> Layout | None:
         """The layout in the user's mesh's axes; None where a sub-axis stands alone (or the
         two are out of order), which the user's mesh cannot express."""
-        halves = {h: (axis, k) for axis, _ in self.split for k, h in enumerate(sub_names(axis))}
-        dims = []
-        for names in layout.dims:
-            out, k = [], 0
-            while k < len(names):
-                a = names[k]
-                if a not in halves:
-                    out.append(a)
-                    k += 1
-                    continue
-                axis, part = halves[a]
-                if part != 0 or k + 1 >= len(names) or names[k + 1] != sub_names(axis)[1]:
-                    return None
-                out.append(axis)
-                k += 2
-            dims.append(tuple(out))
-        partial = dict(layout.partial)
-        merged = []
-        for a, t in layout.partial:
-            if a not in halves:
-                merged.append((a, t))
-            elif halves[a][1] == 0:
-                axis = halves[a][0]
-                if partial.get(sub_names(axis)[1]) != t:
-                    return None
-                merged.append((axis, t))
-            elif partial.get(sub_names(halves[a][0])[0]) != t:
-                return None
-        return Layout(tuple(dims), tuple(merged))
+        if self.coarsened(layout) is not layout:  # (layouts are interned)
+            return None
+        major = {sub_names(a)[0]: a for a, _ in self.split}
+        minor = {sub_names(a)[1] for a, _ in self.split}
+        return Layout(tuple(tuple(major.get(a, a) for a in names if a not in minor)
+                            for names in layout.dims),
+                      tuple((major.get(a, a), t) for a, t in layout.partial if a not in minor))
 
     def coarsened(self, layout: Layout) -> Layout:
         """`layout` without its lone sub-axes (gathered, or reduced where Partial): the
