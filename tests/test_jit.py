@@ -789,3 +789,64 @@ def test_out_placements_prefix_through_a_registered_dataclass():
     assert out.a.placements == [S(0), R()]
     np.testing.assert_array_equal(out.a.numpy(), x * 2)
     np.testing.assert_array_equal(out.b.numpy(), x + 1)
+
+
+MESH222 = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["a", "b", "c"])
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed gathers", "gathers apart"])
+@pytest.mark.parametrize("reduce_dim", [0, 1])
+def test_two_moves_of_a_value_that_start_alike_run_their_common_steps_once(
+        packing, reduce_dim, monkeypatch):
+    """`h` is needed gathered over c as an output and, by a reshape, gathered over c and then
+    all-to-all'd over a: both moves start with the same gather of the same block, run once (the
+    partitioned program reuses it; XLA's CSE would merge it anyway) and listed once."""
+    from autoshard.compiler import combine
+    monkeypatch.setattr(combine, "ENABLED", packing)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 2)).astype(np.float32)
+    w = rng.normal(size=(2, 16)).astype(np.float32)
+
+    def f(x):
+        h = jnp.tanh(x.reshape(2, 16)) * w
+        z = h.reshape(16, 2) * 2.0
+        return z, (z.reshape(2, 16) * h).sum(axis=reduce_dim)
+
+    dx = dist.shard_tensor(x, MESH222, [dist.Replicate(), dist.Replicate(), dist.Shard(0)])
+    g = dist.jit(f, out_placements=([dist.Shard(1), dist.Replicate(), dist.Replicate()], None))
+    got, want = g(dx), jax.jit(f)(x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-6)
+    plan = g.plan(dx)
+    gathers = [c for c in plan.collectives if c.kind == "all-gather" and c.step == "all_gather(c) dim 0"]
+    assert len({c.value for c in gathers}) == len(gathers) == 2, plan  # h once, the other factor
+    assert hlo_counts(g, dx) == planned(g, dx)
+
+
+def test_a_product_with_one_is_its_other_operand():
+    """jax's gradient of a sum multiplies by a broadcast 1: that product is its other operand
+    (XLA simplifies it so), so the gather it would have needed is the one already planned for
+    that operand, listed once as it runs once."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3], [4, 5], [6, 7]], dim_names=["a", "b"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8, 4)).astype(np.float32)
+    w = rng.normal(size=(4, 32, 1)).astype(np.float32)
+
+    def f(x):
+        y = jnp.tanh(x.reshape(4, 32, 1)) * w
+        z = y.reshape(128, 1) * 2.0
+        return (z ** 2).sum() + (z.reshape(4, 32, 1) * y).sum(axis=0).sum()
+
+    step = jax.value_and_grad(f)
+    dx = dist.shard_tensor(x, mesh, [dist.Shard(2), dist.Shard(0)])
+    g = dist.jit(step)
+    got, want = g(dx), jax.jit(step)(x)
+    np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-5, atol=1e-6)
+    plan = g.plan(dx)
+    eqns = plan.program.eqns
+    ones = {e.outputs[0] for e in eqns if e.name == "broadcast_in_dim"
+            and e.inputs[0].is_const and np.ndim(e.inputs[0].const) == 0 and e.inputs[0].const == 1}
+    assert ones and not any(e.name == "mul" and ones & set(e.inputs) for e in eqns)
+    assert hlo_counts(g, dx) == planned(g, dx) == Counter(
+        {"all-to-all": 1, "all-gather": 1, "all-reduce": 1})

@@ -31,6 +31,10 @@ from .replay import Replayer
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
 
+# first item of the `moved` keys that hold a move's intermediate results (`run_steps`); the
+# other keys are (value, layout): the copies a block is handed and hands back
+_STEPS = object()
+
 
 @dataclass
 class LowerContext:
@@ -196,9 +200,20 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 # body): plan afresh from the value's own layout
                 rp = plan_layouts(tuple(v.shape), cost_dtype(v.dtype), plan.mesh, own,
                                   plan.mesh, rp.dst, plan.cost_model or default_cost_model())
-        for planned in rp.steps:
-            x = planned.step.run(x, sizes)
-        moved[key] = x
+        x = moved[key] = run_steps(moved, v, rp.src, rp.steps, x)
+        return x
+
+    def run_steps(moved: dict, v, src, steps, x):
+        """`steps` of a move of `v` from its copy `x` at layout `src`. Two moves from one copy
+        that start with the same steps share them (the plan lists them once, plan._once): each
+        step's result is kept in `moved` under the steps that led to it."""
+        prefix: tuple = (_STEPS, v, src)
+        for planned in steps:
+            prefix += (planned.step,)
+            y = moved.get(prefix)
+            if y is None:
+                y = moved[prefix] = planned.step.run(x, sizes)
+            x = y
         return x
 
     blocks: list = []  # [{start: outline.Instance}], found on the first trace
@@ -258,6 +273,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         again further on (a weight's gathered copy reused by the backward pass) is left to
         itself: XLA would keep the whole packed buffer alive for it."""
         end = min(stop, k + combine.WINDOW)
+        seen: set = set()
         for j in range(k, k + 1 if first_only else end):
             if j > k and (j in instances or j in regions):
                 return  # the copies made in there belong to that scope
@@ -267,6 +283,10 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 if (step is None or (v, rp.dst) in moved or v not in env
                         or used_until(v, rp.dst) >= end):
                     continue
+                first = (_STEPS, v, rp.src, step)
+                if first in moved or first in seen:
+                    continue  # gathered already, for a move that starts alike
+                seen.add(first)
                 yield v, rp, env[v], step
 
     def pack_gathers(env: dict, moved: dict, k: int, stop: int, instances: dict,
@@ -282,10 +302,9 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                                        sizes)
         if len(members) < 2:
             return
-        for (v, rp, _, _), x in zip(members, combine.run_packed(members, replayer.run)):
-            for planned in rp.steps[1:]:
-                x = planned.step.run(x, sizes)
-            moved[(v, rp.dst)] = x
+        for (v, rp, _, step), x in zip(members, combine.run_packed(members, replayer.run)):
+            moved[(_STEPS, v, rp.src, step)] = x
+            moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
 
     def call_block(env: dict, moved: dict, inst, calls: dict, replayer: Replayer) -> None:
         """One repeated block as a call of its jitted lowering (traced on its first call).
@@ -330,7 +349,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             env.update(zip(t.external, raw))
             moved = dict(zip(pre, copies))
             run_eqns(env, moved, t.start, t.stop)
-            new = [key for key in moved if key not in given]
+            new = [key for key in moved if key not in given and key[0] is not _STEPS]
             call.copies = [("made", made[v], L) if v in made else ("ext", ext[v], L)
                            if v in ext else ("const", const[v], L) for v, L in new]
             eqns = program.eqns

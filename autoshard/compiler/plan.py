@@ -52,6 +52,9 @@ class PlannedCollective:
     where: Where | str | None  # the user's line (a Where is resolved when read: `source`)
     reason: str
     by_rule: bool = False  # run inside a rule's own lowering (a combine, a halo), not a reshard
+    # (value, start layout, the move's steps up to this one): equal keys are the same
+    # collective of the same operand, which XLA's CSE runs once (`_once`)
+    shared: tuple | None = field(default=None, compare=False, repr=False)
 
     @property
     def source(self) -> str | None:
@@ -317,12 +320,15 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                move: tuple[Layout, Layout] | None = None) -> None:
         """List the collectives of planned steps; the reason names the whole `move` (default:
         each step's own layouts)."""
+        prefix: tuple = (value, steps[0].before if steps else None)
         for s in steps:
+            prefix += (s.step,)
             if s.step.hlo:
                 src, dst = move or (s.before, s.after)
                 collectives.append(PlannedCollective(
                     s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
-                    repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note))
+                    repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note,
+                    shared=prefix))
 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
     rule_sends: set = set()  # what rules' lowerings send that XLA computes once (CSE)
@@ -505,8 +511,23 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     same_as = {start + j: first + j for first, start, period in copies for j in range(period)
                if start + j not in touched and first + j not in touched}
 
-    return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards, collectives,
-                fallbacks, cost_model, same_as)
+    return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards,
+                _once(collectives), fallbacks, cost_model, same_as)
+
+
+def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:
+    """Each collective once: two moves of a value that start alike (a gather on the way to an
+    all-to-all, and the same gather for an output) run their common first steps on the same
+    operand, which XLA's CSE merges. Done last, after the passes that drop a value's moves."""
+    seen: set = set()
+    kept = []
+    for c in collectives:
+        if c.shared is not None:
+            if c.shared in seen:
+                continue
+            seen.add(c.shared)
+        kept.append(c)
+    return kept
 
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
@@ -369,6 +370,26 @@ def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def _is_one(v: Value, ones: set) -> bool:
+    """`v` is 1 everywhere: a real scalar constant 1, or a broadcast of one (`ones`). Complex
+    numbers are left alone: (a + bi)(1 + 0i) is not a + bi where b is infinite."""
+    if v in ones:
+        return True
+    if not v.is_const or np.ndim(v.const) or getattr(v.dtype, "kind", "c") not in "fiu":
+        return False
+    return bool(np.asarray(v.const) == 1)
+
+
+def _times_one(ins: list, out_aval, ones: set) -> Value | None:
+    """The operand of a product `ins[0] * ins[1]` that is the product (the other is 1 and it
+    has the result's shape and dtype), else None."""
+    for x, y in ((ins[0], ins[1]), (ins[1], ins[0])):
+        if (_is_one(y, ones) and x.aval.shape == out_aval.shape
+                and x.aval.dtype == out_aval.dtype):
+            return x
+    return None
+
+
 def params_key(params: dict) -> tuple | None:
     """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
     try:
@@ -399,6 +420,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
+    ones: set = set()  # broadcasts of a scalar 1 (`_is_one`)
     regions: list[CustomRegion] = []
     depth = [0]  # custom-rule nesting: only outermost bodies become regions
 
@@ -480,6 +502,11 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                                     params_key=params_key(one)))
                     env[out] = made
                 continue
+            if eqn.primitive is lax.mul_p:
+                kept = _times_one(ins, eqn.outvars[0].aval, ones)
+                if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
+                    env[eqn.outvars[0]] = kept  # broadcast 1): as XLA simplifies it, or the
+                    continue  # plan lists moves of a product the compiled program never makes
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
             if key is not None and key in seen:
@@ -490,6 +517,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                 seen[key] = outs
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
+            if eqn.primitive is lax.broadcast_in_dim_p and _is_one(ins[0], ones):
+                ones.add(outs[0])
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
     # Dead code out first, into every body (a user's shard_map included): what XLA would drop
