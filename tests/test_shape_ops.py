@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autoshard as dist
 from autoshard.hlo import collective_bytes, count_collectives
+from autoshard.testing import make_tensor
 
 R, S = dist.Replicate(), dist.Shard
 MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -472,3 +474,61 @@ def test_shifted_loss_and_accuracy_metrics_keep_the_sequence_split():
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-6)
     kinds = [c.kind for c in g.plan(w, dh, dt).collectives]
     assert "all-gather" not in kinds and "all-to-all" not in kinds
+
+
+# -- random chains of reshapes: any shapes of 2**k elements, any meshes and placements ----------
+
+RESHAPE_MESHES = [dist.ProcessMesh(list(range(8)), ["a"]), MESH24,
+                  dist.ProcessMesh(np.arange(8).reshape(4, 2), ["a", "b"]), MESH222]
+
+
+@st.composite
+def reshape_chains(draw):
+    """(mesh, input shape, two reshapes, the input's placements, the first result's
+    placements or None, the dim a second result sums over)."""
+    n = draw(st.integers(5, 8))
+
+    def shape(dims: int) -> tuple:
+        cuts = sorted(draw(st.lists(st.integers(0, n), min_size=dims - 1, max_size=dims - 1)))
+        return tuple(2 ** (b - a) for a, b in zip([0, *cuts], [*cuts, n]))
+
+    s1, s2, s3 = (shape(draw(st.integers(lo, 4))) for lo in (2, 1, 2))
+    mesh = draw(st.sampled_from(RESHAPE_MESHES))
+    placements = [draw(st.sampled_from([R, dist.Partial(), *[S(d) for d in range(len(s1))]]))
+                  for _ in range(mesh.ndim)]
+    out = draw(st.one_of(st.none(), st.lists(st.sampled_from([R, *[S(d) for d in range(len(s3))]]),
+                                             min_size=mesh.ndim, max_size=mesh.ndim)))
+    return mesh, s1, s2, s3, placements, out, draw(st.integers(0, len(s2) - 1))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reshape_chains())
+@example((MESH222, (16, 2), (2, 16), (16, 2), [R, R, S(0)], [S(1), R, R], 0))  # a shared gather
+@example((RESHAPE_MESHES[2], (4, 8, 4), (4, 32, 1), (128, 1), [S(2), S(0)], None, 0))  # x * 1
+def test_random_reshape_chains_equal_one_device(case):
+    """Reshapes through compound dims, sub-axes and uneven results: values, a gradient taken
+    inside, and the plan is the compiled program."""
+    mesh, s1, s2, s3, placements, out, red = case
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=s1).astype(np.float32)
+    w = rng.normal(size=s2).astype(np.float32)
+
+    def f(x):
+        y = jnp.tanh(x.reshape(s2)) * w
+        z = y.reshape(s3) * 2.0
+        return z, (z.reshape(s2) * y).sum(axis=red)
+
+    def grad(x):
+        return jax.value_and_grad(lambda x: (f(x)[0] ** 2).sum() + f(x)[1].sum())(x)
+
+    dx = make_tensor(x, mesh, placements)
+    for fn, kw in ((f, {} if out is None else {"out_placements": (out, None)}), (grad, {})):
+        g = dist.jit(fn, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+            got = g(dx)
+        for a, b in zip(got, jax.jit(fn)(x)):
+            np.testing.assert_allclose(a.numpy(), b, rtol=2e-4, atol=2e-4)
+        plan = g.plan(dx)
+        assert count_collectives(g.lower(dx).compile().as_text()) == Counter(
+            c.kind for c in plan.collectives), str(plan)
