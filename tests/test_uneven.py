@@ -120,6 +120,31 @@ def test_the_warning_names_the_input_the_dim_the_axis_and_the_padding():
         dist.jit(lambda a, b: a @ b)(a, b)
 
 
+def test_an_uneven_input_nothing_reads_is_not_gathered():
+    """An unused argument stored unevenly is neither gathered at entry nor warned about (XLA
+    drops the gather: listed, it would be a collective the program never runs)."""
+    b = dist.shard_tensor(RNG.normal(size=(6, 5)).astype(np.float32), MESH24, ["R", "S(0)"])
+    a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])
+    f = dist.jit(lambda a, b, c: (a * 2.0, c + 1.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", dist.UnevenShardingWarning)
+        out = f(a, b, b)  # the same tensor read (c) and not read (b): gathered once, for c
+        plan = f.plan(a, b, b)
+    assert {str(w.message).split(" (shape")[0] for w in caught} == {
+        "autoshard: <lambda>: argument 2"}
+    assert [c.value for c in plan.collectives] == [repr(plan.program.inputs[2])]
+    np.testing.assert_allclose(out[0].numpy(), X * 2.0)
+    np.testing.assert_allclose(out[1].numpy(), b.numpy() + 1.0)
+    assert Counter(c.kind for c in plan.collectives) == count_collectives(
+        f.lower(a, b, b).compile().as_text())
+    unused = dist.jit(lambda a, b: a * 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.UnevenShardingWarning)
+        np.testing.assert_allclose(unused(a, b).numpy(), X * 2.0)
+    assert not unused.plan(a, b).collectives
+    assert not count_collectives(unused.lower(a, b).compile().as_text())
+
+
 def test_uneven_hint_inside_dist_jit_computes_the_dim_whole():
     a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])
 

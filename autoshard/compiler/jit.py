@@ -651,11 +651,14 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
         return None if layout is None else uneven_steps(mesh, layout, shape, cost_dtype(dtype),
                                                         cost_model, gather=gather)
 
-    entry = [steps(s, d.shape, d.dtype, True) for s, d in zip(stored_in, described)]
+    # an input nothing reads is not gathered (XLA would drop the gather, unlisted)
+    read = set(plan.program.readers()) | set(plan.program.outputs)
+    entry = [steps(s, d.shape, d.dtype, True) if v in read else None
+             for s, d, v in zip(stored_in, described, plan.program.inputs)]
     exit_ = [steps(s, v.shape, v.dtype, False)
              for s, v in zip(stored_out, plan.program.outputs)]
     for k, (d, s, v) in enumerate(zip(described, stored_in, plan.program.inputs)):
-        if s is None:
+        if s is None or entry[k] is None:
             continue
         even = even_part(s, mesh, d.shape)
         for planned in reversed(entry[k]):
