@@ -394,3 +394,28 @@ def test_weights_split_over_the_rows_axes_are_gathered_once_before_the_map():
     gathers = [c for c in plan.collectives if c.kind == "all-gather"]
     assert gathers and not [c for c in gathers if "inside scan" in c.reason]
     assert all(c.bytes_per_device <= w.nbytes for c in gathers)  # the weight, not the batch
+
+
+def test_a_cond_differentiated_fills_the_other_branchs_residuals_in_place():
+    """jax's gradient of a cond makes each branch return the residuals of both, the other
+    branch's as broadcast placeholders. Those are made where each result is wanted (a
+    scalar's broadcast is never merged into one value read in two layouts), so nothing is
+    gathered for them: the plan is the compiled program."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3], [4, 5], [6, 7]], ["a", "b"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8, 8)).astype(np.float32) * 0.5
+    w = rng.normal(size=(8, 8)).astype(np.float32) * 0.3
+
+    def loss(x, w):
+        h = jax.lax.cond(x.sum() > 0, lambda h: h @ w, lambda h: (h * 2.0).T, x[1])
+        return (jnp.tanh(h) ** 2).sum()
+
+    step = jax.grad(loss, argnums=(0, 1))
+    dx = dist.shard_tensor(x, mesh, [dist.Replicate(), dist.Shard(2)])
+    dw = dist.shard_tensor(w, mesh, [dist.Shard(1), dist.Shard(1)])
+    f = dist.jit(step)
+    for got, want in zip(f(dx, dw), jax.jit(step)(x, w)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    plan = f.plan(dx, dw)
+    assert count_collectives(f.lower(dx, dw).compile().as_text()) == Counter(
+        c.kind for c in plan.collectives), str(plan)

@@ -427,6 +427,11 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     def cse_key(eqn, ins, params):
         if eqn.effects or params is None:  # params holding arrays: not worth comparing
             return None
+        if eqn.primitive is lax.broadcast_in_dim_p and not ins[0].aval.shape:
+            # a scalar's broadcast is made in any layout for free: one per reader, so that
+            # readers wanting it laid out differently (a cond branch's placeholder results,
+            # two of them one value once merged) do not move it
+            return None
         return (eqn.primitive, tuple(map(id, ins)), params)  # values live while building
 
     def own_outputs(outs: list[Value], start: int, source: Where) -> list[Value]:
