@@ -10,6 +10,7 @@ import pytest
 
 import autoshard as dist
 from autoshard.hlo import collective_bytes, count_collectives
+from autoshard.testing import make_tensor
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 
@@ -333,6 +334,29 @@ def test_lax_map_over_a_split_batch_runs_each_devices_rows(pw, px):
     assert {c.kind for c in plan.collectives} == {"all-reduce"}
     assert not [c for c in plan.collectives if "inside scan" in c.reason and
                 set(c.axes) & set(rows)]
+
+
+def test_a_pending_weight_read_by_a_split_map_is_reduced_once_before_it():
+    """A weight that is a pending sum over both axes, read whole by a map whose rows are split
+    over dp: it is reduced once, before the loop, and the backward map reads the same copy
+    (it was reduced over dp before the map and over mp inside every iteration of both)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 8, 8)).astype(np.float32)
+    w = (rng.normal(size=(8, 8)) * 0.3).astype(np.float32)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(jax.lax.map(lambda r: r @ w, x)) ** 2)
+
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "S(1)"])
+    dw = make_tensor(w, MESH, ["P(sum)", "P(sum)"])  # parts up to ±35: f32 rounding in w
+    f, (value, grad) = run_checked(jax.value_and_grad(loss), dw, dx)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value.numpy(), ref_value, rtol=1e-4)
+    np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-3, atol=1e-3)
+    assert len(_split_scans(f, dw, dx)) == 2
+    plan = f.plan(dw, dx)
+    assert not [c for c in plan.collectives if "inside scan" in c.reason], str(plan)
+    assert [c.step for c in plan.collectives if c.value == "a"] == ["psum(dp,mp)"]
 
 
 def test_mapped_outputs_stay_split_and_equal_one_device():

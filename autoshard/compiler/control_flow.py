@@ -366,6 +366,10 @@ def _split_scan(e, operands, mesh, registry, cost_model):
                          cost_model)
 
     carries, body = _loop_carries(make, list(init), len(e.outputs) - nk, nc)
+    moved = _invariant_moves(body, consts, 0, local_mesh)
+    if moved != consts:  # (a pending sum of a weight the map reads: reduced once, before it)
+        consts = moved  # (read by `make`)
+        carries, body = _loop_carries(make, list(init), len(e.outputs) - nk, nc)
     if _plan_uses(body, axes):
         return None  # the body asked for the split axes itself (a reshard naming them)
     if any(k == "sum" and {t for _, t in L.partial} - _LINEAR for L, k in zip(carries, kinds)):
