@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import autoshard as dist
-from autoshard.testing import assert_trains_like_one_device, mse_step, nnx_apply
+from autoshard.testing import assert_trains_like_one_device, make_tensor, mse_step, nnx_apply
 from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -224,3 +224,28 @@ def test_halos_inside_checkpointed_and_scanned_blocks(how):
     assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
     assert not [c for c in plan.collectives if c.kind == "all-gather"]
     assert [c for c in plan.collectives if c.kind == "collective-permute"]
+
+
+def test_a_pointwise_convolutions_gradient_reads_the_kernel_gathered_once():
+    """jax's input gradient of a convolution reverses the kernel's spatial dims; for a 1x1
+    kernel that is the kernel itself (as XLA simplifies it), so the gather the forward
+    convolution made of it serves the backward one too, and the plan is the compiled program."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8, 16, 16)).astype(np.float32)
+    w = (rng.normal(size=(8, 8, 1, 1)) * 0.3).astype(np.float32)
+
+    def loss(x, w):
+        y = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "VALID"))
+        return (jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2),
+                                      "VALID") ** 2).mean()
+
+    step = jax.grad(loss, argnums=(0, 1))
+    dx, dw = make_tensor(x, MESH, [S(0), S(1)]), make_tensor(w, MESH, [S(1), S(1)])
+    f = dist.jit(step)
+    for got, want in zip(f(dx, dw), jax.jit(step)(x, w)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    plan = f.plan(dx, dw)
+    assert not [e for e in plan.program.eqns if e.name == "rev"]
+    assert [c.kind for c in plan.collectives].count("all-gather") == 1, str(plan)
+    assert count_collectives(f.lower(dx, dw).compile().as_text()) == Counter(
+        c.kind for c in plan.collectives)

@@ -390,6 +390,35 @@ def _times_one(ins: list, out_aval, ones: set) -> Value | None:
     return None
 
 
+def _unchanged(eqn: Any, ins: list) -> Value | None:
+    """The operand of a one-operand step that returns it as it is, else None: a reversal of
+    dims of size 1 (jax's convolution gradient reverses a 1x1 kernel), a cast to its own dtype,
+    a reshape or broadcast to its own shape, the identity transpose."""
+    p = eqn.primitive
+    if len(ins) != 1 or p not in _MAYBE_UNCHANGED:
+        return None
+    x, out = ins[0], eqn.outvars[0].aval
+    if x.aval.shape != out.shape or x.aval.dtype != out.dtype:
+        return None
+    params = eqn.params
+    if params.get("sharding") is not None:
+        return None  # (jax's explicit-sharding out_sharding: kept as written)
+    if p is lax.rev_p:
+        return x if all(x.aval.shape[d] == 1 for d in params["dimensions"]) else None
+    if p is lax.transpose_p:
+        return x if tuple(params["permutation"]) == tuple(range(len(out.shape))) else None
+    if p is lax.broadcast_in_dim_p:
+        return x if tuple(params["broadcast_dimensions"]) == tuple(range(len(out.shape))) \
+            else None
+    if p is lax.reshape_p:
+        return x if params.get("dimensions") is None else None
+    return x  # convert_element_type to the same dtype (a weak type made strong)
+
+
+_MAYBE_UNCHANGED = frozenset({lax.rev_p, lax.transpose_p, lax.broadcast_in_dim_p, lax.reshape_p,
+                              lax.convert_element_type_p})
+
+
 def params_key(params: dict) -> tuple | None:
     """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
     try:
@@ -507,11 +536,11 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                                     params_key=params_key(one)))
                     env[out] = made
                 continue
-            if eqn.primitive is lax.mul_p:
-                kept = _times_one(ins, eqn.outvars[0].aval, ones)
-                if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
-                    env[eqn.outvars[0]] = kept  # broadcast 1): as XLA simplifies it, or the
-                    continue  # plan lists moves of a product the compiled program never makes
+            kept = (_times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
+                    else _unchanged(eqn, ins))
+            if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
+                env[eqn.outvars[0]] = kept  # broadcast 1), as are the steps below: as XLA
+                continue  # simplifies them, or the plan moves a copy the program never makes
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
             if key is not None and key in seen:
