@@ -652,8 +652,8 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
                                                         cost_model, gather=gather)
 
     # an input nothing reads is not gathered (XLA would drop the gather, unlisted)
-    read = set(plan.program.readers()) | set(plan.program.outputs)
-    entry = [steps(s, d.shape, d.dtype, True) if v in read else None
+    readers, outputs = plan.program.readers(), set(plan.program.outputs)
+    entry = [steps(s, d.shape, d.dtype, True) if v in readers or v in outputs else None
              for s, d, v in zip(stored_in, described, plan.program.inputs)]
     exit_ = [steps(s, v.shape, v.dtype, False)
              for s, v in zip(stored_out, plan.program.outputs)]

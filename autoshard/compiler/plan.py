@@ -265,10 +265,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # A custom-rule region is lowered in a scope of its own (jax may trace its body apart), so
     # copies made outside it are not there inside, nor the reverse: moves made in a region are
     # planned and reused per region. The same move of the same value in two scopes lowers to
-    # the same collectives of the same operand, which XLA's CSE runs once: listed once.
+    # the same collectives of the same operand, which XLA's CSE runs once: listed once (`_once`).
     region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
-    listed: set = set()  # (value, src, dst) of every move whose collectives are listed
 
     def scope_of(at: int | None) -> int:
         """The start of the region equation `at` runs in (-1: the top level, or an output)."""
@@ -311,9 +310,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             moved_to[value] = moved_to.get(value, frozenset()) | {dst}
         else:
             moved_in[(value, scope)] = moved_in.get((value, scope), frozenset()) | {dst}
-        if (value, rp.src, dst) not in listed:  # the same move in another scope is the same
-            listed.add((value, rp.src, dst))    # collectives of the same operand: XLA's CSE
-            record(rp.steps, value, consumer, source, "", (rp.src, dst))  # runs them once
+        record(rp.steps, value, consumer, source, "", (rp.src, dst))
         return rp
 
     def record(steps, value: Value, consumer: str, source, note: str = "",
