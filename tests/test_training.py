@@ -101,6 +101,41 @@ def test_strategies_train_like_one_device(kind, stage, tx, tol):
         assert m.params["w0"].placements[0] == S(0)
 
 
+@pytest.mark.parametrize("wrap", ["clip_by_global_norm", "apply_if_finite"])
+@pytest.mark.parametrize("kind", ["dp", "tp"])
+def test_a_gradient_summed_up_before_a_zero_update_is_reduce_scattered_once(wrap, kind):
+    """A norm or finiteness check of every gradient (optax's clip_by_global_norm,
+    apply_if_finite) reads the gradients before the ZeRO-1 update reads them split over dp:
+    reduced for the check, each was all-reduced whole (4 MiB) and then sliced. The check
+    reads a reduce-scattered shard instead and combines one scalar: the step moves the bytes
+    of the same step without the check (a few scalar bytes more) and trains like one device."""
+    sgd = optax.sgd(0.1, momentum=0.9)  # a state to shard, exact (no Adam sign flips)
+    tx = (optax.chain(optax.clip_by_global_norm(1.0), sgd) if wrap == "clip_by_global_norm"
+          else optax.apply_if_finite(sgd, 3))
+    # large enough for the bytes a reduce-scatter saves to outweigh its scalar's latency
+    weights = _weights(d_in=512, hidden=2048, d_out=512)
+    batches = _batches(n=3, batch=512, d_in=512, d_out=512)
+    strategy = dist.Strategy({"sharding": {"enable": True, "stage": 1}})
+    m = dist.to_static(_model(kind, weights)[1], None, mse, tx, strategy)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-4, atol=1e-5)
+    kinds = _hlo(m, "train", batches[0])
+    plain = dist.to_static(_model(kind, weights)[1], None, mse, sgd, strategy)
+    plain(*batches[0])
+    plan = m.programs()["train"].plan(*m.program_args("train", *batches[0]))
+    unchecked = plain.programs()["train"].plan(*plain.program_args("train", *batches[0]))
+    assert plan.total_bytes <= unchecked.total_bytes + 4096, (plan.total_bytes,
+                                                             unchecked.total_bytes)
+    weight_bytes = 512 * 2048 * 4 // (1 if kind == "dp" else 4)
+    whole = [c for c in plan.collectives if c.kind == "all-reduce" and c.axes == ("dp",)
+             and c.bytes_per_device >= weight_bytes]
+    assert not whole, whole  # no weight gradient all-reduced over dp
+    assert kinds["reduce-scatter"] >= 2
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2], ids=["no-zero", "zero1", "zero2"])
 def test_gradient_merge_reduces_once_per_k_steps(stage):
     weights, batches = _weights(), _batches()

@@ -27,6 +27,7 @@ from . import constraints, recompute
 from .repeats import Repeats, boundary
 from .split_reduce import split_output_reductions
 from .strategy import chooser
+from .summed_up import scatter_candidates, small_tail
 from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
 
@@ -103,6 +104,9 @@ class Plan:
     # planned on the mesh with an axis split in two (refine.py): `mesh` and every layout here
     # are the refined mesh's; `user_*` are the caller's terms
     refinement: Any = None
+    # the equations' rule signatures (propagate.eqn_facts), for the passes that plan again
+    signatures: list = field(default_factory=list, repr=False)
+    preferred: dict = field(default_factory=dict, repr=False)  # propagation's, per value
 
     @property
     def user_mesh(self) -> ProcessMesh:
@@ -169,7 +173,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
               output_targets: list, registry, cost_model: CostModel, *,
               top_level: bool = True) -> Plan:
     plan = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model)
-    anticipated = _anticipations(plan)
+    anticipated, offered = _anticipations(plan), None
     if anticipated:
         # Equations are planned in order, each by its own cost: an earlier matmul cannot see
         # that a later one reading the same value will move it anyway, and may pay for
@@ -182,6 +186,16 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                            anticipated)
         if (other.total_bytes < plan.total_bytes
                 and len(other.collectives) <= len(plan.collectives)):
+            plan, offered = other, anticipated
+    scatter_at = scatter_candidates(plan)
+    if scatter_at:
+        # a pending sum read only to be summed up (a gradient's norm or finiteness check) was
+        # all-reduced: planned again with it reduce-scattered there (summed_up.py), the plan
+        # the cost model prices lower is kept
+        other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
+                           offered, scatter_at)
+        if (other.total_bytes < plan.total_bytes
+                and _seconds(other, cost_model) < _seconds(plan, cost_model)):
             plan = other
     if plan.fallbacks and top_level:
         names = sorted({n for n, _ in plan.fallbacks})
@@ -192,6 +206,12 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
                 f"replicated — results stay correct, but its inputs are gathered. Add a rule "
                 f"with dist.register_rule(<primitive>, rule).", FallbackWarning, stacklevel=4)
     return plan
+
+
+def _seconds(plan: Plan, cost_model: CostModel) -> float:
+    """The cost model's time for the plan's collectives."""
+    return sum(cost_model.collective(c.axes, c.bytes_per_device) for c in plan.collectives
+               if c.axes)
 
 
 def _anticipations(plan: Plan) -> dict:
@@ -222,7 +242,9 @@ def _anticipations(plan: Plan) -> dict:
 
 def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
                output_targets: list, registry, cost_model: CostModel,
-               anticipated: dict | None = None) -> Plan:
+               anticipated: dict | None = None, scatter_at: frozenset = frozenset()) -> Plan:
+    """`anticipated`: see make_plan; `scatter_at`: equations whose pending sums may be
+    reduce-scattered (summed_up.py)."""
     anticipated = anticipated or {}
     constraints.as_hints(program, mesh)  # jax's with_sharding_constraint: a hint like ours
     fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
@@ -248,6 +270,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # instead of a Partial as large as the result); propagation does not: its preferences
     # would follow those moves, and Megatron's layouts are what they should follow
     pick = chooser(mesh, cost_model, unreducing=True)
+    pick_scattering = chooser(mesh, cost_model, unreducing=True, scattering=True)
+    no_preference: dict = {}  # result count -> (None, ...)
+    unpreferred = small_tail(program, scatter_at) if scatter_at else frozenset()
 
     actual: dict = {}
     inputs = []
@@ -395,9 +420,21 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     available = [a | anticipated.get((v, e.index), _NOT_MOVED)
                                  for a, v in zip(available, e.inputs)]
                 cones = whole_for_free(e, operands, available)
-                choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
-                              facts.single_use[e.index], tuple(available),
-                              facts.is_parameter[e.index])
+                if e.index in scatter_at:  # its results are only summed up: no preference
+                    n_out = len(e.outputs)
+                    choice = pick_scattering(
+                        sig, tuple(operands), no_preference.setdefault(n_out, (None,) * n_out),
+                        facts.single_use[e.index], tuple(available), facts.is_parameter[e.index])
+                elif e.index in unpreferred:
+                    n_out = len(e.outputs)
+                    choice = pick(sig, tuple(operands),
+                                  no_preference.setdefault(n_out, (None,) * n_out),
+                                  facts.single_use[e.index], tuple(available),
+                                  facts.is_parameter[e.index])
+                else:
+                    choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
+                                  facts.single_use[e.index], tuple(available),
+                                  facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
                 for i, found in cones.items():
                     if required[i].is_replicated and actual[e.inputs[i]] is not required[i]:
@@ -509,7 +546,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                if start + j not in touched and first + j not in touched}
 
     return Plan(mesh, program, actual, inputs, outputs, eqn_plans, output_reshards,
-                _once(collectives), fallbacks, cost_model, same_as)
+                _once(collectives), fallbacks, cost_model, same_as, signatures=facts.signatures,
+                preferred=pref)
 
 
 def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:

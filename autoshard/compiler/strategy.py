@@ -172,6 +172,27 @@ def _seeds_unreducing(groups, layout: Layout, opsh: OpSharding):
         yield assign + [(a, target) for a in axes], []
 
 
+def _seeds_scattering(groups, layout: Layout, opsh: OpSharding):
+    """For an operand with pending sums: its own assignment with the sums' axes put on a dim
+    the op lets pass (each such dim in turn) — one reduce-scatter of the operand where an
+    all-reduce would make it whole on every device. A gradient read first by a finiteness
+    check or a norm (optax's apply_if_finite, clip_by_global_norm) and then by a ZeRO-sharded
+    update was all-reduced for the check; scattered, the check reads a shard and the update
+    the same shard."""
+    if opsh.compounds:  # a reshape's: its pieces are placed by the reshard planner
+        return
+    sums = tuple(a for a, t in layout.partial if t is ReduceType.SUM)
+    if not sums:
+        return
+    kinds = [_kind(opsh, groups[d]) if d < len(groups) else None
+             for d in range(len(layout.dims))]
+    own = [(a, groups[d]) for d, axes in enumerate(layout.dims)
+           if kinds[d] in (PASS, REDUCE) for a in axes]
+    for d, axes in enumerate(layout.dims):
+        if kinds[d] == PASS:
+            yield own + [(a, groups[d]) for a in sums], []
+
+
 def _merge(seeds) -> Strategy:
     assign, partial, used = [], [], set()
     for seed_assign, seed_partial in seeds:
@@ -190,7 +211,7 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                preferred: Sequence[Layout | None],
                single_use: Sequence[bool] | None = None,
                available: Sequence[frozenset] = (), unreducing: bool = False,
-               sizes=None) -> list[Strategy]:
+               sizes=None, scattering: bool = False) -> list[Strategy]:
     """`single_use[i]`: operand i has no other consumer, so its Partial may flow through here.
     `available[i]`: layouts operand i was already moved to: each also seeds a strategy.
 
@@ -220,6 +241,10 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                 others = [sd for j, sd in operand_seeds.items() if j != i]
                 moving.append((list(m[0]) + [x for sd in others for x in sd[0]],
                                list(m[1]) + [x for sd in others for x in sd[1]]))
+                moving.append(m)
+    if scattering:
+        for i, L in enumerate(actual):
+            for m in _seeds_scattering(opsh.operands[i], L, opsh) if L is not None else ():
                 moving.append(m)
     out += [_merge([s]) for s in seeds + [e for _, e in extra]]
     # a copy made for an earlier consumer, completed by another operand's axes as it lies:
@@ -346,18 +371,21 @@ _MEMOS: dict = {}  # (mesh, cost model, unreducing) -> {the other arguments: Cho
 _MAX_MEMO = 65536
 
 
-def chooser(mesh: ProcessMesh, cost_model: CostModel, unreducing: bool = False):
+def chooser(mesh: ProcessMesh, cost_model: CostModel, unreducing: bool = False,
+            scattering: bool = False):
     """`choose` with the mesh and cost model fixed. Propagation and the plan ask once per
     equation: fetching this once per pass spares hashing the mesh and the cost model on each
     of those calls.
 
-    `unreducing`: also weigh the candidates of `_seeds_unreducing`.
+    `unreducing`: also weigh the candidates of `_seeds_unreducing`; `scattering`, those of
+    `_seeds_scattering` (the plan asks so where the results are only summed up: see
+    plan.py's `_summarized`).
     """
-    memo = _MEMOS.get((mesh, cost_model, unreducing))
+    memo = _MEMOS.get((mesh, cost_model, unreducing, scattering))
     if memo is None:
         if len(_MEMOS) >= 64:
             _MEMOS.clear()
-        memo = _MEMOS[(mesh, cost_model, unreducing)] = {}
+        memo = _MEMOS[(mesh, cost_model, unreducing, scattering)] = {}
 
     def pick(sig: Signature, actual: tuple, preferred: tuple, single_use: tuple,
              available: tuple, parameters: tuple) -> Choice:
@@ -367,7 +395,7 @@ def chooser(mesh: ProcessMesh, cost_model: CostModel, unreducing: bool = False):
             if len(memo) >= _MAX_MEMO:
                 memo.clear()
             choice = memo[key] = _choose(sig, mesh, actual, preferred, cost_model, single_use,
-                                         available, parameters, unreducing)
+                                         available, parameters, unreducing, scattering)
         return choice
     return pick
 
@@ -442,14 +470,16 @@ def _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
 
 
 def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: CostModel,
-            single_use, available, parameters, unreducing: bool = False) -> Choice:
+            single_use, available, parameters, unreducing: bool = False,
+            scattering: bool = False) -> Choice:
     opsh, in_avals, out_avals = sig.opsh, sig.in_avals, sig.out_avals
     sizes = mesh.axis_sizes
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
     best: Choice | None = None
     best_nested = 0
-    cands = candidates(opsh, actual, preferred, single_use, available, unreducing, sizes)
+    cands = candidates(opsh, actual, preferred, single_use, available, unreducing, sizes,
+                       scattering)
     for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
         cost = 0.0
