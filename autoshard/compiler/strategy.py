@@ -3,7 +3,8 @@
 The engine derives N-d strategies from the rule's 1-d factor description: candidates are seeded
 from the operands' current layouts and the results' preferred layouts (merged where they agree,
 in both priority orders), plus replicated. A pending Partial axis lands on a factor — one
-reduce-scatter — only when a consumer's preferred layout asks for that shard; sharding that
+reduce-scatter — only when a consumer's preferred layout asks for that shard (or, in a plan
+made again for it, where the step's results are only summed up: summed_up.py); sharding that
 nobody asked for (an implicit ZeRO) is the user's choice, not a side effect;
 each is priced with the cost model (reshards of operands, mismatch with what consumers prefer,
 local compute) and the cheapest wins, deterministically (first of equals). The plan (not

@@ -29,12 +29,6 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and",
                          "reduce_prod", "reduce_xor", "argmax", "argmin"})
 
 
-def _elementwise(sig) -> bool:
-    """Every dim passes: a split on any of them stays a split of the result."""
-    return sig is not None and not sig.opsh.compounds and all(
-        f.kind == PASS for f in sig.opsh.factors)
-
-
 def scatter_candidates(plan) -> frozenset[int]:
     """Equations of `plan` that are elementwise, whose results are only summed up, and that
     read a value pending a sum (in the plan, or before steps the reduction was hoisted above)
@@ -45,7 +39,19 @@ def scatter_candidates(plan) -> frozenset[int]:
     readers = program.readers()
     outputs = set(program.outputs)
     eqns = program.eqns
+    kinds: dict = {}  # id(signature) -> elementwise (signatures are interned)
     memo: dict[int, bool] = {}
+
+    def elementwise(k: int) -> bool:
+        """Every dim passes: a split on any of them stays a split of the result."""
+        sig = signatures[k]
+        if sig is None:
+            return False
+        found = kinds.get(id(sig))
+        if found is None:
+            found = kinds[id(sig)] = not sig.opsh.compounds and all(
+                f.kind == PASS for f in sig.opsh.factors)
+        return found
 
     def summed(k: int) -> bool:
         """Every result of equation k is read only by scalar reductions or by elementwise
@@ -64,7 +70,7 @@ def scatter_candidates(plan) -> frozenset[int]:
                 r = eqns[j]
                 if r.primitive.name in _REDUCTIONS and all(not o.shape for o in r.outputs):
                     continue
-                if not (_elementwise(signatures[j]) and summed(j)):
+                if not (elementwise(j) and summed(j)):
                     ok = False
                     break
             if not ok:
@@ -72,27 +78,10 @@ def scatter_candidates(plan) -> frozenset[int]:
         memo[k] = ok
         return ok
 
-    def pending(v) -> set:
-        """The axes of the sum `v` pends in the plan, or pended before steps of one operand
-        the plan hoisted its reduction above (a transpose of a weight gradient)."""
-        for _ in range(8):
-            L = layouts.get(v)
-            if L is None:
-                return set()
-            sums = {a for a, t in L.partial if t is ReduceType.SUM}
-            if sums or v.producer < 0:
-                return sums
-            e = eqns[v.producer]
-            ins = [x for x in e.inputs if not x.is_const]
-            if len(ins) != 1 or not _elementwise(signatures[e.index]):
-                return set()
-            v = ins[0]
-        return set()
-
     def wanted(v, k: int, axes: set) -> bool:
         """Another reader of `v` prefers a result split over one of `axes`."""
         for j, _ in readers.get(v, ()):
-            if j == k or (_elementwise(signatures[j]) and summed(j)):
+            if j == k or (elementwise(j) and summed(j)):
                 continue
             for o in eqns[j].outputs:
                 P = pref.get(o)
@@ -101,15 +90,29 @@ def scatter_candidates(plan) -> frozenset[int]:
         return False
 
     found = set()
-    for e in eqns:
-        k = e.index
-        if not _elementwise(signatures[k]):
+    for x, L in layouts.items():
+        if not L.partial:
             continue
-        for v in e.inputs:
-            axes = pending(v) if not v.is_const else set()
-            if axes and wanted(v, k, axes) and summed(k):
-                found.add(k)
-                break
+        axes = {a for a, t in L.partial if t is ReduceType.SUM}
+        if not axes:
+            continue
+        # its elementwise readers; past one-operand steps whose results the plan holds
+        # reduced, the reduction hoisted above them (a weight gradient's transpose)
+        todo, seen = [x], 0
+        while todo and seen < 8:
+            v = todo.pop()
+            seen += 1
+            for j, _ in readers.get(v, ()):
+                if not elementwise(j):
+                    continue
+                if summed(j):
+                    if wanted(v, j, axes):
+                        found.add(j)
+                    continue
+                e = eqns[j]
+                if (sum(1 for u in e.inputs if not u.is_const) == 1
+                        and not any(layouts[o].partial for o in e.outputs)):
+                    todo.extend(e.outputs)
     return frozenset(found)
 
 
