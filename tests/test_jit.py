@@ -823,6 +823,36 @@ def test_two_moves_of_a_value_that_start_alike_run_their_common_steps_once(
     assert hlo_counts(g, dx) == planned(g, dx)
 
 
+def test_a_scalars_broadcast_is_made_in_each_readers_layout():
+    """The gradient of a mean broadcasts one scalar cotangent, read by both terms of a
+    cross-entropy (logsumexp minus the label's logit, as optax writes it): made split as the
+    first reader wants and gathered for the second, the plan listed a gather XLA folds into a
+    local broadcast. Each reader gets its own broadcast in its own layout."""
+    mesh = dist.ProcessMesh(np.arange(8).reshape(4, 2).tolist(), dim_names=["dp", "mp"])
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(8, 16, 32)).astype(np.float32)
+    labels = rng.integers(0, 32, (8, 16)).astype(np.int32)
+
+    def loss(z, y):
+        lse = jax.nn.logsumexp(z, -1)
+        return (lse - jnp.take_along_axis(z, y[..., None], -1)[..., 0]).mean()
+
+    step = jax.value_and_grad(loss)
+    args = (dist.shard_tensor(logits, mesh, [dist.Shard(0), dist.Shard(2)]),
+            dist.shard_tensor(labels, mesh, [dist.Shard(0), dist.Shard(0)]))
+    g = dist.jit(step)
+    got, want = g(*args), jax.jit(step)(logits, labels)
+    np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-5, atol=1e-7)
+    plan = g.plan(*args)
+    assert not [c for c in plan.collectives if c.kind == "all-gather"], plan
+    broadcasts = [e for e in plan.program.eqns if e.name == "broadcast_in_dim"
+                  and not e.inputs[0].shape]
+    readers = Counter(v for e in plan.program.eqns for v in set(e.inputs))
+    assert broadcasts and all(readers[e.outputs[0]] <= 1 for e in broadcasts)
+    assert hlo_counts(g, *args) == planned(g, *args)
+
+
 def test_a_product_with_one_is_its_other_operand():
     """jax's gradient of a sum multiplies by a broadcast 1: that product is its other operand
     (XLA simplifies it so), so the gather it would have needed is the one already planned for

@@ -420,21 +420,16 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     available = [a | anticipated.get((v, e.index), _NOT_MOVED)
                                  for a, v in zip(available, e.inputs)]
                 cones = whole_for_free(e, operands, available)
-                if e.index in scatter_at:  # its results are only summed up: no preference
+                if e.index in scatter_at or e.index in unpreferred:
+                    # its results are only summed up, or are the small tail of such sums:
+                    # propagation's preferences were made for the first plan (summed_up.py)
                     n_out = len(e.outputs)
-                    choice = pick_scattering(
-                        sig, tuple(operands), no_preference.setdefault(n_out, (None,) * n_out),
-                        facts.single_use[e.index], tuple(available), facts.is_parameter[e.index])
-                elif e.index in unpreferred:
-                    n_out = len(e.outputs)
-                    choice = pick(sig, tuple(operands),
-                                  no_preference.setdefault(n_out, (None,) * n_out),
-                                  facts.single_use[e.index], tuple(available),
-                                  facts.is_parameter[e.index])
+                    wanted = no_preference.setdefault(n_out, (None,) * n_out)
                 else:
-                    choice = pick(sig, tuple(operands), tuple(map(pref.get, e.outputs)),
-                                  facts.single_use[e.index], tuple(available),
-                                  facts.is_parameter[e.index])
+                    wanted = tuple(map(pref.get, e.outputs))
+                choice = (pick_scattering if e.index in scatter_at else pick)(
+                    sig, tuple(operands), wanted, facts.single_use[e.index], tuple(available),
+                    facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
                 for i, found in cones.items():
                     if required[i].is_replicated and actual[e.inputs[i]] is not required[i]:
@@ -493,7 +488,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         eqns[start:start + period]'s would (None: plan it; it becomes one such block)."""
         stop = start + period
         key = (boundary(program, start, stop, actual, moved_to, pref),
-               tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]))
+               tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]),
+               # which equations choose without preferences (summed_up.py), by position
+               tuple([(k - start, k in scatter_at) for k in range(start, stop)
+                      if k in scatter_at or k in unpreferred]) if scatter_at else ())
         planned = repeats.planned[run]
         first = planned.get(key)
         if first is None:

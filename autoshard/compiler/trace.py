@@ -419,6 +419,51 @@ _MAYBE_UNCHANGED = frozenset({lax.rev_p, lax.transpose_p, lax.broadcast_in_dim_p
                               lax.convert_element_type_p})
 
 
+def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> list:
+    """`eqns` with a scalar's broadcast read by several equations made once per reader (each
+    copy right after it): a broadcast made in one reader's layout and moved for another lists
+    a gather XLA folds into a local broadcast (the gradient of a mean, read by a cross-entropy's
+    two terms split differently). Top-level broadcasts only: a custom rule's region hands out
+    what it makes as its outputs, which stay single values."""
+    in_region = {id(e) for r in regions for e in eqns[r.start:r.stop]} if regions else set()
+    many = {}
+    for e in eqns:
+        if (e.primitive is lax.broadcast_in_dim_p and not e.inputs[0].aval.shape
+                and id(e) not in in_region):
+            many[e.outputs[0]] = e
+    if not many:
+        return eqns
+    readers: dict = {}
+    for e in eqns:
+        for v in e.inputs:
+            if v in many:
+                found = readers.setdefault(v, [])
+                if not found or found[-1] is not e:
+                    found.append(e)
+    outs = set(outputs)
+    copies: dict = {}  # id(broadcast eqn) -> [its copies]
+    for v, rs in readers.items():
+        keep = 0 if v in outs else 1  # the first reader (or the outputs) keeps the original
+        for r in rs[keep:]:
+            b = many[v]
+            made = fresh(v.aval)
+            copies.setdefault(id(b), []).append(
+                Eqn(b.primitive, list(b.inputs), [made], b.params, b.where,
+                    params_key=b.params_key))
+            r.inputs = [made if x is v else x for x in r.inputs]
+    if not copies:
+        return eqns
+    new, at = [], []
+    for e in eqns:
+        at.append(len(new))
+        new.append(e)
+        new.extend(copies.get(id(e), ()))
+    at.append(len(new))
+    for r in regions:
+        r.start, r.stop = at[r.start], at[r.stop]
+    return new
+
+
 def params_key(params: dict) -> tuple | None:
     """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
     try:
@@ -566,6 +611,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     eqns = fold_shifts(eqns, outputs, regions)
     eqns = fold_reversals(eqns, outputs, regions)
     eqns = widen_slices(eqns, outputs, regions, fresh, const_value)
+    eqns = _broadcasts_per_reader(eqns, outputs, regions, fresh)
     for i, e in enumerate(eqns):
         e.index = i
         for v in e.outputs:
