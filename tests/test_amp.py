@@ -1,5 +1,7 @@
 """Strategy.amp: levels o1 / o2 in bfloat16 and float16, and float16 dynamic loss scaling, each
 against the same low-precision program written by hand on one device."""
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import optax
 import pytest
 
 import autoshard as dist
-from autoshard.hlo import collective_bytes
+from autoshard.hlo import collective_bytes, count_collectives
 from autoshard.training.amp import autocast
 
 MESH24 = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -115,6 +117,35 @@ def test_amp_level_trains_like_one_device(level, dtype):
         assert low <= {"dot_general", "convert_element_type", "transpose"}, low
     else:
         assert {"add", "max"} <= low, low
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_zero1_reduce_scatters_the_gradients_in_low_precision(dtype):
+    """With ZeRO-1 the weight gradients are reduce-scattered in the 16-bit dtype their matmul
+    made them in — as without ZeRO they are all-reduced in it — not after the cast to float32
+    and the unscaling (which commute with the sum): half the bytes. Trains like one device."""
+    params = {k: dist.shard_tensor(v, MESH24, TP[k]) for k, v in _weights().items()}
+    amp = {"enable": True, "dtype": dtype, "level": "o1", "init_loss_scaling": 256.0,
+           "incr_every_n_steps": 2}
+    tx = optax.sgd(0.1, momentum=0.9)
+    m = dist.to_static((apply, params), None, mse, tx, dist.Strategy(
+        {"amp": amp, "sharding": {"enable": True, "stage": 1}}))
+    batches = _batches(6)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    fp16 = dtype == "float16"
+    ref_losses, ref_params, _ = reference(batches, tx, lambda p, x: forward_o1(p, x, jnp.dtype(dtype)),
+                                          scale=256.0 if fp16 else None, incr_every=2)
+    tol = 2e-3 if fp16 else 1e-2
+    np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=tol, atol=tol)
+    f, args = m.programs()["train"], m.program_args("train", *batches[0])
+    plan = f.plan(*args)
+    scattered = [c for c in plan.collectives if c.kind == "reduce-scatter"]
+    # w0 (16, 32) and w1 (32, 8): split over mp (4), scattered over dp (2), 2 bytes each
+    assert sorted(c.bytes_per_device for c in scattered) == sorted([16 * 32 // 8 * 2, 32 * 8 // 8 * 2])
+    assert count_collectives(f.lower(*args).compile().as_text()) == \
+        Counter(c.kind for c in plan.collectives)
 
 
 def test_float16_overflow_skips_the_update_and_halves_the_scale():

@@ -19,6 +19,11 @@ wait for. Two cases are rewritten:
   cross-entropy: 9 collective ops per step to 8), or overlap it with the work that computes
   the value; and the arithmetic is done in one device's order (reduce, then scale).
 
+- Before casts and scalings, a reduce-scatter too: under ZeRO the update reads a weight
+  gradient split, after its cast to float32 (AMP) and its unscaling. Steps that compute each
+  element from the same element alone keep any split, so the reduce-scatter moves up to the
+  matmul's 16-bit result — half the bytes, as an all-reduce there already was.
+
 A pass over a finished plan: it only rewrites a chain of single-reader equations whose plans
 take the Partial as it is (steps that commute with the reduction) and whose end every reader reshards to one same layout that
 reduces it (a reader that takes the Partial as it is — a sum of pending gradients — keeps the
@@ -57,6 +62,24 @@ def _chain(v: Value, readers: dict, out_readers: dict, program: Program, eqn_pla
         chain.append((j, i))
         v = e.outputs[0]
     return chain
+
+
+# steps that compute each element from the same element alone (and rank-0 operands), so any
+# split of the operand is the same split of the result: a reduce-scatter moves up through them
+_ELEMENTWISE = frozenset({"convert_element_type", "mul", "div", "neg", "copy",
+                          "reduce_precision"})
+
+
+def _keeps_layouts(chain: list[tuple[int, int]], program: Program) -> bool:
+    """Every step of `chain` is elementwise on the chained operand, of its shape, with only
+    rank-0 other operands (a cast, a scale: an AMP gradient's cast to float32 and unscaling)."""
+    for j, i in chain:
+        e = program.eqns[j]
+        x = e.inputs[i]
+        if (e.primitive.name not in _ELEMENTWISE or e.outputs[0].shape != x.shape
+                or any(w.shape for n, w in enumerate(e.inputs) if n != i)):
+            return False
+    return True
 
 
 def _layout_in_plan(eqn_plans: list, j: int, *, operand: int | None = None,
@@ -118,14 +141,17 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
             # target adds a Partial of its own (a sum reduced, then made a Partial(max)): the
             # steps on the way commute with the reduction, not with making a new Partial
             continue
-        if chain and dst.dims != now.dims:
+        rescatter = bool(chain) and dst.dims != now.dims
+        if rescatter and not _keeps_layouts(chain, program):
             continue  # a reduce-scatter split into an all-reduce and a slice would cost more
         if not before_transpose and (local_nbytes(v.shape, v.dtype, actual[v], sizes)
                                      > local_nbytes(last.shape, last.dtype, now, sizes)):
             continue  # a sum or a cast on the way: reducing the smaller value is cheaper
 
         def reduced(w: Value) -> Layout:
-            return Layout(actual[w].dims, dst.partial)
+            # a reduce-scatter moved up a chain of steps that keep every layout splits each
+            # value on the way as the target is split
+            return Layout(dst.dims if rescatter else actual[w].dims, dst.partial)
 
         ends = dst if not chain else reduced(last)
         dropped.add(repr(last))
