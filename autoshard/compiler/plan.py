@@ -242,10 +242,11 @@ def _anticipations(plan: Plan) -> dict:
 
 def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
                output_targets: list, registry, cost_model: CostModel,
-               anticipated: dict | None = None, scatter_at: frozenset = frozenset()) -> Plan:
+               anticipated: dict | None = None, scatter_at: dict | None = None) -> Plan:
     """`anticipated`: see make_plan; `scatter_at`: equations whose pending sums may be
     reduce-scattered (summed_up.py)."""
     anticipated = anticipated or {}
+    scatter_at = scatter_at or {}
     constraints.as_hints(program, mesh)  # jax's with_sharding_constraint: a hint like ours
     fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
     for e in program.eqns:
@@ -420,7 +421,11 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     available = [a | anticipated.get((v, e.index), _NOT_MOVED)
                                  for a, v in zip(available, e.inputs)]
                 cones = whole_for_free(e, operands, available)
-                if e.index in scatter_at or e.index in unpreferred:
+                if e.index in scatter_at and scatter_at[e.index] is not None:
+                    # its results are only summed up: split as the update that reads its
+                    # operand wants it (summed_up.py)
+                    wanted = (scatter_at[e.index],) * len(e.outputs)
+                elif e.index in scatter_at or e.index in unpreferred:
                     # its results are only summed up, or are the small tail of such sums:
                     # propagation's preferences were made for the first plan (summed_up.py)
                     n_out = len(e.outputs)
@@ -490,7 +495,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         key = (boundary(program, start, stop, actual, moved_to, pref),
                tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]),
                # which equations choose without preferences (summed_up.py), by position
-               tuple([(k - start, k in scatter_at) for k in range(start, stop)
+               tuple([(k - start, scatter_at.get(k, False)) for k in range(start, stop)
                       if k in scatter_at or k in unpreferred]) if scatter_at else ())
         planned = repeats.planned[run]
         first = planned.get(key)

@@ -189,9 +189,11 @@ def _seeds_scattering(groups, layout: Layout, opsh: OpSharding):
              for d in range(len(layout.dims))]
     own = [(a, groups[d]) for d, axes in enumerate(layout.dims)
            if kinds[d] in (PASS, REDUCE) for a in axes]
-    for d, axes in enumerate(layout.dims):
-        if kinds[d] == PASS:
-            yield own + [(a, groups[d]) for a in sums], []
+    # a dim no other axis splits first (as ZeRO places a tensor-parallel weight's state:
+    # on a tie the first candidate wins), then in order
+    for _, d in sorted((bool(axes), d) for d, axes in enumerate(layout.dims)
+                       if kinds[d] == PASS):
+        yield own + [(a, groups[d]) for a in sums], []
 
 
 def _merge(seeds) -> Strategy:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from ..layout import Layout
 from ..placement import ReduceType
 from .factors import PASS
 from .trace import Program
@@ -29,9 +30,9 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and",
                          "reduce_prod", "reduce_xor", "argmax", "argmin"})
 
 
-def scatter_candidates(plan) -> frozenset[int]:
-    """Equations of `plan` that are elementwise, whose results are only summed up, and that
-    read a value pending a sum (in the plan, or before steps the reduction was hoisted above)
+def scatter_candidates(plan) -> dict:
+    """Equations of `plan` (index -> the layout wanted for its result, or None) that are
+    elementwise, whose results are only summed up, and that read a value pending a sum (in the plan, or before steps the reduction was hoisted above)
     which another of its readers wants split along the sum's axis (its results' preferred
     layouts split a dim over it: a ZeRO-sharded update) — see the module docstring."""
     program: Program = plan.program
@@ -78,18 +79,19 @@ def scatter_candidates(plan) -> frozenset[int]:
         memo[k] = ok
         return ok
 
-    def wanted(v, k: int, axes: set) -> bool:
-        """Another reader of `v` prefers a result split over one of `axes`."""
+    def wanted(v, k: int, axes: set):
+        """Whether another reader of `v` prefers a result split over one of `axes`, and that
+        layout (without its Partials) where the result is shaped as `v`."""
         for j, _ in readers.get(v, ()):
             if j == k or (elementwise(j) and summed(j)):
                 continue
             for o in eqns[j].outputs:
                 P = pref.get(o)
                 if P is not None and any(a in axes for dim in P.dims for a in dim):
-                    return True
-        return False
+                    return True, (P.without_partial() if o.shape == v.shape else None)
+        return False, None
 
-    found = set()
+    found: dict = {}
     for x, L in layouts.items():
         if not L.partial:
             continue
@@ -106,14 +108,17 @@ def scatter_candidates(plan) -> frozenset[int]:
                 if not elementwise(j):
                     continue
                 if summed(j):
-                    if wanted(v, j, axes):
-                        found.add(j)
+                    want, P = wanted(v, j, axes)
+                    if want:
+                        # the split that reader wants, for the step's result (same shape: it
+                        # is elementwise): the sum is scattered onto the dims the update reads
+                        found[j] = P if eqns[j].outputs[0].shape == v.shape else None
                     continue
                 e = eqns[j]
                 if (sum(1 for u in e.inputs if not u.is_const) == 1
                         and not any(layouts[o].partial for o in e.outputs)):
                     todo.extend(e.outputs)
-    return frozenset(found)
+    return found
 
 
 SMALL = 1024  # elements: a value this small is reduced by its latency, not its bytes
