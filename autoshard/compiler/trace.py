@@ -434,21 +434,24 @@ def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> l
     if not many:
         return eqns
     readers: dict = {}
+    kept = set(outputs)  # read as they are: by the outputs, or inside a region (its operands)
     for e in eqns:
         for v in e.inputs:
             if v in many:
+                if id(e) in in_region:
+                    kept.add(v)
+                    continue
                 found = readers.setdefault(v, [])
                 if not found or found[-1] is not e:
                     found.append(e)
-    outs = set(outputs)
     copies: dict = {}  # id(broadcast eqn) -> [its copies]
     for v, rs in readers.items():
-        keep = 0 if v in outs else 1  # the first reader (or the outputs) keeps the original
+        keep = 0 if v in kept else 1  # the first reader (or the outputs) keeps the original
         for r in rs[keep:]:
             b = many[v]
             made = fresh(v.aval)
             copies.setdefault(id(b), []).append(
-                Eqn(b.primitive, list(b.inputs), [made], b.params, b.where,
+                Eqn(b.primitive, list(b.inputs), [made], dict(b.params), b.where,
                     params_key=b.params_key))
             r.inputs = [made if x is v else x for x in r.inputs]
     if not copies:
