@@ -272,8 +272,15 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # would follow those moves, and Megatron's layouts are what they should follow
     pick = chooser(mesh, cost_model, unreducing=True)
     pick_scattering = chooser(mesh, cost_model, unreducing=True, scattering=True)
-    no_preference: dict = {}  # result count -> (None, ...)
-    unpreferred = small_tail(program, scatter_at) if scatter_at else frozenset()
+    # equation -> the preferences its results are chosen with instead of propagation's, which
+    # were made for the first plan (summed_up.py): a summed-up step's result split as the
+    # update reading its operand wants it, or none (it and the small tail of its sums)
+    overrides: dict = {}
+    if scatter_at:
+        for k in small_tail(program, scatter_at):
+            overrides[k] = (None,) * len(program.eqns[k].outputs)
+        for k, L in scatter_at.items():
+            overrides[k] = (L,) * len(program.eqns[k].outputs)
 
     actual: dict = {}
     inputs = []
@@ -421,16 +428,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     available = [a | anticipated.get((v, e.index), _NOT_MOVED)
                                  for a, v in zip(available, e.inputs)]
                 cones = whole_for_free(e, operands, available)
-                if e.index in scatter_at and scatter_at[e.index] is not None:
-                    # its results are only summed up: split as the update that reads its
-                    # operand wants it (summed_up.py)
-                    wanted = (scatter_at[e.index],) * len(e.outputs)
-                elif e.index in scatter_at or e.index in unpreferred:
-                    # its results are only summed up, or are the small tail of such sums:
-                    # propagation's preferences were made for the first plan (summed_up.py)
-                    n_out = len(e.outputs)
-                    wanted = no_preference.setdefault(n_out, (None,) * n_out)
-                else:
+                wanted = overrides.get(e.index)
+                if wanted is None:
                     wanted = tuple(map(pref.get, e.outputs))
                 choice = (pick_scattering if e.index in scatter_at else pick)(
                     sig, tuple(operands), wanted, facts.single_use[e.index], tuple(available),
@@ -494,9 +493,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         stop = start + period
         key = (boundary(program, start, stop, actual, moved_to, pref),
                tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]),
-               # which equations choose without preferences (summed_up.py), by position
-               tuple([(k - start, scatter_at.get(k, False)) for k in range(start, stop)
-                      if k in scatter_at or k in unpreferred]) if scatter_at else ())
+               # which equations choose with other preferences (summed_up.py), by position
+               tuple([(k - start, overrides[k], k in scatter_at) for k in range(start, stop)
+                      if k in overrides]) if overrides else ())
         planned = repeats.planned[run]
         first = planned.get(key)
         if first is None:

@@ -381,8 +381,8 @@ def chooser(mesh: ProcessMesh, cost_model: CostModel, unreducing: bool = False,
     of those calls.
 
     `unreducing`: also weigh the candidates of `_seeds_unreducing`; `scattering`, those of
-    `_seeds_scattering` (the plan asks so where the results are only summed up: see
-    plan.py's `_summarized`).
+    `_seeds_scattering` (the plan asks so where the results are only summed up:
+    summed_up.py).
     """
     memo = _MEMOS.get((mesh, cost_model, unreducing, scattering))
     if memo is None:

@@ -30,11 +30,17 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and",
                          "reduce_prod", "reduce_xor", "argmax", "argmin"})
 
 
+def _sums_up(e) -> bool:
+    """A reduction of its operand to a scalar."""
+    return e.primitive.name in _REDUCTIONS and all(not o.shape for o in e.outputs)
+
+
 def scatter_candidates(plan) -> dict:
     """Equations of `plan` (index -> the layout wanted for its result, or None) that are
-    elementwise, whose results are only summed up, and that read a value pending a sum (in the plan, or before steps the reduction was hoisted above)
-    which another of its readers wants split along the sum's axis (its results' preferred
-    layouts split a dim over it: a ZeRO-sharded update) — see the module docstring."""
+    elementwise, whose results are only summed up, and that read a value pending a sum (in
+    the plan, or before steps the reduction was hoisted above) which another of its readers
+    wants split along the sum's axis (its results' preferred layouts split a dim over it: a
+    ZeRO-sharded update) — see the module docstring."""
     program: Program = plan.program
     signatures, layouts, pref = plan.signatures, plan.layouts, plan.preferred
     readers = program.readers()
@@ -61,23 +67,11 @@ def scatter_candidates(plan) -> dict:
         if found is not None:
             return found
         memo[k] = False  # (no cycles in a program; a guard all the same)
-        ok = True
-        for v in eqns[k].outputs:
-            rs = readers.get(v)
-            if not rs or v in outputs:
-                ok = False
-                break
-            for j, _ in rs:
-                r = eqns[j]
-                if r.primitive.name in _REDUCTIONS and all(not o.shape for o in r.outputs):
-                    continue
-                if not (elementwise(j) and summed(j)):
-                    ok = False
-                    break
-            if not ok:
-                break
-        memo[k] = ok
-        return ok
+        found = memo[k] = all(
+            readers.get(v) and v not in outputs
+            and all(_sums_up(eqns[j]) or (elementwise(j) and summed(j)) for j, _ in readers[v])
+            for v in eqns[k].outputs)
+        return found
 
     def wanted(v, k: int, axes: set):
         """Whether another reader of `v` prefers a result split over one of `axes`, and that
@@ -124,10 +118,11 @@ def scatter_candidates(plan) -> dict:
 SMALL = 1024  # elements: a value this small is reduced by its latency, not its bytes
 
 
-def small_tail(program: Program, start: frozenset[int]) -> frozenset[int]:
+def small_tail(program: Program, start) -> frozenset[int]:
     """The equations after `start` whose results are small and that read, directly or through
     such equations, what `start` computes: the reductions of the sums up and what combines
-    their scalars (a norm over every gradient, one finiteness flag). The plan sets aside their
+    their scalars (a norm over every gradient, one finiteness flag); `start`: equation
+    indices (scatter_candidates' keys). The plan sets aside their
     results' preferences, which propagation made for the first plan: a pending scalar is then
     carried to where one collective reduces it, not reduced where a stale preference says."""
     readers = program.readers()
