@@ -76,7 +76,8 @@ def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], 
         x = x.reshape(tuple(mesh.get_dim_size(a) for a in axes) + x.shape[1:])
         reduce = {"max": xp.max, "min": xp.min, "sum": xp.sum, "avg": xp.mean}
         for a in axes:
-            x = reduce[kinds[a].value](x, axis=0)
+            # a sum of truth values or a mean of integers is read back in the tensor's dtype
+            x = reduce[kinds[a].value](x, axis=0).astype(x.dtype)
     if tuple(x.shape) != tuple(shape):
         x = x[tuple(slice(0, n) for n in shape)]
     return x

@@ -267,6 +267,11 @@ def _progression_as_slice(shape: tuple[int, ...], spec: list, arrays: list) -> t
             or not arrays[0].size or any(isinstance(k, bool) for k in spec):
         return tuple(spec), arrays  # (a scalar bool is an advanced index too)
     at = spec.index(_ARRAY)
+    # beside an index array, integers are advanced indices too: split apart by a slice, their
+    # result dim moves to the front (numpy's rule), which a slice in place would not do
+    advanced = [i for i, k in enumerate(spec) if k is _ARRAY or type(k) is int]
+    if advanced != list(range(advanced[0], advanced[-1] + 1)):
+        return tuple(spec), arrays
     dim = _dims(shape, spec)[at]
     if dim >= len(shape):  # too many indices: jnp says so
         return tuple(spec), arrays

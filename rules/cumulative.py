@@ -104,9 +104,12 @@ def arg_lower(is_max: bool):
         values = lax.all_gather(value, name, axis=0, tiled=False, to="invarying")
         indices = lax.all_gather(index, name, axis=0, tiled=False, to="invarying")
         target = (jnp.max if is_max else jnp.min)(values, axis=0)
+        hit = values == target
+        if jnp.issubdtype(values.dtype, jnp.floating):
+            hit = hit | jnp.isnan(values)  # a NaN is the best value, as on one device
         # the first shard holding the best value has the smallest global index: as one device
         big = jnp.iinfo(np.dtype(index_dtype)).max
-        return [jnp.min(jnp.where(values == target, indices, big), axis=0).astype(index_dtype)]
+        return [jnp.min(jnp.where(hit, indices, big), axis=0).astype(index_dtype)]
 
     return lower
 

@@ -30,6 +30,21 @@ def test_sharded_axis_is_combined_not_gathered(fn):
     assert count_collectives(f.lower(x).compile().as_text()) == Counter(c.kind for c in plan.collectives)
 
 
+@pytest.mark.parametrize("fn", [jnp.max, jnp.min, jnp.argmax, jnp.argmin,
+                                lambda x: jnp.argmax(x, axis=1), lambda x: jnp.max(x, axis=0)],
+                         ids=["max", "min", "argmax", "argmin", "argmax-rows", "max-cols"])
+def test_a_nan_in_one_shard_wins_as_on_one_device(fn):
+    # jax.jit's own sharded max returns a number here (XLA's all-reduce drops the NaN), and a
+    # NaN equals no value, so the arg-reduction's combine must pick it out by itself
+    value = X.copy()
+    value[5, 20], value[12, 3] = np.nan, np.nan
+    x = dist.shard_tensor(value, MESH, [dist.Shard(0), dist.Shard(1)])
+    f = dist.jit(fn)
+    np.testing.assert_array_equal(f(x).numpy(), np.asarray(fn(jnp.asarray(value))))
+    plan = f.plan(x)
+    assert count_collectives(f.lower(x).compile().as_text()) == Counter(c.kind for c in plan.collectives)
+
+
 REVERSED = {  # the op from the end of a split dim, written with flips, and as lax writes it
     "flip-cumsum-flip": (lambda x: jnp.flip(jnp.cumsum(jnp.flip(x, 1), 1), 1),
                          lambda x: lax.cumsum(x, 1, reverse=True)),

@@ -5,6 +5,7 @@ import itertools
 import random
 from collections import Counter
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -182,6 +183,46 @@ def test_scalars_and_other_dtypes():
     check_reshard(make_tensor(ints, mesh, ["P(max)", "S(1)"]), mesh, ["S(1)", "S(0)"], ints)
     bools = (np.arange(64).reshape(8, 8) % 3 == 0)
     check_reshard(dist.shard_tensor(bools, mesh, ["S(0)", "S(1)"]), mesh, ["S(1)", "R"], bools)
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("dst", [["R", "R"], ["S(0)", "R"], ["R", "S(1)"]])
+def test_a_nan_wins_a_max_or_min_reduction_as_on_one_device(kind, dst):
+    # XLA's all-reduce max / min drops a NaN (on CPU); one device's jnp.max keeps it
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    value = _value()
+    value[3, 5], value[6, 0] = np.nan, -np.inf if kind == "max" else np.inf
+    check_reshard(make_tensor(value, mesh, [f"P({kind})", "S(1)"]), mesh, dst, value)
+
+
+@pytest.mark.parametrize("kind", ["sum", "avg"])
+def test_truth_values_and_integers_reduce_in_their_dtype(kind):
+    # a pending sum of truth values reads as their `or`, a mean of integers stays an integer
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    bools = np.arange(64).reshape(8, 8) % 3 == 0
+    x = dist.shard_tensor(bools, mesh, [dist.Partial(kind), dist.Shard(0)])
+    assert x.numpy().dtype == np.bool_
+    np.testing.assert_array_equal(x.numpy(), bools)
+    for dst in (["R", "S(0)"], ["S(1)", "S(0)"]):
+        out = dist.reshard(x, mesh, dst)
+        assert out.dtype == np.bool_ and out.numpy().dtype == np.bool_
+        np.testing.assert_array_equal(out.numpy(), bools)
+    ints = np.arange(64, dtype=np.int32).reshape(8, 8)
+    y = dist.shard_tensor(ints, mesh, [dist.Partial(kind), dist.Replicate()])
+    for got in (y.numpy(), np.asarray(jnp.asarray(y)), dist.reshard(y, mesh, ["R", "R"]).numpy()):
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, ints)
+
+
+@pytest.mark.parametrize("src,dst", [(["S(0)", "R"], ["R", "R"]), (["P(sum)", "S(1)"], ["R", "S(0)"]),
+                                     (["R", "S(1)"], ["S(1)", "P(max)"])])
+def test_an_empty_tensor_reshards_without_moving_anything(src, dst):
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    x = make_tensor(np.zeros((0, 8), np.float32), mesh, src)
+    out = dist.reshard(x, mesh, dst)
+    assert out.numpy().shape == (0, 8)
+    assert [repr(p) for p in out.placements] == [repr(p) for p in
+                                                 dist.reshard(out, mesh, dst).placements]
 
 
 # -- across meshes ----------------------------------------------------------------------------

@@ -41,8 +41,16 @@ def program(mesh: ProcessMesh, src: Layout, dst: Layout, steps: tuple[PlannedSte
     def local(x):
         if src.partial:
             x = x[0]  # drop the physical partial axis: one slot per device
-        for planned in steps:
-            x = planned.step.run(x, sizes)
+        if x.size:
+            for planned in steps:
+                x = planned.step.run(x, sizes)
+        else:  # an empty tensor: nothing to move (XLA rejects a collective of no elements)
+            out = jax.eval_shape(lambda v: functools.reduce(
+                lambda w, planned: planned.step.run(w, sizes), steps, v), x)
+            x = jax.numpy.zeros(out.shape, out.dtype)
+            varying = tuple(getattr(out, "vma", None) or ())
+            if varying:
+                x = jax.lax.pcast(x, varying, to="varying")
         return x[None] if dst.partial else x
 
     return jax.jit(jax.shard_map(local, mesh=mesh.to_jax(), in_specs=physical_spec(src, mesh),

@@ -188,9 +188,25 @@ def _differentiable_choice(choose, x, axes):
     of the device(s) holding the chosen value, split evenly among them as jax splits a max's
     gradient among ties. (Ties within one device's block were already split by its local
     reduction, so exact ties held unevenly across devices are weighted per device.)"""
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
         return choose(x, axes)
     return _chooser(choose, axes)(x)
+
+
+def _ordered_choice(choose, x, axes):
+    """pmax / pmin of floats `x` as one device's jnp.max / jnp.min gives them: NaN wins.
+    XLA's all-reduce max drops a NaN (on CPU, jax.jit(jnp.max) of a split array holding one
+    returns a number), so the devices reduce integer keys ordered as the floats are, NaN above
+    (max) or below (min) every number, and the chosen key is turned back into its float. One
+    collective of the same bytes; the key is an elementwise bit flip on each side."""
+    ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[np.dtype(x.dtype).itemsize]
+    flip = np.array(np.iinfo(ints).max, ints)
+    bits = lax.bitcast_convert_type(x, ints)
+    # a negative float's bits, read as a signed integer, order backwards: flip its magnitude
+    key = jnp.where(bits < 0, bits ^ flip, bits)
+    nan = np.array(np.iinfo(ints).max if choose is lax.pmax else np.iinfo(ints).min, ints)
+    key = choose(jnp.where(jnp.isnan(x), nan, key), axes)
+    return lax.bitcast_convert_type(jnp.where(key < 0, key ^ flip, key), x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,7 +215,7 @@ def _chooser(choose, axes):
     reuses it)."""
     @jax.custom_jvp
     def chosen(x):
-        return choose(x, axes)
+        return _ordered_choice(choose, x, axes)
 
     @chosen.defjvp
     def chosen_jvp(primals, tangents):
@@ -236,6 +252,8 @@ class AllReduce(Step):
 
     def run(self, x, sizes):
         axes = _axis_arg(self.reduced)
+        if x.dtype == jnp.bool_ and self.reduce_type in (ReduceType.SUM, ReduceType.AVG):
+            return lax.pmax(x, axes)  # a sum (or mean) of truth values, read as one, is their or
         if self.reduce_type is ReduceType.SUM:
             return lax.psum(x, axes)
         if self.reduce_type is ReduceType.MAX:
@@ -281,6 +299,10 @@ class ReduceScatter(Step):
         return in_bytes * (n - 1) / n
 
     def run(self, x, sizes):
+        if x.dtype == jnp.bool_:  # jax sums no truth values: count them, any count is true
+            y = lax.psum_scatter(x.astype(jnp.int32), _axis_arg(self.reduced),
+                                 scatter_dimension=self.dim, tiled=True)
+            return y != 0
         y = lax.psum_scatter(x, _axis_arg(self.reduced), scatter_dimension=self.dim, tiled=True)
         if self.reduce_type is ReduceType.AVG:
             y = (y / _group_size(self.reduced, sizes)).astype(x.dtype)
