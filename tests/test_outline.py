@@ -100,3 +100,33 @@ def test_reshard_copies_are_shared_across_blocks(monkeypatch):
     assert count_collectives(hlo)["all-gather"] == 1
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(jax.jit(f)(x, w, b)),
                                rtol=1e-5, atol=1e-6)
+
+
+def _alternating(x, w):
+    # layers the plan decides once (equal rule signatures: sin and cos are both elementwise)
+    # but that are not one block: outlining the first for all would compute sin everywhere
+    for act in [jnp.sin, jnp.cos, jnp.sin, jnp.cos]:
+        m = x.mean(-1, keepdims=True)
+        h = (x - m) / jnp.sqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+        x = x + act(h @ w) @ w.T
+    return (x ** 2).sum()
+
+
+def _cummax_gradient(x, w):  # jax's cummax derivative: like blocks of slices at other offsets
+    return jnp.sum(jnp.sin(jax.lax.cummax(x, axis=1)) * w)
+
+
+@pytest.mark.parametrize("fn,placements", [
+    (jax.grad(_alternating, (0, 1)), ([S(0), R], [R, S(1)])),
+    (jax.grad(_cummax_gradient), ([R, R], [R, R])),
+], ids=["sin-cos layers", "cummax"])
+def test_blocks_planned_alike_are_outlined_only_where_their_equations_are_equal(fn, placements):
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(16, 32)) * 0.1).astype(np.float32)
+    w = (rng.normal(size=(32, 64)) * 0.1).astype(np.float32)
+    if fn.__name__ == "_cummax_gradient":
+        x, w = x[:2, :3] * 5, rng.normal(size=(2, 3)).astype(np.float32)
+    args = [dist.shard_tensor(a, MESH, p) for a, p in zip((x, w), placements)]
+    got = jax.tree.leaves(dist.jit(fn)(*args), is_leaf=lambda t: isinstance(t, dist.DistTensor))
+    for g, want in zip(got, jax.tree.leaves(jax.jit(fn)(x, w))):
+        np.testing.assert_allclose(g.numpy(), np.asarray(want), rtol=1e-3, atol=1e-4)

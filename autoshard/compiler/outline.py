@@ -79,14 +79,17 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
             excluded[k] = True
     # each equation as a number: its replay key and its operands' layouts (what the reshards
     # start from); equations that cannot be replayed never repeat. An equation the plan decided
-    # as a copy of an earlier one (`plan.same_as`) has that one's key and operand layouts.
+    # as a copy of an earlier one (`plan.same_as`) has that one's operand layouts, and its key
+    # where it is the same primitive with the same params: the plan copies by rule signature,
+    # which sin and cos, or slices at different offsets, share.
     key_ids: dict = {}  # a key is hashed once here; the pair below hashes its number
     ids: dict = {}
     same_as = plan.same_as
     h = []
     for k, e in enumerate(eqns):
         j = same_as.get(k)
-        if j is not None and not excluded[k] and h[j] >= 0:
+        if j is not None and not excluded[k] and h[j] >= 0 and e.primitive is eqns[j].primitive \
+                and e.params_key == eqns[j].params_key:
             h.append(h[j])
             continue
         key = None if excluded[k] else key_of(k)
