@@ -98,7 +98,12 @@ class LocalDataError(AutoshardError, ValueError):
     """Per-device data handed to dtensor_from_local that does not fit the mesh and placements."""
 
 
+class SignatureError(AutoshardError, TypeError):
+    """A partitioned function's arguments or results that do not fit it: a static argument
+    number past its parameters, a result that is not an array."""
+
+
 __all__ = [
-    "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
+    "SignatureError", "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError", "MeshMismatchError", "user_source_line",
 ]

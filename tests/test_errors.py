@@ -69,3 +69,22 @@ def test_the_users_line_is_never_a_frame_of_pythons_own_library():
     msg = _raises(dist.DeviceNotFoundError, r"uses device ids \[99\]",
                   lambda: dist.shard_tensor(np.zeros((4, 4)), mesh, ["S(0)", "R"]))
     assert "functools.py" not in msg
+
+
+def test_a_static_argument_number_past_the_parameters_and_a_non_array_result():
+    x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH, [dist.Shard(0), dist.Replicate()])
+
+    def scale(a):
+        return a * 2
+
+    msg = _raises(dist.SignatureError, r"argument number 3 is named static.*takes 1 positional",
+                  lambda: dist.jit(scale, static_argnums=3))
+    assert "dist.jit(scale)" in msg
+
+    def summary(a):
+        return {"loss": a.sum(), "name": "run-1"}
+
+    msg = _raises(dist.SignatureError, r"summary returned str 'run-1' at output\['name'\]",
+                  lambda: dist.jit(summary)(x))
+    assert "returns arrays" in msg
+    assert dist.jit(lambda a, *rest: a * 2, static_argnums=3)(x).shape == (8, 4)  # *args: fine

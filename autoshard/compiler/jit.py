@@ -16,7 +16,7 @@ from jax._src.interpreters import ad
 from ..cost_model import CostModel, default_cost_model
 from ..hashing import hash_once
 from ..dtensor import DistTensor
-from ..errors import MeshMismatchError, PlacementTypeError
+from ..errors import MeshMismatchError, PlacementTypeError, SignatureError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import (HOST_MEMORY_KINDS, host_memory, layout_of_spec, mesh_sharding,
@@ -292,9 +292,16 @@ class DistributedFunction:
         def flat(*flat_args):
             dynamic, kwargs = jax.tree.unflatten(tree, flat_args)
             out = self._fn(*self._rebuild_args(static, dynamic), **kwargs)
-            outs, out_tree = jax.tree.flatten(out)
+            paths, out_tree = jax.tree_util.tree_flatten_with_path(out)
+            for path, x in paths:
+                if not _is_array_like(x):
+                    raise SignatureError(
+                        f"{self.__name__} returned {type(x).__name__} {x!r:.40} at "
+                        f"{'output' + jax.tree_util.keystr(path) if path else 'its output'}: a "
+                        f"partitioned function returns arrays (and pytrees of them); return "
+                        f"the array, or compute a non-array result outside dist.jit")
             out_tree_box.append(out_tree)
-            return outs
+            return [x for _, x in paths]
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
@@ -717,6 +724,12 @@ def _global_array(x: DistTensor):
     return to_even(x, reduce_partial=True).physical
 
 
+def _is_array_like(x: Any) -> bool:
+    """What jax can return from a traced function: arrays, tracers, numbers, numpy scalars."""
+    return isinstance(x, (jax.Array, jcore.Tracer, np.ndarray, np.generic, bool, int, float,
+                          complex, DistTensor)) or hasattr(x, "__jax_array__")
+
+
 def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
                        ) -> tuple[frozenset[int], tuple[str, ...]]:
     """Positions and names of the arguments meant, either way the user named them — as jax.jit
@@ -729,6 +742,13 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     except (TypeError, ValueError):  # a builtin or C function: no signature to read
         return frozenset(nums), tuple(sorted(names))
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    beyond = sorted(i for i in nums if i >= len(positional) or i < -len(positional))
+    if beyond and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise SignatureError(
+            f"dist.jit({name}): argument number {beyond[0]} is named static (or donated), but "
+            f"{name} takes {len(positional)} positional argument(s), numbered 0 to "
+            f"{len(positional) - 1}: write the number of one of its parameters")
     by_name = {p.name: i for i, p in enumerate(positional) if p.kind == p.POSITIONAL_OR_KEYWORD}
     nums |= {by_name[n] for n in names if n in by_name}
     names |= {p.name for i, p in enumerate(positional)
