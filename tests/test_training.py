@@ -263,6 +263,16 @@ def test_predict_eval_and_state_dict_round_trip():
     fresh.set_state_dict(sd)
     np.testing.assert_array_equal(fresh.params["w0"].numpy(), m.params["w0"].numpy())
     assert fresh.params["w0"].placements == [R(), R()]   # loaded into the target's placements
+    # a lower-precision copy loads into the float32 master weight as float32
+    low = dist.shard_tensor(np.asarray(sd["param.w1"].numpy(), jnp.bfloat16), mesh, [R(), R()])
+    fresh.set_state_dict({"param.w1": low})
+    assert fresh.params["w1"].dtype == jnp.float32
+    np.testing.assert_array_equal(fresh.params["w1"].numpy(), np.asarray(low.numpy(), np.float32))
+    with pytest.raises(dist.DistModelError, match=r"'param.W0' \(did you mean 'param.w0'\?\)"
+                                                  r".*nothing was loaded"):
+        fresh.set_state_dict({"param.W0": sd["param.w0"]})
+    with pytest.warns(UserWarning, match=r"1 of 2 keys name nothing.*'model.w1'.*skipped"):
+        fresh.set_state_dict({"param.w0": sd["param.w0"], "model.w1": sd["param.w1"]})
 
 
 class _TwoInputs:
@@ -359,6 +369,27 @@ def test_strategy_sections_and_errors():
         dist.Strategy({"zero": {}})
     with pytest.raises(dist.OptimizerError, match="GradientTransformation"):
         dist.shard_optimizer(object())
+    with pytest.raises(dist.StrategyError, match="is a switch: write True or False, not 'False'"):
+        dist.Strategy({"sharding": {"enable": "False", "stage": 3}})  # a true string
+    with pytest.raises(dist.StrategyError, match="'no_such' is not one of jax.checkpoint_policies"):
+        dist.Strategy({"recompute": {"enable": True, "policy": "no_such"}})
+    with pytest.raises(dist.StrategyError, match="takes a dict of sections"):
+        dist.Strategy(["sharding"])
+    weights = _weights()
+    for config, match in [({"enable": True, "stage": 1, "degree": 3},
+                           r"degree = 3, but the optimizer states are split over mesh dim 'dp' "
+                           r"of 2 devices"),
+                          ({"enable": True, "stage": 3}, "already sharded at stage 1")]:
+        with pytest.raises(dist.StrategyError, match=match):
+            dist.to_static(_model("dp", weights)[1], None, mse,
+                           dist.shard_optimizer(optax.sgd(0.1), dist.ShardingStage1("dp"))
+                           if config["stage"] == 3 else optax.sgd(0.1),
+                           dist.Strategy({"sharding": config}))
+    m = dist.to_static(_model("dp", weights)[1], None, lambda out, y: (out - y) ** 2,
+                       optax.sgd(0.1))
+    with pytest.raises(dist.DistModelError, match=r"returned an array of shape \(\d+, 8\).*"
+                                                  r"reduce it in loss_fn"):
+        m(*_batches(n=1)[0])
 
 
 @pytest.mark.parametrize("tx,n_moments", [(optax.sgd(0.1), 0), (optax.adam(0.1), 2)],

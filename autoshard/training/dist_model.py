@@ -14,7 +14,9 @@ accumulator is the gradient shard instead: each micro-step reduce-scatters (1/N 
 """
 from __future__ import annotations
 
+import difflib
 import inspect
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -34,7 +36,7 @@ from .model_state import DistModelError, flatten_dict, sibling_param, split_mode
 from .optimizer import (ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3,
                         place_params, shard_optimizer)
 from .layers import shard_layer
-from .strategy import Strategy
+from .strategy import Strategy, StrategyError
 
 _STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
 
@@ -241,9 +243,22 @@ class DistModel:
     def _sharded_optimizer(self, optimizer: Any) -> ShardedOptimizer:
         opt = optimizer if isinstance(optimizer, ShardedOptimizer) else shard_optimizer(optimizer)
         sharding = self.strategy.sharding
+        if sharding.enable and opt.stage not in (0, sharding.stage):
+            raise StrategyError(
+                f"to_static: the optimizer is already sharded at stage {opt.stage} and "
+                f"strategy.sharding asks for stage {sharding.stage}: give one of them (pass the "
+                f"plain optax optimizer, or leave strategy.sharding.enable False)")
         if sharding.enable and opt.stage == 0:
             opt = ShardedOptimizer(opt.tx, _STAGES[sharding.stage](sharding.mesh_dim),
                                    opt.gradient_accumulation_steps, opt.offload)
+        if sharding.enable and sharding.degree is not None and hasattr(opt.shard_fn, "axis"):
+            axis = opt.shard_fn.axis(self.mesh)
+            if sharding.degree != self.mesh.get_dim_size(axis):
+                raise StrategyError(
+                    f"strategy.sharding.degree = {sharding.degree}, but the optimizer states "
+                    f"are split over mesh dim {axis!r} of {self.mesh.get_dim_size(axis)} "
+                    f"devices: set degree to {self.mesh.get_dim_size(axis)} (or leave it None), "
+                    f"or give sharding.mesh_dim a mesh dim of {sharding.degree} devices")
         if sharding.offload and not opt.offload:  # Paddle's sharding "optimize_offload"
             opt = ShardedOptimizer(opt.tx, opt.shard_fn, opt.gradient_accumulation_steps, True)
         return opt
@@ -339,7 +354,14 @@ class DistModel:
                                  "use .predict()")
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         out, state = self._forward(mode, params, state, inputs)
-        return self._loss_fn(out, *labels).astype(jnp.float32), state
+        loss = self._loss_fn(out, *labels)
+        if mode == "train" and np.shape(loss) != ():
+            name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
+            raise DistModelError(
+                f"to_static: loss_fn {name} returned an array of shape {tuple(np.shape(loss))}; "
+                f"training differentiates one number: reduce it in loss_fn (e.g. "
+                f"jnp.mean(...)) before returning")
+        return loss.astype(jnp.float32), state
 
     def _grads(self, params: Any, state: dict, scaler: dict, batch: tuple):
         """(loss, gradients, new state); with float16, the loss scaled and the gradients unscaled."""
@@ -628,8 +650,20 @@ class DistModel:
         return out
 
     def set_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for prefix, attr, _ in self._GROUPS:
-            tree = getattr(self, attr)
+        trees = [(prefix, attr, getattr(self, attr)) for prefix, attr, _ in self._GROUPS]
+        known = [n for prefix, _, tree in trees if tree is not None for n in _flat(prefix, tree)]
+        unknown = sorted(set(state_dict) - set(known))
+        if unknown:  # a typo, or another model's names: say so rather than load nothing
+            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            text = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                             for k, h in hints.items())
+            message = (f"set_state_dict: {len(unknown)} of {len(state_dict)} keys name nothing in "
+                       f"this model: {text}; its keys are those of model.state_dict(), e.g. "
+                       f"{known[:3]}")
+            if len(unknown) == len(state_dict):
+                raise DistModelError(message + " — nothing was loaded")
+            warnings.warn(message + " — they were skipped", UserWarning, stacklevel=2)
+        for prefix, attr, tree in trees:
             if tree is not None:
                 setattr(self, attr, _load_group(prefix, tree, state_dict))
         self._parts.write_back(self.params, self.state)
@@ -646,8 +680,12 @@ def _load_group(prefix: str, tree: Any, state_dict: dict[str, Any]) -> Any:
             if tuple(np.shape(value)) != tuple(leaf.shape):
                 raise DistModelError(f"set_state_dict: {name!r} has shape "
                                      f"{tuple(np.shape(value))}, the model's is {leaf.shape}")
-            value = (reshard(value, leaf.mesh, leaf.placements) if _is_dt(value)
-                     else shard_tensor(np.asarray(value, leaf.dtype), leaf.mesh, leaf.placements))
+            if _is_dt(value):  # in the param's dtype, as a host value is: a float32 master
+                # weight set from a bfloat16 copy stays float32
+                value = reshard(value, leaf.mesh, leaf.placements)
+                value = value if value.dtype == leaf.dtype else value.astype(leaf.dtype)
+            else:
+                value = shard_tensor(np.asarray(value, leaf.dtype), leaf.mesh, leaf.placements)
         new.append(value)
     return jax.tree.unflatten(treedef, new)
 

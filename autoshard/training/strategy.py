@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
+
 from ..errors import AutoshardError
 
 
@@ -63,6 +66,23 @@ class _Section:
             raise StrategyError(f"strategy.{name}.{key} = {value!r} is not one of {list(allowed)}")
         if key in _POSITIVE_INTS and (not isinstance(value, int) or value < 1):
             raise StrategyError(f"strategy.{name}.{key} must be a positive int, got {value!r}")
+        if isinstance(_SECTIONS[name][key], bool) and not isinstance(value, (bool, np.bool_)):
+            # a string "False" is true: read as a switch it would turn the feature on
+            raise StrategyError(f"strategy.{name}.{key} is a switch: write True or False, not "
+                                f"{value!r}")
+        if key == "degree" and value is not None and (not isinstance(value, int) or value < 1):
+            raise StrategyError(f"strategy.{name}.degree must be a positive int (the number of "
+                                f"devices the optimizer states are split over), got {value!r}")
+        if key == "policy" and isinstance(value, str) and not hasattr(
+                jax.checkpoint_policies, value):
+            names = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
+            raise StrategyError(f"strategy.recompute.policy = {value!r} is not one of "
+                                f"jax.checkpoint_policies: {names} (or pass a policy function, "
+                                f"or None to save nothing)")
+        if key == "policy" and not (value is None or isinstance(value, str) or callable(value)):
+            raise StrategyError(f"strategy.recompute.policy must be a name in "
+                                f"jax.checkpoint_policies, a policy function or None, got "
+                                f"{value!r}")
         low, high = _RANGES.get(key, (None, None))
         if low is not None and not (isinstance(value, (int, float)) and low < value < high):
             raise StrategyError(f"strategy.{name}.{key} = {value!r} must lie strictly between "
@@ -84,6 +104,10 @@ class Strategy:
     """
 
     def __init__(self, config: dict[str, dict[str, Any]] | None = None):
+        if config is not None and not isinstance(config, dict):
+            raise StrategyError(f"dist.Strategy takes a dict of sections, e.g. "
+                                f"dist.Strategy({{'sharding': {{'enable': True, 'stage': 1}}}}), "
+                                f"not {type(config).__name__} {config!r:.60}")
         config = dict(config or {})
         unknown = set(config) - set(_SECTIONS)
         if unknown:
