@@ -390,6 +390,10 @@ def test_strategy_sections_and_errors():
     with pytest.raises(dist.DistModelError, match=r"returned an array of shape \(\d+, 8\).*"
                                                   r"reduce it in loss_fn"):
         m(*_batches(n=1)[0])
+    x, y = _batches(n=1)[0]
+    with pytest.raises(dist.DistModelError, match=r"apply\(params, \*inputs\) cannot take the "
+                                                  r"batch's 2 input\(s\).*but the last \(the label\)"):
+        dist.to_static(_model("dp", weights)[1], None, mse, optax.sgd(0.1))(x, x, y)
 
 
 @pytest.mark.parametrize("tx,n_moments", [(optax.sgd(0.1), 0), (optax.adam(0.1), 2)],
