@@ -309,6 +309,35 @@ def test_to_static_with_strategy_pipeline_schedules_the_cut_stages_over_micro_ba
     assert runner.recompute is recompute
 
 
+def test_to_static_pipeline_takes_plain_batches_when_params_are_placed_by_hand():
+    """No loader and no stage list: the stages are the meshes the params were placed on, and
+    which of them reads the label is known only from the trace — the label is left for the
+    program to place (it was put on the first param's mesh, where a loss on another failed)."""
+    m0, m1 = MESH0, MESH1
+    rng = np.random.default_rng(0)
+    w = {"w0": rng.normal(size=(64, 32)).astype(np.float32) / 8,
+         "w1": rng.normal(size=(32, 16)).astype(np.float32) / 6}
+    params = {"w0": dist.shard_tensor(w["w0"], m0, [R, R]),
+              "w1": dist.shard_tensor(w["w1"], m1, [R, R])}
+
+    def forward(p, x):
+        return dist.reshard(jnp.tanh(x @ p["w0"]), m1, [S(0), R]) @ p["w1"]
+
+    batches = [(rng.normal(size=(8, 64)).astype(np.float32),
+                rng.normal(size=(8, 16)).astype(np.float32)) for _ in range(2)]
+    dm = dist.to_static((forward, params), None, _mse, optax.sgd(0.1),
+                        dist.Strategy({"pipeline": {"enable": True, "accumulate_steps": 2}}))
+    losses = [float(dm(x, y).numpy()) for x, y in batches]
+    ref, tx = {k: jnp.asarray(v) for k, v in w.items()}, optax.sgd(0.1)
+    state, ref_losses = tx.init(ref), []
+    for x, y in batches:
+        loss, g = jax.value_and_grad(lambda p: _mse(jnp.tanh(x @ p["w0"]) @ p["w1"], y))(ref)
+        updates, state = tx.update(g, state, ref)
+        ref, ref_losses = optax.apply_updates(ref, updates), ref_losses + [float(loss)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(dm.params["w1"].numpy(), ref["w1"], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("sharding", [None, "stage3"])
 def test_to_static_pipeline_with_gradient_merge_and_zero3(sharding):
     """strategy.pipeline with gradient_merge (k=2, averaged): one update per two calls, on

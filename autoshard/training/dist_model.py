@@ -137,8 +137,13 @@ class DistModel:
         self._dp = "dp" if "dp" in self.mesh.dim_names else self.mesh.dim_names[0]
         # where unplaced inputs and labels go: the first and last pipeline stage's meshes
         stages = (getattr(loader, "meshes", None)
-                  or getattr(getattr(model, "_autoshard_parallel", None), "stage_meshes", None)
-                  or [self.mesh])
+                  or getattr(getattr(model, "_autoshard_parallel", None), "stage_meshes", None))
+        homes = {m for m in jax.tree.leaves(self._homes) if isinstance(m, ProcessMesh)}
+        # params placed by hand on several meshes, no stage order given: the last stage (where
+        # the loss reads the label) is not known before tracing, so the label stays unplaced
+        # and goes where the program reads it
+        self._label_unplaced = not stages and len(homes) > 1
+        stages = stages or [self.mesh]
         self._io_meshes = (stages[0], stages[-1])
         gm = self.strategy.gradient_merge
         self.k_steps = gm.k_steps if gm.enable else 1
@@ -493,7 +498,11 @@ class DistModel:
         for k, x in enumerate(batch):
             # unplaced arrays are split over the data-parallel dim when they can be; the label
             # (last, with a loss) goes where the last pipeline stage computes the loss
-            mesh = last if (k == len(batch) - 1 and k and self._mode != "predict") else first
+            label = k == len(batch) - 1 and k and self._mode != "predict"
+            if label and self._label_unplaced:
+                out.append(x)
+                continue
+            mesh = last if label else first
             dp = self._dp if self._dp in mesh.dim_names else mesh.dim_names[0]
             if not _is_dt(x) and np.ndim(x) and np.shape(x)[0] % mesh.get_dim_size(dp) == 0:
                 placements = [Shard(0) if d == dp else Replicate() for d in mesh.dim_names]
