@@ -27,8 +27,9 @@ from .placement import Placement
 
 def _actual_layout(value: Any, mesh: ProcessMesh, layout: Layout) -> Layout:
     sharding = getattr(value, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or isinstance(value, jax.core.Tracer):
-        return layout
+    if not isinstance(sharding, NamedSharding) or isinstance(value, jax.core.Tracer) \
+            or isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+        return layout  # (an abstract mesh: a loop's carry type, jax checking its structure)
     if sharding.spec == physical_spec(layout, mesh):
         return layout
     if as_process_mesh(sharding.mesh) != mesh:

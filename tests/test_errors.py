@@ -88,3 +88,17 @@ def test_a_static_argument_number_past_the_parameters_and_a_non_array_result():
                   lambda: dist.jit(summary)(x))
     assert "returns arrays" in msg
     assert dist.jit(lambda a, *rest: a * 2, static_argnums=3)(x).shape == (8, 4)  # *args: fine
+
+
+def test_a_donated_tensor_read_again_or_passed_twice_is_an_error_not_a_crash():
+    x = np.ones((8, 4), np.float32)
+    f = dist.jit(lambda a: a * 2.0, donate_argnums=0)
+    a = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+    np.testing.assert_array_equal(f(a).numpy(), x * 2)
+    _raises(dist.SignatureError, r"input 0, a DistTensor of shape \(8, 4\).*was donated", lambda: f(a))
+    _raises(dist.ReshardError, r"was donated to a dist.jit call", lambda: a.numpy())
+    g = dist.jit(lambda a, b: a + b, donate_argnums=0)
+    b = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+    _raises(dist.SignatureError, r"passed as a donated argument and again as another",
+            lambda: g(b, b))
+    np.testing.assert_array_equal(g(b, b + 0).numpy(), x * 2)

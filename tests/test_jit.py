@@ -880,3 +880,19 @@ def test_a_product_with_one_is_its_other_operand():
     assert ones and not any(e.name == "mul" and ones & set(e.inputs) for e in eqns)
     assert hlo_counts(g, dx) == planned(g, dx) == Counter(
         {"all-to-all": 1, "all-gather": 1, "all-reduce": 1})
+
+
+def test_python_numbers_stay_weakly_typed_and_argument_numbers_count_from_the_end():
+    # as jax.jit: a bfloat16 tensor times a Python float stays bfloat16; static_argnums=-1 is
+    # the last argument
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+    x = (np.arange(128).reshape(8, 16) / 7).astype(jnp.bfloat16)
+    dx = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()])
+    fn = lambda a, s: a * s + 1.0
+    out = dist.jit(fn)(dx, 0.1)
+    assert out.dtype == jax.jit(fn)(x, 0.1).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out.numpy(), np.float32),
+                                  np.asarray(jax.jit(fn)(x, 0.1), np.float32))
+    g = dist.jit(lambda a, n: a * n, static_argnums=-1)
+    assert float(g(dx, 3).numpy()[1, 0]) == float(x[1, 0]) * 3
+    assert g.trace_count == 1 and float(g(dx, 3).numpy()[1, 0]) == float(x[1, 0]) * 3

@@ -56,10 +56,11 @@ class _Leaf:
     mesh: ProcessMesh | None
     layout: Layout | None    # None: unplaced, the plan decides
     memory: str | None = None  # a host memory kind the value is stored in (None: the device's)
+    weak: bool = False  # a Python number: weakly typed, as jax.jit traces it (x_bf16 * 0.1 stays bf16)
 
     def __hash__(self) -> int:  # every call hashes the key of all its inputs' descriptions
         return hash_once(self, lambda: (self.shape, self.dtype, self.mesh, self.layout,
-                                        self.memory))
+                                        self.memory, self.weak))
 
 
 def _describe_leaf(x) -> _Leaf:
@@ -76,7 +77,8 @@ def _describe_leaf(x) -> _Leaf:
     if not is_extended(arr.dtype) and arr.dtype.kind not in "biufcV":
         raise _NotAnArray(x)  # a string, an object: named with its argument by _entry
     dtype = arr.dtype if is_extended(arr.dtype) else jax.dtypes.canonicalize_dtype(arr.dtype)
-    return _Leaf(tuple(np.shape(arr)), normalize(dtype), None, None)
+    weak = type(x) in (int, float, complex) or bool(getattr(x, "weak_type", False))
+    return _Leaf(tuple(np.shape(arr)), normalize(dtype), None, None, weak=weak)
 
 
 class _NotAnArray(Exception):
@@ -237,6 +239,23 @@ class DistributedFunction:
                     f"jax.vmap over a DistTensor maps over its stored array and loses the layout "
                     f"of the mapped dim; put the vmap inside the partitioned function instead: "
                     f"dist.jit(jax.vmap(f))(x)")
+            if isinstance(x, DistTensor) and not isinstance(x.physical, jax.core.Tracer) \
+                    and x.physical.is_deleted():  # (jaxlib may crash the process on it)
+                raise SignatureError(
+                    f"{self.__name__}: input {k}, a DistTensor of shape {x.shape} placed "
+                    f"{x.placements}, was donated to an earlier call (donate_argnums) and its "
+                    f"buffers are gone: pass that call's result, or stop donating it")
+        if self._donate or self._donate_names:
+            donated = self._flat_donations(tree)
+            held = {id(getattr(leaves[i], "physical", leaves[i])) for i in donated}
+            twice = [k for k, x in enumerate(leaves) if k not in donated
+                     and id(getattr(x, "physical", x)) in held]
+            if twice or len(held) < len(donated):
+                raise SignatureError(
+                    f"{self.__name__}: one array is passed as a donated argument and again as "
+                    f"another (input {twice[0] if twice else donated[0]}): donating it frees the "
+                    f"buffers the other still reads; pass a copy (x + 0) as one of them, or do "
+                    f"not donate it")
         return static, leaves, tree
 
     def _rebuild_args(self, static, dynamic):
@@ -304,7 +323,7 @@ class DistributedFunction:
             return [x for _, x in paths]
 
         self.trace_count += 1
-        avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
+        avals = [jax.ShapeDtypeStruct(d.shape, d.dtype, weak_type=d.weak) for d in described]
         _TRACING.depth += 1
         try:
             closed = jax.make_jaxpr(flat)(*avals)
@@ -742,13 +761,20 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     except (TypeError, ValueError):  # a builtin or C function: no signature to read
         return frozenset(nums), tuple(sorted(names))
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
     beyond = sorted(i for i in nums if i >= len(positional) or i < -len(positional))
-    if beyond and not any(p.kind == p.VAR_POSITIONAL for p in params):
+    if any(i < 0 for i in nums) and variadic:
+        raise SignatureError(
+            f"dist.jit({getattr(fn, '__name__', type(fn).__name__)}): a negative argument "
+            f"number {min(nums)} of a function taking *args counts from a different end on "
+            f"each call: number the argument from 0")
+    if beyond and not variadic:
         name = getattr(fn, "__name__", type(fn).__name__)
         raise SignatureError(
             f"dist.jit({name}): argument number {beyond[0]} is named static (or donated), but "
             f"{name} takes {len(positional)} positional argument(s), numbered 0 to "
             f"{len(positional) - 1}: write the number of one of its parameters")
+    nums = {i % len(positional) if i < 0 else i for i in nums}  # -1: the last, as jax.jit
     by_name = {p.name: i for i, p in enumerate(positional) if p.kind == p.POSITIONAL_OR_KEYWORD}
     nums |= {by_name[n] for n in names if n in by_name}
     names |= {p.name for i, p in enumerate(positional)

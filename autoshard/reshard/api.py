@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from ..compiler.dtypes import cost_dtype, dtype_name
@@ -85,6 +86,11 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
 
         return annotate(x, mesh, placements, force=True)
     mesh.devices()  # a destination with devices this process lacks fails here, with the ids
+    physical = getattr(x, "physical", None)
+    if isinstance(physical, jax.Array) and physical.is_deleted():  # (jaxlib may crash on it)
+        raise ReshardError(f"a DistTensor {_describe(x)} placed {x.placements} was donated to a "
+                           f"dist.jit call (donate_argnums) and its buffers are gone: read that "
+                           f"call's result instead, or stop donating it")
     plan = plan_reshard(x, mesh, placements, cost_model=cost_model)
     if not plan.steps and plan.src_mesh == plan.dst_mesh:
         return x
