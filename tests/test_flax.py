@@ -215,3 +215,41 @@ def test_dist_jit_of_an_nnx_module_reads_its_current_params():
     # a method bound to the module is taken the same way (made and called before the step)
     np.testing.assert_allclose(method(dx).numpy(), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
 
+
+
+class _UnevenMLP(nnx.Module):
+    def __init__(self, rngs, hidden=10):  # 10 hidden units over mp's 4 devices: uneven
+        self.up, self.down = nnx.Linear(16, hidden, rngs=rngs), nnx.Linear(hidden, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _uneven_step(model, opt, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+    opt.update(model, grads)
+    return loss
+
+
+@pytest.mark.filterwarnings("ignore::autoshard.UnevenShardingWarning")
+def test_nnx_params_split_unevenly_keep_their_placements_across_steps():
+    R, S = dist.Replicate(), dist.Shard
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 4)).astype(np.float32)
+    ref = _UnevenMLP(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    model = _UnevenMLP(nnx.Rngs(0))
+    model.up.kernel.set_value(dist.shard_tensor(model.up.kernel.get_value(), MESH, [R, S(1)]))
+    model.down.kernel.set_value(dist.shard_tensor(model.down.kernel.get_value(), MESH, [R, S(0)]))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = dist.jit(_uneven_step)
+    dx = dist.shard_tensor(x, MESH, [S(0), R])
+    losses = [float(step(model, opt, dx, y).numpy()) for _ in range(3)]
+    ref_losses = [float(nnx.jit(_uneven_step)(ref, ref_opt, x, y)) for _ in range(3)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(model.up.kernel.get_value().numpy(), ref.up.kernel.get_value(),
+                               rtol=1e-4, atol=1e-6)
+    assert model.up.kernel.get_value().placements == [R, S(1)]
+    assert model.down.kernel.get_value().placements == [R, S(0)]
+    assert opt.opt_state[0].mu["up"]["kernel"].get_value().placements == [R, S(1)]
+    assert sum(f.trace_count for f in step._graph_inner.values()) == 1
