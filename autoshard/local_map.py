@@ -187,6 +187,14 @@ def _traced(func, out_placements, in_placements, mesh, args):
             continue
         layout = layout_from_placements(pl, mesh, tuple(np.shape(x)),
                                         what=f"local_map input {k}")
+        for d, axes in enumerate(layout.dims):
+            n = int(np.prod([mesh.get_dim_size(a) for a in axes]))
+            if np.shape(x)[d] % n:  # a block per device has no one shape to write code for
+                raise LocalMapError(
+                    f"local_map({_name(func)!r}): input {k} of shape {tuple(np.shape(x))} placed "
+                    f"{list(pl)} splits dim {d} of size {np.shape(x)[d]} over mesh dim(s) "
+                    f"{list(axes)} ({n} devices), unevenly: the function's blocks must be "
+                    f"equal — pad dim {d} to a multiple of {n}, or keep it whole (Replicate)")
         if layout.partial:
             raise LocalMapError(
                 f"local_map({_name(func)!r}): in_placements {list(pl)} is Partial; a function "
@@ -219,9 +227,19 @@ def _traced(func, out_placements, in_placements, mesh, args):
     def slotted(*local):
         return [y[None] if L.partial else y for y, L in zip(body(*local), layouts)]
 
-    outs = jax.shard_map(slotted, mesh=jmesh, in_specs=tuple(specs),
-                         out_specs=[physical_spec(L, mesh) for L in layouts],
-                         check_vma=True)(*placed)
+    try:
+        outs = jax.shard_map(slotted, mesh=jmesh, in_specs=tuple(specs),
+                             out_specs=[physical_spec(L, mesh) for L in layouts],
+                             check_vma=True)(*placed)
+    except ValueError as e:
+        if "varying" not in str(e) and "replicat" not in str(e):
+            raise
+        raise LocalMapError(
+            f"local_map({_name(func)!r}): an output differs between devices of a mesh dim where "
+            f"out_placements {[list(p) for p in out_placements]} says Replicate: name how the "
+            f"blocks combine there — Shard(d) (pieces of dim d), Partial() (parts of a sum) — "
+            f"or make them equal inside (jax.lax.psum / all_gather over that mesh dim)"
+            ) from None
     results = []
     for y, L in zip(outs, layouts):
         if L.partial:

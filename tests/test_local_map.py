@@ -187,3 +187,20 @@ def test_local_layer_runs_forward_on_blocks_eagerly_and_in_dist_jit():
         dist.jit(lambda t: layer(t)[0])(X)
     with pytest.raises(dist.LocalMapError, match="one .process_mesh, placements. pair"):
         _MaskedSums([MESH])
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "dist.jit"])
+def test_uneven_blocks_and_an_output_claimed_replicated_are_named(traced):
+    uneven = dist.shard_tensor(np.zeros((6, 10), np.float32), MESH, [S(0), S(1)])
+    even = dist.shard_tensor(np.zeros((8, 16), np.float32), MESH, [S(0), S(1)])
+    cases = [
+        (uneven, [[S(0), S(1)]], r"splits dim 1 of size 10 over mesh dim\(s\) \['mp'\] "
+                                 r"\(4 devices\), unevenly.*pad dim 1 to a multiple of 4"),
+        (even, [[S(0), R]], r"an output differs between devices of a mesh dim where "
+                            r"out_placements \[\[S\(0\), R\]\] says Replicate.*Partial\(\)"),
+    ]
+    for x, out, match in cases:
+        lm = dist.local_map(lambda b: b * 2, out_placements=out, in_placements=[[S(0), S(1)]],
+                            process_mesh=MESH)
+        with pytest.raises(dist.LocalMapError, match=match):
+            (dist.jit(lm) if traced else lm)(x)
