@@ -147,3 +147,21 @@ def test_shard_map_on_another_mesh_is_a_clear_error():
     xd = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
     with pytest.raises(MeshMismatchError, match="mesh.to_jax"):
         dist.jit(fn)(xd)
+
+
+def test_a_shard_map_over_some_axes_is_named_and_over_all_axes_runs():
+    x = np.arange(128, dtype=np.float32).reshape(8, 16)
+    dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+
+    def partly(a):
+        return jax.shard_map(lambda b: lax.psum(b, "mp"), mesh=MESH.to_jax(),
+                             in_specs=P(None, "mp"), out_specs=P(), axis_names={"mp"})(a)
+
+    def wholly(a):  # the fix the message gives: the same values
+        return jax.shard_map(lambda b: lax.psum(b, "mp"), mesh=MESH.to_jax(),
+                             in_specs=P(None, "mp"), out_specs=P())(a)
+
+    with pytest.raises(dist.PlacementError, match=r"takes mesh axes \['mp'\] by hand "
+                                                  r"\(axis_names=\) and leaves \['dp'\] automatic"):
+        dist.jit(partly)(dx)
+    np.testing.assert_array_equal(dist.jit(wholly)(dx).numpy(), np.asarray(jax.jit(partly)(x)))

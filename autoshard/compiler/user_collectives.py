@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from ..errors import MeshMismatchError
+from ..errors import MeshMismatchError, PlacementError
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.steps import ensure_varying, varying_axes
@@ -73,6 +73,15 @@ def check_mesh(e, mesh: ProcessMesh) -> None:
 def plan_shard_map(e, mesh: ProcessMesh) -> tuple[list[Layout], list[Layout]]:
     """(required operand layouts, result layouts) of a user shard_map equation."""
     check_mesh(e, mesh)
+    manual = e.params.get("newly_manual_axes", e.params.get("manual_axes"))
+    if manual is not None and set(manual) != set(mesh.dim_names):
+        # its body was typed with the other axes automatic; dist.jit runs every axis by hand
+        auto = [a for a in mesh.dim_names if a not in set(manual)]
+        raise PlacementError(
+            f"the jax.shard_map at {e.source or '?'} takes mesh axes {sorted(manual)} by hand "
+            f"(axis_names=) and leaves {auto} automatic; inside dist.jit every mesh axis is by "
+            f"hand: drop axis_names= (in_specs that do not name {auto} keep those dims whole, "
+            f"the same values), or use dist.local_map", where=e.source)
     required = [spec_layout(s, len(v.shape)) for s, v in zip(e.params["in_specs"], e.inputs)]
     results = [spec_layout(s, len(v.shape)) for s, v in zip(e.params["out_specs"], e.outputs)]
     return required, results
