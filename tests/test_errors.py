@@ -88,6 +88,8 @@ def test_a_static_argument_number_past_the_parameters_and_a_non_array_result():
                   lambda: dist.jit(summary)(x))
     assert "returns arrays" in msg
     assert dist.jit(lambda a, *rest: a * 2, static_argnums=3)(x).shape == (8, 4)  # *args: fine
+    _raises(dist.SignatureError, r"argument 0 is both static and donated",
+            lambda: dist.jit(scale, static_argnums=0, donate_argnums=0))
 
 
 def test_a_donated_tensor_read_again_or_passed_twice_is_an_error_not_a_crash():

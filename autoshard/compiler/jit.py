@@ -169,6 +169,12 @@ class DistributedFunction:
         self._fn = fn
         static_nums, static_names = _argnums_and_names(fn, static_argnums, static_argnames)
         donate_nums, donate_names = _argnums_and_names(fn, donate_argnums, donate_argnames)
+        both = sorted(static_nums & donate_nums) or sorted(set(static_names) & set(donate_names))
+        if both:  # a static argument is hashed into the program, not passed: nothing to donate
+            raise SignatureError(
+                f"dist.jit({getattr(fn, '__name__', type(fn).__name__)}): argument {both[0]!r} "
+                f"is both static and donated; a static argument is no buffer to donate: name "
+                f"it in one of them")
         self._static = tuple(sorted(static_nums))
         self._donate = tuple(sorted(donate_nums))
         self._donate_names = donate_names
