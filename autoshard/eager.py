@@ -337,6 +337,10 @@ class _AtUpdate:
                             f"{type(value).__name__}")
         static, x = self._static, self._x
         v = parsed[0] if parsed[1] is None else np.asarray(parsed[0], dtype=x.dtype)
+        if x.dtype == np.bool_ and op in ("add", "multiply"):
+            # jax's scatter adds or multiplies no truth values; on them a sum is an `or` and
+            # a product an `and`, which max and min compute (jax.jit gives the same values)
+            op = {"add": "max", "multiply": "min"}[op]
 
         def make() -> Callable[..., Any]:
             def fn(x, v, *idx):

@@ -286,6 +286,11 @@ def test_at_updates_match_jax(a):
     row = dist.shard_tensor(B[0], a.mesh, [R()] * a.mesh.ndim)
     check(a.at[4].set(row), ref.at[4].set(B[0]))                # a DistTensor update
     check(a.at[rows].subtract(B[:4]), ref.at[rows].subtract(B[:4]))  # a host array update
+    flags = dist.shard_tensor(A > 0, a.mesh, a.placements)     # on truth values: or, and
+    ored, anded = A > 0, A > 0
+    ored[rows], anded[1:3] = True, False
+    check(flags.at[rows].add(2), ored)           # (jax warns that its scatter will refuse it)
+    check(flags.at[1:3].multiply(0), anded)
     with pytest.raises(IndexError, match="out of bounds"):
         a.at[0, 9].set(7.0)                                     # numpy's rule: say so
     with pytest.raises(TypeError, match="scalar"):
