@@ -35,6 +35,7 @@ from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
 from .physical import physical_spec
 from .placement import Placement, ReduceType, parse_placement
+from .uneven import uneven_dims
 
 
 class LocalMapError(AutoshardError, ValueError):
@@ -187,14 +188,16 @@ def _traced(func, out_placements, in_placements, mesh, args):
             continue
         layout = layout_from_placements(pl, mesh, tuple(np.shape(x)),
                                         what=f"local_map input {k}")
-        for d, axes in enumerate(layout.dims):
+        bad = uneven_dims(layout, mesh, np.shape(x))
+        if bad:  # a block per device has no one shape to write code for
+            d = bad[0]
+            axes = layout.dims[d]
             n = int(np.prod([mesh.get_dim_size(a) for a in axes]))
-            if np.shape(x)[d] % n:  # a block per device has no one shape to write code for
-                raise LocalMapError(
-                    f"local_map({_name(func)!r}): input {k} of shape {tuple(np.shape(x))} placed "
-                    f"{list(pl)} splits dim {d} of size {np.shape(x)[d]} over mesh dim(s) "
-                    f"{list(axes)} ({n} devices), unevenly: the function's blocks must be "
-                    f"equal — pad dim {d} to a multiple of {n}, or keep it whole (Replicate)")
+            raise LocalMapError(
+                f"local_map({_name(func)!r}): input {k} of shape {tuple(np.shape(x))} placed "
+                f"{list(pl)} splits dim {d} of size {np.shape(x)[d]} over mesh dim(s) "
+                f"{list(axes)} ({n} devices), unevenly: the function's blocks must be "
+                f"equal — pad dim {d} to a multiple of {n}, or keep it whole (Replicate)")
         if layout.partial:
             raise LocalMapError(
                 f"local_map({_name(func)!r}): in_placements {list(pl)} is Partial; a function "

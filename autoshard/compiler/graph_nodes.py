@@ -114,23 +114,11 @@ def _holds_node(x: Any, variables: bool = True) -> bool:
 
 def write_back(lifted: Lifted, result: tuple) -> Any:
     out, new_state = result
-    _nnx().update(lifted.nodes, _restored_placements(new_state, lifted.args[0].keep))
+    # The program's own reshard (`_keep_placements`) restores each leaf's placements, except
+    # where a dim does not divide: an uneven dim is computed whole and handed back so; the
+    # same reshard after the call splits it again (a local slice; a no-op for the others)
+    _nnx().update(lifted.nodes, _keep_placements(new_state, lifted.args[0].keep))
     return out
-
-
-def _restored_placements(state: Any, keep: tuple) -> Any:
-    """`state` with each leaf in the placements it entered with. The program's own reshard
-    (`_keep_placements`) restores them, except where a dim does not divide: the program
-    computes an uneven dim whole and hands it back so; here it is split again (a local slice)."""
-    from ..reshard.api import reshard
-
-    leaves, tree = jax.tree.flatten(state, is_leaf=lambda v: isinstance(v, DistTensor))
-    if len(leaves) != len(keep):
-        return state
-    moved = [reshard(x, k[0], list(k[1])) if k is not None and isinstance(x, DistTensor)
-             and tuple(x.shape) == k[2] and (x.mesh, tuple(x.placements)) != k[:2] else x
-             for x, k in zip(leaves, keep)]
-    return jax.tree.unflatten(tree, moved)
 
 
 def _inner(dfn, donated: bool):
@@ -175,11 +163,12 @@ def _keep_placements(state: Any, keep: tuple) -> Any:
     computes it as it likes; a reshard at the end converts), when its shape is unchanged."""
     from ..reshard.api import reshard
 
-    leaves, tree = jax.tree.flatten(state)
+    leaves, tree = jax.tree.flatten(state, is_leaf=lambda v: isinstance(v, DistTensor))
     if len(leaves) != len(keep):  # the function added or dropped variables: the plan decides
         return state
     return jax.tree.unflatten(tree, [
-        reshard(x, k[0], list(k[1])) if k is not None and tuple(x.shape) == k[2] else x
+        reshard(x, k[0], list(k[1])) if k is not None and tuple(x.shape) == k[2]
+        and not (isinstance(x, DistTensor) and (x.mesh, tuple(x.placements)) == k[:2]) else x
         for x, k in zip(leaves, keep)])
 
 

@@ -468,8 +468,15 @@ class DistributedFunction:
         return names
 
     def _flat_donations(self, tree) -> tuple[int, ...]:
+        """The flat positions of the donated leaves (per tree: every call checks them)."""
         if not self._donate and not self._donate_names:
             return ()
+        cache = self.__dict__.setdefault("_donations", {})
+        if tree not in cache:
+            cache[tree] = self._donated_leaves(tree)
+        return cache[tree]
+
+    def _donated_leaves(self, tree) -> tuple[int, ...]:
         dynamic_positions = [i for i in range(max(self._donate, default=0) + 1 + len(self._static))
                              if i not in self._static]
         donated_dynamic = {dynamic_positions.index(i) for i in self._donate if i in dynamic_positions}
@@ -769,13 +776,12 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
     beyond = sorted(i for i in nums if i >= len(positional) or i < -len(positional))
+    name = getattr(fn, "__name__", type(fn).__name__)
     if any(i < 0 for i in nums) and variadic:
         raise SignatureError(
-            f"dist.jit({getattr(fn, '__name__', type(fn).__name__)}): a negative argument "
-            f"number {min(nums)} of a function taking *args counts from a different end on "
-            f"each call: number the argument from 0")
+            f"dist.jit({name}): a negative argument number {min(nums)} of a function taking "
+            f"*args counts from a different end on each call: number the argument from 0")
     if beyond and not variadic:
-        name = getattr(fn, "__name__", type(fn).__name__)
         raise SignatureError(
             f"dist.jit({name}): argument number {beyond[0]} is named static (or donated), but "
             f"{name} takes {len(positional)} positional argument(s), numbered 0 to "

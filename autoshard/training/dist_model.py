@@ -138,11 +138,12 @@ class DistModel:
         # where unplaced inputs and labels go: the first and last pipeline stage's meshes
         stages = (getattr(loader, "meshes", None)
                   or getattr(getattr(model, "_autoshard_parallel", None), "stage_meshes", None))
-        homes = {m for m in jax.tree.leaves(self._homes) if isinstance(m, ProcessMesh)}
+        self._home_meshes = {m for m in jax.tree.leaves(self._homes)
+                             if isinstance(m, ProcessMesh)}
         # params placed by hand on several meshes, no stage order given: the last stage (where
         # the loss reads the label) is not known before tracing, so the label stays unplaced
         # and goes where the program reads it
-        self._label_unplaced = not stages and len(homes) > 1
+        self._label_unplaced = not stages and len(self._home_meshes) > 1
         stages = stages or [self.mesh]
         self._io_meshes = (stages[0], stages[-1])
         gm = self.strategy.gradient_merge
@@ -159,7 +160,7 @@ class DistModel:
         another mesh, run over `accumulate_steps` micro-batches in `schedule_mode`'s order
         (PipelineRunner.from_function); the optimizer then updates every stage's params."""
         pp = self.strategy.pipeline
-        meshes = {m for m in jax.tree.leaves(self._homes) if isinstance(m, ProcessMesh)}
+        meshes = self._home_meshes
         # recompute on stages of several meshes: a jax.checkpoint around the whole forward
         # cannot be cut into stages, so each stage recomputes its own forward in its backward,
         # as a pipeline of one micro-batch does
