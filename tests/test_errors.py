@@ -91,6 +91,16 @@ def test_a_static_argument_number_past_the_parameters_and_a_non_array_result():
     _raises(dist.SignatureError, r"argument 0 is both static and donated",
             lambda: dist.jit(scale, static_argnums=0, donate_argnums=0))
 
+    def scaled(a, factor=2):
+        return a * factor
+
+    msg = _raises(dist.SignatureError, r"'factr' is named static.*did you mean 'factor'",
+                  lambda: dist.jit(scaled, static_argnames="factr"))
+    _raises(dist.SignatureError, r"'b' is named static", lambda: dist.jit(scaled, donate_argnames=["b"]))
+    np.testing.assert_array_equal(  # a function taking **kwargs takes any name
+        dist.jit(lambda a, **kw: a * kw.get("k", 1), static_argnames="k")(x, k=3).numpy(),
+        np.full((8, 4), 3, np.float32))
+
 
 def test_a_donated_tensor_read_again_or_passed_twice_is_an_error_not_a_crash():
     x = np.ones((8, 4), np.float32)

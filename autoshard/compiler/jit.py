@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import inspect
 import threading
@@ -786,6 +787,15 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
             f"dist.jit({name}): argument number {beyond[0]} is named static (or donated), but "
             f"{name} takes {len(positional)} positional argument(s), numbered 0 to "
             f"{len(positional) - 1}: write the number of one of its parameters")
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
+        unknown = sorted(names - known)
+        if unknown:  # as jax.jit: a name the function does not take would be ignored silently
+            hint = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            raise SignatureError(
+                f"dist.jit({name}): {unknown[0]!r} is named static (or donated), but {name} "
+                f"takes no keyword argument of that name (it takes {sorted(known)})"
+                + (f": did you mean {hint[0]!r}?" if hint else ""))
     nums = {i % len(positional) if i < 0 else i for i in nums}  # -1: the last, as jax.jit
     by_name = {p.name: i for i, p in enumerate(positional) if p.kind == p.POSITIONAL_OR_KEYWORD}
     nums |= {by_name[n] for n in names if n in by_name}
