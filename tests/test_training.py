@@ -462,6 +462,22 @@ def test_offload_moves_blocks_to_host_and_back():
         dist.jit(lambda a: (a, a), out_memory_kinds=["pinned_host"])(x)
 
 
+def test_an_offloaded_input_differentiates_with_grad_inside_or_outside_dist_jit():
+    """Under jax.grad the input is a tracer with no sharding to read: its type's memory
+    space says it lives on the host, and it is copied in as when called directly."""
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(16, 12)).astype(np.float32)
+    a = dist.offload(dist.shard_tensor(x, MESH24, [S(0), R()]))
+    b = dist.shard_tensor(w, MESH24, [R(), S(1)])
+    fn = lambda a, b: jnp.sum(jnp.tanh(a @ b))  # noqa: E731
+    want = jax.grad(fn, argnums=(0, 1))(x, w)
+    f = dist.jit(fn)
+    for grad in (jax.grad(lambda a, b: f(a, b), argnums=(0, 1)),
+                 dist.jit(jax.grad(fn, argnums=(0, 1)))):
+        for got, ref in zip(grad(a, b), want):
+            np.testing.assert_allclose(got.numpy(), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_offloaded_states_save_and_load_back_into_host_memory(tmp_path):
     weights, batches = _weights(), _batches(n=2)
     strategy = dist.Strategy({"sharding": {"enable": True, "stage": 1, "offload": True}})

@@ -64,11 +64,21 @@ class _Leaf:
                                         self.memory, self.weak))
 
 
+def _stored_memory(physical) -> str | None:
+    """The host memory kind a tensor's array lives in. A tracer (dist.jit called under
+    jax.grad or vmap) has no sharding to read but carries the memory space in its type: an
+    offloaded input traced so must still be copied in where the program reads it."""
+    if not isinstance(physical, jax.core.Tracer):
+        return host_memory(physical.sharding)
+    space = getattr(physical.aval, "memory_space", None)
+    return "pinned_host" if space is not None and space.name == "Host" else None
+
+
 def _describe_leaf(x) -> _Leaf:
     if isinstance(x, DistTensor):
         if x._desc is None:
-            stored = None if isinstance(x.physical, jax.core.Tracer) else x.physical.sharding
-            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout, host_memory(stored))
+            x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout,
+                            _stored_memory(x.physical))
         return x._desc
     sharding = mesh_sharding(x)
     if sharding is not None:
