@@ -12,6 +12,7 @@ import pytest
 import autoshard as dist
 from autoshard.errors import PlacementError
 from autoshard.hlo import count_collectives
+from autoshard.physical import physical_spec
 from autoshard.reshard.execute import compiled_hlo
 
 from autoshard.testing import logical_value, make_tensor
@@ -221,6 +222,8 @@ def test_an_empty_tensor_reshards_without_moving_anything(src, dst):
     x = make_tensor(np.zeros((0, 8), np.float32), mesh, src)
     out = dist.reshard(x, mesh, dst)
     assert out.numpy().shape == (0, 8)
+    # stored as its placements say (XLA reports an empty result replicated)
+    assert out.physical.sharding.spec == physical_spec(out.layout, mesh)
     assert [repr(p) for p in out.placements] == [repr(p) for p in
                                                  dist.reshard(out, mesh, dst).placements]
 

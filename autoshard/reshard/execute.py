@@ -107,6 +107,9 @@ def execute(plan: ReshardPlan, value: jax.Array) -> jax.Array:
             value = _run_transfer(steps[0].step, value, mesh, dst, plan.shape)
         else:
             value = program(mesh, src, dst, steps)(value)
+            if not value.size:  # XLA reports an empty result replicated: store it as planned
+                value = jax.device_put(value, physical_sharding(dst, mesh).with_memory_kind(
+                    value.sharding.memory_kind))
     return value
 
 
