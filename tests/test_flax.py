@@ -153,6 +153,35 @@ def test_dist_jit_takes_nnx_modules_as_nnx_jit_does(donate):
     assert ("jax.buffer_donor = true" in lowered.as_text()) == bool(donate)
 
 
+class ConfiguredMLP(NnxMLP):
+    """A module keeping a plain dict (a config) as an attribute: flax records it in the
+    GraphDef, which it then cannot hash."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.cfg = {"act": "gelu", "scale": 0.5}
+
+    def __call__(self, x):
+        return super().__call__(x) * self.cfg["scale"]
+
+
+def test_a_module_holding_an_unhashable_config_trains_as_under_nnx_jit():
+    x, y = _data()
+    ref = ConfiguredMLP(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    model = dist.shard_layer(ConfiguredMLP(nnx.Rngs(0)), MESH, _nnx_megatron)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = dist.jit(_nnx_train_step)
+    dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+    for _ in range(2):
+        np.testing.assert_allclose(float(step(model, opt, dx, y).numpy()),
+                                   float(nnx.jit(_nnx_train_step)(ref, ref_opt, x, y)), rtol=1e-5)
+    assert sum(f.trace_count for f in step._graph_inner.values()) == 1  # one program, found again
+    np.testing.assert_allclose(dist.unshard_dtensor(model.up.kernel.get_value()),
+                               ref.up.kernel.get_value(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dist.jit(model)(dx).numpy(), ref(x), rtol=1e-5, atol=1e-6)
+
+
 def test_returning_an_nnx_module_from_dist_jit_is_named():
     model = NnxMLP(nnx.Rngs(0))
     x, _ = _data()

@@ -67,6 +67,30 @@ class _Key(NamedTuple):
     keep: tuple   # per state leaf: (mesh, placements, shape) of a DistTensor, or None
 
 
+class _ByEquality:
+    """A GraphDef as a cache key when flax cannot hash it: it hashes the static attributes it
+    records, and a module holding an unhashable one (a config dict) is as valid as under
+    nnx.jit. Keys of one type share a hash; equal GraphDefs are still found by equality."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(type(self.value))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByEquality) and self.value == other.value
+
+
+def _as_key(graphdef: Any) -> Any:
+    try:
+        hash(graphdef)
+    except TypeError:
+        return _ByEquality(graphdef)
+    return graphdef
+
+
 class Lifted(NamedTuple):
     fn: Any            # the DistributedFunction of the pure function below
     args: tuple        # its arguments: (key, state, other leaves)
@@ -85,6 +109,7 @@ def lift(dfn, args: tuple, kwargs: dict) -> Lifted | None:
         return None
     nodes = [leaves[i] for i in positions]
     graphdef, state = _nnx().split(nodes)
+    graphdef = _as_key(graphdef)
     at = set(positions)
     others = [x for i, x in enumerate(leaves) if i not in at]
     keep = tuple((x.mesh, tuple(x.placements), x.shape) if isinstance(x, DistTensor) else None
@@ -140,7 +165,9 @@ def _inner(dfn, donated: bool):
 def _pure(dfn):
     def pure(key: _Key, state: Any, others: list):
         nnx = _nnx()
-        nodes = nnx.merge(key.graphdef, state)
+        graphdef = key.graphdef
+        nodes = nnx.merge(graphdef.value if isinstance(graphdef, _ByEquality) else graphdef,
+                          state)
         leaves, it = list(others), iter(nodes)
         for i in key.positions:
             leaves.insert(i, next(it))
