@@ -83,14 +83,6 @@ class _ByEquality:
         return isinstance(other, _ByEquality) and self.value == other.value
 
 
-def _as_key(graphdef: Any) -> Any:
-    try:
-        hash(graphdef)
-    except TypeError:
-        return _ByEquality(graphdef)
-    return graphdef
-
-
 class Lifted(NamedTuple):
     fn: Any            # the DistributedFunction of the pure function below
     args: tuple        # its arguments: (key, state, other leaves)
@@ -109,7 +101,6 @@ def lift(dfn, args: tuple, kwargs: dict) -> Lifted | None:
         return None
     nodes = [leaves[i] for i in positions]
     graphdef, state = _nnx().split(nodes)
-    graphdef = _as_key(graphdef)
     at = set(positions)
     others = [x for i, x in enumerate(leaves) if i not in at]
     keep = tuple((x.mesh, tuple(x.placements), x.shape) if isinstance(x, DistTensor) else None
@@ -118,7 +109,11 @@ def lift(dfn, args: tuple, kwargs: dict) -> Lifted | None:
     # DistTensors: the placements first seen stay the key, so that the program built for the
     # first step is found again for the steps after it (jit.py: _placed_as_planned)
     seen = dfn.__dict__.setdefault("_graph_keep", {})
-    first = seen.get((graphdef, treedef, positions, statics))
+    try:
+        first = seen.get((graphdef, treedef, positions, statics))
+    except TypeError:  # checked only where hashing fails: a GraphDef hash walks every node
+        graphdef = _ByEquality(graphdef)
+        first = seen.get((graphdef, treedef, positions, statics))
     if first is not None and len(first) == len(keep) and all(
             a is None or a == b for a, b in zip(first, keep)):
         keep = first
