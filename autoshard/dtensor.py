@@ -9,6 +9,7 @@ import functools
 import math
 import numbers
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
-from .errors import DeviceNotFoundError, user_frame
+from .errors import DeviceNotFoundError, PlacementTypeError, user_frame
 from .layout import Layout, block_bounds, partial_axes_in_mesh_order
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
@@ -82,6 +83,28 @@ def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], 
     if tuple(x.shape) != tuple(shape):
         x = x[tuple(slice(0, n) for n in shape)]
     return x
+
+
+def _under_jax_jacobian() -> bool:
+    """Whether jax.jacfwd / jacrev (hessian is both) is on the stack: their bases and blocks are
+    arrays of another shape put where a DistTensor was, a node no layout describes."""
+    api = os.path.join("jax", "_src", "api.py")
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "jacfun" and frame.f_code.co_filename.endswith(api):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _jacobian_error(aux: tuple) -> PlacementTypeError:
+    mesh, layout, shape = aux
+    return PlacementTypeError(
+        f"jax.jacfwd / jax.jacrev / jax.hessian of a function of a DistTensor of shape "
+        f"{tuple(shape)} with placements {layout.placements(mesh)}: jax builds the jacobian's "
+        f"basis and blocks as arrays of other shapes, which no layout of the tensor describes; "
+        f"take the jacobian inside the partitioned function, dist.jit(jax.jacfwd(f))(x) (a "
+        f"DistTensor placed by the plan), or of the global array, jax.jacfwd(f)(x.numpy())")
 
 
 class StorageViewWarning(UserWarning):
@@ -160,6 +183,8 @@ class DistTensor:
             # jax.vmap hands each call a slice of the storage: the node stays, for dist.jit to
             # say that the layout of the mapped dim is lost and to vmap inside instead
             if tuple(value_shape) != stored and not isinstance(value, BatchTracer):
+                if value_shape and _under_jax_jacobian():
+                    raise _jacobian_error(aux)
                 return _not_storage(value, aux, stored)
         elif value is not None:
             leaves = jax.tree.leaves(value)

@@ -325,6 +325,21 @@ def test_vmap_over_a_dtensor_says_to_vmap_inside():
     check(dist.jit(jax.vmap(lambda r: r.sum()))(a), A.sum(1))
 
 
+@pytest.mark.parametrize("transform", [jax.jacfwd, jax.jacrev,
+                                       lambda f: jax.hessian(lambda x: f(x).sum())],
+                         ids=["jacfwd", "jacrev", "hessian"])
+def test_a_jacobian_at_a_dtensor_says_to_take_it_inside(transform):
+    a = dist.shard_tensor(A, MESH24, [S(0), S(1)])
+    f = lambda x: jnp.sin(x).sum(1)
+    with pytest.raises(dist.PlacementTypeError, match=r"dist.jit\(jax.jacfwd\(f\)\)") as info:
+        transform(f)(a)
+    assert "[S(0), S(1)]" in str(info.value) and "test_eager.py:" in str(info.value)
+    # what it says to write instead: inside dist.jit, or of the global array
+    expected = transform(f)(jnp.asarray(A))
+    check(dist.jit(transform(f))(a), expected, rtol=1e-5)
+    np.testing.assert_allclose(transform(f)(a.numpy()), expected, rtol=1e-5)
+
+
 def test_argmax_over_a_sharded_dim_runs_by_its_rule():
     a = dist.shard_tensor(A, MESH8, [S(0)])
     check(a.argmax(0), A.argmax(0))
