@@ -38,6 +38,23 @@ def _actual_layout(value: Any, mesh: ProcessMesh, layout: Layout) -> Layout:
     return layout_of_spec(sharding.spec, len(value.shape))
 
 
+_sharding_of = functools.lru_cache(maxsize=4096)(physical_sharding)
+
+
+def _stored_as(value: jax.Array, mesh: ProcessMesh, layout: Layout) -> jax.Array:
+    """Concrete `value` where `layout` keeps it. A result jax hands back into a DistTensor node
+    is laid out as XLA chose: an eager gradient made of unsharded jnp values sits on one device,
+    and a padded (uneven) or Partial storage split otherwise than its layout says would make
+    every per-device read (`local`, `dtensor_to_local`) take the wrong block. Moved, in its
+    memory (an offloaded tensor stays on the host); what already fits is kept as it is."""
+    have, want = value.sharding, _sharding_of(layout, mesh)
+    if have.memory_kind != want.memory_kind:
+        want = want.with_memory_kind(have.memory_kind)
+    if have == want or not value.is_fully_addressable or have.is_equivalent_to(want, value.ndim):
+        return value
+    return jax.device_put(value, want)
+
+
 @functools.lru_cache(maxsize=4096)
 def _stored_shape(mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(physical_shape(layout, mesh, shape))
@@ -85,16 +102,27 @@ def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], 
     return x
 
 
-def _under_jax_jacobian() -> bool:
-    """Whether jax.jacfwd / jacrev (hessian is both) is on the stack: their bases and blocks are
-    arrays of another shape put where a DistTensor was, a node no layout describes."""
-    api = os.path.join("jax", "_src", "api.py")
+_JAX_API = os.path.join("jax", "_src", "api.py")
+
+
+def _in_jax_api(name: str, frames: int | None = None) -> bool:
+    """Whether jax's own function `name` (of jax/_src/api.py) is on the stack above the caller,
+    within `frames` frames (None: anywhere)."""
     frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "jacfun" and frame.f_code.co_filename.endswith(api):
+    while frame is not None and frames != 0:
+        if frame.f_code.co_name == name and frame.f_code.co_filename.endswith(_JAX_API):
             return True
         frame = frame.f_back
+        frames = None if frames is None else frames - 1
     return False
+
+
+def partial_gradient_error(what: str, placements: list) -> PlacementTypeError:
+    return PlacementTypeError(
+        f"differentiating with respect to {what}, a DistTensor with placements {placements}: "
+        f"the gradient of a Partial value has no Partial meaning (every part gets the whole "
+        f"gradient) — reduce it first with dist.reshard(x, mesh, [Replicate() or Shard(d) ...]) "
+        f"before jax.grad")
 
 
 def _jacobian_error(aux: tuple) -> PlacementTypeError:
@@ -165,6 +193,10 @@ class DistTensor:
         # node where it was.
         stored = _stored_shape(*aux)
         value_shape = getattr(value, "shape", None)
+        if aux[1].partial and value_shape is not None and _in_jax_api("_vjp3_bwd", 4):
+            # jax.grad's cotangent of a Partial input's slots (read through jnp, which reduces
+            # them): per-slot gradients, not parts of one — the operator path refuses it alike
+            raise partial_gradient_error("an input", aux[1].placements(aux[0]))
         # What describes the tensor rather than holds it comes back as f made it, not wrapped in
         # a DistTensor claiming to store it: jax.tree.map(lambda x: x.size, params) is a tree of
         # ints. A dtype or a bool (an optax weight-decay mask, lambda p: p.ndim > 1) reads what
@@ -183,7 +215,7 @@ class DistTensor:
             # jax.vmap hands each call a slice of the storage: the node stays, for dist.jit to
             # say that the layout of the mapped dim is lost and to vmap inside instead
             if tuple(value_shape) != stored and not isinstance(value, BatchTracer):
-                if value_shape and _under_jax_jacobian():
+                if value_shape and _in_jax_api("jacfun"):  # jacfwd, jacrev, hessian
                     raise _jacobian_error(aux)
                 return _not_storage(value, aux, stored)
         elif value is not None:
@@ -193,10 +225,12 @@ class DistTensor:
                     and any(tuple(getattr(x, "shape", ())) == stored for x in value)):
                 return _not_storage(value, aux, stored)
         mesh, layout, shape = aux
-        if not layout.partial and stored == tuple(shape):
-            # a concrete result knows how it is laid out: f(param, grad) of two placements,
-            # or XLA's choice for a jax.jit output, may differ from the aux it is rebuilt with
-            layout = _actual_layout(value, mesh, layout)
+        if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+            if not layout.partial and stored == tuple(shape):
+                # a concrete result knows how it is laid out: f(param, grad) of two placements,
+                # or XLA's choice for a jax.jit output, may differ from the aux it is rebuilt with
+                layout = _actual_layout(value, mesh, layout)
+            value = _stored_as(value, mesh, layout)
         return cls(value, mesh, layout, shape)
 
     # -- description -------------------------------------------------------------------------

@@ -564,6 +564,53 @@ def test_jax_functions_take_a_dtensor_as_a_sharded_array(mesh, placements):
     np.testing.assert_allclose(np.asarray(whole), value, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh,placements", [
+    (MESH24, [S(0), S(1)]),
+    (MESH8, [S(0)]),
+    (dist.ProcessMesh([[0, 1], [2, 3]], ["a", "b"]), [S(0), S(1)]),   # 4 columns... of 3
+    (dist.ProcessMesh(list(range(3)), ["x"]), [S(0)]),                # 8 rows over 3
+], ids=["split", "1-d", "uneven 2-d", "uneven"])
+@pytest.mark.filterwarnings("ignore::autoshard.UnevenShardingWarning")
+def test_an_eager_gradient_through_jnp_is_stored_as_its_placements_say(mesh, placements):
+    # jax hands the cotangent back laid out as XLA chose (on one device when it is made of
+    # unsharded jnp values, or a padded storage split otherwise): every device's block must
+    # still be the block its placements give it
+    value = np.random.default_rng(5).normal(size=(8, 3)).astype(np.float32)
+    weights = np.arange(24, dtype=np.float32).reshape(8, 3)
+    x = make_tensor(value, mesh, placements)
+    g = jax.grad(lambda t: (jnp.asarray(t) * jnp.asarray(weights) + jnp.sin(t)).sum())(x)
+    expected = weights + np.cos(value)
+    assert g.placements == placements
+    np.testing.assert_allclose(g.numpy(), expected, rtol=1e-6)
+    blocks = dist.dtensor_to_local(g)
+    for d in range(mesh.size):
+        rows = tuple(slice(*b) for b in g.block_bounds(d))
+        np.testing.assert_allclose(np.asarray(g.local(d)), expected[rows], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(blocks[d]), expected[rows], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sum", "avg", "max"])
+def test_an_eager_gradient_at_a_partial_tensor_through_jnp_raises_as_through_operators(kind):
+    # jnp reads the pending parts reduced; the cotangent of each part is not a part of the
+    # gradient (P(sum): each the whole of it) — refused, as the operator path refuses it
+    x = make_tensor(A, MESH24, [P(kind), S(1)])
+    for f in (lambda t: jnp.sum(jnp.sin(t)), lambda t: (t * t).sum()):
+        with pytest.raises(dist.PlacementTypeError, match="no Partial meaning") as info:
+            jax.grad(f)(x)
+        assert f"P({kind})" in str(info.value) and "test_eager.py:" in str(info.value)
+    # reduced first, as it says: the gradient of the logical value
+    y = dist.reshard(x, MESH24, [R(), S(1)])
+    np.testing.assert_allclose(jax.grad(lambda t: jnp.sum(jnp.sin(t)))(y).numpy(), np.cos(A),
+                               rtol=1e-6)
+    # an eager reshard inside the differentiated function says to use dist.jit (it asked the
+    # traced value whether its buffers were donated: jax's ConcretizationTypeError)
+    w = make_tensor(A, MESH24, [S(0), S(1)])
+    with pytest.raises(dist.ReshardError, match="use dist.jit"):
+        jax.grad(lambda t: jnp.sum(dist.reshard(t, MESH24, [R(), S(1)])))(w)
+    check(dist.jit(jax.grad(lambda t: jnp.sum(jnp.sin(dist.reshard(t, MESH24, [R(), S(1)])))))(
+        w), np.cos(A))
+
+
 @pytest.mark.parametrize("placements", [[S(0), R()], [R(), S(1)], [S(0), S(1)]])
 def test_item_assignment_updates_in_place_and_keeps_placements(placements):
     """`x[idx] = v` as numpy and Paddle take it (flax writes Variables holding a DistTensor

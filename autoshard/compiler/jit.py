@@ -16,7 +16,7 @@ from jax._src.interpreters import ad
 
 from ..cost_model import CostModel, default_cost_model
 from ..hashing import hash_once
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, partial_gradient_error
 from ..errors import MeshMismatchError, PlacementTypeError, SignatureError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
@@ -564,11 +564,7 @@ class DistributedFunction:
         for k, (x, d) in enumerate(zip(leaves, entry.leaves)):
             if isinstance(x, DistTensor) and d.layout is not None and d.layout.partial \
                     and _differentiated([x.physical]):
-                raise PlacementTypeError(
-                    f"{self.__name__}: differentiating with respect to input {k}, a DistTensor "
-                    f"with placements {x.placements}: the gradient of a Partial value has no "
-                    f"Partial meaning (every part gets the whole gradient) — reduce it first with "
-                    f"dist.reshard(x, mesh, [Replicate() or Shard(d) ...]) before jax.grad")
+                raise partial_gradient_error(f"{self.__name__}'s input {k}", x.placements)
 
     @_jax_arguments
     def plan(self, *args, **kwargs) -> Plan:

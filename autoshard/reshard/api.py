@@ -87,7 +87,9 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
         return annotate(x, mesh, placements, force=True)
     mesh.devices()  # a destination with devices this process lacks fails here, with the ids
     physical = getattr(x, "physical", None)
-    if isinstance(physical, jax.Array) and physical.is_deleted():  # (jaxlib may crash on it)
+    if isinstance(physical, jax.Array) and not isinstance(physical, Tracer) \
+            and physical.is_deleted():  # (jaxlib may crash on it; a tracer under jax.grad has
+        # no buffers to ask about)
         raise ReshardError(f"a DistTensor {_describe(x)} placed {x.placements} was donated to a "
                            f"dist.jit call (donate_argnums) and its buffers are gone: read that "
                            f"call's result instead, or stop donating it")
