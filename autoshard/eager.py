@@ -18,9 +18,25 @@ from jax._src.lib import xla_client
 from .compiler.jit import DistributedFunction, jit
 from .dtensor import DistTensor
 
-# (op name, *static params) → its program. dist.jit caches per input layouts and avals inside,
-# so a second call of an op on tensors laid out the same way neither retraces nor replans.
-PROGRAMS: dict[tuple, DistributedFunction] = {}
+class _Programs(dict):
+    """(op name, *static params) → its program, keyed by the params' values *and types*
+    (`_typed`). dist.jit caches per input layouts and avals inside, so a second call of an op
+    on tensors laid out the same way neither retraces nor replans."""
+
+    def __getitem__(self, key: tuple) -> DistributedFunction:
+        return super().__getitem__(_typed(key))
+
+    def __setitem__(self, key: tuple, f: DistributedFunction) -> None:
+        super().__setitem__(_typed(key), f)
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(_typed(key))
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        return super().get(_typed(key), default)
+
+
+PROGRAMS: dict[tuple, DistributedFunction] = _Programs()
 
 _CALLER = threading.local()  # the traceback of the eager call being traced, if any
 _PY_SCALARS = (bool, int, float, complex)  # bool first: True is an int too
@@ -47,6 +63,18 @@ _REDUCE: dict[str, Callable[..., Any]] = {
     "sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min, "prod": jnp.prod,
     "any": jnp.any, "all": jnp.all,
 }
+
+
+def _typed(x: Any) -> Any:
+    """`x` with the type of every scalar in it: True == 1 == 1.0 as dict keys, but x[True] adds
+    a dim where x[1] takes a row, and clip(1.0) promotes an int tensor that clip(1) keeps."""
+    if isinstance(x, tuple):
+        return tuple(_typed(v) for v in x)
+    if isinstance(x, slice):
+        return slice, _typed(x.start), _typed(x.stop), _typed(x.step)
+    if isinstance(x, (*_PY_SCALARS, np.generic)):
+        return type(x), x
+    return x
 
 
 def program(key: tuple, make: Callable[[], Callable[..., Any]]) -> DistributedFunction:
@@ -438,8 +466,34 @@ def _static(x: Any, method: str) -> Any:
     return x
 
 
+# Array arguments whose values set the result's shape (position, keyword): read on the host
+# into the program's key, as jax.Array.repeat reads array repeats eagerly; traced, they would
+# have no value to give the shape.
+_SHAPE_ARGS = {"repeat": (0, "repeats")}
+
+
+class _HostArray(tuple):
+    """A host array as a hashable key part: (dtype, shape, values)."""
+
+    @classmethod
+    def of(cls, a: Any) -> "_HostArray":
+        v = np.asarray(a)
+        return cls((v.dtype.str, v.shape, tuple(v.ravel().tolist())))
+
+    def value(self) -> np.ndarray:
+        dtype, shape, values = self
+        return np.array(values, dtype=dtype).reshape(shape)
+
+
 def _array_method(name: str) -> Callable:
+    at, keyword = _SHAPE_ARGS.get(name, (None, None))
+
     def method(self: DistTensor, *args: Any, **kwargs: Any) -> DistTensor:
+        if at is not None:
+            args = tuple(_HostArray.of(a) if i == at and isinstance(a, _OPERAND_TYPES) else a
+                         for i, a in enumerate(args))
+            kwargs = {k: _HostArray.of(a) if k == keyword and isinstance(a, _OPERAND_TYPES)
+                      else a for k, a in kwargs.items()}
         arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, _OPERAND_TYPES)]
         slot = lambda a: _ARRAY if isinstance(a, _OPERAND_TYPES) else _static(a, name)  # noqa: E731
         pos = tuple(slot(a) for a in args)
@@ -448,7 +502,8 @@ def _array_method(name: str) -> Callable:
         def make() -> Callable[..., Any]:
             def fn(x, *ops):
                 it = iter(ops)
-                take = lambda a: next(it) if a is _ARRAY else a  # noqa: E731
+                take = lambda a: (next(it) if a is _ARRAY else  # noqa: E731
+                                  a.value() if isinstance(a, _HostArray) else a)
                 a = [take(p) for p in pos]
                 return getattr(x, name)(*a, **{k: take(v) for k, v in kw})
             return fn

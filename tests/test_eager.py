@@ -304,6 +304,9 @@ def test_array_methods_match_jax(a):
                                ("var", (), {"axis": 0}), ("std", (), {}),
                                ("sort", (), {"axis": 1}), ("argsort", (), {"axis": 0}),
                                ("repeat", (2,), {"axis": 0}), ("trace", (), {}),
+                               # array repeats set the shape: read on the host, as jax does
+                               ("repeat", (np.array([1, 2, 0, 1, 3, 0, 1, 2]),), {"axis": 0}),
+                               ("repeat", (), {"repeats": jnp.arange(8) % 3, "axis": 1}),
                                ("diagonal", (), {"offset": 1}),
                                ("take", (np.array([1, 5]),), {"axis": 1})]:
         expected = getattr(jnp.asarray(A), name)(*args, **kwargs)
@@ -338,6 +341,28 @@ def test_a_jacobian_at_a_dtensor_says_to_take_it_inside(transform):
     expected = transform(f)(jnp.asarray(A))
     check(dist.jit(transform(f))(a), expected, rtol=1e-5)
     np.testing.assert_allclose(transform(f)(a.numpy()), expected, rtol=1e-5)
+
+
+def test_equal_static_arguments_of_other_types_are_other_programs():
+    # True == 1 == 1.0 as cache keys; as indices and arguments they differ (jax's results)
+    a = dist.shard_tensor(A, MESH8, [S(0)])
+    ints = dist.shard_tensor(A.astype(np.int32), MESH8, [S(0)])
+    J = jnp.asarray(A)
+    for first, second in [(lambda: a[True], lambda: a[1]), (lambda: a[0], lambda: a[False]),
+                          (lambda: a[1:3], lambda: a[True:3]),
+                          (lambda: a.at[1].set(-1.0), lambda: a.at[True].set(-1.0))]:
+        for make in (first, second):
+            out = make()
+            assert isinstance(out, dist.DistTensor)
+    check(a[True], J[True])
+    check(a[1], J[1])
+    check(a[False], J[False])
+    check(a.at[True].set(-1.0), J.at[True].set(-1.0))
+    check(a.at[1].set(-1.0), J.at[1].set(-1.0))
+    Ji = jnp.asarray(A.astype(np.int32))
+    check(ints.clip(1), Ji.clip(1), dtype=Ji.clip(1).dtype)
+    check(ints.clip(1.0), Ji.clip(1.0), dtype=Ji.clip(1.0).dtype)
+    assert Ji.clip(1).dtype != Ji.clip(1.0).dtype
 
 
 def test_argmax_over_a_sharded_dim_runs_by_its_rule():
