@@ -37,7 +37,9 @@ def halo(length: int, window: int, out: int, stride: int, padding: tuple[int, in
     if length < 2:
         return None
     reach = (window - 1) * rd + 1  # rows one output row reads
-    if ld == 1 and out * stride == length:
+    if ld == 1 and out * stride == length and out > 1:
+        # (an output of one row is never split — nor then may the input be: its blocks would
+        # have no output rows to make)
         # output block i (b / stride rows) reads padded rows [i b, i b + b - stride + reach):
         # the input block, `lo` rows before it and the rest of the window's reach after it
         return Halo(SLIDE, lo, reach - stride - lo)
@@ -48,7 +50,8 @@ def halo(length: int, window: int, out: int, stride: int, padding: tuple[int, in
         # the dilation's zeros at either end are the local convolution's padding
         last = ld - 1 + reach - 1 - lo
         return Halo(SLIDE, lo // ld, last // ld, (lo % ld, last % ld))
-    if ld == 1 and window * rd == length:
+    if ld == 1 and window * rd == length and window > 1:
+        # (a window of one row is never split, so its blocks would not follow the input's)
         # the kernel gradient: the "window" is the output gradient (one row per rd input rows),
         # summed over; out[k] = sum_t in[k * stride + t * rd], so the rows t of one block reach
         # (out - 1) * stride + 1 - rd padded rows past the input block

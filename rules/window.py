@@ -124,7 +124,10 @@ def _scatter_halo(length: int, out: int, window: int, stride: int, padding) -> _
     # k * stride - lo <= row <= k * stride - lo + window - 1: windows [i b' - before,
     # i b' + b' + after), which read operand rows [i b - rows_before, i b + b + rows_after)
     before, after = (window - 1 - lo) // stride, (lo - 1) // stride + 1
-    return _Scatter(before, after, before * stride + lo, after * stride - stride + window - lo)
+    # a window shorter than the stride leaves a block's last rows unread: none to fetch, and
+    # the block keeps them (their gradient is zero) so that it still scatters all b rows
+    return _Scatter(before, after, before * stride + lo,
+                    max(0, after * stride - stride + window - lo))
 
 
 def _scatters(source_shape, operand_shape, window_dimensions, window_strides, padding) -> list:

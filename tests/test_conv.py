@@ -249,3 +249,43 @@ def test_a_pointwise_convolutions_gradient_reads_the_kernel_gathered_once():
     assert [c.kind for c in plan.collectives].count("all-gather") == 1, str(plan)
     assert count_collectives(f.lower(dx, dw).compile().as_text()) == Counter(
         c.kind for c in plan.collectives)
+
+
+def _conv_over_rows(kernel, stride, dilation, padding):
+    return lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (stride, 1), [padding, (0, 0)], rhs_dilation=(dilation, 1),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _strided_max_pool(x, w):
+    return jax.lax.reduce_window(x * w.sum(), -jnp.inf, jax.lax.max, (1, 1, 1, 1), (1, 2, 1, 1),
+                                 "VALID")
+
+
+@pytest.mark.parametrize("rows,kernel,fn", [
+    (2, 1, _conv_over_rows(1, 1, 2, (1, 0))),   # a one-row kernel dilated past a padded input
+    (2, 1, _conv_over_rows(1, 2, 1, (0, 0))),   # a single output row, from one of the two blocks
+    (2, 2, _conv_over_rows(2, 2, 1, (0, 0))),   # a single output row, reading both blocks
+    (8, 1, _conv_over_rows(1, 2, 1, (0, 0))),   # a window shorter than its stride
+    (8, 1, _strided_max_pool),        # ... pooled: its gradient scatters into unread rows too
+], ids=["dilated-one-row-kernel", "one-output-row", "one-output-row-window-2",
+        "window-below-stride", "pool-window-below-stride"])
+def test_a_split_spatial_dim_with_one_row_windows_or_outputs_equals_one_device(rows, kernel, fn):
+    # a kernel or an output of one row is never split: the dim is then not a halo's (a
+    # contraction whose kernel would not follow the input's blocks, an output block with no
+    # rows), and a window shorter than the stride reads none of a block's last rows
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, rows, 3, 2)).astype(np.float32)
+    w = rng.normal(size=(kernel, 1, 2, 2)).astype(np.float32)
+    mesh = dist.ProcessMesh([0, 1], ["s"])
+    step = jax.value_and_grad(lambda x, w: (fn(x, w) ** 2).sum(), argnums=(0, 1))
+    dx, dw = make_tensor(x, mesh, [S(1)]), make_tensor(w, mesh, [R])
+    f = dist.jit(step)
+    (value, grads), (want_value, want_grads) = f(dx, dw), jax.jit(step)(x, w)
+    np.testing.assert_allclose(value.numpy(), want_value, rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    plan = f.plan(dx, dw)
+    assert not plan.fallbacks
+    assert count_collectives(f.lower(dx, dw).compile().as_text()) == Counter(
+        c.kind for c in plan.collectives)
