@@ -1,6 +1,7 @@
 """Reductions: a sharded reduced dim makes the result Partial of the matching kind."""
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 
 from autoshard.compiler.factors import ALL, LETTERS, NONE, einsum
@@ -27,7 +28,11 @@ def reduction_sharding(kind):
         shape = in_avals[0].shape
         term = LETTERS[:len(shape)]
         out = "".join(ch for d, ch in enumerate(term) if d not in axes)
-        replicate = "" if reduce_type is not None else "".join(term[d] for d in axes)
+        # XLA has no cross-device max / min of complex numbers (pmax: UNIMPLEMENTED; plain
+        # jax.jit of the same split fails alike): their reduced dims stay whole
+        whole = reduce_type is None or (reduce_type in (ReduceType.MAX, ReduceType.MIN)
+                                        and np.issubdtype(in_avals[0].dtype, np.complexfloating))
+        replicate = "".join(term[d] for d in axes) if whole else ""
         # reduce_max keeps a P(max) (max of maxima) but not a P(min); reduce_min the reverse
         keeps = (reduce_type,) if reduce_type in (ReduceType.MAX, ReduceType.MIN) else ()
         return einsum(f"{term}->{out}", [shape], [out_avals[0].shape],

@@ -35,6 +35,10 @@ def _clip_by_global_norm(w, x):
     return optax.clip_by_global_norm(1e-3).update(grads, None)[0]["w"]
 
 
+def _complex_extremes(z):
+    return jnp.max(z, axis=(0, 1)) + jnp.min(z, axis=1).sum(0)
+
+
 # name -> (function, its array arguments); the placements of each argument are per mesh below
 FUNCTIONS = {
     "segment_sum": (lambda x, i: jax.ops.segment_sum(x.reshape(128, 32), i.reshape(128),
@@ -54,6 +58,9 @@ FUNCTIONS = {
     "var ddof=1": (lambda x: jnp.var(x, axis=(0, 1), ddof=1), (X,)),
     "median": (lambda x: jnp.median(x, axis=1), (X,)),
     "logsumexp where": (lambda x: jax.nn.logsumexp(x, axis=-1, where=x > 0), (X,)),
+    # XLA has no cross-device max of complex numbers: reduced whole
+    "complex max and min": (lambda x: _complex_extremes(jax.lax.complex(x[..., :16], x[..., 16:])),
+                            (X,)),
 }
 
 # per mesh: placements for X-like (8, 16, 32), W (32, 64) and ids (8, 16) arguments
