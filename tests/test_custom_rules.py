@@ -192,3 +192,33 @@ def test_eager_ops_under_an_outer_grad():
     g = jax.grad(lambda a: (xd @ a).sum())(wd)  # x @ w contracts the split dim: Partial
     np.testing.assert_allclose(np.asarray(g.numpy() if hasattr(g, "numpy") else g),
                                jax.grad(lambda a: (x @ a).sum())(w), rtol=1e-5, atol=1e-5)
+
+
+@jax.custom_jvp
+def doubled_concat(x):
+    return jnp.concatenate([x, jnp.pad(x, (1, 0))[:-1]])
+
+
+@doubled_concat.defjvp
+def _doubled_concat_jvp(primals, tangents):
+    y, t = jax.jvp(lambda a: jnp.concatenate([a, jnp.pad(a, (1, 0))[:-1]]), primals, tangents)
+    return y, 2.0 * t  # not autodiff's: the user's rule must be the one applied
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_custom_jvp_whose_result_is_reshaped_differentiates_by_its_rule(where):
+    # the rule's primal and tangent results need collectives alike (a split dim concatenated
+    # and shifted); gathered in one packed buffer, the primal would wait on the tangent, which
+    # jax's linearization of the rule cannot have: each moves by itself
+    x = np.random.default_rng(0).normal(size=(16,)).astype(np.float32)
+    loss = lambda v: jnp.sum(doubled_concat(v) ** 2 * jnp.arange(32.0))  # noqa: E731
+    body = lambda v: loss(dist.shard_tensor(v, MESH8, [dist.Shard(0)]))  # noqa: E731
+    f = jax.grad(dist.jit(body)) if where == "outside" else dist.jit(jax.grad(body))
+    got = f(jnp.asarray(x))
+    want = jax.jit(jax.grad(loss))(x)
+    np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got), want,
+                               rtol=1e-5, atol=1e-5)
+    # the rule was applied (autodiff of the primal would give half)
+    autodiff = jax.grad(lambda v: jnp.sum(jnp.concatenate([v, jnp.pad(v, (1, 0))[:-1]]) ** 2
+                                          * jnp.arange(32.0)))(x)
+    np.testing.assert_allclose(want, 2 * autodiff, rtol=1e-5)

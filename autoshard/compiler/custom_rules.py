@@ -55,14 +55,15 @@ def _wrappable(layouts: list[Layout]) -> bool:
     return all(kind == ReduceType.SUM for L in layouts for _, kind in L.partial)
 
 
-def _sub_plan(fn: Callable, avals: list, plan, in_layouts: list[Layout], targets: list[Layout], registry):
+def _sub_plan(fn: Callable, avals: list, plan, in_layouts: list[Layout], targets: list[Layout],
+              registry, pack: bool = True):
     from .partition import local_function
     from .plan import make_plan
 
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
     sub = make_plan(build_program(closed), plan.mesh, in_layouts, targets, registry,
                     plan.cost_model, top_level=False)
-    return local_function(sub, registry, physical=False)
+    return local_function(sub, registry, physical=False, pack=pack)
 
 
 def _match(values: list, like: list) -> list:
@@ -109,7 +110,10 @@ def _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layo
             local_jvp.append(_sub_plan(
                 global_jvp, ins + [ins[i] for i in diff_in], plan,
                 in_layouts + [in_layouts[i] for i in diff_in],
-                out_layouts + [out_layouts[j] for j in diff_out], registry))
+                out_layouts + [out_layouts[j] for j in diff_out], registry,
+                # a primal gathered in one buffer with a tangent would depend on it: jax's
+                # linearization needs the rule's primal results from the primals alone
+                pack=False))
         res = local_jvp[0](*primals, *[tangents[i] for i in diff_in])
         y = _match(res[:len(outs)], res[:len(outs)])
         t_given = iter(_match(res[len(outs):], [y[j] for j in diff_out]))

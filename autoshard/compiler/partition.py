@@ -165,12 +165,12 @@ class _Scope(dict):
 
 
 def local_function(plan: Plan, registry, *, physical: bool = True,
-                   ambient: frozenset = frozenset()):
+                   ambient: frozenset = frozenset(), pack: bool = True):
     """A function of the local input blocks that computes the local output blocks.
 
     `physical`: inputs and outputs carry the leading slot axis of Partial values (the form
     shard_map hands over); sub-programs (loop bodies) take and give plain local blocks.
-    `ambient`: see `_bind`.
+    `ambient`: see `_bind`. `pack`: gathers may share one buffer (combine.py).
     """
     program = plan.program
     sizes = plan.mesh.axis_sizes
@@ -254,7 +254,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             env.update(zip(e.outputs, outs))
             k += 1
 
-    packing = combine.wanted(plan.mesh)
+    packing = pack and combine.wanted(plan.mesh)
     last_use: dict = {}  # (value, layout) -> the last equation reading that copy (made lazily)
 
     def used_until(v, layout) -> int:
