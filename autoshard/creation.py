@@ -11,11 +11,11 @@ import numpy as np
 from .compiler.dtypes import cost_dtype, dtype_name
 from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
-from .layout import Layout, layout_from_placements
+from .layout import Layout, block_bounds, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import HOST_MEMORY_KINDS, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
-from .uneven import even_part, is_uneven, pad_global, warn_uneven
+from .uneven import even_part, is_uneven, pad_global, padded_shape, warn_uneven
 
 
 def _describe(shape, dtype) -> str:
@@ -144,26 +144,64 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
     blocks = [_to_array(b) for b in blocks]
     first = blocks[0]
     for c, b in zip(coords, blocks):
-        if b.shape != first.shape or b.dtype != first.dtype:
+        if b.ndim != first.ndim or b.dtype != first.dtype:
             raise LocalDataError(
                 f"dtensor_from_local: the block for the device at mesh coords {c} "
                 f"(id {int(mesh.id_array[c])}) is {dtype_name(b.dtype)}{list(b.shape)}, but the "
                 f"first is {dtype_name(first.dtype)}{list(first.shape)}: every device's block "
-                f"must have the same shape and dtype")
+                f"must have the same number of dims and dtype")
     placements = normalize_placements(placements, mesh.ndim, mesh.dim_names)
     factor = [1] * first.ndim
     for name, p in zip(mesh.dim_names, placements):
         if isinstance(p, Shard) and -first.ndim <= p.dim < first.ndim:
             factor[p.dim % first.ndim] *= mesh.get_dim_size(name)
-    shape = tuple(s * f for s, f in zip(first.shape, factor))
-    layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, first.dtype))
+    even = tuple(s * f for s, f in zip(first.shape, factor))
+    layout = layout_from_placements(placements, mesh, even, what=_describe(even, first.dtype))
+    shape = _global_shape(layout, mesh, coords, blocks)
+    if shape != even:  # blocks of an uneven split (dtensor_to_local's of an uneven tensor)
+        layout = layout_from_placements(placements, mesh, shape,
+                                        what=_describe(shape, first.dtype))
+    local = layout.local_shape(padded_shape(layout, mesh, shape), mesh.axis_sizes)
+    for c, b in zip(coords, blocks):
+        want = tuple(hi - lo for lo, hi in block_bounds(layout, mesh, shape, c))
+        if b.shape != want:
+            raise LocalDataError(
+                f"dtensor_from_local: the block for the device at mesh coords {c} "
+                f"(id {int(mesh.id_array[c])}) is {dtype_name(b.dtype)}{list(b.shape)}, but "
+                f"placed {list(placements)} in a tensor of shape {list(shape)} it holds "
+                f"{list(want)}: every device's block has the same shape, but where a dim does "
+                f"not divide evenly — then each holds ceil(size / devices) rows, the last ones "
+                f"fewer")
     sharding = physical_sharding(layout, mesh)
     devices = mesh.devices()
-    placed = [jax.device_put(b[None] if layout.partial else b, devices[c])
-              for c, b in zip(coords, blocks)]
+    placed = [jax.device_put(_padded(b, local)[None] if layout.partial else _padded(b, local),
+                             devices[c]) for c, b in zip(coords, blocks)]
     value = jax.make_array_from_single_device_arrays(physical_shape(layout, mesh, shape),
                                                      sharding, placed)
     return make_dtensor(value, mesh, layout, shape)
+
+
+def _global_shape(layout: Layout, mesh: ProcessMesh, coords: list, blocks: list) -> tuple:
+    """The shape the blocks make together: along each split dim, the sum of the blocks of the
+    devices that split it (the other mesh coordinates at 0)."""
+    sizes = mesh.axis_sizes
+    index = {c: k for k, c in enumerate(coords)}
+    shape = []
+    for d, axes in enumerate(layout.dims):
+        total = 0
+        for along in itertools.product(*(range(sizes[a]) for a in axes)):
+            position = dict(zip(axes, along))
+            c = tuple(position.get(name, 0) for name in mesh.dim_names)
+            total += blocks[index[c]].shape[d]
+        shape.append(total if axes else blocks[0].shape[d])
+    return tuple(shape)
+
+
+def _padded(b: Any, local: Sequence[int]) -> Any:
+    """Block `b` padded with zeros at the end of each dim to the stored block shape."""
+    if tuple(b.shape) == tuple(local):
+        return b
+    return jnp.pad(b, [(0, n - s) for s, n in zip(b.shape, local)])
 
 
 def dtensor_to_local(x: DistTensor, mesh: ProcessMesh | None = None,

@@ -85,6 +85,26 @@ def test_dtensor_from_local_list_function_and_partial():
     np.testing.assert_array_equal(same.numpy(), np.arange(4.0))
 
 
+@pytest.mark.parametrize("placements", [["S(0)", "S(1)"], ["S(1)", "S(0)"], ["R", "S(0)"],
+                                        ["S(0)", "S(0)"], ["P", "S(1)"]])
+def test_dtensor_from_local_inverts_dtensor_to_local_of_an_uneven_tensor(placements):
+    # 7 x 5 over a 2 x 3 mesh: blocks of ceil(size / devices) rows, the last ones short or empty
+    mesh = dist.ProcessMesh([[0, 1, 2], [3, 4, 5]], ["a", "b"])
+    value = np.arange(35, dtype=np.float32).reshape(7, 5)
+    y = dist.shard_tensor(value, mesh, placements)
+    blocks = dist.dtensor_to_local(y)
+    assert len({tuple(b.shape) for b in blocks}) > 1
+    z = dist.dtensor_from_local(blocks, mesh, placements)
+    assert z.shape == (7, 5) and z.placements == y.placements
+    np.testing.assert_array_equal(z.numpy(), value)
+    for a, b in zip(dist.dtensor_to_local(z), blocks):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # one block that is not what its device holds in any such split
+    blocks[0] = blocks[0][:1]
+    with pytest.raises(dist.LocalDataError, match=r"mesh coords \(0, [01]\) \(id [01]\) is float32"):
+        dist.dtensor_from_local(blocks, mesh, placements)
+
+
 def test_dtensor_from_local_errors():
     with pytest.raises(dist.LocalDataError, match="got 3 blocks for a mesh of 8 devices"):
         dist.dtensor_from_local([np.zeros(2)] * 3, MESH, ["S(0)", "R"])
