@@ -52,6 +52,12 @@ def _stored_as(value: jax.Array, mesh: ProcessMesh, layout: Layout) -> jax.Array
         want = want.with_memory_kind(have.memory_kind)
     if have == want or not value.is_fully_addressable or have.is_equivalent_to(want, value.ndim):
         return value
+    if have.device_set != want.device_set and _in_jax_api("device_put"):
+        raise PlacementTypeError(
+            f"jax.device_put of a DistTensor of shape {value.shape} with placements "
+            f"{layout.placements(mesh)} onto devices outside its mesh {mesh!r}: a DistTensor "
+            f"lives on its mesh; move it with dist.reshard(x, other_mesh, placements), or take "
+            f"its global array, jax.device_put(x.numpy(), ...) / dist.unshard_dtensor(x)")
     return jax.device_put(value, want)
 
 

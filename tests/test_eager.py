@@ -614,6 +614,21 @@ def test_an_eager_gradient_through_jnp_is_stored_as_its_placements_say(mesh, pla
         np.testing.assert_allclose(np.asarray(blocks[d]), expected[rows], rtol=1e-6)
 
 
+def test_jax_device_put_of_a_dtensor_stays_on_its_mesh():
+    from jax.sharding import NamedSharding, PartitionSpec
+    x = make_tensor(A, MESH24, [S(0), S(1)])
+    # onto its own mesh, laid out otherwise: the placements follow the stored array
+    r = jax.device_put(x, NamedSharding(MESH24.to_jax(), PartitionSpec(None, "mp")))
+    assert r.placements == [R(), S(1)]
+    np.testing.assert_array_equal(r.numpy(), A)
+    # onto other devices: a DistTensor cannot claim a mesh its array left
+    other = dist.ProcessMesh([[4, 5], [6, 7]], ["dp", "mp"])
+    for where in (jax.devices()[0], NamedSharding(other.to_jax(), PartitionSpec("dp"))):
+        with pytest.raises(dist.PlacementTypeError, match=r"dist.reshard\(x, other_mesh") as info:
+            jax.device_put(x, where)
+        assert "[S(0), S(1)]" in str(info.value) and "test_eager.py:" in str(info.value)
+
+
 @pytest.mark.parametrize("kind", ["sum", "avg", "max"])
 def test_an_eager_gradient_at_a_partial_tensor_through_jnp_raises_as_through_operators(kind):
     # jnp reads the pending parts reduced; the cotangent of each part is not a part of the
