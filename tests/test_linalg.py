@@ -65,21 +65,28 @@ def test_batched_linalg_equals_one_device(name, mesh):
         c.kind for c in plan.collectives)
 
 
+@pytest.mark.parametrize("name", ["solve", "inv"])
 @pytest.mark.parametrize("placement", ["S(0)", "R"])
-def test_gradient_taken_outside_through_a_solve(placement):
-    # jax.grad of a dist.jit function differentiates the partitioned program: the solve is
-    # then kept whole (its inlined body runs on stop_gradient'ed LU factors, whose derivative
-    # with respect to the matrix is zero)
+def test_gradient_taken_outside_through_a_solve(placement, name):
+    # jax.grad of a dist.jit function differentiates the partitioned program: the solve's
+    # inlined body runs on stop_gradient'ed LU factors (whose derivative with respect to the
+    # matrix would be zero), so it is wrapped to keep the solve's own derivative, planned too
     mesh = MESHES["1d"]
     rng = np.random.default_rng(1)
     a = rng.normal(size=(16, 8, 8)).astype(np.float32)
     b = rng.normal(size=(16, 8, 2)).astype(np.float32)
-    fn = FUNCTIONS["solve"]
+    fn = FUNCTIONS[name]
     f = dist.jit(fn)
-    da, db = dist.shard_tensor(a, mesh, [placement]), dist.shard_tensor(b, mesh, [placement])
+    args = (a, b)
+    placed = [dist.shard_tensor(x, mesh, [placement]) for x in args]
+    loss = lambda g: lambda *xs: jnp.sum(g(*xs) ** 2)  # noqa: E731
+    argnums = (0, 1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dist.FallbackWarning)  # custom_linear_solve, whole
-        got = jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2), argnums=(0, 1))(da, db)
-    want = jax.grad(lambda a, b: jnp.sum(fn(a, b) ** 2), argnums=(0, 1))(a, b)
+        warnings.simplefilter("error", dist.FallbackWarning)  # no primitive runs whole
+        got = jax.grad(loss(f), argnums=argnums)(*placed)
+        hlo = jax.jit(jax.grad(loss(f), argnums=argnums)).lower(*placed).compile().as_text()
+    want = jax.grad(loss(fn), argnums=argnums)(*args)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-3, atol=1e-5)
+    # each device solves (and differentiates) its own matrices: nothing is gathered
+    assert not count_collectives(hlo).get("all-gather"), count_collectives(hlo)

@@ -82,7 +82,7 @@ def run_region(region: CustomRegion, plan, registry, xs: list, body: Callable) -
     diff_in = [i for i, a in enumerate(ins) if _inexact(a)]
     diff_out = [j for j, a in enumerate(outs) if _inexact(a)]
     call = _global_call(region)
-    if region.primitive.name == "custom_jvp_call":
+    if region.primitive.name in ("custom_jvp_call", "custom_linear_solve"):
         return _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
                             diff_in, diff_out)
     return _vjp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,

@@ -483,7 +483,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
     `inline_solves`: a custom_linear_solve becomes the equations of its solve, partitioned by
     their rules. Off when the program is itself differentiated from outside: the inlined
-    solve runs on stop_gradient'ed factors, so only the primitive's own rule differentiates it."""
+    solve runs on stop_gradient'ed factors, so the solve is then a region (custom_rules.py)
+    whose derivative is the primitive's own, planned and partitioned in turn."""
     serials = itertools.count()
     eqns: list[Eqn] = []
     consts: list[Value] = []
@@ -546,8 +547,14 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             source = Where(eqn.source_info, outer)
             key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
             inner = eqn.params.get(key) if key else None
-            if eqn.primitive.name == "custom_linear_solve" and inline_solves:
-                inner, ins = _linear_solve_body(eqn.params, ins)
+            body_ins, solve_region = ins, False
+            if eqn.primitive.name == "custom_linear_solve":
+                # inlined; differentiated from outside, as a region that keeps the solve's
+                # own derivative (the inlined body runs on stop_gradient'ed factors)
+                inner, body_ins = _linear_solve_body(eqn.params, ins)
+                solve_region = not inline_solves
+                if inline_solves:
+                    ins = body_ins
             elif eqn.primitive.name == "call_hi_primitive":
                 inner = _hi_primitive_body(eqn)
             if inner is not None:
@@ -555,14 +562,14 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                     inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
                 else:
                     inner_jaxpr, inner_consts = inner, []
-                custom = eqn.primitive.name in _CUSTOM_RULES
+                custom = eqn.primitive.name in _CUSTOM_RULES or solve_region
                 if custom:
                     # A region's body must read only its inputs and constants: equations are
                     # not merged across its boundary.
                     outer_seen, start = dict(seen), len(eqns)
                     seen.clear()
                     depth[0] += 1
-                outs = walk(inner_jaxpr, inner_consts, ins, source)
+                outs = walk(inner_jaxpr, inner_consts, body_ins, source)
                 if custom:
                     depth[0] -= 1
                     seen.clear()
