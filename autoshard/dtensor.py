@@ -23,7 +23,7 @@ from .layout import Layout, block_bounds, partial_axes_in_mesh_order
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
 from .uneven import padded_shape
-from .placement import Placement
+from .placement import Placement, mean_of_parts
 
 
 def _actual_layout(value: Any, mesh: ProcessMesh, layout: Layout) -> Layout:
@@ -99,7 +99,10 @@ def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], 
         kinds = dict(layout.partial)
         axes = partial_axes_in_mesh_order(layout, mesh)
         x = x.reshape(tuple(mesh.get_dim_size(a) for a in axes) + x.shape[1:])
-        reduce = {"max": xp.max, "min": xp.min, "sum": xp.sum, "avg": xp.mean}
+        reduce = {"max": xp.max, "min": xp.min, "sum": xp.sum,
+                  "avg": lambda v, axis: mean_of_parts(v, v.shape[axis],
+                                                       lambda p: xp.sum(p, axis=axis),
+                                                       np.int32 if xp is not np else np.int64)}
         for a in axes:
             # a sum of truth values or a mean of integers is read back in the tensor's dtype
             x = reduce[kinds[a].value](x, axis=0).astype(x.dtype)

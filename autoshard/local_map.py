@@ -34,7 +34,7 @@ from .errors import AutoshardError
 from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
 from .physical import physical_spec
-from .placement import Placement, ReduceType, parse_placement
+from .placement import Placement, ReduceType, parse_placement, mean_of_parts
 from .uneven import uneven_dims
 
 
@@ -63,8 +63,10 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, DistTensor)) or hasattr(x, "aval")
 
 
-_REDUCE = {ReduceType.SUM: jnp.sum, ReduceType.AVG: jnp.mean, ReduceType.MAX: jnp.max,
-           ReduceType.MIN: jnp.min}
+_REDUCE = {ReduceType.SUM: jnp.sum, ReduceType.MAX: jnp.max, ReduceType.MIN: jnp.min,
+           ReduceType.AVG: lambda y, axis: mean_of_parts(y, y.shape[axis],
+                                                         lambda p: jnp.sum(p, axis=axis),
+                                                         jnp.int32)}
 
 
 def local_map(func: Callable | None = None, out_placements: Sequence | None = None,

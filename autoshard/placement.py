@@ -156,5 +156,22 @@ def _example(ndim: int) -> str:
     return "[" + ", ".join(["dist.Shard(0)"] + ["dist.Replicate()"] * max(ndim - 1, 0)) + "]"
 
 
-__all__ = ["ReduceType", "Placement", "Replicate", "Shard", "Partial", "parse_placement",
+def mean_of_parts(x, n: int, total, wide):
+    """The Partial(avg) value of `n` parts, given `total` (sums the parts: a psum, or a sum
+    over a slot axis) — for integers exactly, truncated toward zero as a mean cast back to the
+    dtype is, and without the sum overflowing the dtype (jax's pmean of uint8 parts 200 and
+    100 gives 8 and 36): the parts' quotients by n and their remainders (in `wide`) summed
+    apart."""
+    import numpy as np
+
+    if not np.issubdtype(x.dtype, np.integer):
+        return (total(x) / n).astype(x.dtype)
+    rest = total((x % n).astype(wide))
+    mean = total(x // n) + (rest // n).astype(x.dtype)
+    if np.issubdtype(x.dtype, np.signedinteger):  # floor → toward zero
+        mean = mean + ((mean < 0) & (rest % n != 0)).astype(x.dtype)
+    return mean
+
+
+__all__ = ["mean_of_parts", "ReduceType", "Placement", "Replicate", "Shard", "Partial", "parse_placement",
            "normalize_placements", "as_reduce_type"]

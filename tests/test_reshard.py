@@ -215,6 +215,39 @@ def test_truth_values_and_integers_reduce_in_their_dtype(kind):
         np.testing.assert_array_equal(got, ints)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32])
+def test_a_mean_of_integer_parts_does_not_overflow_their_dtype(dtype):
+    # uint8 parts 200 and 255 sum past 255 (jax's own pmean wraps: 200 reads as 8); the parts'
+    # quotients and remainders are summed apart, and the mean truncates toward zero as a float
+    # mean cast back does
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    info = np.iinfo(dtype)
+    value = np.array([[info.max, info.max - 55, info.min, info.min + 5, 3, 0, -1 % (info.max + 1),
+                       7]] * 8, dtype)
+    x = dist.shard_tensor(value, mesh, ["P(avg)", "R"])
+    np.testing.assert_array_equal(x.numpy(), value)
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(x)), value)
+    for dst in (["R", "R"], ["S(1)", "R"], ["S(0)", "S(1)"]):
+        np.testing.assert_array_equal(dist.reshard(x, mesh, dst).numpy(), value)
+    # parts that differ: their mean, truncated toward zero
+    parts = [np.full((8, 8), info.max - k, dtype) if k % 2 else np.full((8, 8), info.min + k, dtype)
+             for k in range(8)]
+    y = dist.dtensor_from_local(parts, mesh, ["P(avg)", "P(avg)"])
+    want = np.trunc(np.mean(np.stack(parts).astype(np.float64), axis=0)).astype(dtype)
+    np.testing.assert_array_equal(y.numpy(), want)
+    np.testing.assert_array_equal(dist.reshard(y, mesh, ["R", "S(0)"]).numpy(), want)
+    # a split tensor made a pending mean goes through its gathered copy (n times a shard on its
+    # owner would overflow), and back
+    z = dist.reshard(dist.shard_tensor(value, mesh, ["S(1)", "R"]), mesh, ["P(avg)", "R"])
+    np.testing.assert_array_equal(z.numpy(), value)
+    # inside a program: the plan lists the remainders' sum too, as the compiled program runs it
+    f = dist.jit(lambda t: t // 2, out_placements=["S(1)", "R"])
+    np.testing.assert_array_equal(f(x).numpy(), value // 2)
+    hlo = f.lower(x).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in f.plan(x).collectives)
+    assert len(f.plan(x).collectives) == 2
+
+
 @pytest.mark.parametrize("src,dst", [(["S(0)", "R"], ["R", "R"]), (["P(sum)", "S(1)"], ["R", "S(0)"]),
                                      (["R", "S(1)"], ["S(1)", "P(max)"])])
 def test_an_empty_tensor_reshards_without_moving_anything(src, dst):

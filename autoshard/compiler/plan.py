@@ -17,6 +17,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
+from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
 from .control_flow import HIGHER_ORDER, plan_higher_order
@@ -359,6 +360,11 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
                     repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note,
                     shared=prefix))
+                if remainder_sum(s.step, value.aval.dtype):
+                    collectives.append(replace(
+                        collectives[-1], step=f"{s.step} (the remainders, int32)",
+                        bytes_per_device=s.bytes_per_device * 4 // value.aval.dtype.itemsize,
+                        shared=prefix + ("remainders",)))
 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
     rule_sends: set = set()  # what rules' lowerings send that XLA computes once (CSE)

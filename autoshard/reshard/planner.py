@@ -106,7 +106,8 @@ def _local_bytes(layout: Layout, shape, sizes, itemsize: int) -> int:
     return math.prod(layout.local_shape(shape, sizes)) * itemsize
 
 
-def _candidate_steps(layout: Layout, target: Layout, ndim: int, axis_names) -> Iterator[Step]:
+def _candidate_steps(layout: Layout, target: Layout, ndim: int, axis_names,
+                     integer: bool = False) -> Iterator[Step]:
     partial = layout.partial_map
     wanted_partial = target.partial_map
     for d, axes in enumerate(layout.dims):
@@ -128,7 +129,9 @@ def _candidate_steps(layout: Layout, target: Layout, ndim: int, axis_names) -> I
         if axes:
             for e in range(ndim):
                 yield AllToAll(axes[-1], d, e)
-            if axes[-1] in wanted_partial:
+            if axes[-1] in wanted_partial and not (
+                    integer and wanted_partial[axes[-1]] is ReduceType.AVG):
+                # (a shard's mean over n parts is n times it on its owner: integers overflow)
                 yield ShardToPartial(axes[-1], d, wanted_partial[axes[-1]])
     used = layout.used_axes
     for a in axis_names:
@@ -147,6 +150,7 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
         return ()
     sizes = mesh.axis_sizes
     itemsize = np.dtype(dtype).itemsize
+    integer = np.issubdtype(np.dtype(dtype), np.integer)
     axis_names = mesh.dim_names
     counter = itertools.count()
     best: dict[Layout, float] = {src: 0.0}
@@ -167,7 +171,7 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
         if cost > best.get(layout, math.inf):
             continue
         in_bytes = nbytes(layout)
-        for step in _candidate_steps(layout, dst, len(shape), axis_names):
+        for step in _candidate_steps(layout, dst, len(shape), axis_names, integer):
             nxt = step.after(layout, shape, sizes)
             if nxt is None:
                 continue

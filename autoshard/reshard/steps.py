@@ -19,7 +19,7 @@ from jax import lax
 
 from ..compiler.dtypes import highest, lowest
 from ..layout import Layout
-from ..placement import ReduceType
+from ..placement import ReduceType, mean_of_parts
 
 
 def _axis_arg(axes: tuple[str, ...]):
@@ -260,7 +260,8 @@ class AllReduce(Step):
             return _differentiable_choice(lax.pmax, x, axes)
         if self.reduce_type is ReduceType.MIN:
             return _differentiable_choice(lax.pmin, x, axes)
-        return (lax.psum(x, axes) / _group_size(self.reduced, sizes)).astype(x.dtype)
+        return mean_of_parts(x, _group_size(self.reduced, sizes),
+                             lambda v: lax.psum(v, axes), jnp.int32)
 
     def __str__(self):
         op = {"sum": "psum", "avg": "pmean", "max": "pmax", "min": "pmin"}[self.reduce_type.value]
@@ -303,14 +304,24 @@ class ReduceScatter(Step):
             y = lax.psum_scatter(x.astype(jnp.int32), _axis_arg(self.reduced),
                                  scatter_dimension=self.dim, tiled=True)
             return y != 0
-        y = lax.psum_scatter(x, _axis_arg(self.reduced), scatter_dimension=self.dim, tiled=True)
+        def total(v):
+            return lax.psum_scatter(v, _axis_arg(self.reduced), scatter_dimension=self.dim,
+                                    tiled=True)
+
         if self.reduce_type is ReduceType.AVG:
-            y = (y / _group_size(self.reduced, sizes)).astype(x.dtype)
-        return y
+            return mean_of_parts(x, _group_size(self.reduced, sizes), total, jnp.int32)
+        return total(x)
 
     def __str__(self):
         op = "psum_scatter" if self.reduce_type is ReduceType.SUM else "pmean_scatter"
         return f"{op}({','.join(self.reduced)}) dim {self.dim}"
+
+
+def remainder_sum(step: Step, dtype) -> bool:
+    """Whether `step` on values of `dtype` runs a second collective: the mean of integer parts
+    sums their remainders apart, in int32 (`mean_of_parts`)."""
+    return (type(step) in (AllReduce, ReduceScatter) and step.reduce_type is ReduceType.AVG
+            and np.issubdtype(np.dtype(dtype), np.integer))
 
 
 @dataclass(frozen=True)
@@ -450,5 +461,5 @@ class ShardToPartial(Step):
         return f"shard_to_partial({self.axis}, {self.reduce_type.value}) dim {self.dim}"
 
 
-__all__ = ["Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
+__all__ = ["remainder_sum", "Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
            "MakePartial", "ShardToPartial"]
