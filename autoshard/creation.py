@@ -15,7 +15,8 @@ from .layout import Layout, block_bounds, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import HOST_MEMORY_KINDS, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
-from .uneven import even_part, is_uneven, pad_global, padded_shape, warn_uneven
+from .uneven import (even_part, is_key, is_uneven, key_partial_error, pad_global, padded_shape,
+                     warn_uneven)
 
 
 def _describe(shape, dtype) -> str:
@@ -91,6 +92,8 @@ def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | 
     arr = _to_array(data, dtype)
     shape = tuple(arr.shape)
     layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, arr.dtype))
+    if layout.partial and is_key(arr):
+        raise key_partial_error(_describe(shape, arr.dtype), layout.placements(mesh))
     stored = pad_global(arr, layout, mesh, shape, jnp if isinstance(arr, jax.Array) else np)
     value = jax.device_put(stored, physical_sharding(layout.without_partial(), mesh))
     return _add_partial(value, mesh, layout, shape)

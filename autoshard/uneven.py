@@ -88,8 +88,32 @@ def pad_global(x: Any, layout: Layout, mesh: ProcessMesh, shape: Sequence[int], 
     padded = padded_shape(layout, mesh, shape)
     if tuple(padded) == tuple(shape):
         return x
-    return xp.pad(x, [(0, p - s) for s, p in zip(shape, padded)])
+    widths = [(0, p - s) for s, p in zip(shape, padded)]
+    if is_key(x):  # PRNG keys pad as their key data (no zero key to pad with)
+        import jax
+
+        data = jax.random.key_data(x)
+        return jax.random.wrap_key_data(jax.numpy.pad(data, widths + [(0, 0)] * (data.ndim - len(shape))),
+                                        impl=jax.random.key_impl(x))
+    return xp.pad(x, widths)
+
+
+def key_partial_error(what: str, placements: list):
+    from .errors import PlacementError
+
+    return PlacementError(
+        f"{what} of PRNG keys placed {placements}: a Partial placement is pending parts of a "
+        f"sum / mean / max / min, which keys have none of; place keys with Replicate() or "
+        f"Shard(d)")
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` (an array, or a dtype) holds typed PRNG keys."""
+    import jax
+
+    dtype = getattr(x, "dtype", x)
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 __all__ = ["UnevenShardingWarning", "warn_uneven", "uneven_dims", "is_uneven", "padded_shape",
-           "even_part", "pad_global"]
+           "even_part", "pad_global", "is_key", "key_partial_error"]

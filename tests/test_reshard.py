@@ -186,6 +186,32 @@ def test_scalars_and_other_dtypes():
     check_reshard(dist.shard_tensor(bools, mesh, ["S(0)", "S(1)"]), mesh, ["S(1)", "R"], bools)
 
 
+@pytest.mark.parametrize("count", [8, 5], ids=["even", "uneven"])
+def test_prng_keys_move_between_placements_and_meshes_as_their_key_data(count):
+    import jax
+
+    keys = jax.random.split(jax.random.key(0), (count, 4))
+    data = np.asarray(jax.random.key_data(keys))
+    m24 = dist.ProcessMesh(*MESHES["2x4"])
+    m4 = dist.ProcessMesh([0, 1, 2, 3], ["x"])
+    m2 = dist.ProcessMesh([[7], [6]], ["a", "b"])
+    t = dist.shard_tensor(keys, m4, ["S(0)"])
+    for mesh, placements in [(m4, ["S(0)"]), (m4, ["S(1)"]), (m24, ["R", "R"]),
+                             (m24, ["S(0)", "S(1)"]), (m24, ["S(1)", "S(1)"]), (m2, ["S(0)", "R"]),
+                             (m4, ["R"])]:
+        t = dist.reshard(t, mesh, placements)
+        assert jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) and t.mesh == mesh
+        np.testing.assert_array_equal(jax.random.key_data(dist.unshard_dtensor(t)), data)
+        for d in mesh.process_ids:
+            rows = tuple(slice(*b) for b in t.block_bounds(d))
+            np.testing.assert_array_equal(jax.random.key_data(t.local(d)), data[rows])
+    # a key has no sum, mean, max or min to be pending
+    for make in (lambda: dist.reshard(t, m4, ["P(sum)"]),
+                 lambda: dist.shard_tensor(keys, m4, ["P(max)"])):
+        with pytest.raises(PlacementError, match="PRNG keys placed"):
+            make()
+
+
 @pytest.mark.parametrize("kind", ["max", "min"])
 @pytest.mark.parametrize("dst", [["R", "R"], ["S(0)", "R"], ["R", "S(1)"]])
 def test_a_nan_wins_a_max_or_min_reduction_as_on_one_device(kind, dst):

@@ -14,7 +14,7 @@ from ..errors import PlacementTypeError, ReshardError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Placement
-from ..uneven import even_part
+from ..uneven import even_part, is_key, key_partial_error
 from .execute import execute
 from .planner import ReshardPlan, plan_on_mesh, uneven_steps
 from .transfer import plan_across_meshes
@@ -86,6 +86,8 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
 
         return annotate(x, mesh, placements, force=True)
     mesh.devices()  # a destination with devices this process lacks fails here, with the ids
+    if isinstance(x, DistTensor) and is_key(x.dtype):
+        return _reshard_keys(_check_tensor(x, "reshard"), mesh, placements, cost_model)
     physical = getattr(x, "physical", None)
     if isinstance(physical, jax.Array) and not isinstance(physical, Tracer) \
             and physical.is_deleted():  # (jaxlib may crash on it; a tracer under jax.grad has
@@ -97,6 +99,22 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
     if not plan.steps and plan.src_mesh == plan.dst_mesh:
         return x
     return make_dtensor(execute(plan, x.physical), mesh, plan.dst, x.shape)
+
+
+def _reshard_keys(x: DistTensor, mesh: ProcessMesh, placements, cost_model) -> DistTensor:
+    """PRNG keys move as their key data: unsigned words with one more dim, never split."""
+    dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
+    if dst.partial:
+        raise key_partial_error(f"dist.reshard of the tensor {_describe(x)}", dst.placements(mesh))
+    data = jax.random.key_data(x.physical)
+    extra = ((),) * (data.ndim - x.physical.ndim)
+    plan = plan_layouts(x.shape + data.shape[x.physical.ndim:], dtype_name(data.dtype), x.mesh,
+                        Layout(x.layout.dims + extra), mesh, Layout(dst.dims + extra),
+                        cost_model or default_cost_model())
+    if not plan.steps and plan.src_mesh == plan.dst_mesh:
+        return x
+    moved = jax.random.wrap_key_data(execute(plan, data), impl=jax.random.key_impl(x.physical))
+    return make_dtensor(moved, mesh, dst, x.shape)
 
 
 def _describe(x: DistTensor) -> str:
