@@ -1,5 +1,6 @@
 """to_static + shard_optimizer + Strategy: every parallel strategy trains like one device, with
 the collectives and memory each promises."""
+import warnings
 from collections import Counter
 
 import jax
@@ -169,6 +170,21 @@ def test_gradient_merge_reduces_once_per_k_steps(stage):
         assert accumulate["reduce-scatter"] == len(weights)
         assert merge["reduce-scatter"] == len(weights)
         assert acc_bytes == full_bytes // mesh.get_dim_size("dp")
+
+
+def test_a_state_dict_taken_inside_a_gradient_merge_cycle_says_what_it_lacks():
+    weights, batches = _weights(), _batches()
+    _, model = _model("dp", weights)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})
+    m = dist.to_static(model, None, mse, optax.sgd(0.1), strategy)
+    m(*batches[0])
+    with pytest.warns(UserWarning, match=r"after 1 of the 2 micro-steps .* multiple of k_steps"):
+        m.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.state_dict("param")  # the params are whole: nothing pending in them
+        m(*batches[1])
+        m.state_dict()  # at the cycle's end: complete
 
 
 def test_recompute_trains_like_one_device():

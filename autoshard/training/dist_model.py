@@ -652,6 +652,14 @@ class DistModel:
     def state_dict(self, mode: str = "all") -> dict[str, DistTensor]:
         if mode not in ("all", "param", "opt"):
             raise DistModelError(f"state_dict(mode={mode!r}): mode is 'all', 'param' or 'opt'")
+        if self._micro and mode != "param":
+            # the pending sum is not a state a model restored from it could continue: say so
+            # rather than let a resumed run drift from the uninterrupted one
+            warnings.warn(
+                f"state_dict() after {self._micro} of the {self.k_steps} micro-steps of a "
+                f"gradient-merge cycle: their accumulated gradients are not in it, so a model "
+                f"restored from it starts the cycle over; save after a multiple of k_steps = "
+                f"{self.k_steps} train steps", UserWarning, stacklevel=2)
         out: dict[str, DistTensor] = {}
         for prefix, attr, modes in self._GROUPS:
             tree = getattr(self, attr)
