@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import autoshard as dist
 from autoshard.hlo import count_collectives
@@ -421,6 +422,8 @@ def test_a_sharding_stage_on_a_mesh_dim_the_params_lack_is_an_error(tx, n_moment
     with pytest.raises(dist.OptimizerError, match=r"mesh_dim='zz'\): the params' mesh has dims "
                                                   r"\['dp', 'mp'\]; name one of them"):
         dist.shard_optimizer(tx, stage("zz")).init({"w": w})
+    with pytest.raises(dist.OptimizerError, match=r"mesh_dim=2\): the params' mesh has dims"):
+        dist.shard_optimizer(tx, stage(2)).init({"w": w})  # a mesh dim number past them
     state = dist.shard_optimizer(tx, stage("dp")).init({"w": w})  # the dim named right
     moments = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, dist.DistTensor))
                if isinstance(x, dist.DistTensor) and x.shape == (8, 4)]
@@ -523,3 +526,44 @@ def test_jax_offloading_shardings_work_on_dist_jit():
     np.testing.assert_allclose(out.numpy(), a * 0.5 + 1)
     again = f(dist.shard_tensor(a, MESH24, [R(), R()]), np.ones_like(a))  # resharded, then offloaded
     np.testing.assert_allclose(again.numpy(), a * 0.5 + 1)
+
+
+class _TwoLayers(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(4, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.body(x)))
+
+
+@pytest.mark.parametrize("wrap", ["nnx.Optimizer", "shard_optimizer(nnx.Optimizer)"])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_an_nnx_optimizer_with_wrt_trains_only_its_params(wrap, stage):
+    # fine-tuning a head: nnx.Optimizer(model, tx, wrt=filter) updates only what the filter
+    # takes (weight decay included); the rest keeps its values and gets no optimizer state
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 4)).astype(np.float32),
+                rng.normal(size=(8, 2)).astype(np.float32)) for _ in range(3)]
+    tx, wrt = optax.adamw(1e-2, weight_decay=0.1), nnx.PathContains("head")
+    ref = _TwoLayers(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, tx, wrt=wrt)
+    for x, y in batches:
+        grads = nnx.grad(lambda m: mse(m(x), y), argnums=nnx.DiffState(0, wrt))(ref)
+        ref_opt.update(ref, grads)
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+    model = dist.shard_layer(_TwoLayers(nnx.Rngs(0)), mesh)
+    opt = nnx.Optimizer(model, tx, wrt=wrt)
+    if wrap != "nnx.Optimizer":
+        opt = dist.shard_optimizer(opt)
+    strategy = dist.Strategy({"sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+    m = dist.to_static(model, None, mse, opt, strategy)
+    for x, y in batches:
+        m(dist.shard_tensor(x, mesh, [S(0), R()]), y)
+    state = m.state_dict()
+    for layer in ("body", "head"):
+        for name in ("kernel", "bias"):
+            np.testing.assert_allclose(state[f"param.{layer}.{name}"].numpy(),
+                                       np.asarray(getattr(getattr(ref, layer), name)[...]),
+                                       rtol=1e-5, atol=1e-6)
+    assert not [k for k in state if k.startswith("opt.") and ".body." in k]  # no state for it

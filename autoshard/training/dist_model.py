@@ -128,6 +128,11 @@ class DistModel:
         self._compute = jax.tree.map(lambda p: list(p.placements), params, is_leaf=_is_dt)
         self._homes = jax.tree.map(lambda p: p.mesh, params, is_leaf=_is_dt)  # pipeline stages
         self.optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        if self.optimizer is not None and self.optimizer.wrt is not None and _is_nnx(model):
+            from flax import nnx
+
+            trained = {path for path, _ in nnx.to_flat_state(nnx.state(model, self.optimizer.wrt))}
+            self.optimizer = self.optimizer.restricted_to(trained, params)
         self.params = place_params(params, self.optimizer) if self.optimizer else params
         self.opt_state = self.optimizer.init(self.params) if self.optimizer else None
         self.state = self._place_state(self._parts.state)
@@ -255,7 +260,7 @@ class DistModel:
                 f"strategy.sharding asks for stage {sharding.stage}: give one of them (pass the "
                 f"plain optax optimizer, or leave strategy.sharding.enable False)")
         if sharding.enable and opt.stage == 0:
-            opt = ShardedOptimizer(opt.tx, _STAGES[sharding.stage](sharding.mesh_dim),
+            opt = ShardedOptimizer(opt, _STAGES[sharding.stage](sharding.mesh_dim),
                                    opt.gradient_accumulation_steps, opt.offload)
         if sharding.enable and sharding.degree is not None and hasattr(opt.shard_fn, "axis"):
             axis = opt.shard_fn.axis(self.mesh)
@@ -266,7 +271,7 @@ class DistModel:
                     f"devices: set degree to {self.mesh.get_dim_size(axis)} (or leave it None), "
                     f"or give sharding.mesh_dim a mesh dim of {sharding.degree} devices")
         if sharding.offload and not opt.offload:  # Paddle's sharding "optimize_offload"
-            opt = ShardedOptimizer(opt.tx, opt.shard_fn, opt.gradient_accumulation_steps, True)
+            opt = ShardedOptimizer(opt, opt.shard_fn, opt.gradient_accumulation_steps, True)
         return opt
 
     def _place_state(self, state: dict) -> dict:

@@ -36,7 +36,7 @@ class _Stage:
         dim = self.mesh_dim
         if dim is None:
             dim = "dp" if "dp" in mesh.dim_names else mesh.dim_names[0]
-        if isinstance(dim, int):
+        if isinstance(dim, int) and -len(mesh.dim_names) <= dim < len(mesh.dim_names):
             return mesh.dim_names[dim]
         if dim not in mesh.dim_names:
             raise OptimizerError(
@@ -105,8 +105,12 @@ class ShardedOptimizer:
 
     def __init__(self, tx: optax.GradientTransformation, shard_fn: Any = None,
                  gradient_accumulation_steps: int = 1, offload: bool = False):
+        # nnx.Optimizer(model, tx, wrt=filter): the params it updates (to_static keeps the
+        # others as they are, as nnx's update does: `restricted_to`)
+        self.wrt = getattr(tx, "wrt", None) if hasattr(tx, "tx") else None
         if isinstance(tx, ShardedOptimizer):
             offload = offload or tx.offload
+            self.wrt = tx.wrt
             tx = tx.tx
         tx = unwrap_optimizer(tx)
         if not hasattr(tx, "init") or not hasattr(tx, "update"):
@@ -123,6 +127,20 @@ class ShardedOptimizer:
         # the states live in host memory between steps (Paddle's optimize_offload): a step's
         # program copies them in for the update and back out (dist.jit's host offloading)
         self.offload = bool(offload)
+
+    def restricted_to(self, trained: set, params: dict) -> "ShardedOptimizer":
+        """This optimizer updating only the params at `trained` paths (flattened nested-dict
+        keys): the others get a zero update and no state."""
+        from ..training.model_state import flatten_dict, unflatten_dict
+
+        flat = flatten_dict(params)
+        if all(path in trained for path in flat):
+            return self
+        labels = unflatten_dict({path: "train" if path in trained else "frozen" for path in flat})
+        tx = optax.multi_transform({"train": self.tx, "frozen": optax.set_to_zero()}, labels)
+        out = ShardedOptimizer(tx, self.shard_fn, self.gradient_accumulation_steps, self.offload)
+        out.wrt = self.wrt
+        return out
 
     @property
     def stage(self) -> int:
