@@ -567,3 +567,15 @@ def test_an_nnx_optimizer_with_wrt_trains_only_its_params(wrap, stage):
                                        np.asarray(getattr(getattr(ref, layer), name)[...]),
                                        rtol=1e-5, atol=1e-6)
     assert not [k for k in state if k.startswith("opt.") and ".body." in k]  # no state for it
+
+
+def test_a_batch_that_does_not_fit_an_apply_fns_inputs_says_how_batches_become_arguments():
+    w = dist.shard_tensor(np.ones((4, 2), np.float32), MESH24, [R(), R()])
+    x, y = np.ones((8, 4), np.float32), np.ones((8, 2), np.float32)
+    m = dist.to_static((lambda p, x: x @ p["w"], {"w": w}), None, mse, optax.sgd(0.1))
+    np.testing.assert_allclose(m.predict()(x).numpy(), x @ np.ones((4, 2)))
+    with pytest.raises(dist.DistModelError, match=r"cannot take the batch's 2 input\(s\).*"
+                                                   r"in predict mode every element is"):
+        m.predict()(x, y)  # the training batch handed to predict
+    with pytest.raises(dist.DistModelError, match=r"cannot take the batch's 2 input\(s\)"):
+        m.train()(x, x, y)

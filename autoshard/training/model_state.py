@@ -266,25 +266,26 @@ def split_model(model: Any) -> ModelParts:
     if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
         apply_fn, params = model
         return ModelParts(params, {}, lambda mode, p, s, *inputs: (
-            apply_fn(p, *_checked_inputs(apply_fn, inputs, mode)), s))
+            apply_fn(p, *_checked_inputs(apply_fn, inputs)), s))
     raise DistModelError(
         f"to_static needs a flax nnx Module or an (apply_fn, params) pair, got "
         f"{type(model).__name__}: for linen write dist.to_static((module, variables), ...)")
 
 
-def _checked_inputs(apply_fn: Any, inputs: tuple, mode: str) -> tuple:
+def _checked_inputs(apply_fn: Any, inputs: tuple) -> tuple:
     """`inputs` if apply_fn(params, *inputs) fits its signature, else a DistModelError that says
     how a batch becomes arguments (a jax TypeError would name neither)."""
     try:
         inspect.signature(apply_fn).bind(None, *inputs)
     except TypeError as e:
         name = getattr(apply_fn, "__name__", type(apply_fn).__name__)
-        how = ("every element of a batch but the last (the label) is an input"
-               if mode != "predict" else "every element of a batch is an input")
+        # (predict runs the eval graph: `mode` cannot tell them apart, so both are said)
         raise DistModelError(
             f"to_static: {name}(params, *inputs) cannot take the batch's {len(inputs)} "
-            f"input(s) ({e}): {how}; make the batch (inputs..., label), or give {name} one "
-            f"parameter per input") from None
+            f"input(s) ({e}): in train and eval mode every element of a batch but the last "
+            f"(the label) is an input, in predict mode every element is; make the batch "
+            f"(inputs..., label) — (inputs...) for predict — or give {name} one parameter per "
+            f"input") from None
     except ValueError:  # a builtin without a signature: call it as it is
         pass
     return inputs
