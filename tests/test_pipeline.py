@@ -257,12 +257,21 @@ def test_pipeline_errors_name_the_fix():
     with pytest.raises(ScheduleError, match="runs 2 stages, but 4 were given"):
         dist.PipelineRunner(stages, one_f_one_b(2, 2))
     strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
-                                           "accumulate_steps": 2, "micro_batch_size": 2}})
+                                           "accumulate_steps": 2, "micro_batch_size": 3}})
     runner = dist.PipelineRunner.from_strategy(stages, strategy)
     assert (runner.schedule.name, runner.schedule.micro_batches) == ("1F1B", 2)
-    with pytest.raises(dist.StageError, match="micro_batch_size = 2 with accumulate_steps = 2 "
-                                              "makes batches of 4, but the batch has 8 rows"):
+    with pytest.raises(dist.StageError, match=r"micro_batch_size = 3 with accumulate_steps = 2 "
+                                              r"makes batches of 6 rows per data-parallel rank "
+                                              r"\(12 over the 2 .*the batch has 8 rows: set "
+                                              r"micro_batch_size to 2"):
         runner.value_and_grad(params, xd, yd)
+    # Paddle's micro_batch_size is one data-parallel rank's: 2 x 2 micro-batches x 2 ranks
+    strategy.pipeline.micro_batch_size = 2
+    runner = dist.PipelineRunner.from_strategy(stages, strategy)
+    np.testing.assert_allclose(
+        float(runner.value_and_grad(params, xd, yd)[0].numpy()),
+        float(dist.PipelineRunner(stages, "1F1B", 2).value_and_grad(params, xd, yd)[0].numpy()),
+        rtol=1e-6)
     with pytest.raises(ScheduleError, match="pipeline.enable is False"):
         dist.PipelineRunner.from_strategy(stages, dist.Strategy())
 

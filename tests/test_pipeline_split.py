@@ -277,3 +277,32 @@ def test_a_pipelined_model_evaluates_unplaced_batches_and_its_checkpoint_loads_w
     dm2.set_state_dict(target)
     dm2.eval()
     np.testing.assert_allclose(float(dm2(x, y).numpy()), expected, rtol=1e-5)
+
+
+class _TwoBlocks(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_to_static_checks_the_strategys_micro_batch_size_per_data_parallel_rank():
+    mesh = dist.ProcessMesh(np.arange(4).reshape(2, 2), ["pp", "dp"])
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    losses = []
+    for mbs in (None, 2, 3):
+        model, opt = dist.parallelize(_TwoBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
+                                      {"pp_config": {"split_spec": "blocks"}})
+        pipeline = {"enable": True, "accumulate_steps": 2}
+        strategy = dist.Strategy({"pipeline": {**pipeline, "micro_batch_size": mbs or 1}})
+        m = dist.to_static(model, None, lambda o, y: jnp.mean((o - y) ** 2), opt, strategy)
+        if mbs == 3:  # 3 x 2 micro-batches x 2 data-parallel ranks is not the batch's 8 rows
+            with pytest.raises(dist.StageError, match="micro_batch_size = 3 with "
+                                                      "accumulate_steps = 2 makes batches of 6"):
+                m(x, x)
+        else:  # unset, or 2 rows x 2 micro-batches per rank: one step, the same loss
+            losses.append(float(m(x, x).numpy()))
+    assert losses[0] == losses[1]

@@ -46,6 +46,7 @@ class FunctionPipeline:
         self._options = (schedule, micro_batches, chunks, costs)
         self.recompute = recompute
         self.stateful = stateful
+        self._micro_batch_size: int | None = None  # from a Strategy: its runners check it
         self._runners: dict = {}
 
     def value_and_grad(self, params: Any, inputs: Any, *loss_args: Any, state: Any = None):
@@ -139,8 +140,10 @@ class FunctionPipeline:
         avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
         closed = jax.make_jaxpr(flat)(*avals)
         cut = cut_by_mesh(closed, [d.mesh for d in described])
-        return _CutRunner(cut, n_p, n_i, p_tree, schedule, m, chunks, costs, self.recompute,
-                          n_state=n_s, s_tree=s_tree)
+        runner = _CutRunner(cut, n_p, n_i, p_tree, schedule, m, chunks, costs, self.recompute,
+                            n_state=n_s, s_tree=s_tree)
+        runner._micro_batch_size = self._micro_batch_size
+        return runner
 
 
 def _state_aval(x):

@@ -192,10 +192,12 @@ class DistModel:
                                     loss(params, self.state, inputs, *labels)[0])
         if not pp.enable:
             return PipelineRunner.from_function(fn, "1F1B", 1, recompute=True, stateful=stateful)
-        return PipelineRunner.from_function(fn, pp.schedule_mode, pp.accumulate_steps,
-                                            chunks=pp.vpp_degree,
-                                            recompute=self.strategy.recompute.enable,
-                                            stateful=stateful)
+        runner = PipelineRunner.from_function(fn, pp.schedule_mode, pp.accumulate_steps,
+                                              chunks=pp.vpp_degree,
+                                              recompute=self.strategy.recompute.enable,
+                                              stateful=stateful)
+        runner._micro_batch_size = pp.micro_batch_size  # checked per batch, as from_strategy
+        return runner
 
     def _pipelined_step(self, *batch: Any) -> DistTensor:
         """One train step through the pipeline: loss and gradients over the micro-batches,

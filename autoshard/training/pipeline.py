@@ -427,11 +427,20 @@ class PipelineRunner(StageRunner):
         groups = self._groups(inputs)
         first = jax.tree.leaves(inputs, is_leaf=_is_leaf)
         batch = next((x.shape[0] for x in first if getattr(x, "shape", ())), None)
-        if self._micro_batch_size not in (None, 1) and batch is not None \
-                and batch != self._micro_batch_size * m:
-            raise StageError(f"strategy.pipeline.micro_batch_size = {self._micro_batch_size} "
-                             f"with accumulate_steps = {m} makes batches of "
-                             f"{self._micro_batch_size * m}, but the batch has {batch} rows")
+        if self._micro_batch_size not in (None, 1) and batch is not None:
+            # Paddle's micro_batch_size counts one data-parallel rank's rows: the batch is
+            # micro_batch_size x accumulate_steps per rank (or in all, on one rank)
+            ranks = max((_shards_of_dim0(x) for x in first if isinstance(x, DistTensor)),
+                        default=1)
+            if batch not in {self._micro_batch_size * m, self._micro_batch_size * m * ranks}:
+                raise StageError(
+                    f"strategy.pipeline.micro_batch_size = {self._micro_batch_size} with "
+                    f"accumulate_steps = {m} makes batches of {self._micro_batch_size * m} rows"
+                    + (f" per data-parallel rank ({self._micro_batch_size * m * ranks} over "
+                       f"the {ranks} the batch is split over)" if ranks > 1 else "")
+                    + f", but the batch has {batch} rows: set micro_batch_size to "
+                    f"{batch // (m * ranks) if batch % (m * ranks) == 0 else '(batch / ranks) / accumulate_steps'}"
+                    f" or leave it unset")
         # every array is cut along dim 0: one that is not batch-shaped would be cut too
         for what, tree in [("the first stage's input", inputs),
                            *((f"loss argument {k}", a) for k, a in enumerate(loss_args))]:
