@@ -186,8 +186,8 @@ def test_scalars_and_other_dtypes():
     check_reshard(dist.shard_tensor(bools, mesh, ["S(0)", "S(1)"]), mesh, ["S(1)", "R"], bools)
 
 
-@pytest.mark.parametrize("count", [8, 5], ids=["even", "uneven"])
-def test_prng_keys_move_between_placements_and_meshes_as_their_key_data(count):
+def test_prng_keys_move_between_placements_and_meshes_as_their_key_data():
+    count = 5  # over 4 devices: stored padded
     import jax
 
     keys = jax.random.split(jax.random.key(0), (count, 4))
@@ -241,7 +241,7 @@ def test_truth_values_and_integers_reduce_in_their_dtype(kind):
         np.testing.assert_array_equal(got, ints)
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32])
 def test_a_mean_of_integer_parts_does_not_overflow_their_dtype(dtype):
     # uint8 parts 200 and 255 sum past 255 (jax's own pmean wraps: 200 reads as 8); the parts'
     # quotients and remainders are summed apart, and the mean truncates toward zero as a float
