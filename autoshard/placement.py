@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from .errors import PlacementError, PlacementTypeError
 
 
@@ -162,8 +164,6 @@ def mean_of_parts(x, n: int, total, wide):
     dtype is, and without the sum overflowing the dtype (jax's pmean of uint8 parts 200 and
     100 gives 8 and 36): the parts' quotients by n and their remainders (in `wide`) summed
     apart."""
-    import numpy as np
-
     if not np.issubdtype(x.dtype, np.integer):
         return (total(x) / n).astype(x.dtype)
     rest = total((x % n).astype(wide))

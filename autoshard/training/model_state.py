@@ -279,7 +279,7 @@ def _checked_inputs(apply_fn: Any, inputs: tuple) -> tuple:
         inspect.signature(apply_fn).bind(None, *inputs)
     except TypeError as e:
         name = getattr(apply_fn, "__name__", type(apply_fn).__name__)
-        # (predict runs the eval graph: `mode` cannot tell them apart, so both are said)
+        # (predict runs the eval graph's mode: the message says both readings)
         raise DistModelError(
             f"to_static: {name}(params, *inputs) cannot take the batch's {len(inputs)} "
             f"input(s) ({e}): in train and eval mode every element of a batch but the last "

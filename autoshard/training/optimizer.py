@@ -131,7 +131,7 @@ class ShardedOptimizer:
     def restricted_to(self, trained: set, params: dict) -> "ShardedOptimizer":
         """This optimizer updating only the params at `trained` paths (flattened nested-dict
         keys): the others get a zero update and no state."""
-        from ..training.model_state import flatten_dict, unflatten_dict
+        from .model_state import flatten_dict, unflatten_dict
 
         flat = flatten_dict(params)
         if all(path in trained for path in flat):
