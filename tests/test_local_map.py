@@ -204,3 +204,18 @@ def test_uneven_blocks_and_an_output_claimed_replicated_are_named(traced):
                             process_mesh=MESH)
         with pytest.raises(dist.LocalMapError, match=match):
             (dist.jit(lm) if traced else lm)(x)
+
+
+def test_a_local_map_inside_a_loop_or_checkpoint_body_names_the_mesh():
+    # the only annotation is in a scan / checkpoint body (inputs are numpy): dist.jit finds
+    # the mesh there instead of refusing the function
+    double = dist.local_map(lambda b: b * 2, out_placements=[[S(0), S(1)]],
+                            in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    looped = dist.jit(lambda x: jax.lax.scan(lambda c, _: (double(c), None), x, None,
+                                             length=3)[0])(X)
+    assert looped.mesh == MESH
+    np.testing.assert_allclose(looped.numpy(), X * 8, rtol=1e-6)
+    sines = dist.local_map(lambda b: jnp.sum(jnp.sin(b)), out_placements=[[P(), P()]],
+                           in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    grad = dist.jit(jax.grad(jax.checkpoint(lambda x: sines(x))))(X)
+    np.testing.assert_allclose(grad.numpy(), np.cos(X), rtol=1e-5, atol=1e-6)

@@ -348,7 +348,7 @@ class DistributedFunction:
             _TRACING.depth -= 1
         return closed, out_tree_box[0]
 
-    def _mesh(self, program, described) -> ProcessMesh:
+    def _mesh(self, program, described, closed=None) -> ProcessMesh:
         seen: list[tuple[ProcessMesh, str]] = []
         for i, d in enumerate(described):
             if d.mesh is not None:
@@ -364,6 +364,10 @@ class DistributedFunction:
             seen.extend((as_process_mesh(e.params["mesh"]), f"the shard_map at {e.source or '?'}")
                         for e in program.eqns if e.primitive.name == "shard_map"
                         and isinstance(e.params.get("mesh"), jax.sharding.Mesh))
+        if not seen and closed is not None:
+            # an annotation inside a loop, cond or checkpoint body (a local_map there) names it
+            seen.extend((m, "an annotation inside a control-flow body")
+                        for m in meshes_named(closed, []))
         if not seen:
             raise MeshMismatchError(
                 "dist.jit found no mesh: no argument is a DistTensor or a sharded jax.Array and "
@@ -405,7 +409,7 @@ class DistributedFunction:
             closed, {d.mesh for d in described if d.mesh is not None})
         described = tuple(described) + tuple(_describe_leaf(c) for c in hoisted)
         program = build_program(closed, inline_solves=not reduced)
-        mesh = self._mesh(program, described)
+        mesh = self._mesh(program, described, closed)
         for d in described:
             if d.mesh is not None and d.mesh != mesh:
                 raise MeshMismatchError(f"inputs are on different meshes: {d.mesh!r} and {mesh!r}")
