@@ -75,7 +75,7 @@ def local_map(func: Callable | None = None, out_placements: Sequence | None = No
     """`func` applied to the local blocks of its inputs; see the module docstring.
 
     `out_placements`: one placements list per output of `func` (in the order of its flattened
-    result). `in_placements`: one per positional argument (None: not a distributed input — it
+    result); the results come back in the structure `func` returns (a dict, a tuple). `in_placements`: one per positional argument (None: not a distributed input — it
     is handed whole to every device), a list applying to every array in that argument; omitted,
     each DistTensor argument keeps its placements (eager mode only: inside dist.jit the plan
     has not placed anything yet, so they must be given). Usable as `local_map(func, ...)` or as
@@ -209,13 +209,17 @@ def _traced(func, out_placements, in_placements, mesh, args):
         placed.append(annotate(x, mesh, pl, force=True) if isinstance(x, jax.core.Tracer)
                       else x)
 
+    out_tree: list = []  # the structure of func's result, handed back as func gave it
+
     def body(*local):
         _ACTIVE.meshes = getattr(_ACTIVE, "meshes", []) + [mesh]
         try:
             out = func(*jax.tree.unflatten(arg_tree, list(local)))
         finally:
             _ACTIVE.meshes = _ACTIVE.meshes[:-1]
-        return jax.tree.leaves(out)
+        leaves, tree = jax.tree.flatten(out)
+        out_tree[:] = [tree]
+        return leaves
 
     jmesh = mesh.to_jax()
     # local output shapes (out_specs P(): global = local), to read the placements against
@@ -251,7 +255,7 @@ def _traced(func, out_placements, in_placements, mesh, args):
             kind = L.partial[0][1]
             y = _REDUCE[ReduceType(kind)](y, axis=0)  # the slots' parts combined: pending
         results.append(y)
-    return results[0] if len(results) == 1 else results
+    return jax.tree.unflatten(out_tree[0], results)
 
 
 def _out_layout(placements: Sequence[Placement], mesh: ProcessMesh, local: tuple, k: int,

@@ -219,3 +219,22 @@ def test_a_local_map_inside_a_loop_or_checkpoint_body_names_the_mesh():
                            in_placements=[[S(0), S(1)]], process_mesh=MESH)
     grad = dist.jit(jax.grad(jax.checkpoint(lambda x: sines(x))))(X)
     np.testing.assert_allclose(grad.numpy(), np.cos(X), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "dist.jit"])
+def test_results_come_back_in_the_structure_the_function_returns(traced):
+    # out_placements follow the flattened result (dict keys sorted); the result is the pytree
+    f = dist.local_map(lambda b: {"sum": jnp.sum(b, 1), "twice": b * 2, "none": None},
+                       out_placements=[[S(0), P()], [S(0), S(1)]],
+                       in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    one = dist.local_map(lambda b: (b + 1,), out_placements=[[S(0), S(1)]],
+                         in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    x = dist.shard_tensor(X, MESH, [S(0), S(1)])
+    out, single = (dist.jit(f)(x), dist.jit(one)(x)) if traced else (f(x), one(x))
+    assert isinstance(out, dict) and set(out) == {"sum", "twice", "none"}, out
+    assert out["none"] is None
+    np.testing.assert_allclose(out["sum"].numpy(), X.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(out["twice"].numpy(), X * 2)
+    assert isinstance(single, tuple) and len(single) == 1
+    np.testing.assert_allclose(single[0].numpy(), X + 1)
+
