@@ -93,6 +93,11 @@ def local_map(func: Callable | None = None, out_placements: Sequence | None = No
 
     @functools.wraps(func)
     def wrapped(*args):
+        if getattr(_ACTIVE, "meshes", []):
+            raise LocalMapError(
+                f"local_map({_name(func)!r}) called inside the function of another local_map: "
+                f"its arguments there are already one device's blocks — call "
+                f"{_name(func)!r} itself on them, or move this local_map outside")
         leaves = jax.tree.leaves(args, is_leaf=_is_dt)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return _traced(func, out_placements, in_placements, process_mesh, args)
@@ -130,15 +135,25 @@ def _eager(func, out_placements, in_placements, mesh, reshard_inputs, args, prog
         in_placements = [_arg_placements(a) for a in args]
     _check_arity(func, in_placements, args)
     for k, (a, pl) in enumerate(zip(args, in_placements)):
-        for x in jax.tree.leaves(a, is_leaf=_is_dt):
+        for path, x in jax.tree_util.tree_flatten_with_path(a, is_leaf=_is_dt)[0]:
             if not _is_dt(x) or pl is None:
                 continue
-            want = layout_from_placements(pl, mesh, x.shape, what=f"argument {k}")
-            if x.layout != want and not reshard_inputs:
-                raise LocalMapError(
-                    f"local_map({_name(func)!r}): argument {k} is placed {x.placements}, but "
-                    f"in_placements asks for {list(pl)}: dist.reshard it first, or pass "
-                    f"reshard_inputs=True")
+            what = f"argument {k}{jax.tree_util.keystr(path)} (shape {tuple(x.shape)})"
+            want = layout_from_placements(pl, mesh, x.shape, what=what)
+            if reshard_inputs or (x.layout == want and x.mesh == mesh):
+                continue
+            asked = want.placements(mesh)
+            if x.mesh != mesh:
+                where = f"is on {x.mesh!r}, but local_map runs on {mesh!r}"
+            else:
+                where = "; ".join(
+                    f"on mesh dim {name!r} it is {have!r}, the function expects {wanted!r}"
+                    for name, have, wanted in zip(mesh.dim_names, x.layout.placements(mesh),
+                                                  asked) if have != wanted)
+                where = f"is placed {x.placements}, but in_placements asks for {asked}: {where}"
+            raise LocalMapError(
+                f"local_map({_name(func)!r}): {what} {where} — write "
+                f"dist.reshard(x, mesh, {asked}) before the call, or pass reshard_inputs=True")
     key = (mesh, tuple(None if p is None else tuple(map(repr, p)) for p in in_placements))
     f = programs.get(key)
     if f is None:
@@ -247,7 +262,9 @@ def _traced(func, out_placements, in_placements, mesh, args):
             f"local_map({_name(func)!r}): an output differs between devices of a mesh dim where "
             f"out_placements {[list(p) for p in out_placements]} says Replicate: name how the "
             f"blocks combine there — Shard(d) (pieces of dim d), Partial() (parts of a sum) — "
-            f"or make them equal inside (jax.lax.psum / all_gather over that mesh dim)"
+            f"or make them equal inside with jax.lax.psum / pmax / pmin over that mesh dim "
+            f"(jax counts an all_gather's result as still differing: say Shard(d) and "
+            f"return the block instead)"
             ) from None
     results = []
     for y, L in zip(outs, layouts):

@@ -49,8 +49,8 @@ def test_inputs_placed_otherwise_are_an_error_unless_resharding_is_asked():
 
     x = dist.shard_tensor(X, MESH, [S(0), R])
     strict = dist.local_map(f, out_placements=[[S(0), S(1)]], in_placements=[[S(0), S(1)]])
-    with pytest.raises(dist.LocalMapError, match=r"argument 0 is placed \[S\(0\), R\].*"
-                                                 r"reshard_inputs=True"):
+    with pytest.raises(dist.LocalMapError, match=r"argument 0 \(shape \(8, 16\)\) is placed "
+                                                 r"\[S\(0\), R\].*reshard_inputs=True"):
         strict(x)
     moved = dist.local_map(f, out_placements=[[S(0), S(1)]], in_placements=[[S(0), S(1)]],
                            reshard_inputs=True)(x)
@@ -238,3 +238,33 @@ def test_results_come_back_in_the_structure_the_function_returns(traced):
     assert isinstance(single, tuple) and len(single) == 1
     np.testing.assert_allclose(single[0].numpy(), X + 1)
 
+
+def test_input_placed_otherwise_names_the_leaf_the_mesh_dim_and_what_to_write():
+    f = dist.local_map(lambda d: d["a"] * 2, out_placements=[[S(0), S(1)]],
+                       in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    with pytest.raises(dist.LocalMapError, match=r"argument 0\['a'\] \(shape \(8, 16\)\) is "
+                       r"placed \[S\(0\), R\].*on mesh dim 'mp' it is R, the function expects "
+                       r"S\(1\).*dist.reshard\(x, mesh, \[S\(0\), S\(1\)\]\)"):
+        f({"a": dist.shard_tensor(X, MESH, [S(0), R])})
+    # the same placements on other devices: moved only when asked, as any other placement
+    other = dist.ProcessMesh([[4, 5, 6, 7], [0, 1, 2, 3]], ["dp", "mp"])
+    elsewhere = {"a": dist.shard_tensor(X, other, [S(0), S(1)])}
+    with pytest.raises(dist.LocalMapError, match=r"is on ProcessMesh\(\[\[4, 5, 6, 7\].*but "
+                                                 r"local_map runs on ProcessMesh\(\[\[0, 1"):
+        f(elsewhere)
+    moved = dist.local_map(lambda d: d["a"] * 2, out_placements=[[S(0), S(1)]],
+                           in_placements=[[S(0), S(1)]], process_mesh=MESH,
+                           reshard_inputs=True)(elsewhere)
+    assert moved.mesh == MESH
+    np.testing.assert_allclose(moved.numpy(), X * 2)
+
+
+def test_a_local_map_called_on_blocks_is_a_typed_error():
+    inner = dist.local_map(lambda b: b * 2, out_placements=[[S(0), S(1)]],
+                           in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    outer = dist.local_map(lambda b: inner(b) + 1, out_placements=[[S(0), S(1)]],
+                           in_placements=[[S(0), S(1)]], process_mesh=MESH)
+    with pytest.raises(dist.LocalMapError, match="inside the function of another local_map"):
+        dist.jit(outer)(X)
+    with pytest.raises(dist.LocalMapError, match="inside the function of another local_map"):
+        outer(dist.shard_tensor(X, MESH, [S(0), S(1)]))
