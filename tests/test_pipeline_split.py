@@ -306,3 +306,46 @@ def test_to_static_checks_the_strategys_micro_batch_size_per_data_parallel_rank(
         else:  # unset, or 2 rows x 2 micro-batches per rank: one step, the same loss
             losses.append(float(m(x, x).numpy()))
     assert losses[0] == losses[1]
+
+
+def test_a_table_in_the_batch_is_named_before_it_is_cut_and_closing_over_it_trains_like_one_device():
+    """A loss argument the loss broadcasts against the batch (an (8, 8) table read as
+    t[None, :, 0]) is not per-sample: the pipeline would cut it into micro-batches like the
+    batch. The error names it before the cut — was a raw broadcasting TypeError about the
+    micro-batch shapes — and the rewrite it asks for trains like one device."""
+    import functools
+
+    mesh = dist.ProcessMesh(np.arange(4).reshape(2, 2), ["pp", "dp"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    table = rng.normal(size=(8, 8)).astype(np.float32)
+
+    def loss(o, t):
+        return jnp.mean((o - t[None, :, 0]) ** 2)
+
+    strategy = dist.Strategy({"pipeline": {"enable": True, "accumulate_steps": 2}})
+    for t, match in [(table, r"batch element 1 \(loss_fn's argument 't'\), shape \[8, 8\]: its "
+                             r"dim 0 has the batch's 8 rows, so the pipeline cuts it into 2 "
+                             r"micro-batches of 4 rows.*functools.partial"),
+                     (table[:4], r"batch element 1 \(loss_fn's argument 't'\) has an array of "
+                                 r"shape \[4, 8\] whose dim 0 is not the batch \(8 rows\)")]:
+        model, opt = dist.parallelize(_TwoBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
+                                      {"pp_config": {"split_spec": "blocks"}})
+        m = dist.to_static(model, None, loss, opt, strategy)
+        with pytest.raises(dist.StageError, match=match):
+            m(x, t)
+    model, opt = dist.parallelize(_TwoBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
+                                  {"pp_config": {"split_spec": "blocks"}})
+    m = dist.to_static(model, None, functools.partial(loss, t=table), opt, strategy)
+    losses = [float(m(x).numpy()) for _ in range(2)]
+
+    ref = _TwoBlocks(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    expected = []
+    for _ in range(2):
+        value, g = nnx.value_and_grad(lambda mm: loss(mm(x), table))(ref)
+        ref_opt.update(ref, g)
+        expected.append(float(value))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.blocks[1].kernel[...].numpy()),
+                               np.asarray(ref.blocks[1].kernel[...]), rtol=1e-5, atol=1e-6)

@@ -31,7 +31,7 @@ from ..compiler.trace import source_line
 from ..compiler.jit import _describe_leaf
 from ..dtensor import DistTensor
 from ..reshard.api import reshard
-from .pipeline import PipelineRunner, _add, _is_leaf
+from .pipeline import PipelineRunner, _add, _is_leaf, _named_leaves, check_batch, default_name
 from .schedule import Schedule
 from .stages import Stage, StageError
 
@@ -47,6 +47,7 @@ class FunctionPipeline:
         self.recompute = recompute
         self.stateful = stateful
         self._micro_batch_size: int | None = None  # from a Strategy: its runners check it
+        self._name_of = default_name  # how errors name the batch values (to_static: its own)
         self._runners: dict = {}
 
     def value_and_grad(self, params: Any, inputs: Any, *loss_args: Any, state: Any = None):
@@ -101,6 +102,9 @@ class FunctionPipeline:
     # -- building ------------------------------------------------------------------------------
     def _runner(self, params, inputs, loss_args, state=None):
         schedule, m, chunks, costs = self._options
+        # the batch is checked before it is traced on micro-batch shapes: a value whose dim 0
+        # is not the batch would be cut, and the trace fail on the cut, first
+        check_batch(inputs, loss_args, m, self._micro_batch_size, self._name_of)
         p_leaves, p_tree = jax.tree.flatten(params, is_leaf=_is_leaf)
         s_leaves, s_tree = jax.tree.flatten(state, is_leaf=_is_leaf)
         i_leaves, i_tree = jax.tree.flatten(inputs, is_leaf=_is_leaf)
@@ -112,12 +116,14 @@ class FunctionPipeline:
                      + tuple(_state_aval(x) for x in s_leaves) + tuple(micro))
         key = (p_tree, s_tree, i_tree, a_tree, described)
         if key not in self._runners:
+            whole = [(name, jax.ShapeDtypeStruct(np.shape(x), _describe_leaf(x).dtype))
+                     for name, x in _named_leaves(inputs, loss_args, self._name_of)]
             self._runners[key] = self._build(p_leaves, p_tree, s_tree, i_tree, a_tree,
-                                             described)
+                                             described, whole)
         runner = self._runners[key]
         return runner, runner.split
 
-    def _build(self, p_leaves, p_tree, s_tree, i_tree, a_tree, described):
+    def _build(self, p_leaves, p_tree, s_tree, i_tree, a_tree, described, whole=None):
         schedule, m, chunks, costs = self._options
         n_p, n_s, n_i = len(p_leaves), s_tree.num_leaves, i_tree.num_leaves
         n_ps = n_p + n_s
@@ -138,12 +144,50 @@ class FunctionPipeline:
             return [out[0], *new_leaves]
 
         avals = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in described]
-        closed = jax.make_jaxpr(flat)(*avals)
+        try:
+            closed = jax.make_jaxpr(flat)(*avals)
+        except Exception as exc:
+            if whole:
+                _not_per_sample(flat, avals, whole, m, exc)
+            raise
         cut = cut_by_mesh(closed, [d.mesh for d in described])
         runner = _CutRunner(cut, n_p, n_i, p_tree, schedule, m, chunks, costs, self.recompute,
                             n_state=n_s, s_tree=s_tree)
         runner._micro_batch_size = self._micro_batch_size
+        runner._name_of = self._name_of
         return runner
+
+
+def _not_per_sample(flat, avals: list, whole: list, m: int, exc: Exception) -> None:
+    """The function failed to trace on micro-batch shapes. Where it traces on the whole batch
+    and keeping one batch value whole makes it trace, that value is not one row per sample (a
+    table the loss broadcasts against the batch): raise a StageError naming it."""
+    fixed = avals[:len(avals) - len(whole)]
+    micro = avals[len(fixed):]
+    cut = [j for j, (a, (_, w)) in enumerate(zip(micro, whole)) if a.shape != w.shape]
+
+    def traces(batch: list) -> bool:
+        try:
+            jax.make_jaxpr(flat)(*fixed, *batch)
+            return True
+        except Exception:
+            return False
+
+    if not cut or not traces([w for _, w in whole]):
+        return  # it fails on the whole batch too: the function's own error
+    culprits = [j for j in cut if traces([whole[j][1] if k == j else a
+                                          for k, a in enumerate(micro)])] or cut
+    names = "; ".join(f"{whole[j][0]}, shape {list(whole[j][1].shape)}" for j in culprits)
+    rows = whole[culprits[0]][1].shape[0]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    raise StageError(
+        f"{names}: its dim 0 has the batch's {rows} rows, so the pipeline cuts it into {m} "
+        f"micro-batches of {rows // m} rows like every batch value, and the function fails on "
+        f"the cut ({type(exc).__name__}: {first[:200]}) though it runs on the whole value — it "
+        f"is not one row per sample (a table, class weights, a mask the whole batch shares). "
+        f"Pass only per-sample values in the batch and close over the others in the loss "
+        f"function: to_static(..., loss_fn=functools.partial(loss, t=table)), or a "
+        f"from_function fn that reads the table from its enclosing scope") from exc
 
 
 def _state_aval(x):

@@ -191,13 +191,36 @@ class DistModel:
         fn = loss if stateful else (lambda params, inputs, *labels:
                                     loss(params, self.state, inputs, *labels)[0])
         if not pp.enable:
-            return PipelineRunner.from_function(fn, "1F1B", 1, recompute=True, stateful=stateful)
+            runner = PipelineRunner.from_function(fn, "1F1B", 1, recompute=True,
+                                                  stateful=stateful)
+            runner._name_of = self._batch_name
+            return runner
         runner = PipelineRunner.from_function(fn, pp.schedule_mode, pp.accumulate_steps,
                                               chunks=pp.vpp_degree,
                                               recompute=self.strategy.recompute.enable,
                                               stateful=stateful)
         runner._micro_batch_size = pp.micro_batch_size  # checked per batch, as from_strategy
+        runner._name_of = self._batch_name  # errors name the batch's elements
         return runner
+
+    def _batch_name(self, kind: str, path: tuple, n_inputs: int) -> str:
+        """A pipeline's batch value as errors name it: the batch element (the model's input,
+        or the label: loss_fn's argument after the model's output)."""
+        if not path:
+            return "the batch's inputs" if kind == "input" else "the batch's label"
+        k = getattr(path[0], "idx", 0)
+        rest = jax.tree_util.keystr(tuple(path[1:]))
+        if kind == "input":
+            names = self._input_names()
+            role = f"the model's input {names[k]!r}" if k < len(names) else "a model input"
+            return f"batch element {k}{rest} ({role})"
+        try:
+            names = list(inspect.signature(self._loss_fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+        role = (f"loss_fn's argument {names[k + 1]!r}" if k + 1 < len(names)
+                else "a loss_fn argument")
+        return f"batch element {n_inputs + k}{rest} ({role})"
 
     def _pipelined_step(self, *batch: Any) -> DistTensor:
         """One train step through the pipeline: loss and gradients over the micro-batches,

@@ -71,6 +71,72 @@ def _cut_numpy(x: np.ndarray, groups: int, micro: int) -> list:
     return [parts[:, i].reshape(-1, *rest) for i in range(micro)]
 
 
+
+def default_name(kind: str, path: tuple, n_inputs: int) -> str:
+    """A batch value as errors name it: "the first stage's input[1]", "loss argument 0"."""
+    if kind == "input":
+        return "the first stage's input" + jax.tree_util.keystr(path)
+    if not path:
+        return "the loss arguments"
+    k = getattr(path[0], "idx", path[0])
+    return f"loss argument {k}" + jax.tree_util.keystr(tuple(path[1:]))
+
+
+def _count(inputs: Any) -> int:
+    return len(inputs) if isinstance(inputs, (tuple, list)) else 1
+
+
+def _named_leaves(inputs: Any, loss_args: tuple, name_of) -> list[tuple[str, Any]]:
+    """(name, leaf) of every batch value: the first stage's inputs, then the loss arguments."""
+    n = _count(inputs)
+    out = [(name_of("input", path, n), leaf) for path, leaf in
+           jax.tree_util.tree_flatten_with_path(inputs, is_leaf=_is_leaf)[0]]
+    out += [(name_of("arg", path, n), leaf) for path, leaf in
+            jax.tree_util.tree_flatten_with_path(tuple(loss_args), is_leaf=_is_leaf)[0]]
+    return out
+
+
+def batch_rows(inputs: Any) -> int | None:
+    """The batch's rows: dim 0 of the first stage's first array input."""
+    first = jax.tree.leaves(inputs, is_leaf=_is_leaf)
+    return next((x.shape[0] for x in first if getattr(x, "shape", ())), None)
+
+
+def check_batch(inputs: Any, loss_args: tuple, m: int, micro_batch_size: int | None,
+                name_of=default_name) -> None:
+    """Before anything is cut or traced on micro-batch shapes: the batch fits
+    `micro_batch_size`, and every array given to the pipeline has the batch's rows as dim 0
+    (each is cut into micro-batches along it)."""
+    first = jax.tree.leaves(inputs, is_leaf=_is_leaf)
+    batch = batch_rows(inputs)
+    if micro_batch_size not in (None, 1) and batch is not None:
+        # Paddle's micro_batch_size counts one data-parallel rank's rows: the batch is
+        # micro_batch_size x accumulate_steps per rank (or in all, on one rank)
+        ranks = max((_shards_of_dim0(x) for x in first if isinstance(x, DistTensor)),
+                    default=1)
+        if batch not in {micro_batch_size * m, micro_batch_size * m * ranks}:
+            raise StageError(
+                f"strategy.pipeline.micro_batch_size = {micro_batch_size} with "
+                f"accumulate_steps = {m} makes batches of {micro_batch_size * m} rows"
+                + (f" per data-parallel rank ({micro_batch_size * m * ranks} over "
+                   f"the {ranks} the batch is split over)" if ranks > 1 else "")
+                + f", but the batch has {batch} rows: set micro_batch_size to "
+                f"{batch // (m * ranks) if batch % (m * ranks) == 0 else '(batch / ranks) / accumulate_steps'}"
+                f" or leave it unset")
+    if m == 1:
+        return  # nothing is cut
+    # every array is cut along dim 0: one that is not batch-shaped would be cut too
+    for what, leaf in _named_leaves(inputs, loss_args, name_of):
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        if shape and batch is not None and shape[0] != batch:
+            raise StageError(
+                f"{what} has an array of shape {list(shape)} whose dim 0 is not the "
+                f"batch ({batch} rows): every array given to the pipeline is cut into "
+                f"micro-batches along dim 0 — close over arrays that are not per-sample "
+                f"(class weights, masks) in the loss function instead of passing them "
+                f"(to_static: loss_fn=functools.partial(loss, t=table))")
+
+
 class _Pullback:
     """A stage's backward for one micro-batch: jax's vjp of its dist.jit program.
 
@@ -235,6 +301,9 @@ class PipelineRunner(StageRunner):
         self.order = dispatch_order(made, costs)
         self._halves: dict = {}
         self._micro_batch_size: int | None = None  # from a Strategy: checked per batch
+        # names the batch values in errors: (kind "input" | "arg", tree path, number of
+        # inputs) -> text; to_static names them as the elements of its batch
+        self._name_of = default_name
         # waits for each action's results before issuing the next: the no-overlap baseline
         # the pipeline benchmark measures against
         self.blocking = False
@@ -425,41 +494,17 @@ class PipelineRunner(StageRunner):
         """Per micro-batch: the first stage's input and the last stage's extra arguments."""
         m = self.schedule.micro_batches
         groups = self._groups(inputs)
-        first = jax.tree.leaves(inputs, is_leaf=_is_leaf)
-        batch = next((x.shape[0] for x in first if getattr(x, "shape", ())), None)
-        if self._micro_batch_size not in (None, 1) and batch is not None:
-            # Paddle's micro_batch_size counts one data-parallel rank's rows: the batch is
-            # micro_batch_size x accumulate_steps per rank (or in all, on one rank)
-            ranks = max((_shards_of_dim0(x) for x in first if isinstance(x, DistTensor)),
-                        default=1)
-            if batch not in {self._micro_batch_size * m, self._micro_batch_size * m * ranks}:
-                raise StageError(
-                    f"strategy.pipeline.micro_batch_size = {self._micro_batch_size} with "
-                    f"accumulate_steps = {m} makes batches of {self._micro_batch_size * m} rows"
-                    + (f" per data-parallel rank ({self._micro_batch_size * m * ranks} over "
-                       f"the {ranks} the batch is split over)" if ranks > 1 else "")
-                    + f", but the batch has {batch} rows: set micro_batch_size to "
-                    f"{batch // (m * ranks) if batch % (m * ranks) == 0 else '(batch / ranks) / accumulate_steps'}"
-                    f" or leave it unset")
-        # every array is cut along dim 0: one that is not batch-shaped would be cut too
-        for what, tree in [("the first stage's input", inputs),
-                           *((f"loss argument {k}", a) for k, a in enumerate(loss_args))]:
-            for leaf in jax.tree.leaves(tree, is_leaf=_is_leaf):
-                shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-                if shape and batch is not None and shape[0] != batch:
-                    raise StageError(
-                        f"{what} has an array of shape {list(shape)} whose dim 0 is not the "
-                        f"batch ({batch} rows): every array given to the pipeline is cut into "
-                        f"micro-batches along dim 0 — close over arrays that are not per-sample "
-                        f"(class weights, masks) in the stage function instead")
+        check_batch(inputs, loss_args, m, self._micro_batch_size, self._name_of)
         # a 0-d loss argument placed elsewhere (a float16 loss scale) joins the last stage
         home = self.stages[-1].mesh
         loss_args = jax.tree.map(
             lambda a: reshard(a, home, [Replicate()] * home.ndim)
             if isinstance(a, DistTensor) and not a.shape and a.mesh != home else a,
             loss_args, is_leaf=_is_leaf)
-        micro_in = self._cut(inputs, groups, m, "the first stage's input")
-        micro_args = list(zip(*[self._cut(a, groups, m, f"loss argument {k}")
+        n = _count(inputs)
+        micro_in = self._cut(inputs, groups, m, self._name_of("input", (), n))
+        micro_args = list(zip(*[self._cut(a, groups, m, self._name_of(
+            "arg", (jax.tree_util.SequenceKey(k),), n))
                                 for k, a in enumerate(loss_args)])) or [()] * m
         return micro_in, micro_args
 
@@ -523,6 +568,8 @@ class PipelineRunner(StageRunner):
     @staticmethod
     def _cut(tree: Any, groups: int, m: int, what: str) -> list:
         """`tree` as m micro-batch trees (dim 0 of every array leaf is the batch)."""
+        if m == 1:  # one micro-batch: the batch as it is (a value of any shape)
+            return [tree]
         leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_leaf)
         columns = []
         for k, leaf in enumerate(leaves):
