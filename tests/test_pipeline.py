@@ -366,6 +366,24 @@ def test_a_cut_stage_reading_the_batch_after_the_first_is_an_error():
             p, dist.shard_tensor(np.ones((4, 4), "float32"), m0, [S(0)]))
 
 
+def test_a_cut_function_with_fewer_stages_than_ranks_times_chunks_says_how_many_cuts():
+    """Two stages (one reshard) on two meshes with 2 chunks per rank: the error counts the
+    stages VPP needs — it said "put stage 1 on that mesh", a stage the function's own reshard
+    placed."""
+    m0, m1 = MESHES_1D[:2]
+
+    def loss(p, x):
+        return jnp.mean(dist.reshard(x @ p["a"], m1, [S(0)]) @ p["b"])
+
+    p = {"a": dist.shard_tensor(np.ones((4, 4), "float32"), m0, [R]),
+         "b": dist.shard_tensor(np.ones((4, 4), "float32"), m1, [R])}
+    with pytest.raises(dist.StageError, match=r"chunks\) = 2 model chunks per pipeline rank on "
+                                              r"the 2 meshes .* needs 2 x 2 = 4 stages, but the "
+                                              r"model is cut into 2: name 3 cuts"):
+        dist.PipelineRunner.from_function(loss, "VPP", 2, chunks=2).value_and_grad(
+            p, dist.shard_tensor(np.ones((4, 4), "float32"), m0, [S(0)]))
+
+
 def test_explain_shows_the_schedule_the_moves_and_each_stage_communication():
     ws, x, y, stages, params, xd, yd = _setup(MESHES_2D, 2, [R, S(1)])
     runner = dist.PipelineRunner(stages, "VPP", 2, chunks=2)

@@ -2,6 +2,8 @@
 from flax's own layers is cut into pipeline stages on the slices of the mesh's pp dim, each stage
 tensor parallel inside, and trains — cut by dist.jit or scheduled 1F1B by to_static — exactly
 like one device."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -349,3 +351,49 @@ def test_a_table_in_the_batch_is_named_before_it_is_cut_and_closing_over_it_trai
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(model.blocks[1].kernel[...].numpy()),
                                np.asarray(ref.blocks[1].kernel[...]), rtol=1e-5, atol=1e-6)
+
+
+class _FourBlocks(_TwoBlocks):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(4)])
+
+
+def test_vpp_with_fewer_cuts_than_pp_times_vpp_degree_names_the_cuts_and_they_train_like_one_device():
+    """split_spec="blocks" makes one stage per pp slice; vpp_degree = 2 needs 4: to_static
+    says which SplitPoints to name (was: "put stage 1 on that mesh", a stage the user never
+    placed), and the split_spec it gives trains like one device."""
+    mesh = dist.ProcessMesh(np.arange(4).reshape(2, 2), ["pp", "dp"])
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "VPP",
+                                           "vpp_degree": 2, "accumulate_steps": 2}})
+
+    def mse(o, y):
+        return jnp.mean((o - y) ** 2)
+
+    model, opt = dist.parallelize(_FourBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
+                                  {"pp_config": {"split_spec": "blocks"}})
+    cuts = {f"blocks.{k}": dist.SplitPoint.END for k in range(3)}
+    written = ", ".join(f"'blocks.{k}': dist.SplitPoint.END" for k in range(3))
+    with pytest.raises(dist.StrategyError,
+                       match=r"vpp_degree = 2 puts 2 model chunks on each of the mesh's 2 pp "
+                             r"ranks: 2 x 2 = 4 stages, but pp_config's split_spec='blocks' cut "
+                             r"the model into 2 .*name the 3 cuts with dist.SplitPoint .*"
+                             + re.escape(f"split_spec={{{written}}}") + " — or set vpp_degree "
+                             r"to 1"):
+        dist.to_static(model, None, mse, opt, strategy)
+
+    model, opt = dist.parallelize(_FourBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
+                                  {"pp_config": {"split_spec": cuts}})
+    m = dist.to_static(model, None, mse, opt, strategy)
+    losses = [float(m(x, x).numpy()) for _ in range(2)]
+    ref = _FourBlocks(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    expected = []
+    for _ in range(2):
+        value, g = nnx.value_and_grad(lambda mm: mse(mm(x), x))(ref)
+        ref_opt.update(ref, g)
+        expected.append(float(value))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for k in range(4):
+        np.testing.assert_allclose(np.asarray(model.blocks[k].kernel[...].numpy()),
+                                   np.asarray(ref.blocks[k].kernel[...]), rtol=1e-5, atol=1e-6)

@@ -31,7 +31,8 @@ from ..compiler.trace import source_line
 from ..compiler.jit import _describe_leaf
 from ..dtensor import DistTensor
 from ..reshard.api import reshard
-from .pipeline import PipelineRunner, _add, _is_leaf, _named_leaves, check_batch, default_name
+from .pipeline import (PipelineRunner, _add, _is_leaf, _named_leaves, check_batch,
+                       check_chunk_count, default_name)
 from .schedule import Schedule
 from .stages import Stage, StageError
 
@@ -258,6 +259,8 @@ class _CutRunner(PipelineRunner):
                                   [(state_vars[j], updates[j]) for j in self._owned[k]]
                                   if n_state else None),
                         part.mesh) for k, part in enumerate(parts)]
+        if not isinstance(schedule, Schedule):
+            check_chunk_count(stages, chunks)
         super().__init__(stages, schedule, m, chunks=chunks, costs=costs, recompute=recompute)
 
     def _reads_args(self, s: int) -> bool:

@@ -195,6 +195,7 @@ class DistModel:
                                                   stateful=stateful)
             runner._name_of = self._batch_name
             return runner
+        self._check_chunks(pp.vpp_degree)
         runner = PipelineRunner.from_function(fn, pp.schedule_mode, pp.accumulate_steps,
                                               chunks=pp.vpp_degree,
                                               recompute=self.strategy.recompute.enable,
@@ -202,6 +203,33 @@ class DistModel:
         runner._micro_batch_size = pp.micro_batch_size  # checked per batch, as from_strategy
         runner._name_of = self._batch_name  # errors name the batch's elements
         return runner
+
+    def _check_chunks(self, vpp: int) -> None:
+        """A model cut by parallelize's pp_config: with vpp_degree chunks per pp rank, its
+        split_spec must have made pp x vpp_degree stages (checked here, before any batch, so
+        the error can say which cuts to name)."""
+        parallel = getattr(self._model, "_autoshard_parallel", None)
+        if vpp < 2 or parallel is None or not parallel.stage_meshes:
+            return
+        ranks, spec = len(parallel.stage_meshes), parallel.split_spec
+        want = ranks * vpp
+        if parallel.stages == want:
+            return
+        from .pipeline_split import even_cuts
+
+        cuts = even_cuts(self._model, spec, want)
+        what = (f"split_spec={cuts}" if cuts else
+                f"split_spec={{layer: dist.SplitPoint.END, ...}} with {want - 1} entries")
+        fewer = (f" or set vpp_degree to {parallel.stages // ranks}"
+                 if parallel.stages % ranks == 0 else "")
+        raise StrategyError(
+            f"strategy.pipeline.vpp_degree = {vpp} puts {vpp} model chunks on each of the "
+            f"mesh's {ranks} pp ranks: {ranks} x {vpp} = {want} stages, but pp_config's "
+            f"split_spec={spec!r} cut the model into {parallel.stages}"
+            + (" (a layer-list path makes one stage per pp slice)" if isinstance(spec, str)
+               else "")
+            + f": name the {want - 1} cuts with dist.SplitPoint in dist.parallelize's "
+              f"pp_config, {what} —{fewer or ' or change vpp_degree'}")
 
     def _batch_name(self, kind: str, path: tuple, n_inputs: int) -> str:
         """A pipeline's batch value as errors name it: the batch element (the model's input,

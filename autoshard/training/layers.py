@@ -246,7 +246,9 @@ class ParallelConfig:
     dp_dim: str
     mp_dim: str
     sharding_level: int
-    stage_meshes: tuple = ()  # with pp_config: each pipeline stage's mesh, in order
+    stage_meshes: tuple = ()  # with pp_config: each pp slice's mesh, in order
+    stages: int = 0  # with pp_config: the stages (model chunks) its split_spec made
+    split_spec: Any = None  # with pp_config: the split_spec they were made by
 
 
 # What a plan does to the activations around its layer's calls, as (first input, output):
@@ -635,7 +637,9 @@ def parallelize(model: Any, optimizer: Any = None, mesh: ProcessMesh | None = No
             _add_hooks(modules[path], path, [functools.partial(
                 move_inputs, stage_meshes[stage(path) % len(stage_meshes)], decided.dp_dim)])
         model._autoshard_parallel = replace(
-            decided, stage_meshes=tuple(stage_meshes) if pp is not None else ())
+            decided, stage_meshes=tuple(stage_meshes) if pp is not None else (),
+            stages=len(starts) + 1 if pp is not None else 0,
+            split_spec=pp.get("split_spec") if pp is not None else None)
     else:
         if targets.hooks:
             path, plans = next(iter(targets.hooks.items()))

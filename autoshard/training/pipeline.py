@@ -254,6 +254,27 @@ def _send_back(d_input: Any, where: Any) -> Any:
     return back(d_input, where)
 
 
+def check_chunk_count(stages: Sequence[Stage], chunks: Any) -> None:
+    """Stages cut from a function (where each mesh change starts one): with several model
+    chunks per rank, every mesh the stages are on is a pipeline rank running `chunks` of them,
+    so the stages must number ranks x chunks. (Stages listed by hand keep the per-stage check
+    of PipelineRunner: there the user chose each stage's mesh.)"""
+    if not isinstance(chunks, int) or chunks < 2:
+        return
+    n, meshes = len(stages), len(dict.fromkeys(s.mesh for s in stages))
+    if n % chunks == 0 and meshes <= n // chunks:
+        return
+    want = meshes * chunks
+    raise StageError(
+        f"vpp_degree (chunks) = {chunks} model chunks per pipeline rank on the {meshes} meshes "
+        f"the stages are on needs {meshes} x {chunks} = {want} stages, but the model is cut "
+        f"into {n}: name {want - 1} cuts — with dist.parallelize's pp_config, "
+        f"split_spec={{layer: dist.SplitPoint.END, ...}} with {want - 1} entries (a layer-list "
+        f"path such as split_spec='blocks' makes one stage per pp slice); in a forward written "
+        f"by hand, a dist.reshard to the next stage's mesh at each cut, stage c on mesh c mod "
+        f"{meshes} — or set vpp_degree to {n // meshes if n % meshes == 0 and n >= meshes else 1}")
+
+
 @jit
 def _add(a, b):
     return jax.tree.map(jnp.add, a, b)

@@ -111,6 +111,20 @@ def stage_starts(order: list[str], modules: dict, spec: Any, stages: int) -> lis
     return sorted(set(starts), key=position.__getitem__)
 
 
+def even_cuts(model: Any, spec: Any, stages: int) -> str | None:
+    """A split_spec dict, as Python source, cutting the layer list `spec` (a path) into
+    `stages` equal runs — None when `spec` names no layer list that divides so."""
+    if not isinstance(spec, str):
+        return None
+    order = definition_order(model)
+    items = [p for p in order if p.startswith(spec + ".") and "." not in p[len(spec) + 1:]]
+    if not items or len(items) % stages or len(items) < stages:
+        return None
+    per = len(items) // stages
+    return "{" + ", ".join(f"{items[k * per - 1]!r}: dist.SplitPoint.END"
+                           for k in range(1, stages)) + "}"
+
+
 def module_stages(order: list[str], starts: list[str]) -> dict[str, int]:
     """Each layer's stage: the number of stage starts at or before it in definition order."""
     out, stage, begins = {}, 0, set(starts)
@@ -141,5 +155,5 @@ def move_inputs(mesh: ProcessMesh, dp_dim: str, args: tuple) -> tuple:
     return tuple(move(a) for a in args)
 
 
-__all__ = ["SplitPoint", "definition_order", "stage_starts", "module_stages", "batch_placements",
+__all__ = ["SplitPoint", "definition_order", "stage_starts", "module_stages", "even_cuts", "batch_placements",
            "move_inputs"]
