@@ -270,3 +270,23 @@ def test_flax_nnx_state_round_trip(tmp_path):
         if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
             got, want = jax.random.key_data(got), jax.random.key_data(want)
         assert_bits_equal(got, want)
+
+
+def test_a_disttensor_of_prng_keys_loads_onto_another_mesh_and_split(tmp_path):
+    # a batch of keys split unevenly (6 over 4) on one mesh, loaded split on 3 devices, whole,
+    # and into a plain key array; a plain key array loads into a split DistTensor of keys
+    keys = jax.random.split(jax.random.key(4), 6)
+    data = np.asarray(jax.random.key_data(keys))
+    save_state_dict({"k": dist.shard_tensor(keys, MESH, [R, S0]), "plain": keys}, tmp_path / "c")
+    mesh3 = dist.ProcessMesh([1, 2, 5], dim_names=["x"])
+    fresh = jax.random.split(jax.random.key(0), 6)
+    for target in [dist.shard_tensor(fresh, mesh3, [S0]), dist.shard_tensor(fresh, MESH1, [R])]:
+        got = load_state_dict({"k": target, "plain": dist.shard_tensor(fresh, mesh3, [S0])},
+                              tmp_path / "c")
+        for value in got.values():
+            assert jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+            assert_bits_equal(dist.jit(jax.random.key_data)(value).numpy(), data)
+        assert got["k"].mesh == target.mesh and got["k"].placements == target.placements
+    got = load_state_dict({"k": fresh}, tmp_path / "c")["k"]
+    assert_bits_equal(jax.random.key_data(got), data)
+

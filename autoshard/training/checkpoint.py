@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..creation import offload
 from ..dtensor import DistTensor, make_dtensor
@@ -20,7 +21,7 @@ from ..errors import AutoshardError
 from ..physical import physical_sharding
 from ..layout import Layout
 from ..reshard.api import reshard, to_even
-from ..uneven import even_part
+from ..uneven import even_part, is_key
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -65,7 +66,8 @@ def _to_saveable(key: str, x: Any) -> Any:
     if isinstance(x, DistTensor):
         # Partial reduced; a dim stored padded (uneven.py) written whole, without the padding.
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
-        return to_even(x, reduce_partial=True).physical
+        value = to_even(x, reduce_partial=True).physical
+        return jax.random.key_data(value) if is_key(value) else value  # keys: as plain ones
     if isinstance(x, jax.core.Tracer):
         raise CheckpointError(f"save_state_dict got a traced value for {key!r}: save outside "
                               f"jax.jit / dist.jit, on the concrete state")
@@ -223,7 +225,15 @@ def _same_kind(a: np.dtype, b: np.dtype) -> bool:
 def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, Any]:
     """(item, restore args) reading `key` straight into the target's sharding, after checks."""
     ocp = _orbax()
-    if isinstance(target, DistTensor):
+    if isinstance(target, DistTensor) and is_key(target):
+        # keys are written as their key data (orbax's form): the trailing data dims whole
+        data = jax.eval_shape(jax.random.key_data,
+                              jax.ShapeDtypeStruct(target.shape, target.dtype))
+        shape, dtype = tuple(data.shape), np.dtype(data.dtype)
+        spec = physical_sharding(_readable(target), target.mesh).spec
+        sharding = NamedSharding(target.mesh.to_jax(), PartitionSpec(
+            *spec, *[None] * (len(shape) - len(spec))))
+    elif isinstance(target, DistTensor):
         shape, dtype = target.shape, np.dtype(target.dtype)
         sharding = physical_sharding(_readable(target), target.mesh)
     elif _is_prng_key(target):
@@ -264,13 +274,16 @@ def _readable(target: DistTensor) -> Layout:
 
 def _rebuild(target: Any, value: Any) -> Any:
     if isinstance(target, DistTensor):
+        if is_key(target) and not is_key(value):  # (orbax itself wraps keys it was given)
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(target.physical))
         out = make_dtensor(value, target.mesh, _readable(target), target.shape)
         out = out if out.layout == target.layout else reshard(out, target.mesh,
                                                               target.placements)
         # into the target's memory: an offloaded one (optimizer states) is loaded back to host
         return offload(out, target.memory_kind)
     if _is_prng_key(target):
-        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
+        return value if is_key(value) else jax.random.wrap_key_data(
+            value, impl=jax.random.key_impl(target))
     if isinstance(target, (bool, int, float)):
         return type(target)(np.asarray(value).item())
     if isinstance(target, np.generic):
