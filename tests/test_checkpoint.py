@@ -290,3 +290,10 @@ def test_a_disttensor_of_prng_keys_loads_onto_another_mesh_and_split(tmp_path):
     got = load_state_dict({"k": fresh}, tmp_path / "c")["k"]
     assert_bits_equal(jax.random.key_data(got), data)
 
+
+def test_a_zero_size_leaf_is_named_before_anything_is_written(tmp_path):
+    empty = dist.shard_tensor(np.zeros((0, 4), np.float32), MESH, [S0, S1])
+    with pytest.raises(CheckpointError, match=r"cannot save 'opt.e': it has zero size "
+                                              r"\(shape \(0, 4\)\).*drop it"):
+        save_state_dict({"w": np.ones(3), "opt": {"e": empty}}, tmp_path / "c")
+    assert not os.path.exists(tmp_path / "c")

@@ -63,6 +63,12 @@ def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
 
 
 def _to_saveable(key: str, x: Any) -> Any:
+    if isinstance(x, (DistTensor, jax.Array, np.ndarray)) and 0 in tuple(x.shape):
+        # orbax refuses them only once its background write has started
+        raise CheckpointError(
+            f"cannot save {key!r}: it has zero size (shape {tuple(x.shape)}), and orbax writes "
+            f"no zero-size arrays; it holds no values, so drop it from the state dict (and "
+            f"from the target when loading)")
     if isinstance(x, DistTensor):
         # Partial reduced; a dim stored padded (uneven.py) written whole, without the padding.
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
