@@ -443,3 +443,49 @@ def test_a_cond_differentiated_fills_the_other_branchs_residuals_in_place():
     plan = f.plan(dx, dw)
     assert count_collectives(f.lower(dx, dw).compile().as_text()) == Counter(
         c.kind for c in plan.collectives), str(plan)
+
+
+def _unrolled_scan(w, x, length, unroll):
+    def body(c, wi):
+        return jnp.tanh(c @ wi), c.sum()
+    return jax.lax.scan(body, x, w[:length], unroll=unroll)
+
+
+@pytest.mark.parametrize("length,unroll", [(5, 2), (4, 4), (5, True), (5, 3)])
+def test_an_unrolled_scan_plans_its_bodys_collectives_once_per_copy(length, unroll):
+    """jax lowers `scan(unroll=k)` with k copies of the body in the loop and the iterations
+    left over after it (or every copy, when unrolled whole): the plan lists a body's
+    collectives as often as the compiled program holds them."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(5, 16, 16)).astype(np.float32) * 0.3
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    dw = dist.shard_tensor(w, MESH, ["R", "S(1)"])
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "R"])
+    fn = lambda w, x: _unrolled_scan(w, x, length, unroll)  # noqa: E731
+    f, (c, ys) = run_checked(fn, dw, dx)
+    ref_c, ref_ys = fn(w, x)
+    np.testing.assert_allclose(c.numpy(), ref_c, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ys.numpy(), ref_ys, rtol=1e-5, atol=1e-5)
+    copies = {(5, 2): 3, (4, 4): 4, (5, True): 5, (5, 3): 5}[(length, unroll)]
+    inside = [c for c in f.plan(dw, dx).collectives if "inside scan" in c.reason]
+    assert len(inside) == copies and f"copy {copies} of {copies} unrolled" in inside[-1].reason
+
+
+def test_a_split_scan_unrolled_plans_its_share_of_the_copies():
+    """A map whose rows are split runs length / n iterations per device: unrolled by 2, each
+    device's loop holds 2 copies of the body's collectives."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    w = (rng.normal(size=(32, 32)) * 0.3).astype(np.float32)
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "R"])
+    dw = dist.shard_tensor(w, MESH, ["R", "S(1)"])
+
+    def fn(w, x):
+        return jax.lax.scan(lambda c, r: (c, jnp.tanh(jnp.tanh(r @ w).sum())), 0.0, x,
+                            unroll=2)[1]
+    f, ys = run_checked(fn, dw, dx)
+    np.testing.assert_allclose(ys.numpy(), fn(w, x), rtol=1e-5, atol=1e-5)
+    scan = next(ep for ep in f.plan(dw, dx).eqns if ep.primitive == "scan")
+    assert scan.required[-1].dims[0] == ("dp",)  # 8 rows per device, unrolled by 2
+    inside = [c for c in f.plan(dw, dx).collectives if "inside scan" in c.reason]
+    assert len(inside) == 2, [c.reason for c in inside]

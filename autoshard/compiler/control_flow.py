@@ -384,9 +384,36 @@ def _split_scan(e, operands, mesh, registry, cost_model):
 
 def split_axes(e, ep) -> tuple[str, ...]:
     """The mesh axes a planned scan splits its iterations over (none: every device runs all)."""
-    nc, nk = scan_counts(e.params, len(ep.required))
-    xs = ep.required[nc + nk:]
+    return _split_axes(e, ep.required)
+
+
+def _split_axes(e, required: list[Layout]) -> tuple[str, ...]:
+    nc, nk = scan_counts(e.params, len(required))
+    xs = required[nc + nk:]
     return xs[0].dims[0] if xs else ()
+
+
+def unrolled_copies(length: int, unroll: int | bool) -> int:
+    """How many copies of a scan's body its compiled program holds (jax's scan lowering):
+    `unroll` in the loop's body and the iterations left over after it; a scan unrolled whole
+    is all copies, no loop."""
+    unroll = length if unroll is True else 1 if unroll is False else int(unroll)
+    if unroll == 0:
+        return length
+    trips, remainder = divmod(length, unroll)
+    if unroll == 1:
+        return 1 if length else 0
+    return (unroll if trips else 0) + remainder
+
+
+def body_copies(e, required: list[Layout], sizes: dict) -> int:
+    """How many times each of `e`'s sub-plans' collectives appear in the compiled program:
+    once per copy of a scan's body (an unrolled scan repeats them; a split scan runs its
+    share of the iterations), else once."""
+    if e.name != "scan":
+        return 1
+    n = math.prod(sizes[a] for a in _split_axes(e, required))
+    return unrolled_copies(e.params["length"] // n, e.params["unroll"])
 
 
 def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,

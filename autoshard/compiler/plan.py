@@ -20,7 +20,7 @@ from ..reshard.planner import ReshardPlan
 from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
-from .control_flow import HIGHER_ORDER, plan_higher_order
+from .control_flow import HIGHER_ORDER, body_copies, plan_higher_order
 from .dtypes import cost_dtype
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
@@ -416,9 +416,16 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                 e, operands, mesh, registry, cost_model,
                 [moves(v, e.index, _NOT_MOVED) for v in e.inputs] if name == "cond" else None)
             considered, seconds = 1, 0.0
+            # as often in the plan as in the compiled program: once per copy of the body
+            # (a loop's body once, an unrolled scan's each copy), not once per iteration
+            copies = body_copies(e, required, mesh.axis_sizes)
             for sub in sub_plans:
-                for c in sub.collectives:  # once in the plan, as once in the loop's HLO body
-                    collectives.append(replace(c, reason=f"{c.reason} (inside {strategy})"))
+                for c in sub.collectives:
+                    for i in range(copies):
+                        unrolled = f", copy {i + 1} of {copies} unrolled" if copies > 1 else ""
+                        collectives.append(replace(  # (copies are other collectives: `_once`)
+                            c, reason=f"{c.reason} (inside {strategy}{unrolled})",
+                            shared=c.shared if i == 0 or c.shared is None else (c.shared, i)))
                 fallbacks.extend(sub.fallbacks)
         else:
             sig = facts.signatures[e.index]
