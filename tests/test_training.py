@@ -173,19 +173,57 @@ def test_gradient_merge_reduces_once_per_k_steps(stage):
         assert acc_bytes == full_bytes // mesh.get_dim_size("dp")
 
 
-def test_a_state_dict_taken_inside_a_gradient_merge_cycle_says_what_it_lacks():
-    weights, batches = _weights(), _batches()
-    _, model = _model("dp", weights)
-    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})
-    m = dist.to_static(model, None, mse, optax.sgd(0.1), strategy)
-    m(*batches[0])
-    with pytest.warns(UserWarning, match=r"after 1 of the 2 micro-steps .* multiple of k_steps"):
-        m.state_dict()
+@pytest.mark.parametrize("stage", [0, 2], ids=["no-zero", "zero2"])
+def test_a_checkpoint_taken_inside_a_gradient_merge_cycle_resumes_it(stage, tmp_path):
+    """state_dict() mid-cycle holds the pending accumulated gradients (gm.acc.*: Partial over
+    dp, or ZeRO-2's shards, saved reduced) and the cycle's micro-step (gm.step); a fresh model
+    loaded from it finishes the cycle like the uninterrupted run and one device — it started
+    the cycle over (with a warning), dropping the saved micro-steps' gradients."""
+    weights, batches = _weights(), _batches(n=6)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def fresh():
+        strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True},
+                                  "sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+        return dist.to_static(_model("dp", weights)[1], None, mse, tx, strategy)
+
+    m = fresh()
+    for x, y in batches[:2]:  # 2 of the cycle's 4 micro-steps
+        m(x, y)
+    sd = m.state_dict()
+    assert int(sd["gm.step"].numpy()) == 2
+    assert {k for k in sd if k.startswith("gm.")} == {"gm.acc.w0", "gm.acc.b0", "gm.acc.w1",
+                                                      "gm.step"}
+    dist.save_state_dict(sd, str(tmp_path / "ckpt"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m.state_dict("param")  # the params are whole: nothing pending in them
-        m(*batches[1])
-        m.state_dict()  # at the cycle's end: complete
+        m.state_dict()  # complete: nothing to warn about
+    resumed = fresh()
+    target = resumed.state_dict()
+    assert int(target["gm.step"].numpy()) == 0
+    dist.load_state_dict(target, str(tmp_path / "ckpt"))
+    resumed.set_state_dict(target)
+    resumed_losses = [float(resumed(x, y).numpy()) for x, y in batches[2:]]
+    losses = [float(m(x, y).numpy()) for x, y in batches[2:]]
+    ref_losses, ref_params = _reference(weights, batches, tx, k=4)
+    np.testing.assert_allclose(resumed_losses, ref_losses[2:], rtol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses[2:], rtol=1e-6)
+    for name, value in ref_params.items():  # 6 steps: one update, 2 micro-steps pending
+        np.testing.assert_allclose(resumed.params[name].numpy(), m.params[name].numpy(),
+                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(resumed.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+    pending = resumed.state_dict()  # the next cycle's 2 micro-steps, in memory too
+    assert int(pending["gm.step"].numpy()) == 2
+    for name in weights:
+        np.testing.assert_allclose(pending[f"gm.acc.{name}"].numpy(),
+                                   m.state_dict()[f"gm.acc.{name}"].numpy(), rtol=1e-6, atol=1e-7)
+    # a gm.step past this model's k_steps says what to load, before anything is loaded
+    other = fresh()
+    with pytest.raises(dist.DistModelError, match=r"'gm.step' is 5, but this model's gradient "
+                                                  r"merge has k_steps = 4"):
+        other.set_state_dict({"param.w0": np.zeros((16, 32), np.float32),
+                              "gm.step": np.int32(5)})
+    np.testing.assert_array_equal(other.params["w0"].numpy(), weights["w0"])
 
 
 def test_recompute_trains_like_one_device():

@@ -11,6 +11,8 @@ Gradient merge keeps the summed gradients Partial across calls — each micro-st
 still-unreduced gradients into an accumulator that lives as Partial DistTensors — and reduces
 once, in the k-th call, where the optimizer update consumes them. At ZeRO stage 2 and 3 the
 accumulator is the gradient shard instead: each micro-step reduce-scatters (1/N memory).
+The pending accumulator and the cycle's micro-step are in the state dict (gm.*): saved reduced,
+and made Partial again by the first program a restored model runs, which continues the cycle.
 """
 from __future__ import annotations
 
@@ -519,8 +521,8 @@ class DistModel:
     def program_args(self, name: str, *batch: Any) -> tuple:
         """The arguments program `name` is called with for this batch (for .plan / .lower)."""
         batch = self._batch(batch)
-        if name in ("accumulate", "merge") and self._acc is None:
-            self._acc = self._zero_acc(batch)
+        if name in ("accumulate", "merge"):
+            self._acc = self._zero_acc(batch) if self._acc is None else self._placed_acc(batch)
         carry = self._carry()
         reads, _ = _PROGRAMS[name]
         return ({k: carry[k] for k in reads},) + batch
@@ -546,6 +548,18 @@ class DistModel:
             lambda p, pl: shard_tensor(np.zeros(p.shape, p.dtype), self.mesh, pl),
             self.params, _unflatten_like(self.params, self._acc_placements(batch)),
             is_leaf=lambda x: _is_dt(x) or _is_placements(x))
+
+    def _placed_acc(self, batch: tuple) -> Any:
+        """The accumulator as this batch's programs take it: one loaded from a state dict
+        comes placed like the params (Partial parts are summed when saved) and is made Partial
+        over the batch's dims again, so the cycle continues in the program it started in."""
+        leaves = jax.tree.leaves(self._acc, is_leaf=_is_dt)
+        want = self._acc_placements(batch)
+        if all(a.mesh == self.mesh and a.placements == w for a, w in zip(leaves, want)):
+            return self._acc
+        return _unflatten_like(self.params, [
+            a if a.mesh == self.mesh and a.placements == w else reshard(a, self.mesh, w)
+            for a, w in zip(leaves, want)])
 
     def _batch(self, batch: tuple) -> tuple:
         if len(batch) == 1 and isinstance(batch[0], (tuple, list)):
@@ -704,20 +718,49 @@ class DistModel:
     # -- state --------------------------------------------------------------------------------
     # state_dict names: param.* (nnx.Param), state.* (other model variables: batch statistics,
     # RNG counters and key data), opt.* (optimizer state), amp.* (the float16 loss scaler).
+    # With gradient merge, gm.acc.* (the gradients summed so far in the cycle, reduced: a
+    # Partial accumulator is saved as its sum) and gm.step (the micro-steps done in it): a
+    # model restored mid-cycle continues it.
     _GROUPS = (("param", "params", ("all", "param")), ("state", "state", ("all", "param")),
-               ("opt", "opt_state", ("all", "opt")), ("amp", "scaler_state", ("all", "opt")))
+               ("opt", "opt_state", ("all", "opt")), ("amp", "scaler_state", ("all", "opt")),
+               ("gm", "_merge_state", ("all", "opt")))
+
+    @property
+    def _merge_state(self) -> dict | None:
+        """{"acc": the pending accumulated gradients (zeros between cycles), "step": the
+        micro-steps of the current cycle done}, or None without gradient merge."""
+        if self.k_steps == 1 or self.optimizer is None:
+            return None
+        acc = self._acc
+        if acc is None:  # between cycles: zeros, placed like the params (ZeRO-2/3: shards)
+            stage = self.optimizer.stage
+            acc = jax.tree.map(
+                lambda p: shard_tensor(np.zeros(p.shape, p.dtype), p.mesh,
+                                       self.optimizer.state_placements(p) if stage >= 2
+                                       else p.placements), self.params, is_leaf=_is_dt)
+        step = shard_tensor(np.asarray(self._micro, np.int32), self.mesh,
+                            [Replicate()] * self.mesh.ndim)
+        return {"acc": acc, "step": step}
+
+    @_merge_state.setter
+    def _merge_state(self, value: dict) -> None:
+        self._micro = self._merge_step(value["step"])
+        self._acc = value["acc"] if self._micro else None
+
+    def _merge_step(self, value: Any) -> int:
+        """A loaded gm.step, checked against this model's k_steps."""
+        step = int(np.asarray(value.numpy() if _is_dt(value) else value))
+        if not 0 <= step < self.k_steps:
+            raise DistModelError(
+                f"set_state_dict: 'gm.step' is {step}, but this model's gradient merge has "
+                f"k_steps = {self.k_steps} (a cycle is at micro-step 0 to {self.k_steps - 1}): "
+                f"load a checkpoint saved with the same k_steps, or leave out the gm.* entries "
+                f"to start a new cycle")
+        return step
 
     def state_dict(self, mode: str = "all") -> dict[str, DistTensor]:
         if mode not in ("all", "param", "opt"):
             raise DistModelError(f"state_dict(mode={mode!r}): mode is 'all', 'param' or 'opt'")
-        if self._micro and mode != "param":
-            # the pending sum is not a state a model restored from it could continue: say so
-            # rather than let a resumed run drift from the uninterrupted one
-            warnings.warn(
-                f"state_dict() after {self._micro} of the {self.k_steps} micro-steps of a "
-                f"gradient-merge cycle: their accumulated gradients are not in it, so a model "
-                f"restored from it starts the cycle over; save after a multiple of k_steps = "
-                f"{self.k_steps} train steps", UserWarning, stacklevel=2)
         out: dict[str, DistTensor] = {}
         for prefix, attr, modes in self._GROUPS:
             tree = getattr(self, attr)
@@ -739,6 +782,8 @@ class DistModel:
             if len(unknown) == len(state_dict):
                 raise DistModelError(message + " — nothing was loaded")
             warnings.warn(message + " — they were skipped", UserWarning, stacklevel=2)
+        if "gm.step" in state_dict and self.k_steps > 1:
+            self._merge_step(state_dict["gm.step"])  # before anything is loaded
         for prefix, attr, tree in trees:
             if tree is not None:
                 setattr(self, attr, _load_group(prefix, tree, state_dict))
