@@ -24,12 +24,25 @@ def _describe(shape, dtype) -> str:
 
 
 def _to_array(data: Any, dtype=None):
+    if dtype is not None:
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError:
+            raise PlacementTypeError(f"dtype={dtype!r} is not a dtype: write e.g. "
+                                     f"dtype='float32' or dtype=jnp.bfloat16") from None
     if isinstance(data, jax.Array):
         return data if dtype is None else data.astype(dtype)
-    arr = np.asarray(data, dtype=dtype)
-    if arr.dtype == object:
-        raise PlacementTypeError(f"cannot make a tensor from {type(data).__name__} {data!r:.80}: "
-                                 f"pass a numpy array, a jax.Array, a number or a nested list")
+    try:
+        arr = np.asarray(data, dtype=dtype)
+    except (TypeError, ValueError) as e:  # a ragged nested list, a value the dtype cannot hold
+        raise PlacementTypeError(f"cannot make a tensor from {type(data).__name__} "
+                                 f"{data!r:.80} ({e}): pass a numpy array, a jax.Array, a number "
+                                 f"or a rectangular nested list of numbers") from None
+    # strings and raw bytes are not numbers (bfloat16 and the float8s are kind "V" too)
+    if arr.dtype == object or arr.dtype.kind in "US" or arr.dtype.type is np.void:
+        raise PlacementTypeError(f"cannot make a tensor from {type(data).__name__} {data!r:.80}"
+                                 f" (numpy dtype {arr.dtype}): pass a numpy array, a jax.Array, "
+                                 f"a number or a nested list of numbers")
     # Python floats and ints become float32 / int32 unless jax_enable_x64 is on, as in jnp.
     return arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
 
@@ -106,6 +119,10 @@ def dtensor_from_fn(fn: Callable[..., Any], mesh: ProcessMesh,
     The call is compiled with the target sharding, so each device computes only its block and
     the full tensor is never built on one device.
     """
+    if not callable(fn):
+        raise PlacementTypeError(f"dtensor_from_fn needs a function that makes the array (e.g. "
+                                 f"jnp.ones), got {type(fn).__name__} {fn!r:.60}: write "
+                                 f"dist.dtensor_from_fn(jnp.ones, mesh, placements, shape)")
     mesh = as_process_mesh(mesh)
     thunk = lambda: fn(*args, **kwargs)  # noqa: E731
     aval = jax.eval_shape(thunk)
@@ -234,6 +251,11 @@ def dtensor_to_local(x: DistTensor, mesh: ProcessMesh | None = None,
             raise LocalDataError(f"dtensor_to_local: the tensor is placed {x.placements}, not "
                                  f"{list(want)}: dist.reshard(x, mesh, {list(want)}) first, or "
                                  f"pass its own placements")
+    if not isinstance(x.physical, jax.core.Tracer) and x.physical.is_deleted():
+        raise ReshardError(f"dtensor_to_local: a DistTensor {dtype_name(x.dtype)}{list(x.shape)} "
+                           f"placed {x.placements} was donated to a dist.jit call "
+                           f"(donate_argnums) and its buffers are gone: read that call's result "
+                           f"instead, or stop donating it")
     mine = {d.id for d in jax.local_devices()}
     blocks = []
     for c in itertools.product(*(range(n) for n in x.mesh.shape)):

@@ -29,6 +29,13 @@ def placement_rows(x) -> list[tuple[int, tuple[int, ...], str, bool]]:
 
 def placement_table(x) -> str:
     """A plain-text table of which device holds which block of `x`."""
+    from .dtensor import DistTensor
+
+    if not isinstance(x, DistTensor):
+        from .errors import PlacementTypeError
+
+        raise PlacementTypeError(f"placement_table needs a DistTensor, got {type(x).__name__}: "
+                                 f"place it first with dist.shard_tensor(x, mesh, placements)")
     partial = "".join(f", partial {t.value} over {a!r}" for a, t in x.layout.partial)
     lines = [f"{dtype_name(x.dtype)}{list(x.shape)} on mesh {x.mesh.shape} "
              f"{x.mesh.dim_names} as {x.placements}{partial}; each device holds {list(x.local_shape)}"]

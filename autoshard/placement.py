@@ -118,6 +118,10 @@ _SHORT_FORM = re.compile(r"^\s*(?:(R)|S\((-?\d+)\)|P(?:\((\w+)\))?)\s*$")
 
 def parse_placement(text: str) -> Placement:
     """`"R"`, `"S(0)"`, `"P"` or `"P(max)"` → the placement object."""
+    if not isinstance(text, str):
+        raise PlacementTypeError(
+            f"parse_placement reads a short form string, got {text!r} of type "
+            f"{type(text).__name__}: write 'R', 'S(<dim>)' or 'P(<sum|avg|max|min>)'")
     match = _SHORT_FORM.match(text)
     if match is None:
         raise PlacementError(f"cannot read placement {text!r}: write 'R', 'S(<dim>)' or 'P(<sum|avg|max|min>)'")

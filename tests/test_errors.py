@@ -114,3 +114,26 @@ def test_a_donated_tensor_read_again_or_passed_twice_is_an_error_not_a_crash():
     _raises(dist.SignatureError, r"passed as a donated argument and again as another",
             lambda: g(b, b))
     np.testing.assert_array_equal(g(b, b + 0).numpy(), x * 2)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dist.parse_placement(3), r"parse_placement reads a short form string, got 3"),
+    (lambda: dist.shard_tensor("abc", MESH, ["R", "R"]), r"from str 'abc' \(numpy dtype <U3\)"),
+    (lambda: dist.shard_tensor(np.array(["a", "b"]), MESH, ["S(0)", "R"]), r"numpy dtype <U1"),
+    (lambda: dist.shard_tensor([[1, 2], [3]], MESH, ["R", "R"]), r"from list \[\[1, 2\], \[3\]\]"),
+    (lambda: dist.shard_tensor(np.zeros(4), MESH, ["R", "R"], dtype="floaty"),
+     r"dtype='floaty' is not a dtype"),
+    (lambda: dist.dtensor_from_local("abc", MESH, ["R", "R"]), r"from str 'abc'"),
+    (lambda: dist.dtensor_from_fn(3, MESH, ["R", "R"]), r"dtensor_from_fn needs a function"),
+    (lambda: dist.placement_table(np.zeros(4)), r"placement_table needs a DistTensor, got ndarray"),
+])
+def test_what_is_not_a_tensor_placement_or_function_is_a_typed_error(call, match):
+    _raises(dist.PlacementTypeError, match, call)
+
+
+def test_the_blocks_of_a_donated_tensor_are_an_error_not_a_runtime_error():
+    f = dist.jit(lambda a: a * 2.0, donate_argnums=0)
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH, ["S(0)", "R"])
+    f(a)
+    _raises(dist.ReshardError, r"dtensor_to_local: a DistTensor float32\[8, 4\] placed "
+                               r"\[S\(0\), R\] was donated", lambda: dist.dtensor_to_local(a))
