@@ -15,7 +15,7 @@ from .creation import (dtensor_from_fn, dtensor_from_local, dtensor_to_local, of
 from .display import placement_table
 from .dtensor import DistTensor, StorageViewWarning
 from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
-from .errors import (AutoshardError, DeviceNotFoundError, LocalDataError, MeshError,
+from .errors import (AutoshardError, CostModelError, DeviceNotFoundError, LocalDataError, MeshError,
                      MeshMismatchError, PlacementError, PlacementTypeError, ReshardError,
                      ShardingError, SignatureError)
 from .layout import Layout
@@ -67,6 +67,6 @@ __all__ = [
     "SequenceParallelBegin", "SequenceParallelEnd", "ContextParallel", "PrepareContextParallel", "SequenceParallelEnable",
     "SequenceParallelDisable", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "AnnotationError", "save_state_dict", "load_state_dict", "CheckpointError",
-    "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
+    "AutoshardError", "CostModelError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError",
 ]

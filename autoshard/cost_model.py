@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from .hashing import hash_once
 
 DEFAULT_LATENCY_S = 5e-6          # alpha: fixed cost of launching one collective
@@ -21,11 +23,49 @@ DEFAULT_LOCAL_BANDWIDTH = 500e9   # bytes per second of local memory traffic
 DEFAULT_TRANSFER_BANDWIDTH = 25e9  # bytes per second of a device-to-device copy across meshes
 
 
-def _frozen(mapping: Mapping[str, float] | Iterable[tuple[str, float]] | None) -> tuple:
+def _number(value, what: str, *, zero_ok: bool) -> float:
+    """`value` as a float, if it is a real number > 0 (>= 0 with zero_ok; inf is a free link)."""
+    from .errors import CostModelError
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or np.isnan(value) or value < 0 or (value == 0 and not zero_ok) \
+            or (zero_ok and np.isinf(value)):
+        kind = "seconds, >= 0" if zero_ok else "bytes per second, > 0"
+        raise CostModelError(f"dist.CostModel: {what} = {value!r} is not a number of {kind}: "
+                             f"write e.g. CostModel(bandwidth={{'dp': 12.5e9}}, "
+                             f"latency={{'dp': 2e-5}})")
+    return float(value)
+
+
+def _frozen(mapping: Mapping[str, float] | Iterable[tuple[str, float]] | None,
+            name: str) -> tuple:
+    from .errors import CostModelError
+
     if mapping is None:
         return ()
+    if isinstance(mapping, (str, bytes)) or not isinstance(mapping, (Mapping, Iterable)):
+        raise CostModelError(f"dist.CostModel: {name}={mapping!r} is not a dict of mesh dim "
+                             f"name -> value: write e.g. {name}={{'dp': "
+                             f"{'2e-5' if name == 'latency' else '12.5e9'}}}")
     items = mapping.items() if isinstance(mapping, Mapping) else mapping
-    return tuple(sorted((str(k), float(v)) for k, v in items))
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise CostModelError(f"dist.CostModel: {name}={mapping!r} is not a dict of mesh dim "
+                             f"name -> value (or a list of (name, value) pairs)") from None
+    return tuple(sorted((str(k), _number(v, f"{name}[{k!r}]", zero_ok=name == "latency"))
+                        for k, v in pairs))
+
+
+def check_cost_model(model, where: str):
+    """`model` if it is None or a CostModel, else a CostModelError naming `where`."""
+    if model is not None and not isinstance(model, CostModel):
+        from .errors import CostModelError
+
+        raise CostModelError(f"{where}: cost_model={model!r:.60} of type {type(model).__name__} is "
+                             f"not a dist.CostModel: write cost_model=dist.CostModel("
+                             f"bandwidth={{'dp': 12.5e9}}) or leave it out for the default")
+    return model
 
 
 @dataclass(frozen=True)
@@ -40,8 +80,12 @@ class CostModel:
     bandwidth: tuple = field(default=())
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "latency", _frozen(self.latency))
-        object.__setattr__(self, "bandwidth", _frozen(self.bandwidth))
+        for name in ("default_latency", "default_bandwidth", "local_bandwidth",
+                     "transfer_bandwidth"):
+            object.__setattr__(self, name, _number(getattr(self, name), name,
+                                                   zero_ok=name == "default_latency"))
+        object.__setattr__(self, "latency", _frozen(self.latency, "latency"))
+        object.__setattr__(self, "bandwidth", _frozen(self.bandwidth, "bandwidth"))
 
     def __hash__(self) -> int:
         return hash_once(self, lambda: (self.default_latency, self.default_bandwidth,

@@ -98,12 +98,17 @@ class LocalDataError(AutoshardError, ValueError):
     """Per-device data handed to dtensor_from_local that does not fit the mesh and placements."""
 
 
+class CostModelError(AutoshardError, ValueError):
+    """A cost model with a latency or bandwidth that is not a number of the right sign, or
+    something that is not a dist.CostModel where one is expected."""
+
+
 class SignatureError(AutoshardError, TypeError):
     """A partitioned function's arguments or results that do not fit it: a static argument
     number past its parameters, a result that is not an array."""
 
 
 __all__ = [
-    "SignatureError", "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
+    "CostModelError", "SignatureError", "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError", "MeshMismatchError", "user_source_line",
 ]

@@ -137,3 +137,18 @@ def test_the_blocks_of_a_donated_tensor_are_an_error_not_a_runtime_error():
     f(a)
     _raises(dist.ReshardError, r"dtensor_to_local: a DistTensor float32\[8, 4\] placed "
                                r"\[S\(0\), R\] was donated", lambda: dist.dtensor_to_local(a))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dist.CostModel(bandwidth={"dp": -1}), r"bandwidth\['dp'\] = -1 is not a number"),
+    (lambda: dist.CostModel(bandwidth="fast"), r"bandwidth='fast' is not a dict of mesh dim"),
+    (lambda: dist.CostModel(latency={"mp": "x"}), r"latency\['mp'\] = 'x' is not a number"),
+    (lambda: dist.CostModel(default_bandwidth=0), r"default_bandwidth = 0 is not a number"),
+    (lambda: dist.reshard(dist.shard_tensor(np.ones(4), MESH, ["R", "R"]), MESH, ["R", "R"],
+                          cost_model="fast"), r"dist.reshard: cost_model='fast' of type str"),
+    (lambda: dist.plan_reshard(dist.shard_tensor(np.ones(4), MESH, ["R", "R"]), MESH,
+                               ["R", "R"], cost_model=3), r"dist.plan_reshard: cost_model=3"),
+    (lambda: dist.jit(lambda a: a, cost_model="fast"), r"dist.jit\(<lambda>\): cost_model="),
+])
+def test_a_cost_model_that_is_not_one_is_an_error_where_it_is_given(call, match):
+    _raises(dist.CostModelError, match, call)

@@ -14,7 +14,7 @@ import numpy as np
 from jax._src import core as jcore
 from jax._src.interpreters import ad
 
-from ..cost_model import CostModel, default_cost_model
+from ..cost_model import CostModel, check_cost_model, default_cost_model
 from ..hashing import hash_once
 from ..dtensor import DistTensor, partial_gradient_error
 from ..errors import MeshMismatchError, PlacementTypeError, SignatureError
@@ -200,7 +200,8 @@ class DistributedFunction:
             self._donate = tuple(i + 1 for i in self._donate)
         self._out_placements = out_placements
         self._out_memory_kinds = _check_memory_kinds(out_memory_kinds)
-        self._cost_model = cost_model
+        self._cost_model = check_cost_model(
+            cost_model, f"dist.jit({getattr(fn, '__name__', type(fn).__name__)})")
         self._static_names = static_names
         self._by_static_kwargs: dict = {}
         self._cache: dict = {}

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from ..compiler.dtypes import cost_dtype, dtype_name
-from ..cost_model import CostModel, default_cost_model
+from ..cost_model import CostModel, check_cost_model, default_cost_model
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import PlacementTypeError, ReshardError
 from ..layout import Layout, layout_from_placements
@@ -55,6 +55,7 @@ def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placemen
                  cost_model: CostModel | None = None) -> ReshardPlan:
     """The steps that would reshard `x` onto (mesh, placements), with bytes per device."""
     x = _check_tensor(x, "plan_reshard")
+    check_cost_model(cost_model, "dist.plan_reshard")
     mesh = as_process_mesh(mesh)
     dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
     return plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, mesh, dst,
@@ -79,6 +80,7 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
     Inside dist.jit, on a traced value, it marks a forced conversion point instead.
     """
     mesh = as_process_mesh(mesh)
+    check_cost_model(cost_model, "dist.reshard")
     from jax.core import Tracer
 
     if isinstance(x, Tracer):
