@@ -152,3 +152,20 @@ def test_the_blocks_of_a_donated_tensor_are_an_error_not_a_runtime_error():
 ])
 def test_a_cost_model_that_is_not_one_is_an_error_where_it_is_given(call, match):
     _raises(dist.CostModelError, match, call)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: dist.jit(3), dist.SignatureError, r"dist.jit needs a function to partition, got int"),
+    (lambda: dist.jit(lambda a: a, static_argnums="a"), dist.SignatureError,
+     r"take argument numbers, got 'a': name it with static_argnames='a'"),
+    (lambda: dist.jit(lambda a: a, donate_argnums=1.0), dist.SignatureError,
+     r"take argument numbers, got 1.0"),
+    (lambda: dist.jit(lambda a: a, static_argnames=[0]), dist.SignatureError,
+     r"take parameter names, got \[0\]"),
+    (lambda: dist.jit(lambda a: a, out_memory_kinds=3), dist.PlacementTypeError,
+     r"out_memory_kinds=3 is not a memory kind"),
+])
+def test_dist_jit_arguments_of_the_wrong_kind(call, error, match):
+    _raises(error, match, call)
+    x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH, ["S(0)", "R"])
+    assert dist.jit(lambda a, n: a * n, static_argnums=None, static_argnames=None)(x, 2).shape == (8, 4)

@@ -172,6 +172,10 @@ class DistributedFunction:
                  cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
                  in_shardings: Any = None, out_shardings: Any = None,
                  donate_argnames: Sequence[str] = (), out_memory_kinds: Any = None):
+        if not callable(fn):
+            raise SignatureError(f"dist.jit needs a function to partition, got "
+                                 f"{type(fn).__name__} {fn!r:.60}: write dist.jit(step) or put "
+                                 f"@dist.jit above def step(...)")
         functools.update_wrapper(self, fn)
         if out_shardings is not None and out_placements is not None:
             raise PlacementTypeError("dist.jit takes out_placements or jax.jit's out_shardings, "
@@ -779,8 +783,25 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     """Positions and names of the arguments meant, either way the user named them — as jax.jit
     does, a parameter named in argnames also counts when passed by position and one numbered
     in argnums also when passed by keyword (read from the signature where there is one)."""
-    nums = {int(i) for i in (argnums if isinstance(argnums, (list, tuple)) else (argnums,))}
-    names = {argnames} if isinstance(argnames, str) else set(argnames)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    argnums = () if argnums is None else argnums  # jax.jit's None: no argument
+    argnames = () if argnames is None else argnames
+    nums = argnums if isinstance(argnums, (list, tuple)) else (argnums,)
+    bad = [i for i in nums if isinstance(i, bool) or not isinstance(i, (int, np.integer))]
+    if bad:
+        raise SignatureError(
+            f"dist.jit({name}): static_argnums / donate_argnums take argument numbers, got "
+            f"{bad[0]!r}" + (f": name it with static_argnames={bad[0]!r} (or donate_argnames)"
+                             if isinstance(bad[0], str) else ": write e.g. static_argnums=(1,)"))
+    nums = {int(i) for i in nums}
+    names = (argnames,) if isinstance(argnames, str) else argnames
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(
+            isinstance(n, str) for n in names):
+        raise SignatureError(
+            f"dist.jit({name}): static_argnames / donate_argnames take parameter names, got "
+            f"{argnames!r}: write e.g. static_argnames=('train',), or number the arguments "
+            f"with static_argnums / donate_argnums")
+    names = set(names)
     try:  # a module or bound method: the signature without the module itself
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: no signature to read
@@ -788,7 +809,6 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
     beyond = sorted(i for i in nums if i >= len(positional) or i < -len(positional))
-    name = getattr(fn, "__name__", type(fn).__name__)
     if any(i < 0 for i in nums) and variadic:
         raise SignatureError(
             f"dist.jit({name}): a negative argument number {min(nums)} of a function taking "
@@ -818,6 +838,11 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
 def _check_memory_kinds(kinds: Any) -> Any:
     if kinds is None:
         return None
+    if not isinstance(kinds, (str, list, tuple)):
+        raise PlacementTypeError(
+            f"dist.jit: out_memory_kinds={kinds!r} is not a memory kind: write 'pinned_host' "
+            f"for every output, or a list with one entry per output leaf ('pinned_host', "
+            f"'device' or None)")
     flat = [kinds] if isinstance(kinds, str) else list(kinds)
     for k in flat:
         if k is not None and k not in HOST_MEMORY_KINDS + ("device",):
