@@ -25,6 +25,38 @@ class Rule:
     match_vma: bool = True
 
 
+def _check_rule(primitive: Any, rule: Rule) -> None:
+    """A rule's parts are functions, and its sharding takes (in_avals, out_avals, **params):
+    checked when it is registered, since a rule that fails when called is read as 'no rule for
+    this instance' and the primitive would run replicated without a word."""
+    import inspect
+
+    from autoshard.errors import PlacementTypeError
+
+    name = getattr(primitive, "name", primitive)
+    for part in ("sharding", "lower", "comm"):
+        fn = getattr(rule, part)
+        if fn is None and part != "sharding":
+            continue
+        if not callable(fn):
+            what = "the rule" if part == "sharding" else part
+            raise PlacementTypeError(
+                f"register_rule({name}): {what} is {fn!r:.60} of type {type(fn).__name__}, not "
+                f"a function: write a function sharding(in_avals, out_avals, **params) "
+                f"returning an OpSharding (or None for an instance it does not describe)"
+                + ("" if part == "sharding" else f", and {part}=None or a function"))
+    try:
+        params = list(inspect.signature(rule.sharding).parameters.values())
+    except (TypeError, ValueError):  # a builtin: no signature to read
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise PlacementTypeError(
+            f"register_rule({name}): the rule takes {len(positional)} positional argument(s), "
+            f"but it is called as rule(in_avals, out_avals, **params) (the primitive's params "
+            f"as keywords): write def rule(in_avals, out_avals, **params)")
+
+
 class RuleRegistry:
     """A table of SPMD rules keyed by the jax primitive object (never by name strings)."""
 
@@ -44,6 +76,7 @@ class RuleRegistry:
                 f"jax.lax.add_p), got {primitive!r}")
         if not isinstance(rule, Rule):
             rule = Rule(rule, lower)
+        _check_rule(primitive, rule)
         self._rules[primitive] = rule
         self.memo.clear()
 

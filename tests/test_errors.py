@@ -169,3 +169,20 @@ def test_dist_jit_arguments_of_the_wrong_kind(call, error, match):
     _raises(error, match, call)
     x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH, ["S(0)", "R"])
     assert dist.jit(lambda a, n: a * n, static_argnums=None, static_argnames=None)(x, 2).shape == (8, 4)
+
+
+@pytest.mark.parametrize("rule, lower, match", [
+    (3, None, r"register_rule\(sin\): the rule is 3 of type int, not a function"),
+    (None, None, r"the rule is None of type NoneType"),
+    (lambda ins, outs, **params: None, 5, r"lower is 5 of type int.*lower=None or a function"),
+    (lambda ins: None, None, r"the rule takes 1 positional argument\(s\), but it is called as "
+                             r"rule\(in_avals, out_avals, \*\*params\)"),
+])
+def test_a_rule_that_is_no_function_of_in_and_out_avals_is_refused_when_registered(rule, lower, match):
+    # (one that failed when called would be read as 'no rule here': the primitive replicated)
+    from rules.registry import lookup_rule
+    import jax
+
+    before = lookup_rule(jax.lax.sin_p)
+    _raises(dist.PlacementTypeError, match, lambda: dist.register_rule(jax.lax.sin_p, rule, lower))
+    assert lookup_rule(jax.lax.sin_p) is before
