@@ -186,3 +186,22 @@ def test_a_rule_that_is_no_function_of_in_and_out_avals_is_refused_when_register
     before = lookup_rule(jax.lax.sin_p)
     _raises(dist.PlacementTypeError, match, lambda: dist.register_rule(jax.lax.sin_p, rule, lower))
     assert lookup_rule(jax.lax.sin_p) is before
+
+
+def _set_section(value):
+    strategy = dist.Strategy()
+    strategy.sharding = value
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dist.Strategy({"gradient_merge": {"k_steps": True}}),
+     r"k_steps must be a positive int, got True"),
+    (lambda: dist.Strategy({"amp": {"custom_white_list": "dot_general"}}),  # not d, o, t, ...
+     r"custom_white_list is a list of jax primitive names.*got 'dot_general'"),
+    (lambda: dist.Strategy({"amp": {"custom_black_list": 3}}), r"custom_black_list is a list"),
+    (lambda: dist.Strategy({"sharding": {"mesh_dim": ["dp"]}}),
+     r"mesh_dim names the mesh dim.*got \['dp'\]"),
+    (lambda: _set_section(3), r"strategy.sharding must be a dict of its settings.*got 3"),
+])
+def test_strategy_values_of_the_wrong_type(call, match):
+    _raises(dist.StrategyError, match, call)

@@ -64,12 +64,23 @@ class _Section:
         allowed = _CHOICES.get((name, key))
         if allowed is not None and value not in allowed:
             raise StrategyError(f"strategy.{name}.{key} = {value!r} is not one of {list(allowed)}")
-        if key in _POSITIVE_INTS and (not isinstance(value, int) or value < 1):
+        if key in _POSITIVE_INTS and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
             raise StrategyError(f"strategy.{name}.{key} must be a positive int, got {value!r}")
         if isinstance(_SECTIONS[name][key], bool) and not isinstance(value, (bool, np.bool_)):
             # a string "False" is true: read as a switch it would turn the feature on
             raise StrategyError(f"strategy.{name}.{key} is a switch: write True or False, not "
                                 f"{value!r}")
+        if key in ("custom_white_list", "custom_black_list") and (
+                isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset))
+                or not all(isinstance(v, str) for v in value)):
+            raise StrategyError(f"strategy.amp.{key} is a list of jax primitive names, e.g. "
+                                f"['dot_general', 'conv_general_dilated'], got {value!r}")
+        if key == "mesh_dim" and not (value is None or isinstance(value, str) or (
+                isinstance(value, int) and not isinstance(value, bool))):
+            raise StrategyError(f"strategy.sharding.mesh_dim names the mesh dim the optimizer "
+                                f"states are split over: a dim name such as 'dp', its index, or "
+                                f"None (the mesh's 'dp' or first dim), got {value!r}")
         if key == "degree" and value is not None and (not isinstance(value, int) or value < 1):
             raise StrategyError(f"strategy.{name}.degree must be a positive int (the number of "
                                 f"devices the optimizer states are split over), got {value!r}")
@@ -124,6 +135,10 @@ class Strategy:
             value = _Section(key, value)
         if key not in _SECTIONS:
             raise StrategyError(f"unknown strategy section {key!r}; the sections are {sorted(_SECTIONS)}")
+        if not (isinstance(value, _Section) and value._name == key):
+            raise StrategyError(f"strategy.{key} must be a dict of its settings, e.g. "
+                                f"strategy.{key} = {{'enable': True}}, got {value!r:.60} (or set "
+                                f"one setting: strategy.{key}.enable = True)")
         object.__setattr__(self, key, value)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
