@@ -226,6 +226,27 @@ def test_a_checkpoint_taken_inside_a_gradient_merge_cycle_resumes_it(stage, tmp_
     np.testing.assert_array_equal(other.params["w0"].numpy(), weights["w0"])
 
 
+def test_a_checkpoint_saved_without_gradient_merge_loads_into_a_model_that_merges(tmp_path):
+    """A pretrained checkpoint has no gm.* entries: a model with gradient merge loads it and
+    starts a new cycle (its own zero accumulator kept), training like one device from it."""
+    weights, batches = _weights(), _batches(n=4)
+    tx = optax.sgd(0.1)
+    plain = dist.to_static(_model("dp", weights)[1], None, mse, tx)
+    dist.save_state_dict(plain.state_dict("param"), str(tmp_path / "pretrained"))
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True}})
+    zeros = {k: np.zeros_like(v) for k, v in weights.items()}
+    m = dist.to_static(_model("dp", zeros)[1], None, mse, tx, strategy)
+    target = m.state_dict()
+    dist.load_state_dict(target, str(tmp_path / "pretrained"))
+    assert int(target["gm.step"].numpy()) == 0
+    m.set_state_dict(target)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx, k=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+
+
 def test_recompute_trains_like_one_device():
     # AMP has its own tests (test_amp.py): each level against its one-device program
     weights, batches = _weights(), _batches(n=3)

@@ -324,13 +324,17 @@ def _reads(read: Callable[[list[str]], Any], key: str) -> bool:
         return False
 
 
+_RUN_STATE = "gm."  # a to_static model's gradient-merge cycle (dist_model.py's state dict)
+
+
 def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     """Load the checkpoint at `path` into the layout of the target `state_dict`.
 
     Each target (a DistTensor on any mesh and placements, a jax.Array, numpy array or number)
     decides where its value goes; every device reads only its own block. Returns a new state
     dict of the same structure and also replaces the entries of the given dicts and lists in
-    place, as Paddle does. Checkpoint entries the target does not name are ignored.
+    place, as Paddle does. Checkpoint entries the target does not name are ignored; the
+    target's gradient-merge entries (gm.*) are kept as they are when the checkpoint has none.
     """
     wait_for_saves()
     path = os.path.abspath(os.fspath(path))
@@ -338,7 +342,13 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     saved = _read_metadata(path)
     items: dict[str, Any] = {}
     args: dict[str, Any] = {}
+    # A checkpoint saved without gradient merge (a pretrained model's) has no gm.* entries: a
+    # model that merges loads it between cycles, its own (zero) gm.* entries kept as they are.
+    keep = {k for k in keys if k.startswith(_RUN_STATE)} \
+        if not any(k.startswith(_RUN_STATE) for k in saved) else set()
     for key, target in zip(keys, targets):
+        if key in keep:
+            continue
         if key not in saved:
             near = difflib.get_close_matches(key, list(saved), n=3) or sorted(saved)[:5]
             raise CheckpointError(
@@ -347,7 +357,7 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
         items[key], args[key] = _restore_spec(key, target, saved[key], path)
     restored = _restore(path, items, args) if items else {}
     result = jax.tree_util.tree_unflatten(
-        treedef, [_rebuild(t, restored[k]) for k, t in zip(keys, targets)])
+        treedef, [t if k in keep else _rebuild(t, restored[k]) for k, t in zip(keys, targets)])
     _fill_in_place(state_dict, result)
     return result
 
