@@ -205,3 +205,17 @@ def _set_section(value):
 ])
 def test_strategy_values_of_the_wrong_type(call, match):
     _raises(dist.StrategyError, match, call)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dist.ShardingStage1("zz", MESH), r"ShardingStage1\(mesh_dim='zz'\).*dims \['dp', 'mp'\]"),
+    (lambda: dist.ShardingStage2(5, MESH), r"ShardingStage2\(mesh_dim=5\)"),
+    (lambda: dist.ShardingStage3("dp", "mesh"), r"ShardingStage3\(mesh='mesh'\): mesh is a str"),
+    (lambda: dist.ShardingStage1(["dp"]), r"mesh_dim is the mesh dim the states are split over"),
+    (lambda: dist.shard_optimizer(__import__("optax").sgd(0.1), offload="False"),
+     r"offload is a switch: write True or False, not 'False'"),
+    (lambda: dist.shard_optimizer(__import__("optax").sgd(0.1), None, "2"),
+     r"gradient_accumulation_steps must be an int >= 1, got '2'"),
+])
+def test_sharding_stages_and_optimizer_switches_are_checked_where_written(call, match):
+    _raises(dist.OptimizerError, match, call)

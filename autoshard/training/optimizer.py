@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 import optax
 
 from ..dtensor import DistTensor, is_dist_tensor as _is_dt
@@ -31,6 +32,22 @@ class _Stage:
     mesh_dim: str | int | None = None
     mesh: ProcessMesh | None = None
     level: int = 0
+
+    def __post_init__(self) -> None:
+        name = f"ShardingStage{self.level}"
+        dim = self.mesh_dim
+        if not (dim is None or isinstance(dim, str) or (isinstance(dim, int)
+                                                        and not isinstance(dim, bool))):
+            raise OptimizerError(f"{name}(mesh_dim={dim!r}): mesh_dim is the mesh dim the "
+                                 f"states are split over: a dim name such as 'dp', its index, "
+                                 f"or None (the mesh's 'dp' or first dim)")
+        if self.mesh is not None:
+            if not isinstance(self.mesh, ProcessMesh):
+                raise OptimizerError(f"{name}(mesh={self.mesh!r:.60}): mesh is a "
+                                     f"{type(self.mesh).__name__}, not a dist.ProcessMesh: "
+                                     f"write {name}('dp', mesh) with the params' ProcessMesh, "
+                                     f"or leave it out")
+            self.axis(self.mesh)  # a dim the mesh lacks fails here, not at the first step
 
     def axis(self, mesh: ProcessMesh) -> str:
         dim = self.mesh_dim
@@ -119,8 +136,13 @@ class ShardedOptimizer:
         if shard_fn is not None and not isinstance(shard_fn, _Stage) and not callable(shard_fn):
             raise OptimizerError(f"shard_fn must be dist.ShardingStage1/2/3(mesh_dim) or a "
                                  f"function, got {shard_fn!r}")
-        if int(gradient_accumulation_steps) < 1:
-            raise OptimizerError("gradient_accumulation_steps must be >= 1")
+        if isinstance(gradient_accumulation_steps, bool) or not isinstance(
+                gradient_accumulation_steps, (int, np.integer)) or gradient_accumulation_steps < 1:
+            raise OptimizerError(f"gradient_accumulation_steps must be an int >= 1, got "
+                                 f"{gradient_accumulation_steps!r}")
+        if not isinstance(offload, (bool, np.bool_)):  # a string "False" would turn offloading on
+            raise OptimizerError(f"shard_optimizer: offload is a switch: write True or False, "
+                                 f"not {offload!r}")
         self.tx = tx
         self.shard_fn = shard_fn
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
