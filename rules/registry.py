@@ -65,6 +65,9 @@ class RuleRegistry:
         # The rules' answers per equation shape (autoshard.compiler.propagate.rule_signature):
         # rules are pure, so only a change of rule makes an answer stale.
         self.memo: dict = {}
+        # primitive -> what its rule last raised for an instance it did not describe (the
+        # fallback warning says it: the rule is there, it declined)
+        self.declined: dict = {}
 
     def register(self, primitive: Any, rule: Rule | Callable[..., Any],
                  lower: Callable[..., Any] | None = None) -> None:

@@ -337,6 +337,49 @@ def test_register_rule_for_a_user_primitive():
     np.testing.assert_array_equal(out.numpy(), np.full((8, 4), 2.0))
 
 
+def _doubling_primitive(name: str):
+    from jax.extend import core as jex_core
+
+    p = jex_core.Primitive(name)
+    p.def_impl(lambda x: x * 2)
+    p.def_abstract_eval(lambda a: a)
+    jax.interpreters.mlir.register_lowering(
+        p, jax.interpreters.mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+    return p
+
+
+@pytest.mark.parametrize("rule, error, match", [
+    (lambda ins, outs, **p: "ij->ij", dist.PlacementTypeError,
+     r"the SPMD rule registered for 'my_rule_p' \(at test_jit.py:\d+\) returned 'ij->ij' of "
+     r"type str: a rule returns an OpSharding"),
+    (lambda ins, outs, **p: 1 // 0, dist.PlacementTypeError,
+     r"registered for 'my_rule_p' \(at test_jit.py:\d+\) raised ZeroDivisionError: .*fix the "
+     r"rule, or have it return None"),
+    (lambda ins, outs, **p: ins[5], dist.FallbackWarning,
+     r"primitive 'my_rule_p' \(at test_jit.py:\d+\): its SPMD rule does not describe it \(the "
+     r"rule raised IndexError: list index out of range\); it runs replicated"),
+    (lambda ins, outs, **p: None, dist.FallbackWarning,
+     r"its SPMD rule does not describe it \(the rule returned None\)"),
+])
+def test_a_broken_user_rule_is_named_and_a_declining_one_says_so(rule, error, match):
+    """A rule answering other than an OpSharding or None, or failing other than as rules
+    decline an instance, is an error naming the primitive and its line (was an AttributeError
+    deep in planning, or the rule's own exception); a rule that declines (None, or a
+    TypeError / ValueError / IndexError ...) runs the primitive replicated, and the warning
+    says the rule declined, with why — not that there is no rule."""
+    p = _doubling_primitive("my_rule_p")
+    dist.register_rule(p, rule)
+    xs = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)])
+    f = dist.jit(lambda a: p.bind(a) + 1.0)
+    if issubclass(error, Warning):
+        with pytest.warns(error, match=match):
+            out = f(xs)
+        np.testing.assert_array_equal(out.numpy(), np.full((8, 4), 3.0))
+    else:
+        with pytest.raises(error, match=match):
+            f(xs)
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 def _err(error, match, fn):

@@ -200,12 +200,20 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
             plan = other
     if plan.fallbacks and top_level:
         names = sorted({n for n, _ in plan.fallbacks})
+        declined = {p.name: why for p, why in registry.declined.items()}
         for name in names:
             where = ", ".join(sorted({s or "?" for n, s in plan.fallbacks if n == name}))
-            warnings.warn(
-                f"autoshard: no SPMD rule for primitive '{name}' (at {where}); it runs "
-                f"replicated — results stay correct, but its inputs are gathered. Add a rule "
-                f"with dist.register_rule(<primitive>, rule).", FallbackWarning, stacklevel=4)
+            if name in declined:  # the rule is there, it described no such instance
+                why = (f"its SPMD rule does not describe it (the rule {declined[name]}); it "
+                       f"runs replicated — results stay correct, but its "
+                       f"inputs are gathered. Have the rule return an OpSharding for these "
+                       f"shapes and params.")
+            else:
+                why = ("no SPMD rule for it; it runs replicated — results stay correct, but its "
+                       "inputs are gathered. Add a rule with dist.register_rule(<primitive>, "
+                       "rule).")
+            warnings.warn(f"autoshard: primitive '{name}' (at {where}): {why}",
+                          FallbackWarning, stacklevel=4)
     return plan
 
 

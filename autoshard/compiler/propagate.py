@@ -18,9 +18,10 @@ from collections import deque
 from typing import NamedTuple
 
 from ..cost_model import CostModel
-from ..errors import PlacementError
+from ..errors import PlacementError, PlacementTypeError
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .factors import OpSharding
 from .strategy import Signature, chooser, signature
 from .trace import Eqn, Program, hint_p
 
@@ -49,10 +50,7 @@ def rule_signature(eqn: Eqn, registry) -> Signature | None:
         result = None
         rule = registry.lookup(eqn.primitive)
         if rule is not None:
-            try:
-                opsh = rule.sharding(in_avals, out_avals, **eqn.params)
-            except (TypeError, ValueError, KeyError, IndexError, AssertionError):
-                opsh = None  # an instance the rule does not describe runs replicated
+            opsh = _call_rule(rule, eqn, in_avals, out_avals, registry)
             result = None if opsh is None else signature(opsh, in_avals, out_avals)
         if key is not None:
             if len(registry.memo) >= _MAX_MEMO:
@@ -60,6 +58,33 @@ def rule_signature(eqn: Eqn, registry) -> Signature | None:
             registry.memo[key] = result
     eqn.sharding_cache[id(registry)] = result
     return result
+
+
+def _call_rule(rule, eqn: Eqn, in_avals: list, out_avals: list, registry) -> OpSharding | None:
+    """The rule's OpSharding of `eqn`, or None: an instance the rule does not describe (it
+    returned None, or raised one of the errors a rule raises for shapes or params it does not
+    handle: recorded in `registry.declined` for the fallback warning to say). A rule that
+    answers something else, or fails otherwise, is a broken rule: an error naming it."""
+    try:
+        opsh = rule.sharding(in_avals, out_avals, **eqn.params)
+    except (TypeError, ValueError, KeyError, IndexError, AssertionError) as exc:
+        registry.declined[eqn.primitive] = f"raised {type(exc).__name__}: {exc}"[:200]
+        return None
+    except Exception as exc:
+        raise PlacementTypeError(
+            f"the SPMD rule registered for '{eqn.primitive.name}' (at {eqn.source or '?'}) "
+            f"raised {type(exc).__name__}: {exc}: fix the rule, or have it return None (or "
+            f"raise ValueError) for the shapes and params it does not describe, which then run "
+            f"replicated") from exc
+    if opsh is not None and not isinstance(opsh, OpSharding):
+        raise PlacementTypeError(
+            f"the SPMD rule registered for '{eqn.primitive.name}' (at {eqn.source or '?'}) "
+            f"returned {opsh!r:.80} of type {type(opsh).__name__}: a rule returns an "
+            f"OpSharding (autoshard.compiler.factors), or None for an instance it does not "
+            f"describe")
+    if opsh is None:
+        registry.declined[eqn.primitive] = "returned None"
+    return opsh
 
 
 def rule_sharding(eqn: Eqn, registry):
