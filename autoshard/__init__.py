@@ -16,8 +16,8 @@ from .display import placement_table
 from .dtensor import DistTensor, StorageViewWarning
 from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
 from .errors import (AutoshardError, CostModelError, DeviceNotFoundError, LocalDataError, MeshError,
-                     MeshMismatchError, PlacementError, PlacementTypeError, ReshardError,
-                     ShardingError, SignatureError)
+                     MeshMismatchError, OperandError, PlacementError, PlacementTypeError,
+                     ReshardError, ShardingError, SignatureError)
 from .layout import Layout
 from .local_map import LocalMapError, get_rank, local_map
 from .ring_attention import ring_attention, ring_attention_fn, zigzag_indices
@@ -57,7 +57,7 @@ __all__ = [
     "reshard", "plan_reshard", "ReshardPlan", "PlannedStep", "CostModel", "default_cost_model",
     "set_default_cost_model", "calibrate_cost_model", "Layout", "placement_table", "jit",
     "DistributedFunction", "Plan",
-    "SignatureError", "FallbackWarning", "UnevenShardingWarning", "StorageViewWarning", "IgnoredConstraintWarning", "register_rule", "Rule", "MeshMismatchError",
+    "SignatureError", "OperandError", "FallbackWarning", "UnevenShardingWarning", "StorageViewWarning", "IgnoredConstraintWarning", "register_rule", "Rule", "MeshMismatchError",
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",

@@ -17,6 +17,8 @@ from jax._src.lib import xla_client
 
 from .compiler.jit import DistributedFunction, jit
 from .dtensor import DistTensor
+from .errors import (AutoshardError, OperandAxisError, OperandIndexError, OperandTypeError,
+                     operand_error)
 
 class _Programs(dict):
     """(op name, *static params) → its program, keyed by the params' values *and types*
@@ -87,7 +89,13 @@ def program(key: tuple, make: Callable[[], Callable[..., Any]]) -> DistributedFu
             # jax cuts a traceback at its API boundary, so every equation would be attributed
             # to this file; the caller's traceback puts the user's line in plans and warnings.
             with source_info_util.user_context(getattr(_CALLER, "traceback", None)):
-                return fn(*args)
+                try:
+                    return fn(*args)
+                except (TypeError, ValueError, IndexError) as exc:
+                    # jax's own check of the op's operands (run() names them): not one of ours
+                    if not isinstance(exc, AutoshardError):
+                        exc.__dict__["_autoshard_operands"] = True
+                    raise
 
         traced.__name__ = traced.__qualname__ = f"eager_{key[0]}"
         # "keep": pending Partial results stay visible op by op, until the user reshards them
@@ -102,8 +110,20 @@ def run(key: tuple, make: Callable[[], Callable[..., Any]], *args: Any) -> Any:
     _CALLER.traceback = xla_client.Traceback.get_traceback()
     try:
         return f(*args)
+    except (TypeError, ValueError, IndexError) as exc:
+        if not exc.__dict__.get("_autoshard_operands"):
+            raise
+        raise operand_error(exc, f"{key[0]} of {', '.join(map(_describe, args))}: {exc} (numpy "
+                                 f"and jax refuse it alike on one device)") from exc
     finally:
         _CALLER.traceback = None
+
+
+def _describe(x: Any) -> str:
+    """An operand as an error names it: dtype, shape and, for a DistTensor, its placements."""
+    shape, dtype = np.shape(x), getattr(x, "dtype", type(x).__name__)
+    where = f" {x.placements}" if isinstance(x, DistTensor) else ""
+    return f"{dtype}{list(shape)}{where}"
 
 
 def _operand(x: Any) -> tuple[Any, type | None] | None:
@@ -163,7 +183,8 @@ def _unary(name: str, f: Callable[..., Any]) -> Callable:
 def _axis(axis: Any, ndim: int) -> int:
     a = operator.index(axis)
     if not -ndim <= a < ndim:
-        raise np.exceptions.AxisError(a, ndim)
+        raise OperandAxisError(f"axis {a} is out of bounds for a DistTensor of {ndim} dims: "
+                               f"name an axis from {-ndim} to {ndim - 1}")
     return a % ndim
 
 
@@ -176,7 +197,7 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...] | None:
 def _no_out(out: Any, name: str) -> None:
     # numpy's np.sum(x) / np.mean(x) / np.argmax(x) call x.sum(axis=..., dtype=..., out=None)
     if out is not None:
-        raise TypeError(f"DistTensor.{name}: out= is not supported (DistTensors are immutable "
+        raise OperandTypeError(f"DistTensor.{name}: out= is not supported (DistTensors are immutable "
                         f"values, as jax arrays are); use the result")
 
 
@@ -190,7 +211,8 @@ def _reduction(name: str, f: Callable[..., Any]) -> Callable:
         _no_out(given.get("out"), name)
         other = set(given) - {first, "axis", "dtype", "out", "keepdims", "initial", "where"}
         if other:
-            raise TypeError(f"DistTensor.{name}: {', '.join(sorted(other))} is not supported; "
+            raise OperandTypeError(f"DistTensor.{name}: {', '.join(sorted(other))} is not "
+                                   f"supported; "
                             f"call jnp.{f.__name__} inside a dist.jit function for it")
         axes, keep = _axes(given.get("axis"), self.ndim), bool(given.get("keepdims", False))
         kw: dict = {}
@@ -227,7 +249,11 @@ def _arg_reduction(name: str, f: Callable[..., Any]) -> Callable:
 
 def astype(self: DistTensor, dtype: Any) -> DistTensor:
     """This tensor converted to `dtype`, laid out as the plan chooses."""
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise OperandTypeError(f"DistTensor.astype({dtype!r:.60}): {exc}: name a numpy or jax "
+                               f"dtype, e.g. 'float32' or jnp.bfloat16") from exc
     return run(("astype", dt), lambda: lambda x: x.astype(dt), self)
 
 
@@ -279,7 +305,7 @@ def _index_spec(shape: tuple[int, ...], key: Any) -> tuple[tuple, list]:
             spec.append(_ARRAY)
             arrays.append(k)
         else:
-            raise IndexError(f"DistTensor index {k!r:.60}: only integers, slices (`:`), ellipsis "
+            raise OperandIndexError(f"DistTensor index {k!r:.60}: only integers, slices (`:`), ellipsis "
                              f"(`...`), None and integer or boolean arrays are valid indices")
     _check_bounds(shape, spec, arrays)
     return _progression_as_slice(shape, spec, arrays)
@@ -361,7 +387,7 @@ class _AtUpdate:
     def _update(self, op: str, value: Any, mode: str | None) -> DistTensor:
         parsed = _operand(value)
         if parsed is None:
-            raise TypeError(f"x.at[...].{op}() takes an array, a DistTensor or a scalar, not "
+            raise OperandTypeError(f"x.at[...].{op}() takes an array, a DistTensor or a scalar, not "
                             f"{type(value).__name__}")
         static, x = self._static, self._x
         v = parsed[0] if parsed[1] is None else np.asarray(parsed[0], dtype=x.dtype)
@@ -404,8 +430,9 @@ def _check_bounds(shape: tuple[int, ...], spec: list, arrays: list) -> None:
             bad = np.asarray(values)
             bad = bad[(bad < -n) | (bad >= n)]
             if bad.size:
-                raise IndexError(f"index {int(bad.flat[0])} is out of bounds for axis {dim} "
-                                 f"with size {n}")
+                raise OperandIndexError(f"index {int(bad.flat[0])} is out of bounds for axis "
+                                        f"{dim} with size {n} (of a DistTensor of shape "
+                                        f"{tuple(shape)})")
 
 
 def _dims(shape: tuple[int, ...], spec: list) -> list:
@@ -461,7 +488,7 @@ def _static(x: Any, method: str) -> Any:
     try:
         hash(x)
     except TypeError:
-        raise TypeError(f"DistTensor.{method}: argument {x!r:.60} is neither an array nor a "
+        raise OperandTypeError(f"DistTensor.{method}: argument {x!r:.60} is neither an array nor a "
                         f"hashable constant") from None
     return x
 
@@ -561,7 +588,7 @@ def _setitem(self: DistTensor, index: Any, value: Any) -> None:
         # scatter inside shard_map — the `metric.total[...] = 0` of every flax metric reset)
         parsed = _operand(value)
         if parsed is None:
-            raise TypeError(f"x[...] = v takes an array, a DistTensor or a scalar, not "
+            raise OperandTypeError(f"x[...] = v takes an array, a DistTensor or a scalar, not "
                             f"{type(value).__name__}")
         new = run(("fill",), lambda: lambda x, v: jnp.broadcast_to(
             jnp.asarray(v).astype(x.dtype), x.shape), self, parsed[0])

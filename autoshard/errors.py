@@ -8,6 +8,8 @@ import os
 import sys
 import sysconfig
 
+import numpy as np
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # In an editable install the rules live beside the package, not inside it.
 _RULES_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "rules")
@@ -108,7 +110,42 @@ class SignatureError(AutoshardError, TypeError):
     number past its parameters, a result that is not an array."""
 
 
+class OperandError(AutoshardError):
+    """An eager DistTensor op given operands it does not take (shapes that do not broadcast, an
+    axis or index out of range, an unknown dtype): the check numpy or jax would make on one
+    device, with the tensors and the user's line. Each is also the builtin error numpy raises
+    (TypeError, ValueError, IndexError), so code catching those still does."""
+
+
+class OperandTypeError(OperandError, TypeError):
+    pass
+
+
+class OperandValueError(OperandError, ValueError):
+    pass
+
+
+class OperandIndexError(OperandError, IndexError):
+    pass
+
+
+class OperandAxisError(OperandError, np.exceptions.AxisError):
+    """An axis out of range (numpy's AxisError: a ValueError and an IndexError)."""
+
+
+def operand_error(exc: BaseException, message: str) -> OperandError:
+    """`message` as the OperandError of the builtin kind of `exc`."""
+    if isinstance(exc, IndexError) and isinstance(exc, ValueError):
+        return OperandAxisError(message)
+    for kind, cls in ((IndexError, OperandIndexError), (TypeError, OperandTypeError)):
+        if isinstance(exc, kind):
+            return cls(message)
+    return OperandValueError(message)
+
+
 __all__ = [
     "CostModelError", "SignatureError", "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError", "MeshMismatchError", "user_source_line",
+    "OperandError", "OperandTypeError", "OperandValueError", "OperandIndexError",
+    "OperandAxisError", "operand_error",
 ]

@@ -669,3 +669,33 @@ def test_item_assignment_updates_in_place_and_keeps_placements(placements):
     a[...] = 7           # the whole tensor (a broadcast, the dtype kept)
     check(alias, np.full_like(A, 7.0))
     assert a.placements == placements and a.dtype == A.dtype
+
+
+_BAD_A = dist.shard_tensor(np.ones((4, 4), np.float32), MESH24, [S(0), R()])
+_BAD_B = dist.shard_tensor(np.ones((4, 3), np.float32), MESH24, [R(), R()])
+
+
+@pytest.mark.parametrize("op, kind, match", [
+    (lambda: _BAD_A + _BAD_B, TypeError,
+     r"add of float32\[4, 4\] \[S\(0\), R\], float32\[4, 3\] \[R, R\]: add got "
+     r"incompatible shapes for broadcasting"),
+    (lambda: _BAD_B @ _BAD_B, TypeError, r"matmul of .*contracting dimensions"),
+    (lambda: _BAD_A.reshape(5, 3), TypeError, r"reshape of float32\[4, 4\] \[S\(0\), R\]: "
+                                              r"cannot reshape"),
+    (lambda: _BAD_A.mean(axis=(0, 0)), ValueError, r"mean of .*duplicate value in 'axis'"),
+    (lambda: _BAD_A.transpose(0, 0), TypeError, r"transpose of .*permutation"),
+    (lambda: _BAD_A.sum(axis=3), np.exceptions.AxisError,
+     r"axis 3 is out of bounds for a DistTensor of 2 dims: name an axis from -2 to 1"),
+    (lambda: _BAD_A[7], IndexError, r"index 7 is out of bounds for axis 0 with size 4 \(of a "
+                                    r"DistTensor of shape \(4, 4\)\)"),
+    (lambda: _BAD_A.astype("floaty"), TypeError, r"astype\('floaty'\): .*name a numpy or jax "
+                                                 r"dtype"),
+])
+def test_an_op_its_operands_do_not_fit_names_them_and_the_line(op, kind, match):
+    """What numpy / jax refuse on one device (shapes that do not broadcast, an axis or index
+    out of range, an unknown dtype) is a dist.OperandError that is also numpy's builtin error,
+    naming the operands' shapes and placements and the user's line (jax's message alone named
+    neither)."""
+    with pytest.raises(dist.OperandError, match=match) as info:
+        op()
+    assert isinstance(info.value, kind) and "test_eager.py:" in str(info.value), str(info.value)
