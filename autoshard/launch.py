@@ -8,7 +8,8 @@ every process simulates `--devices` devices (XLA_FLAGS), so 2 processes × 4 dev
 same 8-device meshes the single-process examples use; ProcessMesh entries are global ranks.
 
 Output lines are prefixed with the rank; the launcher waits for all, stops the others when one
-fails, and exits with the first failure's code. On a cluster, skip the launcher:
+fails (SIGTERM, then SIGKILL), and exits with the first failure's code; `--timeout S` stops
+them all after S seconds (exit code 124). On a cluster, skip the launcher:
 `init_parallel_env()` then lets jax detect SLURM / Open MPI / Kubernetes settings.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Sequence
 
 from .errors import AutoshardError
@@ -44,11 +46,31 @@ def _pump(stream, rank: int, out) -> None:
         out.flush()
 
 
+def _stop(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL what still runs after `grace` seconds: a process that joined the
+    jax runtime catches SIGTERM (jax's preemption notifier records it and carries on), and one
+    blocked in a collective whose peer is gone would never return."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(end - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def launch(script: str, args: Sequence[str] = (), nproc: int = 2, devices: int | None = None,
            timeout: float | None = None) -> int:
-    """Run `script` in `nproc` processes; the exit code of the first that failed (else 0)."""
+    """Run `script` in `nproc` processes; the exit code of the first that failed (a process
+    killed by signal N: 128 + N), else 0. With `timeout` (seconds), processes still running
+    then are stopped and the code is 124 — a rank blocked in a collective whose peer finished
+    or took another branch would otherwise wait forever."""
     if nproc < 1:
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    if timeout is not None and not timeout > 0:
+        raise LaunchError(f"--timeout must be a positive number of seconds, got {timeout}")
     port = _free_port()
     procs, pumps = [], []
     for rank in range(nproc):
@@ -66,6 +88,7 @@ def launch(script: str, args: Sequence[str] = (), nproc: int = 2, devices: int |
         t.start()
         pumps.append(t)
     code = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         pending = list(procs)
         while pending:
@@ -76,13 +99,23 @@ def launch(script: str, args: Sequence[str] = (), nproc: int = 2, devices: int |
                     continue
                 pending.remove(p)
                 if rc != 0 and code == 0:
-                    code = rc
-                    for q in pending:  # the others would wait for it forever
-                        q.terminate()
+                    code = rc if rc > 0 else 128 - rc  # killed by signal N: 128 + N, as a shell
+                    _stop(pending)  # the others would wait for it forever
+                    pending = []
+                    break
+            if pending and deadline is not None and time.monotonic() > deadline:
+                ranks = [procs.index(p) for p in pending]
+                sys.stderr.write(f"autoshard.launch: ranks {ranks} still running after "
+                                 f"--timeout {timeout:g} s; stopping them\n")
+                _stop(pending)
+                code = code or 124  # as coreutils' timeout
+                pending = []
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        for p in procs:
+            p.wait()
         for t in pumps:
             t.join(timeout=5)
     return code
@@ -94,10 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--devices", type=int, default=None,
                         help="simulated CPU devices per process (sets XLA_FLAGS)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop every process after this many seconds (exit code 124)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
-    return launch(ns.script, ns.args, ns.nproc, ns.devices)
+    return launch(ns.script, ns.args, ns.nproc, ns.devices, ns.timeout)
 
 
 if __name__ == "__main__":

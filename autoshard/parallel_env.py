@@ -5,7 +5,9 @@ environment, where the coordinator is and which rank it has.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 ENV_COORDINATOR = "AUTOSHARD_COORDINATOR"
 ENV_NPROC = "AUTOSHARD_NPROC"
@@ -33,6 +35,38 @@ def init_parallel_env() -> None:
     if jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(nproc), process_id=int(rank))
+    _exit_promptly_after_an_uncaught_exception()
+
+
+_FAILED: list[bool] = []
+
+
+def _exit_promptly_after_an_uncaught_exception() -> None:
+    """A process that dies of an uncaught exception leaves without jax's shutdown barrier.
+
+    At exit jax waits (up to 5 minutes) for every process to shut down, so a rank that raised
+    would sit there while the others wait for it inside a collective, and the launcher, which
+    stops the rest when one exits non-zero, would never see it exit. The exception is printed
+    as usual; exit handlers registered after this one (a checkpoint save still being written)
+    run, then the process exits with status 1 before jax's own handlers."""
+    hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        _FAILED.append(True)
+        hook(kind, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(_leave_if_failed)
+
+
+def _leave_if_failed() -> None:
+    if _FAILED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream: nothing left to say
+                pass
+        os._exit(1)
 
 
 def _initialized() -> bool:

@@ -190,6 +190,43 @@ def test_a_failing_process_fails_the_launch_and_stops_the_others(tmp_path):
     assert out.returncode == 3
 
 
+def test_a_rank_that_ignores_sigterm_is_killed_and_timeout_stops_a_hung_launch(tmp_path):
+    """A process that joined jax catches SIGTERM (jax's preemption notifier): the launcher
+    follows with SIGKILL. `--timeout` stops ranks that would wait forever (exit code 124)."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(textwrap.dedent('''
+        import os, signal, sys, time
+        if os.environ["AUTOSHARD_RANK"] == "1" and sys.argv[1] == "fail":
+            raise SystemExit(3)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+    '''))
+    for flags, arg, code in (([], "fail", 3), (["--timeout", "2"], "hang", 124)):
+        out = subprocess.run([sys.executable, "-m", "autoshard.launch", "--nproc", "2", *flags,
+                              str(script), arg], capture_output=True, text=True, timeout=60,
+                             cwd=ROOT)
+        assert out.returncode == code, out.stdout + out.stderr
+    assert "ranks [0, 1] still running after --timeout 2 s" in out.stderr
+
+
+def test_a_rank_raising_after_init_parallel_env_fails_the_launch_promptly(tmp_path):
+    """jax's exit waits (5 minutes) for every process to shut down: a rank that raised sat
+    there while its peer waited for it in a collective, and the launch hung."""
+    script = tmp_path / "raise.py"
+    script.write_text(textwrap.dedent('''
+        import autoshard as dist
+        dist.init_parallel_env()
+        import jax, numpy as np
+        x = dist.shard_tensor(np.arange(4.0), dist.ProcessMesh([0, 1], ["dp"]), [dist.Shard(0)])
+        if jax.process_index() == 1:
+            raise RuntimeError("rank 1 fails")
+        print(x.numpy())  # a collective rank 1 never joins
+    '''))
+    out = _launch(script, devices=1, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "[rank 1] RuntimeError: rank 1 fails" in out.stdout
+
+
 def test_init_parallel_env_alone_is_a_no_op(monkeypatch):
     import autoshard as dist
     for key in ("AUTOSHARD_COORDINATOR", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
