@@ -30,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .dtensor import DistTensor, is_dist_tensor as _is_dt
-from .errors import AutoshardError
+from .errors import AutoshardError, PlacementError, PlacementTypeError
 from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
 from .physical import physical_spec
-from .placement import Placement, ReduceType, parse_placement, mean_of_parts
+from .placement import (Partial, Placement, ReduceType, Replicate, Shard, parse_placement,
+                        mean_of_parts)
 from .uneven import uneven_dims
 
 
@@ -89,6 +90,10 @@ def local_map(func: Callable | None = None, out_placements: Sequence | None = No
         raise LocalMapError(f"local_map({getattr(func, '__name__', func)!r}) needs "
                             f"out_placements: one placements list per output, e.g. "
                             f"[[dist.Shard(0), dist.Replicate()]] for one output")
+    # checked as written; each placement too where the mesh is known (else at the call, where
+    # the inputs name it, so that the error can name the mesh dim)
+    _check_placements(func, out_placements, in_placements,
+                      process_mesh if process_mesh is not None else get_mesh(), now=True)
     eager_programs: dict = {}
 
     @functools.wraps(func)
@@ -111,6 +116,67 @@ def _name(func: Callable) -> str:
     return getattr(func, "__name__", repr(func))
 
 
+def _code(p: Any) -> str:
+    """A placement as the user writes it."""
+    if isinstance(p, Shard):
+        return f"dist.Shard({p.dim})"
+    if isinstance(p, Partial):
+        kind = ReduceType(p.reduce_type).value
+        return "dist.Partial()" if kind == "sum" else f"dist.Partial({kind!r})"
+    return "dist.Replicate()" if isinstance(p, Replicate) else repr(p)
+
+
+def _check_placements(func: Callable, out_placements: Any, in_placements: Any,
+                      mesh: ProcessMesh | None, now: bool = False) -> None:
+    elements = not now or isinstance(mesh, ProcessMesh)
+    _check_placement_lists(func, "out_placements", out_placements, "output", mesh, elements)
+    if in_placements is not None:
+        _check_placement_lists(func, "in_placements", in_placements, "positional argument",
+                               mesh, elements)
+
+
+def _check_placement_lists(func: Callable, name: str, lists: Any, per: str,
+                           mesh: ProcessMesh | None, elements: bool = True) -> None:
+    """`out_placements` / `in_placements` as written: a list with one placements list (or None)
+    per output / argument, each placement a dist.Shard / Replicate / Partial or its short
+    form — checked where local_map is given them, not where their first use fails."""
+    head = f"local_map({_name(func)!r}): {name}"
+    example = "[[dist.Shard(0), dist.Replicate()]]"
+    if isinstance(lists, (Placement, str)) or not isinstance(lists, (list, tuple)):
+        raise PlacementTypeError(
+            f"{head} is a list with one placements list per {per}, got {lists!r} of type "
+            f"{type(lists).__name__}: write e.g. {name}={example} for one {per} on a 2-d mesh")
+    if any(isinstance(p, (Placement, str)) for p in lists):
+        one = "[" + ", ".join(_code(p) for p in lists) + "]"
+        raise PlacementTypeError(
+            f"{head} = {list(lists)} is one flat list of placements, but it has one placements "
+            f"list per {per} (one placement per mesh dim in each): for one {per} write "
+            f"{name}=[{one}]")
+    dims = mesh.dim_names if isinstance(mesh, ProcessMesh) else None
+    for k, placements in enumerate(lists):
+        if placements is None or not elements:
+            continue
+        if not isinstance(placements, (list, tuple)):
+            raise PlacementTypeError(
+                f"{head}[{k}] is {placements!r} of type {type(placements).__name__}: each {per} "
+                f"takes a list with one placement per mesh dim, e.g. "
+                f"[dist.Shard(0), dist.Replicate()], or None")
+        for i, p in enumerate(placements):
+            axis = (f"mesh dim {dims[i]!r}" if dims is not None and i < len(dims)
+                    else f"mesh dim {i}")
+            where = f"{head}[{k}][{i}] (for {per} {k}, {axis})"
+            if isinstance(p, str):
+                try:
+                    parse_placement(p)
+                except PlacementError as e:
+                    raise PlacementError(f"{where}: {e.message}") from None
+            elif not isinstance(p, Placement):
+                raise PlacementTypeError(
+                    f"{where} is {p!r} of type {type(p).__name__}, not a placement: write "
+                    f"dist.Shard(d) to split tensor dim d over that mesh dim, dist.Replicate() "
+                    f"to copy it, or dist.Partial() for parts of a sum")
+
+
 def _check_arity(func: Callable, in_placements: Sequence, args: tuple) -> None:
     if len(in_placements) != len(args):
         raise LocalMapError(
@@ -131,6 +197,7 @@ def _eager(func, out_placements, in_placements, mesh, reshard_inputs, args, prog
                             f"process_mesh= (or dist.auto_parallel.set_mesh) so it knows which "
                             f"devices to run on")
     mesh = as_process_mesh(mesh)
+    _check_placements(func, out_placements, in_placements, mesh)
     if in_placements is None:
         in_placements = [_arg_placements(a) for a in args]
     _check_arity(func, in_placements, args)
@@ -166,7 +233,9 @@ def _eager(func, out_placements, in_placements, mesh, reshard_inputs, args, prog
 
 def _keep_as_given(out_placements: Sequence) -> Any:
     # the results are handed out as out_placements says, Partial ones unreduced
-    return [list(p) for p in out_placements] if len(out_placements) > 1 else list(out_placements[0])
+    # (None — an array output without placements — is refused when the function is traced)
+    kept = [None if p is None else list(p) for p in out_placements]
+    return kept if len(kept) > 1 else kept[0]
 
 
 def _arg_placements(arg: Any) -> list | None:
@@ -192,6 +261,7 @@ def _traced(func, out_placements, in_placements, mesh, args):
         raise LocalMapError(f"local_map({_name(func)!r}) inside a traced function needs "
                             f"process_mesh=: the devices its blocks run on")
     mesh = as_process_mesh(mesh)
+    _check_placements(func, out_placements, in_placements, mesh)
     _check_arity(func, in_placements, args)
     from .creation import annotate
 

@@ -219,3 +219,40 @@ def test_strategy_values_of_the_wrong_type(call, match):
 ])
 def test_sharding_stages_and_optimizer_switches_are_checked_where_written(call, match):
     _raises(dist.OptimizerError, match, call)
+
+
+def _local_map(out_placements, traced=False, **kw):
+    x = dist.shard_tensor(np.ones((8, 8), np.float32), MESH, [dist.Shard(0), dist.Replicate()])
+    f = dist.local_map(lambda a: a * 2, out_placements=out_placements, **kw)
+    return dist.jit(f)(x) if traced else f(x)
+
+
+_IN = {"in_placements": [[dist.Shard(0), dist.Replicate()]], "process_mesh": MESH}
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: _local_map([[7, dist.Replicate()]]), dist.PlacementTypeError,
+     r"out_placements\[0\]\[0\] \(for output 0, mesh dim 'dp'\) is 7 of type int, not a "
+     r"placement: write dist.Shard\(d\)"),
+    (lambda: _local_map([[7, dist.Replicate()]], True, **_IN), dist.PlacementTypeError,
+     r"out_placements\[0\]\[0\] \(for output 0, mesh dim 'dp'\) is 7"),
+    (lambda: _local_map([["S(0)", "X"]]), dist.PlacementError,
+     r"out_placements\[0\]\[1\] \(for output 0, mesh dim 'mp'\): cannot read placement 'X'"),
+    (lambda: _local_map([dist.Shard(0), dist.Replicate()]), dist.PlacementTypeError,
+     r"out_placements = \[S\(0\), R\] is one flat list of placements, but it has one "
+     r"placements list per output.*write out_placements=\[\[dist.Shard\(0\), "
+     r"dist.Replicate\(\)\]\]"),
+    (lambda: _local_map([dist.Shard(0), dist.Replicate()], True, **_IN), dist.PlacementTypeError,
+     r"is one flat list of placements"),
+    (lambda: _local_map(3), dist.PlacementTypeError,
+     r"out_placements is a list with one placements list per output, got 3 of type int"),
+    (lambda: _local_map([[dist.Shard(0), dist.Replicate()]], in_placements=[dist.Shard(0), "R"]),
+     dist.PlacementTypeError, r"in_placements = \[S\(0\), 'R'\] is one flat list.*one "
+                              r"placements list per positional argument"),
+    (lambda: _local_map([None]), dist.LocalMapError, r"output 0 is an array; give it placements"),
+    (lambda: _local_map([None], True, **_IN), dist.LocalMapError, r"output 0 is an array"),
+])
+def test_local_map_placements_that_are_not_one_placements_list_per_output(call, error, match):
+    _raises(error, match, call)
+    np.testing.assert_array_equal(_local_map([["S(0)", "R"]]).numpy(), np.full((8, 8), 2.0))
+
