@@ -28,8 +28,14 @@ def _to_id_array(mesh: Any) -> np.ndarray:
                         f"nested list of device ids, e.g. [[0, 1], [2, 3]]")
     if arr.size == 0:
         raise MeshError("the mesh is empty: it needs at least one device id, e.g. [0, 1, 2, 3]")
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
+    if arr.ndim == 0:  # ProcessMesh(3) read as [3] is one device, not three
+        n = int(arr) if np.issubdtype(arr.dtype, np.integer) and 0 < arr <= 16 else None
+        raise MeshError(f"the mesh {mesh!r} is a single number, not a list of device ids: write "
+                        + (f"dist.ProcessMesh({list(range(n))}) for {n} devices (or "
+                           f"dist.ProcessMesh(list(range({n})))), dist.ProcessMesh([{n}]) for "
+                           f"device {n} alone" if n is not None else
+                           "a list of device ids, e.g. dist.ProcessMesh([0, 1, 2]) or "
+                           "dist.ProcessMesh(list(range(n))) for n devices"))
     if not np.issubdtype(arr.dtype, np.integer):
         raise MeshError(f"mesh entries must be integer device ids, got dtype {arr.dtype} in "
                         f"{mesh!r}: write e.g. [[0, 1], [2, 3]]")
@@ -72,6 +78,10 @@ class ProcessMesh:
                 f"dim_names {dim_names} has {len(dim_names)} names but the mesh has {ids.ndim} dims "
                 f"(shape {list(ids.shape)}): give one name per dim, e.g. "
                 f"{[f'd{i}' for i in range(ids.ndim)]}")
+        if any(not n.strip() for n in dim_names):
+            raise MeshError(f"dim_names {dim_names} has an empty name: each mesh dim needs a "
+                            f"name to be placed and referred to by, e.g. "
+                            f"{[f'd{i}' for i in range(ids.ndim)]} or ['dp', 'mp']")
         if len(set(dim_names)) != len(dim_names):
             dup = sorted({n for n in dim_names if dim_names.count(n) > 1})
             raise MeshError(f"dim_names {dim_names} repeats {dup}: each mesh dim needs its own name")

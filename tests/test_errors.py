@@ -256,3 +256,25 @@ def test_local_map_placements_that_are_not_one_placements_list_per_output(call, 
     _raises(error, match, call)
     np.testing.assert_array_equal(_local_map([["S(0)", "R"]]).numpy(), np.full((8, 8), 2.0))
 
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: dist.save_state_dict({"w": np.ones(4)}, 3), dist.CheckpointError,
+     r"save_state_dict: path is 3 of type int, not a directory name: pass a str or pathlib.Path"),
+    (lambda: dist.load_state_dict({"w": np.ones(4)}, None), dist.CheckpointError,
+     r"load_state_dict: path is None of type NoneType"),
+    (lambda: dist.shard_layer({"w": np.ones((8, 4))}, MESH, 3), dist.ParallelizeError,
+     r"shard_layer: shard_fn is 3 of type int, not a function: pass None or a function "
+     r"shard_fn\(name, sublayer, mesh\)"),
+    (lambda: dist.shard_layer({"w": np.ones((8, 4))}, MESH, None, "shard"), dist.ParallelizeError,
+     r"shard_layer: input_fn is 'shard' of type str.*input_fn\(inputs, mesh\)"),
+    (lambda: dist.ProcessMesh([0, 1], dim_names=[""]), dist.MeshError,
+     r"dim_names \[''\] has an empty name"),
+    (lambda: dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", " "]), dist.MeshError,
+     r"has an empty name"),
+    (lambda: dist.ProcessMesh(3), dist.MeshError,
+     r"the mesh 3 is a single number, not a list of device ids: write dist.ProcessMesh\(\[0, 1, "
+     r"2\]\) for 3 devices"),
+    (lambda: dist.ProcessMesh(np.int64(2), ["x"]), dist.MeshError, r"is a single number"),
+])
+def test_checkpoint_paths_shard_layer_functions_and_meshes_of_the_wrong_kind(call, error, match):
+    _raises(error, match, call)

@@ -89,6 +89,17 @@ def _to_saveable(key: str, x: Any) -> Any:
         f"store it separately (e.g. as JSON)")
 
 
+def _checkpoint_path(path: Any, what: str) -> str:
+    """The absolute directory name of `path` (a str or os.PathLike), else a CheckpointError."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(
+            f"{what}: path is {path!r:.60} of type {type(path).__name__}, not a directory name: "
+            f"pass a str or pathlib.Path, e.g. dist.{what}(state_dict, 'checkpoints/step_100')")
+    return os.path.abspath(os.fspath(path))
+
+
 def _is_checkpoint_dir(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("_CHECKPOINT_METADATA", "_METADATA"))
 
@@ -176,8 +187,8 @@ def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
     written in the background: call `.wait()` on the returned handle (a later save or load, and
     exit, also wait). An existing checkpoint at `path` is replaced.
     """
+    path = _checkpoint_path(path, "save_state_dict")
     wait_for_saves()
-    path = os.path.abspath(os.fspath(path))
     keys, leaves, _ = _flatten(state_dict)
     if not keys:
         raise CheckpointError(f"save_state_dict to {path}: the state dict has no arrays to save")
@@ -336,8 +347,8 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     place, as Paddle does. Checkpoint entries the target does not name are ignored; the
     target's gradient-merge entries (gm.*) are kept as they are when the checkpoint has none.
     """
+    path = _checkpoint_path(path, "load_state_dict")
     wait_for_saves()
-    path = os.path.abspath(os.fspath(path))
     keys, targets, treedef = _flatten(state_dict)
     saved = _read_metadata(path)
     items: dict[str, Any] = {}

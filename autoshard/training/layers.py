@@ -132,6 +132,13 @@ def shard_layer(layer: Any, process_mesh: ProcessMesh, shard_fn: Callable | None
     input_fn / output_fn need an nnx module.
     """
     mesh = as_process_mesh(process_mesh)
+    for name, fn, form in (("shard_fn", shard_fn, "shard_fn(name, sublayer, mesh)"),
+                           ("input_fn", input_fn, "input_fn(inputs, mesh)"),
+                           ("output_fn", output_fn, "output_fn(outputs, mesh)")):
+        if fn is not None and not callable(fn):
+            raise ParallelizeError(
+                f"shard_layer: {name} is {fn!r:.60} of type {type(fn).__name__}, not a "
+                f"function: pass None or a function {form} (see help(dist.shard_layer))")
     nnx = _nnx()
     if isinstance(layer, nnx.Module):
         _shard_nnx(layer, mesh, shard_fn)
