@@ -278,3 +278,95 @@ def test_local_map_placements_that_are_not_one_placements_list_per_output(call, 
 ])
 def test_checkpoint_paths_shard_layer_functions_and_meshes_of_the_wrong_kind(call, error, match):
     _raises(error, match, call)
+
+
+def _apply(params, x):
+    return x @ params["w"]
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _dist_model(loss_fn=_mse, strategy=None):
+    import optax
+
+    params = {"w": dist.shard_tensor(np.ones((8, 4), np.float32), MESH, ["R", "R"])}
+    return dist.to_static((_apply, params), None, loss_fn, optax.sgd(0.1), strategy)
+
+
+_BATCH = (np.ones((8, 8), np.float32), np.zeros((8, 4), np.float32))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: _dist_model(strategy="dp"), dist.StrategyError,
+     r"to_static: strategy is 'dp' of type str: pass dist.Strategy\(\{'sharding'"),
+    (lambda: _dist_model(strategy={"shardin": {}}), dist.StrategyError,
+     r"unknown strategy sections \['shardin'\]"),
+    (lambda: _dist_model("mse"), dist.DistModelError,
+     r"to_static: loss_fn is 'mse' of type str, not a function: pass a function "
+     r"loss_fn\(output, label\)"),
+    (lambda: _dist_model(lambda out: out.mean())(*_BATCH), dist.DistModelError,
+     r"loss_fn <lambda>\(out\) cannot be called as loss_fn\(output, label\).*the batch has 2 "
+     r"elements, the model's input\(s\) and then the label"),
+    (lambda: _dist_model(lambda out, y, mask: out.mean())(*_BATCH), dist.DistModelError,
+     r"loss_fn <lambda>\(out, y, mask\) cannot be called.*passes one label"),
+    (lambda: _dist_model()(_BATCH[0]), dist.DistModelError,
+     r"loss_fn _mse\(out, y\) cannot be called as loss_fn\(output\) \(missing a required "
+     r"argument: 'y'\): loss_fn needs a label.*call dist_model\(inputs, label\)"),
+    (lambda: _dist_model().eval()(_BATCH[0]), dist.DistModelError, r"loss_fn needs a label"),
+    (lambda: _dist_model().program_args("trainn", *_BATCH), dist.DistModelError,
+     r"program_args\('trainn'\): there is no program 'trainn' \(did you mean 'train'\?\); the "
+     r"programs are \['train', 'accumulate', 'merge', 'eval', 'predict'\]"),
+    (lambda: _dist_model().set_state_dict(3), dist.DistModelError,
+     r"set_state_dict takes a dict of name -> value.*got 3 of type int"),
+])
+def test_to_static_arguments_of_the_wrong_kind(call, error, match):
+    _raises(error, match, call)
+
+
+def test_to_static_takes_a_strategy_dict_and_trains_as_with_a_strategy():
+    losses = []
+    for strategy in ({"gradient_merge": {"enable": True, "k_steps": 2}},
+                     dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})):
+        dm = _dist_model(strategy=strategy)
+        assert dm.k_steps == 2
+        losses.append([float(dm(*_BATCH).numpy()) for _ in range(3)])
+    assert losses[0] == losses[1]
+
+
+def test_to_static_uses_the_mesh_of_set_mesh_and_trains_like_one_device():
+    import flax.linen as linen
+    import jax
+    import optax
+    from autoshard.testing import mse_step
+
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            init = linen.initializers.lecun_normal()
+            h = linen.relu(linen.Dense(32, kernel_init=linen.with_partitioning(init, (None, "mp")))(x))
+            return linen.Dense(8, kernel_init=linen.with_partitioning(init, ("mp", None)))(h)
+
+    rng = np.random.default_rng(4)
+    batches = [(rng.normal(size=(16, 8)).astype(np.float32),
+                rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
+    variables = Net().init(jax.random.key(0), batches[0][0])
+    tx = optax.sgd(0.1)
+    dist.set_mesh(MESH)
+    try:
+        dm = dist.to_static((Net(), variables), None, _mse, tx)
+    finally:
+        dist.set_mesh(None)
+    assert dm.mesh == MESH
+    losses = [float(dm(x, y).numpy()) for x, y in batches]
+    kernels = sorted((k, v.placements) for k, v in dm.state_dict("param").items()
+                     if k.endswith("kernel"))
+    assert [p for _, p in kernels] == [[dist.Replicate(), dist.Shard(1)],
+                                       [dist.Replicate(), dist.Shard(0)]], kernels
+    params = linen.unbox(variables)["params"]
+    step = jax.jit(mse_step(lambda p, x: Net().apply({"params": p}, x), tx))
+    opt_state = tx.init(params)
+    for (x, y), got in zip(batches, losses):
+        params, opt_state, want = step(params, opt_state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-5)

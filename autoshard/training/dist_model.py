@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -29,7 +30,7 @@ import optax
 from ..compiler.jit import jit
 from ..creation import shard_tensor
 from ..dtensor import DistTensor, is_dist_tensor as _is_dt
-from ..mesh import ProcessMesh, as_process_mesh
+from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..physical import mesh_sharding
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
@@ -73,8 +74,25 @@ def _find_mesh(params: Any, loader: Any) -> ProcessMesh:
     meshes = getattr(loader, "meshes", None)
     if meshes:
         return meshes[0] if isinstance(meshes, (list, tuple)) else meshes
+    if get_mesh() is not None:  # as parallelize: the mesh of dist.auto_parallel.set_mesh
+        return get_mesh()
     raise DistModelError("to_static found no mesh: place the params with dist.shard_tensor / "
-                         "dist.shard_layer, or pass a dist.shard_dataloader")
+                         "dist.shard_layer, pass a dist.shard_dataloader, or call "
+                         "dist.set_mesh(mesh) first")
+
+
+def _as_strategy(strategy: Any) -> Strategy:
+    """to_static's strategy: a dist.Strategy, or the dict dist.Strategy takes."""
+    if strategy is None:
+        return Strategy()
+    if isinstance(strategy, dict):
+        return Strategy(strategy)
+    if not isinstance(strategy, Strategy):
+        raise StrategyError(
+            f"to_static: strategy is {strategy!r:.60} of type {type(strategy).__name__}: pass "
+            f"dist.Strategy({{'sharding': {{'enable': True, 'stage': 1}}}}) (or that dict), or "
+            f"None for the defaults")
+    return strategy
 
 
 def _unbox_linen(model: Any, loader: Any) -> Any:
@@ -113,8 +131,13 @@ class DistModel:
     """What dist.to_static returns; call it with a batch (see `__call__`)."""
 
     def __init__(self, model: Any, loader: Any, loss_fn: Callable | None, optimizer: Any,
-                 strategy: Strategy | None = None):
-        self.strategy = strategy if strategy is not None else Strategy()
+                 strategy: Strategy | dict | None = None):
+        self.strategy = _as_strategy(strategy)
+        if loss_fn is not None and not callable(loss_fn):
+            raise DistModelError(
+                f"to_static: loss_fn is {loss_fn!r:.60} of type {type(loss_fn).__name__}, not a "
+                f"function: pass a function loss_fn(output, label) returning one number, e.g. "
+                f"lambda out, y: jnp.mean((out - y) ** 2) (or None to only predict)")
         model = _unbox_linen(model, loader)
         self._parts = split_model(model)
         self._model = model
@@ -259,6 +282,7 @@ class DistModel:
         if self._loss_fn is None:
             raise DistModelError("this DistModel has no loss_fn: pass one to dist.to_static")
         batch = self._batch(batch)
+        self._check_loss_args(batch)
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         scaler = self.scaler_state
         extra = (scaler["scale"],) if scaler else ()
@@ -520,7 +544,17 @@ class DistModel:
 
     def program_args(self, name: str, *batch: Any) -> tuple:
         """The arguments program `name` is called with for this batch (for .plan / .lower)."""
+        if not (isinstance(name, str) and name in _PROGRAMS):
+            near = difflib.get_close_matches(name, list(_PROGRAMS), n=1) \
+                if isinstance(name, str) else []
+            raise DistModelError(
+                f"program_args({name!r}): there is no program {name!r}"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; the programs are {list(_PROGRAMS)} (train, or accumulate and merge with "
+                  f"gradient merge; eval; predict)")
         batch = self._batch(batch)
+        if name != "predict":
+            self._check_loss_args(batch)
         if name in ("accumulate", "merge"):
             self._acc = self._zero_acc(batch) if self._acc is None else self._placed_acc(batch)
         carry = self._carry()
@@ -582,6 +616,42 @@ class DistModel:
                 x = shard_tensor(x, mesh, placements)
             out.append(x)
         return tuple(out)
+
+    def _check_loss_args(self, batch: tuple) -> None:
+        """loss_fn is called as loss_fn(output, label), the label being the batch's last
+        element (a one-element batch is the model's input: loss_fn(output)). Checked against
+        loss_fn's signature before tracing, so that a mismatch says what the batch holds rather
+        than which argument of the traced step is missing."""
+        n_labels = 1 if len(batch) > 1 else 0
+        checked = self.__dict__.setdefault("_loss_args_ok", set())
+        if self._loss_fn is None or n_labels in checked:
+            return
+        try:
+            signature = inspect.signature(self._loss_fn)
+        except (TypeError, ValueError):  # a builtin without one: its call will say
+            return
+        try:
+            signature.bind(*([None] * (1 + n_labels)))
+        except TypeError as exc:
+            name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
+            required = sum(1 for p in signature.parameters.values() if p.default is p.empty
+                           and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+            if required > 2:
+                fix = ("to_static passes one label, the batch's last element: give loss_fn's "
+                       "parameters after the first two defaults (or close over those values)")
+            elif n_labels:
+                fix = (f"the batch has {len(batch)} elements, the model's input(s) and then the "
+                       f"label (the last): write loss_fn(output, label), or call the model with "
+                       f"its inputs only")
+            else:
+                fix = ("loss_fn needs a label, the batch's last element after the model's "
+                       "inputs, but the batch has 1 element (the input): call "
+                       "dist_model(inputs, label) — 2 elements or more")
+            raise DistModelError(
+                f"to_static: loss_fn {name}{signature} cannot be called as loss_fn("
+                f"{'output, label' if n_labels else 'output'}) ({exc}): {fix}"
+            ) from None
+        checked.add(n_labels)
 
     def _ordered(self, batch: dict) -> tuple:
         """A dict batch as arguments: the inputs in the batch's order, then the label."""
@@ -669,6 +739,7 @@ class DistModel:
                 f"{'on' if self.strategy.recompute.enable else 'off'}")
         if self._pipeline is not None:  # the stages, the schedule and what moves between them
             placed = self._batch(batch)
+            self._check_loss_args(placed)
             inputs, labels = ((placed, ()) if len(placed) == 1
                               else (placed[:-1], placed[-1:]))
             return "\n".join([head, self._pipeline.explain(self.params, inputs, *labels,
@@ -703,6 +774,7 @@ class DistModel:
             raise DistModelError("profile measures pipeline stages: this DistModel has no "
                                  "strategy.pipeline (see summary() for its one program)")
         placed = self._batch(batch)
+        self._check_loss_args(placed)
         inputs, labels = (placed, ()) if len(placed) == 1 else (placed[:-1], placed[-1:])
         extra = (self.scaler_state["scale"],) if self.scaler_state else ()
         return self._pipeline.profile(self.params, inputs, *labels, *extra, steps=steps,
@@ -769,6 +841,12 @@ class DistModel:
         return out
 
     def set_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise DistModelError(
+                f"set_state_dict takes a dict of name -> value, as dist_model.state_dict() "
+                f"returns (e.g. sd = dist_model.state_dict(); dist.load_state_dict(sd, path); "
+                f"dist_model.set_state_dict(sd)), got {state_dict!r:.60} of type "
+                f"{type(state_dict).__name__}")
         trees = [(prefix, attr, getattr(self, attr)) for prefix, attr, _ in self._GROUPS]
         known = [n for prefix, _, tree in trees if tree is not None for n in _flat(prefix, tree)]
         unknown = sorted(set(state_dict) - set(known))
@@ -825,8 +903,12 @@ def _unflatten_like(tree: Any, leaves: list) -> Any:
 
 
 def to_static(model: Any, loader: Any = None, loss_fn: Callable | None = None,
-              optimizer: Any = None, strategy: Strategy | None = None) -> DistModel:
-    """Paddle's dist.to_static: compile the whole training step of `model` across its mesh."""
+              optimizer: Any = None, strategy: Strategy | dict | None = None) -> DistModel:
+    """Paddle's dist.to_static: compile the whole training step of `model` across its mesh.
+
+    `strategy`: a dist.Strategy or the dict dist.Strategy takes. `loss_fn(output, label)`: the
+    label is the batch's last element. The mesh is the placed params' (or the one flax
+    sharded them on), else the loader's, else dist.set_mesh's."""
     return DistModel(model, loader, loss_fn, optimizer, strategy)
 
 
