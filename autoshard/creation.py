@@ -144,13 +144,20 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
     coordinates), a function of a device's mesh coordinates returning its block, or one array
     that every device holds. For Partial mesh dims the blocks are the partial values; for
     Replicate dims they should agree (each device keeps its own).
+
+    Across processes each process places only its own devices' blocks: the blocks of other
+    processes' devices may be None (as `dtensor_to_local` gives them), or arrays that are only
+    read for their shapes. Where they are None the split is taken to be even (Paddle's rule:
+    the global shape is the local one times the mesh dims splitting it), and the processes
+    check that they agree on it; an uneven tensor needs every device's block (its shape).
     """
     mesh = as_process_mesh(mesh)
     coords = list(itertools.product(*(range(s) for s in mesh.shape)))
     if callable(local_tensor):
         blocks = [local_tensor(c) for c in coords]
     elif isinstance(local_tensor, (list, tuple)) and local_tensor and all(
-            isinstance(b, (np.ndarray, jax.Array)) for b in local_tensor):
+            b is None or isinstance(b, (np.ndarray, jax.Array)) for b in local_tensor) and any(
+            b is not None for b in local_tensor):
         if len(local_tensor) != mesh.size:
             raise LocalDataError(
                 f"dtensor_from_local got {len(local_tensor)} blocks for a mesh of {mesh.size} "
@@ -159,12 +166,21 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
         blocks = list(local_tensor)
     else:
         blocks = [local_tensor] * len(coords)
+    devices = mesh.devices()
+    mine = {d.id for d in jax.local_devices()}
+    here = [devices[c].id in mine for c in coords]
+    for c, b, h in zip(coords, blocks, here):
+        if b is None and h:
+            raise LocalDataError(
+                f"dtensor_from_local: the block for the device at mesh coords {c} (id "
+                f"{int(mesh.id_array[c])}) is None, but that device belongs to this process: "
+                f"give its block (None stands only for the devices of other processes)")
     for b in blocks:
         _reject_tracer(b, "dtensor_from_local")
-    blocks = [_to_array(b) for b in blocks]
-    first = blocks[0]
+    blocks = [None if b is None else _to_array(b) for b in blocks]
+    first = next(b for b in blocks if b is not None)
     for c, b in zip(coords, blocks):
-        if b.ndim != first.ndim or b.dtype != first.dtype:
+        if b is not None and (b.ndim != first.ndim or b.dtype != first.dtype):
             raise LocalDataError(
                 f"dtensor_from_local: the block for the device at mesh coords {c} "
                 f"(id {int(mesh.id_array[c])}) is {dtype_name(b.dtype)}{list(b.shape)}, but the "
@@ -177,28 +193,54 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
             factor[p.dim % first.ndim] *= mesh.get_dim_size(name)
     even = tuple(s * f for s, f in zip(first.shape, factor))
     layout = layout_from_placements(placements, mesh, even, what=_describe(even, first.dtype))
-    shape = _global_shape(layout, mesh, coords, blocks)
+    unknown = any(b is None for b in blocks)  # another process's: taken to be even
+    shape = _global_shape(layout, mesh, coords, [first if b is None else b for b in blocks])
+    if unknown and jax.process_count() > 1:
+        _check_processes_agree(shape, first, placements)
     if shape != even:  # blocks of an uneven split (dtensor_to_local's of an uneven tensor)
         layout = layout_from_placements(placements, mesh, shape,
                                         what=_describe(shape, first.dtype))
     local = layout.local_shape(padded_shape(layout, mesh, shape), mesh.axis_sizes)
     for c, b in zip(coords, blocks):
         want = tuple(hi - lo for lo, hi in block_bounds(layout, mesh, shape, c))
-        if b.shape != want:
+        if b is not None and b.shape != want:
             raise LocalDataError(
                 f"dtensor_from_local: the block for the device at mesh coords {c} "
                 f"(id {int(mesh.id_array[c])}) is {dtype_name(b.dtype)}{list(b.shape)}, but "
                 f"placed {list(placements)} in a tensor of shape {list(shape)} it holds "
                 f"{list(want)}: every device's block has the same shape, but where a dim does "
                 f"not divide evenly — then each holds ceil(size / devices) rows, the last ones "
-                f"fewer")
+                f"fewer" + ("; with the blocks of other processes' devices given as None the "
+                            "split is taken to be even: for an uneven one give every device's "
+                            "block" if unknown else ""))
     sharding = physical_sharding(layout, mesh)
-    devices = mesh.devices()
+    # each process places the blocks of its own devices; jax joins the processes' parts
     placed = [jax.device_put(_padded(b, local)[None] if layout.partial else _padded(b, local),
-                             devices[c]) for c, b in zip(coords, blocks)]
+                             devices[c]) for c, b, h in zip(coords, blocks, here) if h]
     value = jax.make_array_from_single_device_arrays(physical_shape(layout, mesh, shape),
                                                      sharding, placed)
     return make_dtensor(value, mesh, layout, shape)
+
+
+def _check_processes_agree(shape: tuple, first: Any, placements: Sequence) -> None:
+    """Every process must build one global tensor: with other processes' blocks unknown, the
+    shape each process inferred from its own blocks (and their dtype) is compared across them
+    (a collective) — a process holding only the short last blocks of an uneven split would
+    infer a smaller one, and the processes would then wait for each other forever."""
+    from jax.experimental import multihost_utils
+
+    name = dtype_name(first.dtype).encode()[:16].ljust(16)
+    mine = np.asarray(list(shape) + list(name), np.int64)  # one row per process
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
+    if (everyone != mine).any():
+        seen = {i: (row[:len(shape)], bytes(row[len(shape):]).decode().strip())
+                for i, row in enumerate(everyone.tolist())}
+        raise LocalDataError(
+            f"dtensor_from_local: the processes' blocks, placed {list(placements)}, make "
+            f"different tensors (process: (global shape, dtype)) {seen}: with the blocks of "
+            f"other processes' devices given as None, each process takes the split to be even "
+            f"— give every device's block (their shapes) for an uneven split, and the same "
+            f"dtype and block shapes in every process")
 
 
 def _global_shape(layout: Layout, mesh: ProcessMesh, coords: list, blocks: list) -> tuple:

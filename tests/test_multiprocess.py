@@ -178,6 +178,49 @@ def test_reshards_between_the_meshes_of_different_processes_equal_their_input(tm
                 f"equals its input") in out.stdout
 
 
+ACROSS = """import autoshard as dist
+dist.init_parallel_env()
+import jax, numpy as np
+R, S, P = dist.Replicate(), dist.Shard, dist.Partial
+me = jax.process_index()
+W = dist.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])   # dp across the processes, mp inside
+T = dist.ProcessMesh([[0, 2], [1, 3]], ["dp", "mp"])   # mp across, dp inside
+x = np.arange(48, dtype="float32").reshape(8, 6)
+y = np.arange(15, dtype="float32").reshape(5, 3)
+# dtensor_from_local: each process places its own devices' blocks (others None, as
+# dtensor_to_local gives them, or every block given), a function, one array for all
+for mesh in (W, T):
+    for pl in ([S(0), S(1)], [S(1), R], [P(), S(0)]):
+        back = dist.dtensor_from_local(dist.dtensor_to_local(dist.shard_tensor(x, mesh, pl)), mesh, pl)
+        assert back.placements == pl
+        np.testing.assert_array_equal(back.numpy(), x)
+    t = dist.shard_tensor(y, mesh, [S(0), S(1)])  # uneven: every block given
+    blocks = [y[tuple(slice(*b) for b in t.block_bounds(int(d)))] for d in mesh.id_array.flat]
+    np.testing.assert_array_equal(dist.dtensor_from_local(blocks, mesh, [S(0), S(1)]).numpy(), y)
+    block = lambda c: x[c[0] * 4:(c[0] + 1) * 4, c[1] * 3:(c[1] + 1) * 3]
+    np.testing.assert_array_equal(dist.dtensor_from_local(block, mesh, [S(0), S(1)]).numpy(), x)
+    np.testing.assert_array_equal(dist.dtensor_from_local(x, mesh, [R, R]).numpy(), x)
+try:  # uneven with the other process's blocks unknown: process 0 infers 6 rows, process 1 4
+    dist.dtensor_from_local(dist.dtensor_to_local(dist.shard_tensor(y, W, [S(0), R])), W, [S(0), R])
+    raise AssertionError("no error")
+except dist.LocalDataError as e:
+    assert "{0: ([6, 3], 'float32'), 1: ([4, 3], 'float32')}" in str(e), e
+print(f"process {me}: every value made across the processes equals its input", flush=True)
+"""
+
+
+def test_values_made_across_processes_equal_their_input(tmp_path):
+    """dtensor_from_local placed every block on every process (jax refuses another process's
+    devices: 'Expected 2 per-device arrays'); each process now places its own."""
+    script = tmp_path / "across.py"
+    script.write_text(ACROSS)
+    out = _launch(script, devices=2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert (f"[rank {rank}] process {rank}: every value made across the processes equals "
+                f"its input") in out.stdout
+
+
 def test_a_failing_process_fails_the_launch_and_stops_the_others(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent('''
