@@ -13,7 +13,7 @@ from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
 from .layout import Layout, block_bounds, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh
-from .physical import HOST_MEMORY_KINDS, physical_shape, physical_sharding
+from .physical import HOST_MEMORY_KINDS, device_put, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
 from .uneven import (even_part, is_key, is_uneven, key_partial_error, pad_global, padded_shape,
                      warn_uneven)
@@ -108,7 +108,7 @@ def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | 
     if layout.partial and is_key(arr):
         raise key_partial_error(_describe(shape, arr.dtype), layout.placements(mesh))
     stored = pad_global(arr, layout, mesh, shape, jnp if isinstance(arr, jax.Array) else np)
-    value = jax.device_put(stored, physical_sharding(layout.without_partial(), mesh))
+    value = device_put(stored, physical_sharding(layout.without_partial(), mesh))
     return _add_partial(value, mesh, layout, shape)
 
 

@@ -66,6 +66,21 @@ def mesh_sharding(x) -> NamedSharding | None:
     return None
 
 
+def device_put(value, sharding):
+    """`jax.device_put(value, sharding)`, also of a typed PRNG key array onto the devices of
+    several processes, which jax 0.10 refuses ("device_put's second argument must be a Device
+    or a Sharding which represents addressable devices") though its jax.jit takes the same
+    key: it moves as its key data and is wrapped again with its impl."""
+    import jax
+
+    dtype = getattr(value, "dtype", None)
+    if (dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            and not sharding.is_fully_addressable):
+        data = jax.device_put(jax.random.key_data(value), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    return jax.device_put(value, sharding)
+
+
 # Host offloading: the memory kinds a value can be stored in besides the devices' own
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
@@ -77,4 +92,4 @@ def host_memory(sharding) -> str | None:
 
 
 __all__ = ["physical_shape", "physical_spec", "physical_sharding", "layout_of_spec",
-           "mesh_sharding", "HOST_MEMORY_KINDS", "host_memory"]
+           "mesh_sharding", "device_put", "HOST_MEMORY_KINDS", "host_memory"]

@@ -205,13 +205,23 @@ try:  # uneven with the other process's blocks unknown: process 0 infers 6 rows,
     raise AssertionError("no error")
 except dist.LocalDataError as e:
     assert "{0: ([6, 3], 'float32'), 1: ([4, 3], 'float32')}" in str(e), e
+# typed PRNG keys onto both processes' devices (jax.device_put refuses them; jax.jit takes them)
+import jax.numpy as jnp
+keys = jax.random.split(jax.random.key(0), 8)
+kt = dist.shard_tensor(keys, W, [S(0), R])
+np.testing.assert_array_equal(jax.random.key_data(dist.unshard_dtensor(kt)), jax.random.key_data(keys))
+drop = lambda k, v: jnp.where(jax.random.bernoulli(k, 0.5, v.shape), v / 0.5, 0.0)
+masked = dist.jit(lambda k, v: drop(k, dist.shard_tensor(v, W, [S(0), S(1)])))(keys[3], x)
+with jax.default_device(jax.local_devices()[0]):
+    np.testing.assert_array_equal(masked.numpy(), jax.jit(drop)(keys[3], x))
 print(f"process {me}: every value made across the processes equals its input", flush=True)
 """
 
 
 def test_values_made_across_processes_equal_their_input(tmp_path):
     """dtensor_from_local placed every block on every process (jax refuses another process's
-    devices: 'Expected 2 per-device arrays'); each process now places its own."""
+    devices: 'Expected 2 per-device arrays'); each process now places its own. A typed PRNG
+    key (shard_tensor, a dist.jit argument) crashed in jax.device_put."""
     script = tmp_path / "across.py"
     script.write_text(ACROSS)
     out = _launch(script, devices=2)

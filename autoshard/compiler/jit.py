@@ -20,8 +20,8 @@ from ..dtensor import DistTensor, partial_gradient_error
 from ..errors import MeshMismatchError, PlacementTypeError, SignatureError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
-from ..physical import (HOST_MEMORY_KINDS, host_memory, layout_of_spec, mesh_sharding,
-                        physical_shape, physical_sharding, physical_spec)
+from ..physical import (HOST_MEMORY_KINDS, device_put, host_memory, layout_of_spec,
+                        mesh_sharding, physical_shape, physical_sharding, physical_spec)
 from ..reshard.planner import uneven_steps
 from ..uneven import even_part, is_uneven, warn_uneven
 from .dtypes import cost_dtype, is_extended, normalize
@@ -518,7 +518,7 @@ class DistributedFunction:
                 out.append(x)
             else:
                 arr = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x, dtype=d.dtype)
-                out.append(jax.device_put(arr, physical_sharding(L, entry.plan.user_mesh)))
+                out.append(device_put(arr, physical_sharding(L, entry.plan.user_mesh)))
         return out + list(entry.hoisted)
 
     # -- public -------------------------------------------------------------------------------
@@ -552,7 +552,7 @@ class DistributedFunction:
         plan = entry.plan
         wrapped = [DistTensor(o if o.size or isinstance(o, jax.core.Tracer) else
                               # jax hands an empty result back replicated: give it its layout
-                              jax.device_put(o, physical_sharding(L, plan.user_mesh)),
+                              device_put(o, physical_sharding(L, plan.user_mesh)),
                               plan.user_mesh, L, v.shape)
                    for o, L, v in zip(outs, entry.stored_outputs, plan.program.outputs)]
         if entry.out_descs is None:
