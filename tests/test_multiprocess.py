@@ -214,6 +214,16 @@ drop = lambda k, v: jnp.where(jax.random.bernoulli(k, 0.5, v.shape), v / 0.5, 0.
 masked = dist.jit(lambda k, v: drop(k, dist.shard_tensor(v, W, [S(0), S(1)])))(keys[3], x)
 with jax.default_device(jax.local_devices()[0]):
     np.testing.assert_array_equal(masked.numpy(), jax.jit(drop)(keys[3], x))
+# a dataset split by process: each feeds its rows of the batch dim that spans the processes
+rows = x[me * 4:(me + 1) * 4]
+split = lambda mesh: dist.shard_dataloader([(rows,)], meshes=mesh, shard_dims="dp",
+                                           is_dataset_splitted=True)
+np.testing.assert_array_equal(next(iter(split(W)))[0].numpy(), x)
+try:  # T's dp lies inside each process: both would feed "the same" rows (read as one array)
+    next(iter(split(T)))
+    raise AssertionError("no error")
+except dist.DataloaderError as e:
+    assert "processes 0 and 1 both hold its slices [0, 1]" in str(e) or me == 1, e
 print(f"process {me}: every value made across the processes equals its input", flush=True)
 """
 
@@ -221,7 +231,8 @@ print(f"process {me}: every value made across the processes equals its input", f
 def test_values_made_across_processes_equal_their_input(tmp_path):
     """dtensor_from_local placed every block on every process (jax refuses another process's
     devices: 'Expected 2 per-device arrays'); each process now places its own. A typed PRNG
-    key (shard_tensor, a dist.jit argument) crashed in jax.device_put."""
+    key (shard_tensor, a dist.jit argument) crashed in jax.device_put. A dataset split by
+    process over a mesh dim inside each process was stitched silently from different rows."""
     script = tmp_path / "across.py"
     script.write_text(ACROSS)
     out = _launch(script, devices=2)

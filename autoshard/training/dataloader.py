@@ -245,8 +245,22 @@ class ShardDataloader:
         if not self._splitted or jax.process_count() == 1:
             return mesh.get_dim_size(axis)
         i, me = mesh.dim_names.index(axis), jax.process_index()
-        mine = {idx[i] for idx, d in np.ndenumerate(mesh.devices()) if d.process_index == me}
-        return max(len(mine), 1)
+        held: dict[int, set] = {}  # process -> the slices of the batch its devices hold
+        for idx, d in np.ndenumerate(mesh.devices()):
+            held.setdefault(d.process_index, set()).add(idx[i])
+        for p, slices in held.items():
+            shared = sorted(slices & held.get(me, set()))
+            if p != me and shared:
+                # each process would feed its own rows for the same global slices: devices
+                # holding "one" slice would hold different data
+                raise DataloaderError(
+                    f"shard_dataloader(is_dataset_splitted=True): mesh dim {axis!r} of {mesh!r} "
+                    f"does not split the batch between the processes — processes {me} and {p} "
+                    f"both hold its slices {shared}, so they would have to feed the same rows; "
+                    f"split the batch over a mesh dim whose slices lie in different processes "
+                    f"(shard_dims=...), or give every process the whole batch with "
+                    f"is_dataset_splitted=False")
+        return max(len(held.get(me, ())), 1)
 
     def _place_leaf(self, leaf: Any, mesh: ProcessMesh, spec: DimSpec, where: str) -> Any:
         if isinstance(leaf, DistTensor):
