@@ -39,7 +39,7 @@ from .training.layers import (ColWiseParallel, ContextParallel, ParallelizeError
 from .training.local_layer import LocalLayer
 from .training.optimizer import (OptimizerError, ShardedOptimizer, ShardingStage1, ShardingStage2,
                                  ShardingStage3, shard_optimizer)
-from .parallel_env import init_parallel_env
+from .parallel_env import ParallelEnvError, init_parallel_env
 from .training.pipeline import PipelineRunner
 from .training.pipeline_split import SplitPoint
 from .training.schedule import Schedule, ScheduleError
@@ -61,7 +61,7 @@ __all__ = [
     "shard_dataloader", "ShardDataloader", "DataloaderError", "BatchSplitError",
     "to_static", "DistModel", "DistModelError", "shard_optimizer", "ShardedOptimizer",
     "ShardingStage1", "ShardingStage2", "ShardingStage3", "OptimizerError", "Strategy",
-    "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule", "init_parallel_env",
+    "StrategyError", "Stage", "StageRunner", "StageError", "PipelineRunner", "Schedule", "init_parallel_env", "ParallelEnvError",
     "ScheduleError", "shard_layer", "parallelize", "SplitPoint",
     "ColWiseParallel", "RowWiseParallel",
     "SequenceParallelBegin", "SequenceParallelEnd", "ContextParallel", "PrepareContextParallel", "SequenceParallelEnable",

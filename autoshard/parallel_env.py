@@ -9,6 +9,13 @@ import atexit
 import os
 import sys
 
+from .errors import AutoshardError
+
+
+class ParallelEnvError(AutoshardError, RuntimeError):
+    """A process that cannot join the others of its launch."""
+
+
 ENV_COORDINATOR = "AUTOSHARD_COORDINATOR"
 ENV_NPROC = "AUTOSHARD_NPROC"
 ENV_RANK = "AUTOSHARD_RANK"
@@ -32,6 +39,15 @@ def init_parallel_env() -> None:
         return
     if int(nproc) == 1:
         return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise ParallelEnvError(
+            f"dist.init_parallel_env() came after jax had started this process's devices "
+            f"(something before it asked for them: jax.devices(), an array, a computation, a "
+            f"ProcessMesh's .devices()), so process {rank} cannot join the other "
+            f"{int(nproc) - 1} of the launch: call dist.init_parallel_env() first, right after "
+            f"`import autoshard as dist` at the top of the script")
     if jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(nproc), process_id=int(rank))
@@ -75,4 +91,4 @@ def _initialized() -> bool:
     return getattr(distributed.global_state, "client", None) is not None
 
 
-__all__ = ["init_parallel_env", "ENV_COORDINATOR", "ENV_NPROC", "ENV_RANK"]
+__all__ = ["init_parallel_env", "ParallelEnvError", "ENV_COORDINATOR", "ENV_NPROC", "ENV_RANK"]

@@ -301,6 +301,24 @@ def test_init_parallel_env_alone_is_a_no_op(monkeypatch):
     assert jax.process_count() == 1
 
 
+def test_init_parallel_env_after_jax_started_names_the_fix(monkeypatch):
+    """Under the launcher, a script that asked jax for devices first got jax's raw
+    RuntimeError from jax.distributed.initialize."""
+    import jax
+    import autoshard as dist
+    jax.devices()  # the backend is up, as after any array or computation
+    monkeypatch.setenv("AUTOSHARD_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("AUTOSHARD_NPROC", "2")
+    monkeypatch.setenv("AUTOSHARD_RANK", "1")
+    collectives = jax.config.jax_cpu_collectives_implementation
+    try:
+        with pytest.raises(dist.ParallelEnvError, match=r"process 1 cannot join the other 1 .*"
+                           r"call dist.init_parallel_env\(\) first"):
+            dist.init_parallel_env()
+    finally:
+        jax.config.update("jax_cpu_collectives_implementation", collectives)
+
+
 def test_launch_rejects_no_processes():
     from autoshard.launch import LaunchError, launch
     with pytest.raises(LaunchError, match="--nproc must be at least 1"):
