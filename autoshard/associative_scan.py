@@ -23,8 +23,9 @@ from jax import lax
 
 from .dtensor import is_dist_tensor
 from .errors import PlacementError
+from .layout import layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
-from .placement import Replicate, Shard
+from .placement import Replicate, Shard, normalize_placements
 
 
 class ScanBlocksError(PlacementError):
@@ -47,8 +48,8 @@ def _totals_placements(placements, axis: int, ndim: int) -> list:
 
 def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: bool, n: int,
                   hint: Callable | None = None) -> list:
-    shape = leaves[0].shape
-    rows = shape[axis] // n
+    """`hint(x, i)`: leaf i's block totals (or their shifted running totals) placed whole."""
+    rows = leaves[0].shape[axis] // n
     blocked = [x.reshape(x.shape[:axis] + (n, rows) + x.shape[axis + 1:]) for x in leaves]
 
     def scan(xs, along):
@@ -59,14 +60,14 @@ def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: boo
     edge = 0 if reverse else rows - 1
     totals = [lax.slice_in_dim(x, edge, edge + 1, axis=axis + 1) for x in local]
     if hint is not None:
-        totals = [hint(t) for t in totals]
+        totals = [hint(t, i) for i, t in enumerate(totals)]
     running = scan(totals, axis)                         # across blocks: one row each
     # the blocks before each block (after it, reversed) combined: the running totals moved by
     # one block; the first block (the last, reversed) has none and keeps its own scan
     shift = -1 if reverse else 1
     before = [jnp.roll(r, shift, axis=axis) for r in running]
     if hint is not None:  # whole along the blocks, and so their gradients
-        before = [hint(b) for b in before]
+        before = [hint(b, i) for i, b in enumerate(before)]
 
     def fold(before):
         return jax.tree.leaves(fn(jax.tree.unflatten(tree, before),
@@ -81,9 +82,9 @@ def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: boo
         fits = False
     folded = fold(before if fits else
                   [jnp.broadcast_to(b, x.shape) for b, x in zip(before, local)])
-    first = (jnp.arange(n) == (n - 1 if reverse else 0)).reshape(
-        (1,) * axis + (n, 1) + (1,) * (len(shape) - axis - 1))
-    out = [jnp.where(first, x, f) for x, f in zip(local, folded)]
+    first = jnp.arange(n) == (n - 1 if reverse else 0)
+    out = [jnp.where(first.reshape((1,) * axis + (n, 1) + (1,) * (x.ndim - axis - 2)), x, f)
+           for x, f in zip(local, folded)]
     return [x.reshape(x.shape[:axis] + (n * rows,) + x.shape[axis + 2:]) for x in out]
 
 
@@ -101,11 +102,19 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
     if not leaves:
         raise ScanBlocksError("dist.associative_scan needs at least one array to scan")
     ndim = len(leaves[0].shape)
-    axis = axis % ndim if ndim else 0
+    if not -ndim <= axis < ndim:
+        raise ScanBlocksError(f"dist.associative_scan: axis {axis} is out of range for the "
+                              f"{ndim}-d array of shape {tuple(leaves[0].shape)}: pass an axis "
+                              f"in {-ndim}..{ndim - 1}" if ndim else
+                              "dist.associative_scan: a scalar has no axis to scan: pass arrays "
+                              "with the scanned axis")
+    axis %= ndim
     length = leaves[0].shape[axis]
-    if any(tuple(x.shape) != tuple(leaves[0].shape) for x in leaves):
+    # as jax's scan: the arrays may differ in shape (a decay (L, 1) beside inputs (L, d)) but
+    # share the scanned axis
+    if any(len(x.shape) <= axis or x.shape[axis] != length for x in leaves):
         raise ScanBlocksError(f"dist.associative_scan: the arrays scanned together need one "
-                              f"shape, got {[tuple(x.shape) for x in leaves]}")
+                              f"length along axis {axis}, got {[tuple(x.shape) for x in leaves]}")
     placed = [x for x in leaves if is_dist_tensor(x)]
     if placed:
         mesh, placements = placed[0].mesh, list(placed[0].placements)
@@ -126,8 +135,24 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
             "dist.associative_scan cannot see how the scanned axis is split: inside dist.jit "
             "pass placements= (the arrays' placements, e.g. [dist.Shard(0), dist.Shard(1)]) "
             "and mesh=; on plain arrays pass blocks=")
-    n = blocks if placements is None else _split_of(placements, mesh, axis, ndim)
-    if n < 1 or length % n:
+    if placements is not None:
+        # checked against every array (short forms read, Shard dims in range): each array's
+        # split of the scanned axis makes the blocks, one count for all
+        placements = list(normalize_placements(placements, mesh.ndim, mesh.dim_names))
+        for x in leaves:
+            layout_from_placements(placements, mesh, tuple(x.shape),
+                                   what="a scanned array")
+        splits = {_split_of(placements, mesh, axis, len(x.shape)) for x in leaves}
+        if len(splits) > 1:
+            raise ScanBlocksError(
+                f"dist.associative_scan: placements {placements} split axis {axis} of the "
+                f"arrays {[tuple(x.shape) for x in leaves]} into different numbers of blocks "
+                f"{sorted(splits)}: name the scanned dim with a non-negative Shard dim")
+    n = blocks if placements is None else splits.pop()
+    if n < 1:
+        raise ScanBlocksError(f"dist.associative_scan: blocks={n}; pass a positive number of "
+                              f"blocks (the devices axis {axis} is split over)")
+    if length % n:
         raise ScanBlocksError(f"dist.associative_scan: axis {axis} of length {length} does not "
                               f"divide into {n} blocks (one per device it is split over): pad "
                               f"the sequence to a multiple of {n}")
@@ -137,19 +162,24 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
         return jax.tree.unflatten(tree, _scan_blocked(fn, leaves, tree, axis, reverse, n))
     from .creation import shard_tensor
 
-    totals = _totals_placements(placements, axis, ndim)
+    def whole_blocks(ndim: int):
+        totals = _totals_placements(placements, axis, ndim)
 
-    @jax.custom_vjp
-    def whole_blocks(t):
-        return shard_tensor(t, mesh, totals)
+        @jax.custom_vjp
+        def place(t):
+            return shard_tensor(t, mesh, totals)
 
-    # the gradient of the totals too: else the plan, placing the backward's small scan on its
-    # own, splits it on another dim and pads it back to block size before moving it
-    whole_blocks.defvjp(lambda t: (whole_blocks(t), None),
-                        lambda _, ct: (shard_tensor(ct, mesh, totals),))
+        # the gradient of the totals too: else the plan, placing the backward's small scan on
+        # its own, splits it on another dim and pads it back to block size before moving it
+        place.defvjp(lambda t: (place(t), None),
+                     lambda _, ct: (shard_tensor(ct, mesh, totals),))
+        return place
+
+    hints = [whole_blocks(len(x.shape)) for x in leaves]
 
     def run(*xs):
-        out = _scan_blocked(fn, list(xs), tree, axis, reverse, n, hint=whole_blocks)
+        out = _scan_blocked(fn, list(xs), tree, axis, reverse, n,
+                            hint=lambda t, i: hints[i](t))
         return [shard_tensor(x, mesh, placements) for x in out]
 
     if placed:

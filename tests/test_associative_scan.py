@@ -83,3 +83,37 @@ def test_blocks_are_named_or_read_from_placements():
     # on plain arrays, blocks= alone: the same values as jax's scan
     np.testing.assert_allclose(dist.associative_scan(jnp.add, a, axis=1, blocks=8),
                                jnp.cumsum(a, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_arrays_of_different_shapes_and_checked_axis_and_placements():
+    """As jax's scan, the arrays need one length along the axis only: a decay (B, L, 1)
+    broadcast against inputs (B, L, d) — eagerly, in dist.jit with gradients, and by blocks=.
+    An axis out of range and a Shard dim a scanned array lacks are errors (the axis used to
+    wrap around silently: axis=3 of a 3-d array scanned axis 0); short forms are read."""
+    mesh, placements = MESHES["dp×sep"]
+    a, b = _ab()
+    a = a[..., :1]  # (4, 64, 1) beside b's (4, 64, 8)
+    want = jax.lax.associative_scan(linear_recurrence, (a, b), axis=1)
+    got = dist.associative_scan(linear_recurrence, tuple(dist.shard_tensor(x, mesh, placements)
+                                                         for x in (a, b)), axis=1)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5)
+    for g, w in zip(dist.associative_scan(linear_recurrence, (a, b), axis=1, blocks=4), want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+    def loss(scan):
+        return lambda a, b: jnp.sum(jnp.sin(scan((a, b))[1]))
+
+    ours = loss(lambda e: dist.associative_scan(linear_recurrence, e, axis=1, mesh=mesh,
+                                                placements=["S(0)", "S(1)"]))
+    plain = loss(lambda e: jax.lax.associative_scan(linear_recurrence, e, axis=1))
+    grad = dist.jit(jax.grad(ours, argnums=(0, 1)))
+    for g, w in zip(grad(a, b), jax.grad(plain, argnums=(0, 1))(a, b)):
+        np.testing.assert_allclose(g.numpy() if hasattr(g, "numpy") else g, w,
+                                   rtol=1e-4, atol=1e-4)
+    with pytest.raises(dist.ScanBlocksError, match="axis 3 is out of range"):
+        dist.associative_scan(jnp.add, b, axis=3, blocks=2)
+    with pytest.raises(dist.ScanBlocksError, match="one length along axis 1"):
+        dist.associative_scan(linear_recurrence, (a[:, :32], b), axis=1, blocks=2)
+    with pytest.raises(dist.PlacementError, match="dim 3 does not exist"):
+        dist.associative_scan(jnp.add, b, axis=1, mesh=mesh, placements=[R, S(3)])
