@@ -200,6 +200,9 @@ def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,
     if shape != even:  # blocks of an uneven split (dtensor_to_local's of an uneven tensor)
         layout = layout_from_placements(placements, mesh, shape,
                                         what=_describe(shape, first.dtype))
+    if layout.partial and is_key(first):
+        raise key_partial_error(f"dtensor_from_local: blocks {dtype_name(first.dtype)}"
+                                f"{list(first.shape)}", list(placements))
     local = layout.local_shape(padded_shape(layout, mesh, shape), mesh.axis_sizes)
     for c, b in zip(coords, blocks):
         want = tuple(hi - lo for lo, hi in block_bounds(layout, mesh, shape, c))
@@ -263,7 +266,12 @@ def _padded(b: Any, local: Sequence[int]) -> Any:
     """Block `b` padded with zeros at the end of each dim to the stored block shape."""
     if tuple(b.shape) == tuple(local):
         return b
-    return jnp.pad(b, [(0, n - s) for s, n in zip(b.shape, local)])
+    widths = [(0, n - s) for s, n in zip(b.shape, local)]
+    if is_key(b):  # PRNG keys pad as their key data (there is no zero key)
+        data = jax.random.key_data(b)
+        return jax.random.wrap_key_data(jnp.pad(data, widths + [(0, 0)] * (data.ndim - b.ndim)),
+                                        impl=jax.random.key_impl(b))
+    return jnp.pad(b, widths)
 
 
 def dtensor_to_local(x: DistTensor, mesh: ProcessMesh | None = None,

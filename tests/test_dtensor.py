@@ -105,6 +105,21 @@ def test_dtensor_from_local_inverts_dtensor_to_local_of_an_uneven_tensor(placeme
         dist.dtensor_from_local(blocks, mesh, placements)
 
 
+@pytest.mark.parametrize("placements", [["S(0)", "S(1)"], ["R", "S(0)"]])
+def test_dtensor_from_local_inverts_dtensor_to_local_of_uneven_prng_keys(placements):
+    # keys have no zero to pad a short block with: they pad as their key data, as shard_tensor
+    # pads them (was jax's ValueError 'Cannot convert_element_type from int32 to key<fry>')
+    mesh = dist.ProcessMesh([[0, 1, 2], [3, 4, 5]], ["a", "b"])
+    keys = jax.random.split(jax.random.key(0), 35).reshape(7, 5)
+    blocks = dist.dtensor_to_local(dist.shard_tensor(keys, mesh, placements))
+    z = dist.dtensor_from_local(blocks, mesh, placements)
+    assert z.shape == (7, 5) and z.placements == [dist.parse_placement(p) for p in placements]
+    np.testing.assert_array_equal(jax.random.key_data(dist.unshard_dtensor(z)),
+                                  jax.random.key_data(keys))
+    with pytest.raises(dist.PlacementError, match=r"PRNG keys placed \[P\(sum\), S\(0\)\]"):
+        dist.dtensor_from_local(blocks, mesh, ["P", "S(0)"])
+
+
 def test_dtensor_from_local_errors():
     with pytest.raises(dist.LocalDataError, match="got 3 blocks for a mesh of 8 devices"):
         dist.dtensor_from_local([np.zeros(2)] * 3, MESH, ["S(0)", "R"])
