@@ -339,3 +339,22 @@ def test_sub_mesh_that_already_holds_its_blocks_moves_nothing():
 ])
 def test_across_meshes_of_any_size_and_order(src_mesh, src, dst_mesh, dst):
     _cross(dist.ProcessMesh(*src_mesh), src, dist.ProcessMesh(*dst_mesh), dst)
+
+
+@pytest.mark.parametrize("src,dst", [(["P(max)", "R"], ["R", "S(0)"]),
+                                     (["P(min)", "S(0)"], ["R", "R"]),
+                                     (["P(sum)", "S(0)"], ["S(0)", "R"])])
+def test_an_offloaded_tensor_reshards_on_the_devices_and_stays_offloaded(src, dst):
+    """A tensor in host memory (dist.offload) is copied to the devices for the reshard's
+    program and its result back: a float max / min (its NaN-keeping keys) computed on the
+    host array raised jax's 'memory_space of all inputs passed to select_n must be the
+    same'; .numpy() of such a tensor failed the same way."""
+    mesh = dist.ProcessMesh(*MESHES["2x4"])
+    value = np.array([[1.0, np.nan, -3.0], [4.0, -5.0, 6.0], [0.5, 2.0, -1.0],
+                      [7.0, 8.0, 9.0]], np.float32)
+    host = dist.offload(dist.shard_tensor(value, mesh, src))
+    np.testing.assert_array_equal(host.numpy(), value)
+    out = dist.reshard(host, mesh, dst)
+    assert out.memory_kind == "pinned_host" and out.placements == dist.reshard(
+        dist.shard_tensor(value, mesh, src), mesh, dst).placements
+    np.testing.assert_array_equal(out.numpy(), value)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from ..physical import physical_sharding, physical_spec
+from ..physical import host_memory, physical_sharding, physical_spec
 from .planner import PlannedStep, ReshardPlan
 from .sends import Send, crosses, exchange
 from .transfer import Transfer
@@ -34,8 +34,14 @@ def segments(plan: ReshardPlan) -> list[tuple[ProcessMesh, Layout, Layout, tuple
 
 
 @functools.lru_cache(maxsize=2048)
-def program(mesh: ProcessMesh, src: Layout, dst: Layout, steps: tuple[PlannedStep, ...]):
-    """The jitted shard_map that runs `steps` on one mesh (jit caches per shape and dtype)."""
+def program(mesh: ProcessMesh, src: Layout, dst: Layout, steps: tuple[PlannedStep, ...],
+            host: str | None = None):
+    """The jitted shard_map that runs `steps` on one mesh (jit caches per shape and dtype).
+
+    `host`: the value is stored in that host memory kind (dist.offload): the program copies
+    it to the devices, runs the steps there and copies the result back — computed on the
+    host-memory array itself, a step that mixes it with a device constant (the ordered keys
+    of a float max / min) is rejected by jax."""
     sizes = mesh.axis_sizes
 
     def local(x):
@@ -53,8 +59,17 @@ def program(mesh: ProcessMesh, src: Layout, dst: Layout, steps: tuple[PlannedSte
                 x = jax.lax.pcast(x, varying, to="varying")
         return x[None] if dst.partial else x
 
-    return jax.jit(jax.shard_map(local, mesh=mesh.to_jax(), in_specs=physical_spec(src, mesh),
-                                 out_specs=physical_spec(dst, mesh), check_vma=True))
+    mapped = jax.shard_map(local, mesh=mesh.to_jax(), in_specs=physical_spec(src, mesh),
+                           out_specs=physical_spec(dst, mesh), check_vma=True)
+    if host is None:
+        return jax.jit(mapped)
+    to_device, to_host = physical_sharding(src, mesh), physical_sharding(dst, mesh)
+
+    def offloaded(x):
+        y = mapped(jax.device_put(x, to_device))
+        return jax.device_put(y, to_host.with_memory_kind(host))
+
+    return jax.jit(offloaded)
 
 
 def _run_transfer(transfer: Transfer, value: jax.Array, dst_mesh: ProcessMesh, landing: Layout,
@@ -106,7 +121,7 @@ def execute(plan: ReshardPlan, value: jax.Array) -> jax.Array:
         if isinstance(steps[0].step, Transfer):
             value = _run_transfer(steps[0].step, value, mesh, dst, plan.shape)
         else:
-            value = program(mesh, src, dst, steps)(value)
+            value = program(mesh, src, dst, steps, host_memory(value.sharding))(value)
             if not value.size:  # XLA reports an empty result replicated: store it as planned
                 value = jax.device_put(value, physical_sharding(dst, mesh).with_memory_kind(
                     value.sharding.memory_kind))
@@ -120,7 +135,7 @@ def compiled_hlo(plan: ReshardPlan, value: jax.Array) -> list[str]:
         if isinstance(steps[0].step, Transfer):
             value = _run_transfer(steps[0].step, value, mesh, dst, plan.shape)
             continue
-        fn = program(mesh, src, dst, steps)
+        fn = program(mesh, src, dst, steps, host_memory(value.sharding))
         texts.append(fn.lower(value).compile().as_text())
         value = fn(value)
     return texts
