@@ -358,3 +358,17 @@ def test_an_offloaded_tensor_reshards_on_the_devices_and_stays_offloaded(src, ds
     assert out.memory_kind == "pinned_host" and out.placements == dist.reshard(
         dist.shard_tensor(value, mesh, src), mesh, dst).placements
     np.testing.assert_array_equal(out.numpy(), value)
+
+
+@pytest.mark.parametrize("dst_ids", [[4, 5, 6, 7], [0, 1, 2, 3]], ids=["disjoint", "overlapping"])
+def test_an_offloaded_tensor_moves_between_meshes_and_stays_offloaded(dst_ids):
+    """Across meshes too: the blocks are assembled in device memory and stored back in host
+    memory (the result was in device memory; where a piece stayed on its own device, jax's
+    'Memory kind mismatch with xla::PjRtBuffers')."""
+    src = dist.ProcessMesh(*MESHES["2x4"])
+    dst = dist.ProcessMesh([dst_ids[:2], dst_ids[2:]], ["a", "b"])
+    value = np.arange(24, dtype=np.float32).reshape(6, 4)
+    out = dist.reshard(dist.offload(dist.shard_tensor(value, src, ["S(0)", "S(1)"])), dst,
+                       ["S(1)", "R"])
+    assert out.memory_kind == "pinned_host" and out.mesh == dst
+    np.testing.assert_array_equal(out.numpy(), value)

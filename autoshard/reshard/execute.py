@@ -79,6 +79,14 @@ def _run_transfer(transfer: Transfer, value: jax.Array, dst_mesh: ProcessMesh, l
     a collective permute that both processes run (sends.py)."""
     me = jax.process_index()
     held = {s.device.id: s.data for s in value.addressable_shards}
+    # an offloaded tensor: its pieces are assembled in device memory and the result stored
+    # back in host memory (a piece put on its own device would otherwise stay on the host)
+    host = host_memory(value.sharding)
+
+    def on(device):
+        return (jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+                if host else device)
+
     src_device, dst_device = transfer.src_mesh.device_for, dst_mesh.device_for
 
     def cut(src, piece) -> jax.Array:
@@ -102,17 +110,18 @@ def _run_transfer(transfer: Transfer, value: jax.Array, dst_mesh: ProcessMesh, l
         for k, piece in enumerate(route.pieces):
             data = received.get((r, k))
             if data is None:
-                data = jax.device_put(cut(src_device(piece.src_device), piece), device)
+                data = jax.device_put(cut(src_device(piece.src_device), piece), on(device))
             parts.append((piece.dst_offset, data))
         if len(parts) == 1 and tuple(parts[0][1].shape) == route.block_shape:
             block = parts[0][1]
         else:
-            block = jax.device_put(np.zeros(route.block_shape, value.dtype), device)
+            block = jax.device_put(np.zeros(route.block_shape, value.dtype), on(device))
             for offset, data in parts:
                 block = jax.lax.dynamic_update_slice(block, data, offset)
         blocks.append(block)
-    return jax.make_array_from_single_device_arrays(
+    out = jax.make_array_from_single_device_arrays(
         shape, physical_sharding(landing, dst_mesh), blocks, dtype=value.dtype)
+    return out if host is None else jax.device_put(out, out.sharding.with_memory_kind(host))
 
 
 def execute(plan: ReshardPlan, value: jax.Array) -> jax.Array:
