@@ -269,6 +269,9 @@ def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
     the tokens, labels and positions once in the data pipeline, then call
     `ring_attention(..., order="zigzag")`: no reordering inside the attention at all.
     `np.argsort(idx)` undoes it."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise LocalMapError(f"zigzag_indices: n={n!r} must be the number of devices the "
+                            f"sequence is split over, a positive int")
     if seq_len % (2 * n):
         raise LocalMapError(f"zigzag_indices: the sequence length {seq_len} must divide into "
                             f"2 × {n} chunks")

@@ -238,6 +238,9 @@ def test_ring_attention_errors_name_what_to_change():
         dist.ring_attention(q, q, q, order="striped")
     with pytest.raises(dist.LocalMapError, match="2 × 4 chunks"):
         dist.zigzag_indices(20, 4)
+    for n in (0, -2, 2.0):  # was a ZeroDivisionError, or indices for "-2 devices"
+        with pytest.raises(dist.LocalMapError, match="a positive int"):
+            dist.zigzag_indices(16, n)
     with pytest.raises(dist.LocalMapError, match="multiple of k's"):
         kv = dist.shard_tensor(np.zeros((4, 32, 3, 8), np.float32), mesh, placements)
         dist.ring_attention(q, kv, kv)
