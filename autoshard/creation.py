@@ -34,7 +34,7 @@ def _to_array(data: Any, dtype=None):
         return data if dtype is None else data.astype(dtype)
     try:
         arr = np.asarray(data, dtype=dtype)
-    except (TypeError, ValueError) as e:  # a ragged nested list, a value the dtype cannot hold
+    except (TypeError, ValueError, OverflowError) as e:  # ragged lists, values the dtype cannot hold
         raise PlacementTypeError(f"cannot make a tensor from {type(data).__name__} "
                                  f"{data!r:.80} ({e}): pass a numpy array, a jax.Array, a number "
                                  f"or a rectangular nested list of numbers") from None

@@ -120,6 +120,15 @@ def test_dtensor_from_local_inverts_dtensor_to_local_of_uneven_prng_keys(placeme
         dist.dtensor_from_local(blocks, mesh, ["P", "S(0)"])
 
 
+def test_a_value_its_dtype_cannot_hold_is_a_placement_type_error():
+    # numpy's OverflowError came through raw
+    with pytest.raises(dist.PlacementTypeError, match="out of bounds for int8"):
+        dist.shard_tensor([300], MESH, ["R", "R"], dtype=np.int8)
+    np.testing.assert_array_equal(
+        dist.shard_tensor([100, -3], MESH, ["S(0)", "R"], dtype=np.int8).numpy(),
+        np.array([100, -3], np.int8))
+
+
 def test_dtensor_from_local_errors():
     with pytest.raises(dist.LocalDataError, match="got 3 blocks for a mesh of 8 devices"):
         dist.dtensor_from_local([np.zeros(2)] * 3, MESH, ["S(0)", "R"])
