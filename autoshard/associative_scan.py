@@ -152,6 +152,18 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
     if n < 1:
         raise ScanBlocksError(f"dist.associative_scan: blocks={n}; pass a positive number of "
                               f"blocks (the devices axis {axis} is split over)")
+    if length % n and placements is not None:
+        # an uneven split is stored padded and computed whole, as everywhere (uneven.py: the
+        # program's UnevenShardingWarning names the dim): jax's scan of the whole axis
+        def associative_scan(*xs):
+            return jax.tree.leaves(lax.associative_scan(
+                fn, jax.tree.unflatten(tree, list(xs)), reverse=reverse, axis=axis))
+        if not placed:
+            return jax.tree.unflatten(tree, associative_scan(*leaves))
+        from .compiler.jit import jit
+
+        return jax.tree.unflatten(tree, jit(
+            associative_scan, out_placements=[placements] * len(leaves))(*leaves))
     if length % n:
         raise ScanBlocksError(f"dist.associative_scan: axis {axis} of length {length} does not "
                               f"divide into {n} blocks (one per device it is split over): pad "

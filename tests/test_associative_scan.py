@@ -117,3 +117,23 @@ def test_arrays_of_different_shapes_and_checked_axis_and_placements():
         dist.associative_scan(linear_recurrence, (a[:, :32], b), axis=1, blocks=2)
     with pytest.raises(dist.PlacementError, match="dim 3 does not exist"):
         dist.associative_scan(jnp.add, b, axis=1, mesh=mesh, placements=[R, S(3)])
+
+
+def test_a_sequence_its_devices_do_not_divide_is_scanned_whole_with_a_warning():
+    """An uneven split is computed whole with an UnevenShardingWarning, as everywhere else
+    (it was a ScanBlocksError): eagerly, results placed as the inputs, and inside dist.jit."""
+    mesh, placements = MESHES["dp×sep"]
+    a, b = (x[:, :30] for x in _ab(3))  # 30 rows over 4 sep devices
+    da, db = (dist.shard_tensor(x, mesh, placements) for x in (a, b))
+    expected = jax.lax.associative_scan(linear_recurrence, (a, b), axis=1, reverse=True)
+    with pytest.warns(dist.UnevenShardingWarning, match=r"associative_scan: argument 0 .*dim 1 of size 30 .*gathered whole"):
+        got = dist.associative_scan(linear_recurrence, (da, db), axis=1, reverse=True)
+    for g, e in zip(got, expected):
+        assert g.placements == placements
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-5, atol=1e-5)
+    inside = dist.jit(lambda x, y: dist.associative_scan(
+        linear_recurrence, (x, y), axis=1, reverse=True, placements=placements, mesh=mesh))
+    with pytest.warns(dist.UnevenShardingWarning):
+        got = inside(da, db)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-5, atol=1e-5)
