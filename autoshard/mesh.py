@@ -6,6 +6,7 @@ without any device, and a missing device is reported where the mesh is first use
 """
 from __future__ import annotations
 
+import os
 from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
@@ -198,13 +199,22 @@ class ProcessMesh:
         if table is None:
             import jax
 
+            from .parallel_env import ENV_COORDINATOR, ENV_NPROC
+
             ids = sorted(d.id for d in jax.devices())
             missing = [i for i in self.process_ids if i not in ids]
+            if ENV_COORDINATOR in os.environ:  # under autoshard.launch, which sets the flag
+                more = (f"launch more: `python -m autoshard.launch --nproc N --devices K` "
+                        f"gives N * K devices (now {os.environ.get(ENV_NPROC, '?')} processes "
+                        f"of {len(jax.local_devices())} devices each)")
+            else:
+                more = ("(on CPU) simulate more devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax is "
+                        "imported")
             raise DeviceNotFoundError(
                 f"{self!r} uses device ids {missing}, but this process sees {len(ids)} devices "
                 f"with ids {ids} (global ranks 0..{len(ids) - 1}): build the mesh from those, or "
-                f"(on CPU) simulate more devices with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax is imported")
+                f"{more}")
         return table
 
     @cached_property

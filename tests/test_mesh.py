@@ -70,3 +70,15 @@ def test_unknown_devices_are_reported_where_the_mesh_is_used():
     with pytest.raises(dist.DeviceNotFoundError, match=r"\[8, 9\]") as info:
         dist.reshard(x, mesh, [dist.Shard(0)])
     assert "test_mesh.py:" in str(info.value)
+
+
+def test_unknown_devices_under_the_launcher_name_its_flags(monkeypatch):
+    """autoshard.launch sets XLA_FLAGS itself (from --devices): the hint to set it was wrong."""
+    from autoshard.parallel_env import ENV_COORDINATOR, ENV_NPROC
+
+    monkeypatch.setenv(ENV_COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(ENV_NPROC, "2")
+    with pytest.raises(dist.DeviceNotFoundError, match=r"device ids \[8, 9\].*autoshard.launch "
+                       r"--nproc N --devices K` gives N \* K devices \(now 2 processes") as info:
+        dist.ProcessMesh([6, 7, 8, 9], ["x"]).devices()
+    assert "XLA_FLAGS" not in str(info.value)
