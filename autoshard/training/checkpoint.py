@@ -20,6 +20,7 @@ from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError
 from ..physical import physical_sharding
 from ..layout import Layout
+from ..mesh import ProcessMesh
 from ..reshard.api import reshard, to_even
 from ..uneven import even_part, is_key
 
@@ -62,6 +63,26 @@ def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
     return keys, [leaf for _, leaf in pairs], treedef
 
 
+def _spans_every_process(mesh: ProcessMesh) -> bool:
+    return len({d.process_index for d in mesh.devices().flat}) == jax.process_count()
+
+
+def _world_mesh() -> ProcessMesh:
+    """One device of every process: where a value on some processes' devices only (a pipeline
+    stage's) is written from and read into, since orbax handles only arrays every process holds."""
+    first: dict[int, int] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d.id)
+    return ProcessMesh(sorted(first.values()), ["process"])
+
+
+def _world_layout(shape: tuple[int, ...]) -> Layout:
+    """Split over the processes along the first dim they divide (each holds a part), else whole."""
+    n = jax.process_count()
+    dim = next((i for i, size in enumerate(shape) if size % n == 0), None)
+    return Layout([("process",) if i == dim else () for i in range(len(shape))])
+
+
 def _to_saveable(key: str, x: Any) -> Any:
     if isinstance(x, (DistTensor, jax.Array, np.ndarray)) and 0 in tuple(x.shape):
         # orbax refuses them only once its background write has started
@@ -72,7 +93,10 @@ def _to_saveable(key: str, x: Any) -> Any:
     if isinstance(x, DistTensor):
         # Partial reduced; a dim stored padded (uneven.py) written whole, without the padding.
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
-        value = to_even(x, reduce_partial=True).physical
+        x = to_even(x, reduce_partial=True)
+        if not _spans_every_process(x.mesh):  # orbax writes only arrays every process holds
+            x = reshard(x, _world_mesh(), _world_layout(x.shape).placements(_world_mesh()))
+        value = x.physical
         return jax.random.key_data(value) if is_key(value) else value  # keys: as plain ones
     if isinstance(x, jax.core.Tracer):
         raise CheckpointError(f"save_state_dict got a traced value for {key!r}: save outside "
