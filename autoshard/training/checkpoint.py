@@ -271,12 +271,14 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
         data = jax.eval_shape(jax.random.key_data,
                               jax.ShapeDtypeStruct(target.shape, target.dtype))
         shape, dtype = tuple(data.shape), np.dtype(data.dtype)
-        spec = physical_sharding(_readable(target), target.mesh).spec
-        sharding = NamedSharding(target.mesh.to_jax(), PartitionSpec(
+        mesh, layout = _read_place(target)
+        spec = physical_sharding(layout, mesh).spec
+        sharding = NamedSharding(mesh.to_jax(), PartitionSpec(
             *spec, *[None] * (len(shape) - len(spec))))
     elif isinstance(target, DistTensor):
         shape, dtype = target.shape, np.dtype(target.dtype)
-        sharding = physical_sharding(_readable(target), target.mesh)
+        mesh, layout = _read_place(target)
+        sharding = physical_sharding(layout, mesh)
     elif _is_prng_key(target):
         data = jax.random.key_data(target)
         shape, dtype, sharding = tuple(data.shape), np.dtype(data.dtype), data.sharding
@@ -308,18 +310,23 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
             ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype))
 
 
-def _readable(target: DistTensor) -> Layout:
-    """The layout a target DistTensor's value is read in: no Partial, no uneven dims."""
-    return even_part(target.layout.without_partial(), target.mesh, target.shape)
+def _read_place(target: DistTensor) -> tuple[ProcessMesh, Layout]:
+    """Where a target DistTensor's value is read: its mesh without Partial or uneven dims, or,
+    when that mesh lacks some process's devices (orbax reads only arrays every process holds),
+    one device of every process; _rebuild moves it on to the target's mesh and placements."""
+    if not _spans_every_process(target.mesh):
+        return _world_mesh(), _world_layout(target.shape)
+    return target.mesh, even_part(target.layout.without_partial(), target.mesh, target.shape)
 
 
 def _rebuild(target: Any, value: Any) -> Any:
     if isinstance(target, DistTensor):
         if is_key(target) and not is_key(value):  # (orbax itself wraps keys it was given)
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(target.physical))
-        out = make_dtensor(value, target.mesh, _readable(target), target.shape)
-        out = out if out.layout == target.layout else reshard(out, target.mesh,
-                                                              target.placements)
+        mesh, layout = _read_place(target)
+        out = make_dtensor(value, mesh, layout, target.shape)
+        if (mesh, layout) != (target.mesh, target.layout):
+            out = reshard(out, target.mesh, target.placements)
         # into the target's memory: an offloaded one (optimizer states) is loaded back to host
         return offload(out, target.memory_kind)
     if _is_prng_key(target):
