@@ -63,6 +63,34 @@ def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
     return keys, [leaf for _, leaf in pairs], treedef
 
 
+def _is_local(x: jax.Array) -> bool:
+    """A plain array one process holds, among several: its own copy of a value."""
+    return jax.process_count() > 1 and x.is_fully_addressable
+
+
+def _check_same_everywhere(flat: dict[str, Any]) -> None:
+    """Numpy values (and processes' own jax.Arrays, saved as numpy) are written by one process
+    only: a CheckpointError unless every process holds the same ones, not a silent pick."""
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    local = sorted(k for k, v in flat.items() if isinstance(v, (np.ndarray, *_SCALARS)))
+    crc = 0
+    for key in local:
+        value = np.asarray(flat[key])
+        crc = zlib.crc32(f"{key}{value.dtype}{value.shape}".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(value).tobytes(), crc)
+    mine = np.array([len(local), crc], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    if not (every == mine).all():
+        raise CheckpointError(
+            f"save_state_dict: the numbers and arrays that are not DistTensors ({local[:8]}) "
+            f"differ between the processes (each process holds its own copy, and only one "
+            f"process's would be written): give every process the same values, or make a "
+            f"per-process value a DistTensor (dist.dtensor_from_local)")
+
+
 def _spans_every_process(mesh: ProcessMesh) -> bool:
     return len({d.process_index for d in mesh.devices().flat}) == jax.process_count()
 
@@ -102,7 +130,9 @@ def _to_saveable(key: str, x: Any) -> Any:
         raise CheckpointError(f"save_state_dict got a traced value for {key!r}: save outside "
                               f"jax.jit / dist.jit, on the concrete state")
     if _is_prng_key(x):
-        return jax.random.key_data(x)  # orbax stores plain arrays; load re-wraps with the impl
+        x = jax.random.key_data(x)  # orbax stores plain arrays; load re-wraps with the impl
+    if isinstance(x, jax.Array) and _is_local(x):
+        return np.asarray(x)  # orbax writes a process's own jax.Array in one process only
     if isinstance(x, (jax.Array, np.ndarray)) and x.dtype != object:
         return x
     if isinstance(x, _SCALARS):
@@ -221,6 +251,8 @@ def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
         raise CheckpointError(f"cannot save to {path}: it exists and is not a checkpoint, and "
                               f"saving would delete it; pass a new or empty directory")
     flat = {key: _to_saveable(key, leaf) for key, leaf in zip(keys, leaves)}
+    if jax.process_count() > 1:
+        _check_same_everywhere(flat)
     ocp = _orbax()
     checkpointer = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
     try:
