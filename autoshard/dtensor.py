@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
-from .errors import DeviceNotFoundError, PlacementTypeError, user_frame
+from .errors import DeviceNotFoundError, OperandTypeError, PlacementTypeError, user_frame
 from .layout import Layout, block_bounds, partial_axes_in_mesh_order
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
@@ -362,6 +362,12 @@ class DistTensor:
         """The logical global value, as numpy (Partial values reduced)."""
         from .creation import host_value
 
+        if jax.dtypes.issubdtype(self.dtype, jax.dtypes.prng_key):
+            raise OperandTypeError(
+                f"a DistTensor of typed PRNG keys ({self.dtype}, shape {list(self._shape)}) has "
+                f"no numpy value: read its key data, "
+                f"dist.jit(jax.random.key_data)(x).numpy() (a DistTensor of the uint32 words, "
+                f"with one more dim), or keep it as keys: dist.unshard_dtensor(x)")
         return host_value(self)
 
     def __jax_array__(self) -> jax.Array:

@@ -120,6 +120,18 @@ def test_dtensor_from_local_inverts_dtensor_to_local_of_uneven_prng_keys(placeme
         dist.dtensor_from_local(blocks, mesh, ["P", "S(0)"])
 
 
+def test_numpy_of_prng_keys_is_a_typed_error_naming_their_key_data():
+    # was jax's raw TypeError, whose jax.random.key_data(x) fails on a DistTensor
+    keys = jax.random.split(jax.random.key(0), 8)
+    x = dist.shard_tensor(keys, MESH, [dist.Shard(0), dist.Replicate()])
+    for read in (lambda: x.numpy(), lambda: np.asarray(x)):
+        with pytest.raises(dist.OperandError, match=r"typed PRNG keys \(key<fry>, shape \[8\]\) "
+                           r"has no numpy value: .*dist.jit\(jax.random.key_data\)\(x\).numpy"):
+            read()
+    np.testing.assert_array_equal(dist.jit(jax.random.key_data)(x).numpy(),
+                                  jax.random.key_data(keys))
+
+
 def test_a_value_its_dtype_cannot_hold_is_a_placement_type_error():
     # numpy's OverflowError came through raw
     with pytest.raises(dist.PlacementTypeError, match="out of bounds for int8"):
