@@ -219,3 +219,15 @@ def test_argument_and_batch_errors():
         list(shard_dataloader(batches(1), MESH0, shard_dims={0: 5}))
     with pytest.raises(DataloaderError, match=r"batch\['text'\]\[0\] is str 'a', which is not"):
         list(shard_dataloader([{"text": ["a", "b"]}], MESH0))
+
+
+@pytest.mark.parametrize("rows", [4, 3])
+def test_prng_key_batches_are_split_like_arrays(rows):
+    """Typed keys have no numpy value: np.asarray's raw TypeError came through."""
+    keys = jax.random.split(jax.random.key(0), rows)
+    data = [{"keys": keys, "seed": jax.random.key(1), "x": np.ones((rows, 2), np.float32)}]
+    batch = next(iter(shard_dataloader(data, meshes=MESH0, shard_dims="x")))
+    assert batch["keys"].placements == SR and batch["seed"].placements == [dist.Replicate()] * 2
+    for name in ("keys", "seed"):
+        np.testing.assert_array_equal(jax.random.key_data(dist.unshard_dtensor(batch[name])),
+                                      jax.random.key_data(data[0][name]))

@@ -16,6 +16,7 @@ from ..errors import AutoshardError, ShardingError
 from ..layout import Layout
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import physical_sharding
+from ..uneven import is_key
 
 DimSpec = Union[str, int, None]
 ShardDims = Union[DimSpec, Sequence[DimSpec], Mapping[Hashable, DimSpec]]
@@ -265,6 +266,8 @@ class ShardDataloader:
     def _place_leaf(self, leaf: Any, mesh: ProcessMesh, spec: DimSpec, where: str) -> Any:
         if isinstance(leaf, DistTensor):
             return leaf
+        if isinstance(leaf, jax.Array) and is_key(leaf):
+            return self._place_keys(leaf, mesh, spec, where)
         data = leaf if isinstance(leaf, jax.Array) else _host_array(leaf, where)
         # A 0-d value (a step counter, a scalar weight) has no batch dim: every device gets it.
         axis = _axis_name(spec, mesh, where) if data.ndim else None
@@ -297,6 +300,20 @@ class ShardDataloader:
             value = jax.make_array_from_callback(data.shape, sharding, data.__getitem__,
                                                  dtype=data.dtype)
         return make_dtensor(value, mesh, layout, value.shape)
+
+
+    def _place_keys(self, keys: jax.Array, mesh: ProcessMesh, spec: DimSpec, where: str) -> Any:
+        """Typed PRNG keys (no numpy value): split along the batch dim as shard_tensor splits
+        them (moved as their key data, a short batch padded)."""
+        if self._splitted and jax.process_count() > 1:
+            raise DataloaderError(
+                f"{where} holds typed PRNG keys, which shard_dataloader cannot stitch from the "
+                f"processes' parts of a split dataset: feed their key data "
+                f"(jax.random.key_data(keys)) and wrap it again in the step "
+                f"(jax.random.wrap_key_data), or give every process all the keys")
+        axis = _axis_name(spec, mesh, where) if keys.ndim else None
+        layout = self._sharding(mesh, axis, keys.ndim)[0]
+        return shard_tensor(keys, mesh, layout.placements(mesh))
 
 
 def _in_order_of(original: Any, placed: Any) -> Any:
