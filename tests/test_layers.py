@@ -705,6 +705,33 @@ class _CausalLM(nnx.Module):
         return self.lm_head(self.llama(ids))
 
 
+def test_to_static_uses_the_mesh_of_set_mesh_and_trains_like_one_device():
+    """A linen model with boxed params and no placed value: to_static takes the mesh of
+    dist.set_mesh (as parallelize does; it raised 'found no mesh')."""
+    Net = _BoxedNet
+    rng = np.random.default_rng(4)
+    batches = [(rng.normal(size=(16, 8)).astype(np.float32),
+                rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
+    variables = Net().init(jax.random.key(0), batches[0][0])
+    tx = optax.sgd(0.1)
+    dist.set_mesh(MESH)
+    try:
+        dm = dist.to_static((Net(), variables), None, _mse, tx)
+    finally:
+        dist.set_mesh(None)
+    assert dm.mesh == MESH
+    losses = [float(dm(x, y).numpy()) for x, y in batches]
+    kernels = sorted((k, v.placements) for k, v in dm.state_dict("param").items()
+                     if k.endswith("kernel"))
+    assert [p for _, p in kernels] == [[R, S(1)], [R, S(0)]], kernels
+    params = linen.unbox(variables)["params"]
+    step = jax.jit(mse_step(lambda p, x: Net().apply({"params": p}, x), tx))
+    opt_state = tx.init(params)
+    for (x, y), got in zip(batches, losses):
+        params, opt_state, want = step(params, opt_state, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 SEEN: list = []
 
 

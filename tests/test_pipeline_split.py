@@ -93,6 +93,17 @@ def _one_device(model, data, tx, m: int = 1, groups: int = 2):
     return losses
 
 
+def _sgd_losses(ref, loss_of, steps: int, lr: float = 0.1) -> list[float]:
+    """The losses of `steps` sgd steps of `ref` on one device, `loss_of(model)` each."""
+    opt = nnx.Optimizer(ref, optax.sgd(lr), wrt=nnx.Param)
+    losses = []
+    for _ in range(steps):
+        value, g = nnx.value_and_grad(loss_of)(ref)
+        opt.update(ref, g)
+        losses.append(float(value))
+    return losses
+
+
 def _params(model) -> dict:
     return {".".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
@@ -342,12 +353,7 @@ def test_a_table_in_the_batch_is_named_before_it_is_cut_and_closing_over_it_trai
     losses = [float(m(x).numpy()) for _ in range(2)]
 
     ref = _TwoBlocks(nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-    expected = []
-    for _ in range(2):
-        value, g = nnx.value_and_grad(lambda mm: loss(mm(x), table))(ref)
-        ref_opt.update(ref, g)
-        expected.append(float(value))
+    expected = _sgd_losses(ref, lambda mm: loss(mm(x), table), steps=2)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(model.blocks[1].kernel[...].numpy()),
                                np.asarray(ref.blocks[1].kernel[...]), rtol=1e-5, atol=1e-6)
@@ -387,12 +393,7 @@ def test_vpp_with_fewer_cuts_than_pp_times_vpp_degree_names_the_cuts_and_they_tr
     m = dist.to_static(model, None, mse, opt, strategy)
     losses = [float(m(x, x).numpy()) for _ in range(2)]
     ref = _FourBlocks(nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-    expected = []
-    for _ in range(2):
-        value, g = nnx.value_and_grad(lambda mm: mse(mm(x), x))(ref)
-        ref_opt.update(ref, g)
-        expected.append(float(value))
+    expected = _sgd_losses(ref, lambda mm: mse(mm(x), x), steps=2)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     for k in range(4):
         np.testing.assert_allclose(np.asarray(model.blocks[k].kernel[...].numpy()),
