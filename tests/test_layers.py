@@ -624,7 +624,10 @@ def test_to_static_takes_a_model_flax_sharded_under_set_mesh_as_it_is():
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_to_static_places_linen_with_partitioning_params_as_boxed():
+@pytest.mark.parametrize("mesh_from", ["loader", "set_mesh"])
+def test_to_static_places_linen_with_partitioning_params_as_boxed(mesh_from):
+    """The mesh from the loader, or from dist.set_mesh alone (no loader and no placed value:
+    to_static takes it as parallelize does; it raised 'found no mesh')."""
     Net = _BoxedNet
     rng = np.random.default_rng(3)
     batches = [(rng.normal(size=(16, 8)).astype(np.float32),
@@ -632,8 +635,17 @@ def test_to_static_places_linen_with_partitioning_params_as_boxed():
     variables = Net().init(jax.random.key(0), batches[0][0])
     tx = optax.sgd(0.1)
     mse = _mse
-    loader = dist.shard_dataloader(batches, meshes=MESH, shard_dims="dp")
-    dm = dist.to_static((Net(), variables), loader, mse, dist.shard_optimizer(tx))
+    if mesh_from == "loader":
+        loader = dist.shard_dataloader(batches, meshes=MESH, shard_dims="dp")
+        dm = dist.to_static((Net(), variables), loader, mse, dist.shard_optimizer(tx))
+    else:
+        loader = batches
+        dist.set_mesh(MESH)
+        try:
+            dm = dist.to_static((Net(), variables), None, mse, tx)
+        finally:
+            dist.set_mesh(None)
+    assert dm.mesh == MESH
     dm.train()
     losses = [float(dm(x, y).numpy()) for x, y in loader]
     placed = dm.state_dict("param")
@@ -703,33 +715,6 @@ class _CausalLM(nnx.Module):
 
     def __call__(self, ids):
         return self.lm_head(self.llama(ids))
-
-
-def test_to_static_uses_the_mesh_of_set_mesh_and_trains_like_one_device():
-    """A linen model with boxed params and no placed value: to_static takes the mesh of
-    dist.set_mesh (as parallelize does; it raised 'found no mesh')."""
-    Net = _BoxedNet
-    rng = np.random.default_rng(4)
-    batches = [(rng.normal(size=(16, 8)).astype(np.float32),
-                rng.normal(size=(16, 8)).astype(np.float32)) for _ in range(3)]
-    variables = Net().init(jax.random.key(0), batches[0][0])
-    tx = optax.sgd(0.1)
-    dist.set_mesh(MESH)
-    try:
-        dm = dist.to_static((Net(), variables), None, _mse, tx)
-    finally:
-        dist.set_mesh(None)
-    assert dm.mesh == MESH
-    losses = [float(dm(x, y).numpy()) for x, y in batches]
-    kernels = sorted((k, v.placements) for k, v in dm.state_dict("param").items()
-                     if k.endswith("kernel"))
-    assert [p for _, p in kernels] == [[R, S(1)], [R, S(0)]], kernels
-    params = linen.unbox(variables)["params"]
-    step = jax.jit(mse_step(lambda p, x: Net().apply({"params": p}, x), tx))
-    opt_state = tx.init(params)
-    for (x, y), got in zip(batches, losses):
-        params, opt_state, want = step(params, opt_state, x, y)
-        np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 SEEN: list = []
