@@ -555,6 +555,24 @@ def test_every_equation_is_attributed_to_the_users_line():
     assert all(c.source in lines for c in plan.collectives)
 
 
+def test_collectives_no_equation_of_the_user_made_name_the_calling_line():
+    # An input returned as it came is moved for the output by no equation, and a library
+    # function under dist.jit (jnp.matmul) has no frame of the user's: both collectives name
+    # the line that ran the program (were None, and autoshard's own compiler/jit.py).
+    import inspect
+
+    X = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    x = dist.shard_tensor(X, MESH24, [dist.Shard(0), dist.Shard(1)])
+    w = dist.shard_tensor(X.T.copy(), MESH24, [dist.Shard(0), dist.Replicate()])
+    passed = dist.jit(lambda x: (x, x * 2), out_placements=[[dist.Replicate()] * 2, None])
+    here = inspect.currentframe().f_lineno
+    plans = [passed.plan(x), dist.jit(jnp.matmul).plan(x, w)]
+    for plan in plans:
+        assert plan.collectives
+        assert {c.source for c in plan.collectives} == {f"test_jit.py:{here + 1}"}, str(plan)
+        assert "jit.py:" not in str(plan).replace("test_jit.py:", ""), str(plan)
+
+
 # -- composition: dist.jit inside dist.jit, closed-over DistTensors, outer transformations -----
 
 def _split_inputs():

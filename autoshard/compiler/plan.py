@@ -550,7 +550,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         else:
             dst = target
         if actual[v] != dst:
-            source = program.eqns[v.producer].where if v.producer >= 0 else None
+            source = program.eqns[v.producer].where if v.producer >= 0 else program.where
             output_reshards.append((k, reshard(v, dst, f"output {k}", source)))
         outputs.append(dst)
     touched = hoist_reductions(program, eqn_plans, actual, output_reshards, collectives, reshard,

@@ -215,6 +215,9 @@ class Program:
     eqns: list[Eqn]
     consts: list[Value]
     regions: list[CustomRegion] = field(default_factory=list)
+    # the user's line that ran the program (a call of the dist.jit function): the source of
+    # what no equation of theirs made, an input returned as it came, a library function's body
+    where: "Where | None" = None
 
     def readers(self) -> dict:
         """value -> [(equation index, operand index)] of every read by an equation, in program
@@ -315,25 +318,24 @@ def source_line(source_info) -> str | None:
 
     Frames inside installed libraries (optax, flax) and autoshard itself are skipped, so an
     optimizer update is attributed to the user's line that called it; with no such frame, the
-    innermost of jax's user frames. Walks the raw frames (what `source_info_util.user_frames`
+    innermost library frame outside autoshard's compiler, else None. Walks the raw frames (what `source_info_util.user_frames`
     filters) and resolves the line of the chosen frame only: this runs once per equation.
     """
     if not source_info or not source_info.traceback:
         return None
-    first = feature = None
+    feature = None
     for code, lasti in zip(*source_info.traceback.raw_frames()):
         if not source_info_util.is_user_filename(code.co_filename):
             continue  # jax's own frames
         if not _library_file(code.co_filename):
             return _frame_line(code, lasti)
-        if first is None:
-            first = (code, lasti)
         if feature is None and not code.co_filename.startswith(_PLUMBING):
             feature = (code, lasti)
     # no user frame (a rule autoshard's own custom_vjp binds while jax differentiates): the
-    # feature that bound it (ring_attention.py, associative_scan.py), not the binding plumbing
-    chosen = feature or first
-    return None if chosen is None else _frame_line(*chosen)
+    # feature that bound it (ring_attention.py, associative_scan.py), never the binding
+    # plumbing (dist.jit(jnp.tanh)'s equations see only compiler/jit.py: None, and the
+    # caller's `outer` line is read instead)
+    return None if feature is None else _frame_line(*feature)
 
 
 _LIBRARY_FILES: dict[str, bool] = {}
@@ -488,6 +490,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     serials = itertools.count()
     eqns: list[Eqn] = []
     consts: list[Value] = []
+    called = Where(source_info_util.current())  # the user's call, resolved only if read
 
     def fresh(aval) -> Value:
         return Value(aval, next(serials))
@@ -615,7 +618,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     # unused primal output of a differentiated local_map). Every input is kept.
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
-    outputs = walk(jaxpr, closed.consts, inputs)
+    outputs = walk(jaxpr, closed.consts, inputs, called)
     eqns = constant_gathers(eqns, outputs, regions, fresh, const_value)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
@@ -626,7 +629,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         e.index = i
         for v in e.outputs:
             v.producer = i
-    return Program(inputs, outputs, eqns, consts, regions)
+    return Program(inputs, outputs, eqns, consts, regions, called)
 
 
 
