@@ -111,6 +111,19 @@ def test_dist_jit_on_uneven_inputs_and_outputs_equals_one_device(a_pl, b_pl, out
         np.testing.assert_allclose(np.asarray(g.numpy()), v, rtol=1e-4, atol=1e-4)
 
 
+def test_entry_gathers_name_the_users_line_that_ran_the_program():
+    # an input stored unevenly is gathered at entry by no equation of the user's: the plan
+    # names the call that ran the program (was "(program entry)", no line of the user's)
+    import inspect
+
+    a = dist.shard_tensor(X, MESH24, ["S(0)", "S(1)"])  # 6 columns over mp (4)
+    f = dist.jit(lambda a: jnp.sum(a, axis=1))
+    here, plan = inspect.currentframe().f_lineno, f.plan(a)
+    entry = [c for c in plan.collectives if c.consumer == "entry"]
+    assert entry and {c.source for c in entry} == {f"test_uneven.py:{here}"}, str(plan)
+    assert f"at test_uneven.py:{here}: <lambda>: argument 0 is stored" in str(plan)
+
+
 def test_the_warning_names_the_input_the_dim_the_axis_and_the_padding():
     b = dist.shard_tensor(RNG.normal(size=(6, 5)).astype(np.float32), MESH24, ["R", "S(0)"])
     a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])

@@ -719,7 +719,7 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
         for planned in reversed(entry[k]):
             plan.collectives.insert(0, PlannedCollective(
                 "all-gather", str(planned.step), planned.step.axes, planned.bytes_per_device,
-                repr(v), "entry", "(program entry)",
+                repr(v), "entry", plan.program.where,  # the user's call that ran it
                 f"{name}: {leaf_names[k]} is stored as {s.describe(mesh)}, dim "
                 f"{planned.step.dim} uneven; programs compute it as {even.describe(mesh)}"))
         nbytes = [p.bytes_per_device for p in entry[k]]
