@@ -884,6 +884,24 @@ def test_two_moves_of_a_value_that_start_alike_run_their_common_steps_once(
     assert hlo_counts(g, dx) == planned(g, dx)
 
 
+def test_a_value_and_its_resharded_copy_moved_alike_run_that_move_once():
+    """`d = dist.reshard(a, ...)` is `a` gathered over mp; `a @ a` then moves `a` from that
+    copy, gathering it over dp, as `d @ d` gathers `d`: one buffer gathered once in the
+    program (XLA's CSE), so listed once — the plan listed both."""
+    x = np.linspace(-1, 1, 256, dtype=np.float32).reshape(16, 16)
+    S, R = dist.Shard, dist.Replicate
+    a = dist.shard_tensor(x, MESH24, [S(0), S(0)])
+
+    def f(a):
+        d = dist.reshard(a, MESH24, [S(0), R()])
+        return a @ a, d @ d
+
+    g = dist.jit(f)
+    for got in g(a):
+        np.testing.assert_allclose(got.numpy(), x @ x, rtol=1e-5, atol=1e-5)
+    assert planned(g, a) == hlo_counts(g, a) == Counter({"all-gather": 2})
+
+
 def test_a_scalars_broadcast_is_made_in_each_readers_layout():
     """The gradient of a mean broadcasts one scalar cotangent, read by both terms of a
     cross-entropy (logsumexp minus the label's logit, as optax writes it): made split as the

@@ -258,9 +258,14 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     scatter_at = scatter_at or {}
     constraints.as_hints(program, mesh)  # jax's with_sharding_constraint: a hint like ours
     fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
+    # a hint's result is its operand's copy in the hint's layout (partition hands that very
+    # copy back): a move of either from that layout runs on one buffer, which XLA's CSE runs
+    # once, so their collectives' `shared` keys name the operand (`record`, `_once`)
+    copy_of: dict = {}
     for e in program.eqns:
         if e.primitive is hint_p:
             fixed[e.outputs[0]] = e.params["layout"]
+            copy_of[e.outputs[0]] = copy_of.get(e.inputs[0], e.inputs[0])
     for v, L in zip(program.outputs, output_targets):
         if isinstance(L, Layout) and v not in fixed and not v.is_const:
             fixed[v] = L
@@ -359,7 +364,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                move: tuple[Layout, Layout] | None = None) -> None:
         """List the collectives of planned steps; the reason names the whole `move` (default:
         each step's own layouts)."""
-        prefix: tuple = (value, steps[0].before if steps else None)
+        prefix: tuple = (copy_of.get(value, value), steps[0].before if steps else None)
         for s in steps:
             prefix += (s.step,)
             if s.step.hlo:
