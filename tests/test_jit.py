@@ -901,6 +901,17 @@ def test_a_value_and_its_resharded_copy_moved_alike_run_that_move_once():
         np.testing.assert_allclose(got.numpy(), x @ x, rtol=1e-5, atol=1e-5)
     assert planned(g, a) == hlo_counts(g, a) == Counter({"all-gather": 2})
 
+    # a reshard of that copy back to a's own layout is a buffer of its own, moved apart
+    def twice(a):
+        d = dist.reshard(a, MESH24, [R(), S(0)])
+        e = dist.reshard(d, MESH24, [S(1), S(1)])
+        return a + d.T, e @ d
+
+    b = dist.shard_tensor(x, MESH24, [S(1), S(1)])
+    g = dist.jit(twice)
+    np.testing.assert_allclose(g(b)[1].numpy(), x @ x, rtol=1e-5, atol=1e-5)
+    assert planned(g, b) == hlo_counts(g, b)
+
 
 def test_a_scalars_broadcast_is_made_in_each_readers_layout():
     """The gradient of a mean broadcasts one scalar cotangent, read by both terms of a

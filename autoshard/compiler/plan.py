@@ -260,12 +260,14 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     fixed = {v: L for v, L in zip(program.inputs, input_layouts) if L is not None}
     # a hint's result is its operand's copy in the hint's layout (partition hands that very
     # copy back): a move of either from that layout runs on one buffer, which XLA's CSE runs
-    # once, so their collectives' `shared` keys name the operand (`record`, `_once`)
+    # once, so their collectives' `shared` keys name the operand (`record`, `_once`). Not
+    # transitively: a hint of a hint is a copy of the first hint's result, a buffer of its
+    # own even where it has the first operand's layout
     copy_of: dict = {}
     for e in program.eqns:
         if e.primitive is hint_p:
             fixed[e.outputs[0]] = e.params["layout"]
-            copy_of[e.outputs[0]] = copy_of.get(e.inputs[0], e.inputs[0])
+            copy_of[e.outputs[0]] = e.inputs[0]
     for v, L in zip(program.outputs, output_targets):
         if isinstance(L, Layout) and v not in fixed and not v.is_const:
             fixed[v] = L
