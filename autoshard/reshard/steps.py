@@ -354,11 +354,15 @@ class AllToAll(Step):
     def run(self, x, sizes):
         # the split dim first: XLA on CPU cuts an all-to-all into one operand per block along
         # it, and its simplifier once handed over a block of a minor split transposed in
-        # memory, which its verifier refused (jax.grad around dist.jit; test_properties)
+        # memory, which its verifier refused (jax.grad around dist.jit; test_properties).
+        # Its operand goes through an optimization barrier: XLA's CSE after layout assignment
+        # merged a block's slice with the program's own slice of the same rows in another
+        # layout, which the verifier refused too (found by the explore profile).
         if self.dst_dim == 0:
-            return lax.all_to_all(x, self.axis, split_axis=0, concat_axis=self.src_dim, tiled=True)
+            return lax.all_to_all(lax.optimization_barrier(x), self.axis, split_axis=0,
+                                  concat_axis=self.src_dim, tiled=True)
         perm = (self.dst_dim, *(d for d in range(x.ndim) if d != self.dst_dim))
-        y = lax.all_to_all(lax.transpose(x, perm), self.axis, split_axis=0,
+        y = lax.all_to_all(lax.optimization_barrier(lax.transpose(x, perm)), self.axis, split_axis=0,
                            concat_axis=perm.index(self.src_dim), tiled=True)
         return lax.transpose(y, tuple(perm.index(d) for d in range(x.ndim)))
 
