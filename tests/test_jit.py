@@ -913,6 +913,25 @@ def test_a_value_and_its_resharded_copy_moved_alike_run_that_move_once():
     assert planned(g, b) == hlo_counts(g, b)
 
 
+def test_an_early_move_starts_from_no_copy_a_later_step_makes():
+    """`a * 2` is read only as the constraint wants it: moved early, before the multiply. The
+    plan started that move from `a`'s copy gathered for the later matmul, which the program
+    does not hold yet there (it moves `a` from its own layout: a gather and an all-to-all)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    x = np.linspace(-1, 1, 256, dtype=np.float32).reshape(16, 16)
+    S, R = dist.Shard, dist.Replicate
+    a = dist.shard_tensor(x, MESH24, [S(1), S(0)])
+
+    def f(a):
+        d = jax.lax.with_sharding_constraint(a * 2, NamedSharding(MESH24.to_jax(), P(("dp", "mp"))))
+        return a * 2 + 1, d.T @ a
+
+    g = dist.jit(f, out_placements=[[S(1), S(0)], [S(0), R()]])
+    got = g(a)
+    np.testing.assert_allclose(got[1].numpy(), (x * 2).T @ x, rtol=1e-5, atol=1e-5)
+    assert planned(g, a) == hlo_counts(g, a)
+
+
 def test_a_scalars_broadcast_is_made_in_each_readers_layout():
     """The gradient of a mean broadcasts one scalar cotangent, read by both terms of a
     cross-entropy (logsumexp minus the label's logit, as optax writes it): made split as the

@@ -317,6 +317,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # the same collectives of the same operand, which XLA's CSE runs once: listed once (`_once`).
     region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
+    made_at: dict = {}  # (value, layout) → the first equation a copy was made for
 
     def scope_of(at: int | None) -> int:
         """The start of the region equation `at` runs in (-1: the top level, or an output)."""
@@ -333,7 +334,12 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         or one it was already moved to (the all-to-all an earlier consumer paid for is not paid
         again on the way to a gather)."""
         rp, best = None, 0.0
-        copies = [] if from_own else sorted(moves(value, at), key=repr)
+        # a copy made for a later equation does not exist yet at `at` (partitioning moves
+        # from the value's own layout there): a late pass planning an earlier move (an early
+        # move, early_moves.py) may start only from copies made up to `at`
+        copies = [] if from_own else sorted(
+            (L for L in moves(value, at)
+             if at is None or made_at.get((value, L), -1) <= at), key=repr)
         for src in [actual[value], *copies]:
             cand = plan_layouts(tuple(value.shape), cost_dtype(value.dtype), mesh, src, mesh,
                                 dst, cost_model)
@@ -355,6 +361,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             return done[key]              # scope) is moved once
         rp = planned if planned is not None else cheapest(value, dst, at, from_own)[0]
         done[key] = rp
+        when = len(program.eqns) if at is None else at
+        made_at[(value, dst)] = min(made_at.get((value, dst), when), when)
         if scope < 0:
             moved_to[value] = moved_to.get(value, frozenset()) | {dst}
         else:
