@@ -4,6 +4,7 @@ processes: collective permutes, sends.py)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -124,14 +125,22 @@ def _run_transfer(transfer: Transfer, value: jax.Array, dst_mesh: ProcessMesh, l
     return out if host is None else jax.device_put(out, out.sharding.with_memory_kind(host))
 
 
+def _host_memory_of(value: Any) -> str | None:
+    """The host memory kind `value` is stored in (None: the devices', or a traced value, which
+    has no storage: a reshard inside an outer jax.jit or jax.grad)."""
+    return None if isinstance(value, jax.core.Tracer) else host_memory(value.sharding)
+
+
 def execute(plan: ReshardPlan, value: jax.Array) -> jax.Array:
     """Apply `plan` to the physical array `value`; returns the destination's physical array."""
     for mesh, src, dst, steps in segments(plan):
         if isinstance(steps[0].step, Transfer):
             value = _run_transfer(steps[0].step, value, mesh, dst, plan.shape)
         else:
-            value = program(mesh, src, dst, steps, host_memory(value.sharding))(value)
-            if not value.size:  # XLA reports an empty result replicated: store it as planned
+            host = _host_memory_of(value)
+            value = program(mesh, src, dst, steps, host)(value)
+            if not value.size and not isinstance(value, jax.core.Tracer):
+                # XLA reports an empty result replicated: store it as planned
                 value = jax.device_put(value, physical_sharding(dst, mesh).with_memory_kind(
                     value.sharding.memory_kind))
     return value
@@ -144,7 +153,7 @@ def compiled_hlo(plan: ReshardPlan, value: jax.Array) -> list[str]:
         if isinstance(steps[0].step, Transfer):
             value = _run_transfer(steps[0].step, value, mesh, dst, plan.shape)
             continue
-        fn = program(mesh, src, dst, steps, host_memory(value.sharding))
+        fn = program(mesh, src, dst, steps, _host_memory_of(value))
         texts.append(fn.lower(value).compile().as_text())
         value = fn(value)
     return texts
