@@ -12,7 +12,7 @@ from .compiler.dtypes import cost_dtype, dtype_name
 from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
 from .layout import Layout, block_bounds, layout_from_placements
-from .mesh import ProcessMesh, as_process_mesh
+from .mesh import ProcessMesh, as_process_mesh, one_device_per_process, spans_every_process
 from .physical import HOST_MEMORY_KINDS, device_put, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
 from .uneven import (even_part, is_key, is_uneven, key_partial_error, pad_global, padded_shape,
@@ -347,17 +347,11 @@ def host_value(x: DistTensor) -> np.ndarray:
     A mesh without a device of some process (a pipeline stage on another host) is first copied
     to one device of every process — a collective: every process must ask, as every process
     runs the same program."""
-    import jax
-
     value = unshard_dtensor(x)
-    owners = {d.process_index for d in x.mesh.devices().flat}
-    if len(owners) < jax.process_count():
+    if not spans_every_process(x.mesh):
         from .reshard.api import reshard
 
-        first = {}
-        for d in jax.devices():
-            first.setdefault(d.process_index, d.id)
-        world = ProcessMesh(sorted(first.values()), ["process"])
+        world = one_device_per_process()
         replicated = make_dtensor(value, x.mesh, Layout.replicated(len(x.shape)), x.shape)
         value = reshard(replicated, world, [Replicate()]).physical
     return np.asarray(value)

@@ -281,4 +281,23 @@ def get_mesh() -> ProcessMesh | None:
     return _GLOBAL[0] if _GLOBAL else None
 
 
-__all__ = ["ProcessMesh", "as_process_mesh", "set_mesh", "get_mesh"]
+def spans_every_process(mesh: ProcessMesh) -> bool:
+    """`mesh` has a device of every process (orbax and numpy reads need one)."""
+    import jax
+
+    return len({d.process_index for d in mesh.devices().flat}) == jax.process_count()
+
+
+def one_device_per_process() -> ProcessMesh:
+    """The 1-d mesh "process" of every process's first device: where a value held by some
+    processes' devices only (a pipeline stage's) is read out or written from, as a collective."""
+    import jax
+
+    first: dict[int, int] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d.id)
+    return ProcessMesh(sorted(first.values()), ["process"])
+
+
+__all__ = ["ProcessMesh", "as_process_mesh", "set_mesh", "get_mesh", "spans_every_process",
+           "one_device_per_process"]

@@ -20,7 +20,7 @@ from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError
 from ..physical import physical_sharding
 from ..layout import Layout
-from ..mesh import ProcessMesh
+from ..mesh import ProcessMesh, one_device_per_process, spans_every_process
 from ..reshard.api import reshard, to_even
 from ..uneven import even_part, is_key
 
@@ -91,19 +91,6 @@ def _check_same_everywhere(flat: dict[str, Any]) -> None:
             f"per-process value a DistTensor (dist.dtensor_from_local)")
 
 
-def _spans_every_process(mesh: ProcessMesh) -> bool:
-    return len({d.process_index for d in mesh.devices().flat}) == jax.process_count()
-
-
-def _world_mesh() -> ProcessMesh:
-    """One device of every process: where a value on some processes' devices only (a pipeline
-    stage's) is written from and read into, since orbax handles only arrays every process holds."""
-    first: dict[int, int] = {}
-    for d in jax.devices():
-        first.setdefault(d.process_index, d.id)
-    return ProcessMesh(sorted(first.values()), ["process"])
-
-
 def _world_layout(shape: tuple[int, ...]) -> Layout:
     """Split over the processes along the first dim they divide (each holds a part), else whole."""
     n = jax.process_count()
@@ -122,8 +109,8 @@ def _to_saveable(key: str, x: Any) -> Any:
         # Partial reduced; a dim stored padded (uneven.py) written whole, without the padding.
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
         x = to_even(x, reduce_partial=True)
-        if not _spans_every_process(x.mesh):  # orbax writes only arrays every process holds
-            x = reshard(x, _world_mesh(), _world_layout(x.shape).placements(_world_mesh()))
+        if not spans_every_process(x.mesh):  # orbax writes only arrays every process holds
+            x = reshard(x, one_device_per_process(), _world_layout(x.shape).placements(one_device_per_process()))
         value = x.physical
         return jax.random.key_data(value) if is_key(value) else value  # keys: as plain ones
     if isinstance(x, jax.core.Tracer):
@@ -346,8 +333,8 @@ def _read_place(target: DistTensor) -> tuple[ProcessMesh, Layout]:
     """Where a target DistTensor's value is read: its mesh without Partial or uneven dims, or,
     when that mesh lacks some process's devices (orbax reads only arrays every process holds),
     one device of every process; _rebuild moves it on to the target's mesh and placements."""
-    if not _spans_every_process(target.mesh):
-        return _world_mesh(), _world_layout(target.shape)
+    if not spans_every_process(target.mesh):
+        return one_device_per_process(), _world_layout(target.shape)
     return target.mesh, even_part(target.layout.without_partial(), target.mesh, target.shape)
 
 
