@@ -144,6 +144,44 @@ def _jacobian_error(aux: tuple) -> PlacementTypeError:
         f"DistTensor placed by the plan), or of the global array, jax.jacfwd(f)(x.numpy())")
 
 
+def _jax_random_key_check() -> str | None:
+    """The jax.random function (its name as jax gives it to `_check_prng_key`) whose check of
+    its key argument is on the stack just above the caller, if any."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_check_prng_key" \
+                and os.sep + "jax" + os.sep in frame.f_code.co_filename:
+            name = frame.f_locals.get("name")
+            return name if isinstance(name, str) else "<function>"
+        frame = frame.f_back
+    return None
+
+
+def _keys_in_jax_random_error(x: "DistTensor", name: str) -> OperandTypeError:
+    """jax.random.<name>(x) of a DistTensor of typed keys: jax takes typed keys only as a
+    jax.Array (an isinstance check no other class passes), and reads anything else that has
+    __jax_array__ as raw uint32 key data — its own error then says the shape is wrong."""
+    mesh, layout, shape = x._mesh, x._layout, x._shape
+    where = (f"a DistTensor of typed PRNG keys ({x._value.dtype}, shape {list(shape)}) placed "
+             f"{layout.placements(mesh)} on mesh dims {list(mesh.dim_names)}")
+    if name == "key_data":
+        instead = ("write dist.jit(jax.random.key_data)(x) (a DistTensor of the uint32 words, with one "
+                   "more dim; .numpy() reads them), or jax.random.key_data(jnp.asarray(x)) (a "
+                   "jax.Array split as x is)")
+    elif name == "key_impl":  # a name, not an array: nothing for dist.jit to place
+        instead = "write jax.random.key_impl(jnp.asarray(x))"
+    else:
+        instead = (f"call it inside dist.jit, dist.jit(lambda k: jax.random.{name}(k, ...))(x) "
+                   f"(placed by the plan), or on the keys as one jax.Array split as x is, "
+                   f"jax.random.{name}(jnp.asarray(x), ...)")
+    return OperandTypeError(
+        f"jax.random.{name} of {where}: jax takes typed keys only as a jax.Array and does not "
+        f"read a DistTensor's keys through __jax_array__ (it would take them for raw uint32 key "
+        f"data): {instead}")
+
+
 class StorageViewWarning(UserWarning):
     """A pytree function saw a DistTensor's padded / Partial storage, not its logical value."""
 
@@ -257,7 +295,13 @@ class DistTensor:
 
     @property
     def dtype(self):
-        return self._value.dtype
+        dtype = self._value.dtype
+        # typed PRNG keys (an extended dtype, not a numpy one): jax.random takes them only as a
+        # jax.Array, a DistTensor it reads as raw uint32 key data, and its check of that data
+        # reads the dtype before it fails on the shape
+        if not isinstance(dtype, np.dtype) and (name := _jax_random_key_check()) is not None:
+            raise _keys_in_jax_random_error(self, name)
+        return dtype
 
     @property
     def itemsize(self) -> int:

@@ -200,3 +200,37 @@ def test_other_generators_draw_whole_from_replicated_keys_with_no_warning(impl):
         out = g(xd)
     np.testing.assert_array_equal(out.numpy(), jax.jit(f)(x))
     assert out.placements == xd.placements and not g.plan(xd).collectives
+
+
+@pytest.mark.parametrize("mesh_name, shape, placements", [
+    ("8", (8,), ["S(0)"]), ("2x4", (2, 4), ["S(0)", "S(1)"]), ("2x4", (8,), ["R", "S(0)"])])
+def test_jax_random_of_a_key_dtensor_names_what_to_write_and_that_matches_one_device(
+        mesh_name, shape, placements):
+    """jax.random takes typed keys only as a jax.Array (a DistTensor it reads as raw uint32
+    key data: jax's shape TypeError); the error says so, and what it says to write gives one
+    device's key data."""
+    from autoshard.errors import OperandTypeError
+
+    mesh = MESHES[mesh_name]
+    keys = jax.random.split(jax.random.key(0), int(np.prod(shape))).reshape(shape)
+    want = np.asarray(jax.random.key_data(keys))
+    x = dist.shard_tensor(keys, mesh, placements)
+    where = re.escape(f"shape {list(shape)}) placed {x.placements} on mesh dims {mesh.dim_names}")
+    with pytest.raises(OperandTypeError, match=rf"jax\.random\.key_data of .*{where}.*"
+                       r"dist\.jit\(jax\.random\.key_data\)\(x\).*"
+                       r"jax\.random\.key_data\(jnp\.asarray\(x\)\)") as info:
+        jax.random.key_data(x)
+    assert isinstance(info.value, TypeError)  # what jax raised, for code catching that
+    np.testing.assert_array_equal(dist.jit(jax.random.key_data)(x).numpy(), want)
+    data = jax.random.key_data(jnp.asarray(x))  # split as x is, the key words whole
+    np.testing.assert_array_equal(np.asarray(data), want)
+    spec = jax.sharding.PartitionSpec(*x.sharding.spec, None)
+    assert data.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(x.sharding.mesh, spec), data.ndim)
+    # another jax.random function: the dist.jit form it names draws one device's values
+    key = dist.shard_tensor(jax.random.key(5), mesh, ["R"] * mesh.ndim)
+    with pytest.raises(OperandTypeError, match=r"jax\.random\.uniform of .*"
+                       r"dist\.jit\(lambda k: jax\.random\.uniform\(k, \.\.\.\)\)\(x\)"):
+        jax.random.uniform(key, (3,))
+    np.testing.assert_array_equal(dist.jit(lambda k: jax.random.uniform(k, (3,)))(key).numpy(),
+                                  jax.random.uniform(jax.random.key(5), (3,)))
