@@ -231,3 +231,55 @@ def test_prng_key_batches_are_split_like_arrays(rows):
     for name in ("keys", "seed"):
         np.testing.assert_array_equal(jax.random.key_data(dist.unshard_dtensor(batch[name])),
                                       jax.random.key_data(data[0][name]))
+
+
+def test_a_list_of_numbers_in_a_batch_is_one_per_sample_array():
+    """A collate_fn's per-sample lengths (or rows of numbers) are one input, split along the
+    batch dim like the arrays beside them — jax's pytree rules made each number a 0-d input."""
+    batch = {"ids": np.arange(8).reshape(4, 2), "lens": [3, 4, 5, 6],
+             "rows": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]}
+    out = next(iter(shard_dataloader([batch], MESH0)))
+    for name in ("lens", "rows"):
+        want = jnp.asarray(batch[name])  # what one device's step makes of it
+        assert isinstance(out[name], dist.DistTensor) and out[name].placements == SR
+        assert out[name].dtype == want.dtype
+        np.testing.assert_array_equal(out[name].numpy(), want)
+    np.testing.assert_array_equal(out["lens"].local(2), [5, 6])  # x=1 holds rows 2:4
+    # the last element of a tuple batch (numpy scalars too): one label array on meshes[-1]
+    x, lens = next(iter(shard_dataloader([(np.ones((4, 3)), [np.int32(1), 2, 3, 4])],
+                                         [MESH0, MESH1])))
+    assert lens.mesh == MESH1 and lens.placements == SR
+    np.testing.assert_array_equal(lens.numpy(), [1, 2, 3, 4])
+    with pytest.raises(DataloaderError, match=r"batch\['r'\] is a ragged list of numbers .*"
+                       r"mesh dim 'x' .*pad its rows to one length"):
+        list(shard_dataloader([{"r": [[1, 2], [3]]}], MESH0))
+
+
+def test_a_dtensor_on_another_mesh_is_moved_to_the_mesh_it_goes_to():
+    """It passed through on its own mesh, where no step on the loader's mesh takes it."""
+    x = np.arange(24.0, dtype=np.float32).reshape(4, 6)
+    keys = jax.random.split(jax.random.key(0), 4)
+    line = dist.ProcessMesh(list(range(8)), ["a"])
+    batch = {"x": dist.shard_tensor(x, MESH1, ["R", "S(1)"]),
+             "keys": dist.shard_tensor(keys, line, ["S(0)"]),  # a 1-d mesh, typed keys
+             "same": dist.shard_tensor(x, MESH0, ["R", "S(1)"]),  # its own mesh: kept as placed
+             "y": np.arange(4, dtype=np.float32)}
+    out = next(iter(shard_dataloader([batch], MESH0, shard_dims="y")))
+    placed = [dist.Replicate(), dist.Shard(0)]
+    assert out["x"].mesh == MESH0 and out["x"].placements == placed
+    np.testing.assert_array_equal(out["x"].numpy(), x)
+    np.testing.assert_array_equal(out["x"].local(1), x[2:])  # y=1 holds rows 2:4
+    assert out["keys"].mesh == MESH0 and out["keys"].placements == placed
+    np.testing.assert_array_equal(jax.random.key_data(dist.unshard_dtensor(out["keys"])),
+                                  jax.random.key_data(keys))
+    assert out["same"] is batch["same"]
+    loss = dist.jit(lambda x, y: (x.sum(1) * y).sum())(out["x"], out["y"])
+    np.testing.assert_allclose(loss.numpy(), (x.sum(1) * np.arange(4)).sum())
+    # pipeline meshes: a label on the first stage's mesh goes to the last's, a short batch too
+    label = np.arange(5, dtype=np.int32)
+    image, moved = next(iter(shard_dataloader(
+        [(dist.shard_tensor(x, MESH1, SR), dist.shard_tensor(label, MESH0, ["R", "R"]))],
+        [MESH0, MESH1], shard_dims="x")))
+    assert (image.mesh, moved.mesh) == (MESH0, MESH1) and moved.placements == SR
+    np.testing.assert_array_equal(image.numpy(), x)
+    np.testing.assert_array_equal(moved.numpy(), label)

@@ -2,6 +2,7 @@
 split along its batch dim, every device receiving only its own slice (Paddle's API)."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -16,6 +17,7 @@ from ..errors import AutoshardError, ShardingError
 from ..layout import Layout
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import physical_sharding
+from ..reshard import reshard
 from ..uneven import is_key
 
 DimSpec = Union[str, int, None]
@@ -65,6 +67,33 @@ def _top_key(batch: Any, path: tuple) -> Hashable:
     if isinstance(head, GetAttrKey) and hasattr(batch, "_fields"):  # namedtuple
         return batch._fields.index(head.name)
     return None
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, (numbers.Number, np.bool_)):
+        return True
+    return isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, DistTensor) \
+        and x.ndim == 0 and not is_key(x)
+
+
+def _is_number_list(x: Any) -> bool:
+    """A Python list of numbers, or of such lists: per-sample values (a collate_fn's
+    `[len(s) for s in samples]`), one array — not a container of separate 0-d inputs."""
+    return isinstance(x, list) and bool(x) and all(_is_number(e) or _is_number_list(e)
+                                                   for e in x)
+
+
+def _number_list_array(leaf: list, where: str, axis: str, mesh: ProcessMesh) -> np.ndarray:
+    """`leaf`, a list of numbers (or of such lists), as the array np.asarray makes of it."""
+    try:
+        return np.asarray(leaf)
+    except ValueError:  # ragged: numpy has no one array for it
+        raise DataloaderError(
+            f"{where} is a ragged list of numbers (its rows differ in length): shard_dataloader "
+            f"places a list of numbers as one per-sample array, as np.asarray makes it, split "
+            f"over mesh dim {axis!r} of {mesh!r} — a ragged list is no array: pad its rows to "
+            f"one length in your collate_fn (np.stack of the padded rows), or pass each row as "
+            f"its own array in a tuple") from None
 
 
 def _host_array(leaf: Any, where: str) -> np.ndarray:
@@ -229,7 +258,11 @@ class ShardDataloader:
             mesh = self._meshes[self._mesh_index(batch, top)]
             return self._place_leaf(leaf, mesh, self._dim_spec(batch, top), "batch" + keystr(path))
 
-        placed = tree_map_with_path(place, batch, is_leaf=lambda x: isinstance(x, DistTensor))
+        # A list of numbers inside the batch is one input (per-sample values, as np.asarray
+        # makes them), not separate 0-d leaves; the batch itself, a list, is its inputs.
+        placed = tree_map_with_path(
+            place, batch, is_leaf=lambda x: isinstance(x, DistTensor)
+            or (x is not batch and _is_number_list(x)))
         return _in_order_of(batch, placed)
 
     def _sharding(self, mesh: ProcessMesh, axis: str | None,
@@ -265,7 +298,15 @@ class ShardDataloader:
 
     def _place_leaf(self, leaf: Any, mesh: ProcessMesh, spec: DimSpec, where: str) -> Any:
         if isinstance(leaf, DistTensor):
-            return leaf
+            if leaf.mesh == mesh:
+                return leaf  # placed by the user on the mesh it goes to: kept as placed
+            # On another mesh, no step on this one could take it (a MeshMismatchError in
+            # dist.jit): moved as dist.reshard moves across meshes, placed as an array would be.
+            axis = _axis_name(spec, mesh, where) if leaf.ndim else None
+            return reshard(leaf, mesh, self._sharding(mesh, axis, leaf.ndim)[0].placements(mesh))
+        if isinstance(leaf, list):  # numbers (_is_number_list): one per-sample array
+            axis = _axis_name(spec, mesh, where)
+            leaf = _number_list_array(leaf, where, axis, mesh)
         if isinstance(leaf, jax.Array) and is_key(leaf):
             return self._place_keys(leaf, mesh, spec, where)
         data = leaf if isinstance(leaf, jax.Array) else _host_array(leaf, where)
@@ -339,6 +380,10 @@ def shard_dataloader(loader: Any, meshes: ProcessMesh | Sequence[ProcessMesh],
     `loader` is any iterable of batches: arrays, or (nested) tuples/lists/dicts of arrays.
     Each array's dim 0 (the batch dim) is Shard along one mesh dim and Replicate on the other
     mesh dims; 0-d values are replicated. Each device receives only its slice of the batch.
+    A Python list of numbers (or of equal-length lists of numbers) inside a batch is one
+    per-sample array, as np.asarray makes it (`{"ids": ids, "lens": [3, 4, 5, 6]}`); a ragged
+    one is a DataloaderError. A DistTensor in a batch is kept as placed when it is on the mesh
+    it goes to, and moved there (dist.reshard, placed as an array would be) from another mesh.
 
     `meshes`: one ProcessMesh, or a list of pipeline-stage meshes. With a list, inputs go to
     meshes[0] and labels to meshes[-1]: for a tuple/list batch, its last element goes to
