@@ -4,7 +4,8 @@ With `jax_threefry_partitionable` (on by default), bit i of `random_bits(key, sh
 threefry(key, i) for the element's global row-major index i. So each device computes threefry
 over the global indices of its own block: the values match one device exactly, whatever the
 mesh, with no communication. (JAX itself does not promise mesh-independent values under
-shard_map.) Key manipulation (seed, wrap, split, fold_in) is tiny and runs replicated.
+shard_map.) Key manipulation (wrap, unwrap, split, fold_in) is per key: a key array split over a
+mesh dim stays split (`keywise_sharding`); seeding runs replicated.
 """
 from __future__ import annotations
 
@@ -151,14 +152,37 @@ def threefry_sharding(in_avals, out_avals, **params):
                   [a.shape for a in in_avals], [a.shape for a in out_avals])
 
 
+def keywise_sharding(in_avals, out_avals, **params):
+    """Key manipulation is per key: a key array's dims map to the result's leading dims, which
+    split as the keys do; the dims it adds (a key's uint32 words, split's new keys) or drops
+    (wrap's words) stay whole. Per-sample keys split over the batch stay split (no gather of the
+    keys for each device to use its own). Anything else (fold_in messages shaped otherwise than
+    the keys) runs replicated."""
+    keys, out = in_avals[0], out_avals[0]
+    r = min(len(keys.shape), len(out.shape))
+    if any(keys.shape[d] != out.shape[d] for d in range(r)):
+        return replicated_sharding(in_avals, out_avals)
+    term = LETTERS[:r]
+    terms = [term + "." * (len(keys.shape) - r)]
+    for a in in_avals[1:]:  # fold_in's messages: one per key, or one for all
+        if tuple(a.shape) == tuple(keys.shape):
+            terms.append(terms[0])
+        elif not a.shape:
+            terms.append("")
+        else:
+            return replicated_sharding(in_avals, out_avals)
+    return einsum(",".join(terms) + "->" + term + "." * (len(out.shape) - r),
+                  [a.shape for a in in_avals], [a.shape for a in out_avals])
+
+
 TABLE = {
     threefry.threefry2x32_p: Rule(threefry_sharding),
     prng.random_bits_p: Rule(random_bits_sharding, random_bits_lower),
     prng.random_seed_p: Rule(replicated_sharding),
-    prng.random_wrap_p: Rule(replicated_sharding),
-    prng.random_unwrap_p: Rule(replicated_sharding),
-    prng.random_split_p: Rule(replicated_sharding),
-    prng.random_fold_in_p: Rule(replicated_sharding),
+    prng.random_wrap_p: Rule(keywise_sharding),
+    prng.random_unwrap_p: Rule(keywise_sharding),
+    prng.random_split_p: Rule(keywise_sharding),
+    prng.random_fold_in_p: Rule(keywise_sharding),
     # lax.rng_bit_generator's bits depend on the whole shape drawn: every device draws all of
     # them from the (whole) key, as one device does, and its consumers take their blocks
     lax_internal.rng_bit_generator_p: Rule(replicated_sharding),
@@ -191,6 +215,14 @@ def validation_samples() -> list:
         ("fold_in", "random_fold_in",
          lambda x: x + jax.random.uniform(jax.random.fold_in(jax.random.key(2), 9), x.shape), (f2,)),
         ("seed", "random_seed", lambda x: x + jax.random.normal(jax.random.key(4), x.shape), (f2,)),
+        ("per-row keys split and folded", "random_split",
+         lambda x: x * jax.vmap(lambda k: jax.random.normal(k, x.shape[1:]))(
+             jax.vmap(jax.random.fold_in, in_axes=(0, None))(
+                 jax.vmap(jax.random.split)(jax.random.split(jax.random.key(8), x.shape[0]))[:, 1],
+                 3)), (f2,)),
+        ("per-row key data", "random_unwrap",
+         lambda x: x + jax.random.key_data(jax.random.split(jax.random.key(2), x.shape[0]))[:, :1]
+         .astype(np.float32), (f2,)),
         ("unwrap", "random_unwrap",
          lambda x: x + jax.random.key_data(jax.random.key(6))[1].astype(np.float32), (f2,)),
         ("rbg draw", "random_bits",

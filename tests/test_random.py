@@ -234,3 +234,46 @@ def test_jax_random_of_a_key_dtensor_names_what_to_write_and_that_matches_one_de
         jax.random.uniform(key, (3,))
     np.testing.assert_array_equal(dist.jit(lambda k: jax.random.uniform(k, (3,)))(key).numpy(),
                                   jax.random.uniform(jax.random.key(5), (3,)))
+
+
+
+_KEY_OPS = {
+    "key_data": jax.random.key_data,
+    "wrap(key_data)": lambda k: jax.random.wrap_key_data(jax.random.key_data(k)),
+    "split": lambda k: jax.vmap(jax.random.split)(k),
+    "fold_in per key": lambda k: jax.vmap(jax.random.fold_in)(
+        k, jnp.arange(k.shape[0], dtype=jnp.uint32)),
+    "fold_in one message": lambda k: jax.vmap(lambda kk: jax.random.fold_in(kk, 7))(k),
+    "per-key draws": lambda k: jax.vmap(lambda kk: jax.random.uniform(kk, (3,)))(
+        jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 3)),
+}
+
+
+def _words(x) -> np.ndarray:
+    """An array's values, a key array's as its uint32 words."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
+@pytest.mark.parametrize("op", list(_KEY_OPS))
+@pytest.mark.parametrize("mesh_name, placements", [("8", ["S(0)"]), ("2x4", ["R", "S(0)"]),
+                                                   ("2x2x2", ["S(0)", "R", "R"])])
+def test_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, mesh_name,
+                                                                         placements):
+    """Per-sample keys split over a mesh dim stay split through key_data / wrap / split /
+    fold_in (each works per key): no collective, and one device's values (they were gathered,
+    every device manipulating every key)."""
+    from autoshard.hlo import count_collectives
+
+    fn, mesh = _KEY_OPS[op], MESHES[mesh_name]
+    keys = jax.random.split(jax.random.key(0), 8)
+    x = dist.shard_tensor(keys, mesh, placements)
+    g = dist.jit(fn)
+    out = g(x)
+    got = out.numpy() if not jax.dtypes.issubdtype(out.dtype, jax.dtypes.prng_key) else \
+        dist.jit(jax.random.key_data)(out).numpy()
+    np.testing.assert_array_equal(got, _words(fn(keys)))
+    assert out.placements == x.placements  # the keys' dim split as it was, added dims whole
+    assert not g.plan(x).collectives
+    assert not count_collectives(g.lower(x).compile().as_text())

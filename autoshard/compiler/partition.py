@@ -89,9 +89,12 @@ def match_vma(values: list[Any]) -> list[Any]:
 def _localize(params: dict, local_out_shapes: list[tuple[int, ...]]) -> dict:
     p = dict(params)
     if len(local_out_shapes) == 1:
+        # the result's trailing dims: all of them (broadcast, iota, reshape, random_bits), or
+        # the new ones of random_split, whose result is the keys' shape + `shape`
+        local = tuple(local_out_shapes[0])
         for key in ("shape", "new_sizes"):
             if p.get(key) is not None:
-                p[key] = tuple(local_out_shapes[0])
+                p[key] = local[len(local) - len(p[key]):]
     for key in ("sharding", "out_sharding"):
         if key in p:
             p[key] = None
