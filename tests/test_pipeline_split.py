@@ -364,6 +364,40 @@ class _FourBlocks(_TwoBlocks):
         self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(4)])
 
 
+@pytest.mark.parametrize("mode", ["1F1B", "FThenB"])
+def test_more_stages_than_pp_ranks_with_one_chunk_per_rank_is_an_error_naming_vpp(mode):
+    """Four pp_config stages on a mesh with 2 pp ranks and vpp_degree = 1 ran as a schedule of
+    4 ranks, two on each mesh (values right, but the schedule and its simulated timeline counted
+    ranks the mesh does not have): a StrategyError at to_static saying to cut once or to run
+    the 4 stages as 2 chunks per rank — which then train like one device."""
+    mesh = dist.ProcessMesh(np.arange(4).reshape(2, 2), ["pp", "dp"])
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    cuts = {f"blocks.{k}": dist.SplitPoint.END for k in range(3)}
+
+    def mse(o, y):
+        return jnp.mean((o - y) ** 2)
+
+    def strategy(schedule, vpp):
+        return dist.Strategy({"pipeline": {"enable": True, "schedule_mode": schedule,
+                                           "vpp_degree": vpp, "accumulate_steps": 2}})
+
+    model, opt = dist.parallelize(_FourBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
+                                  {"pp_config": {"split_spec": cuts}})
+    with pytest.raises(dist.StrategyError,
+                       match=r"vpp_degree = 1 puts 1 model chunk on each of the mesh's 2 pp "
+                             r"ranks: 2 x 1 = 2 stages, but pp_config's split_spec=.* cut the "
+                             r"model into 4: name the 1 cut with dist.SplitPoint .*with 1 entry "
+                             r"— or set vpp_degree to 2 with schedule_mode 'VPP'"):
+        dist.to_static(model, None, mse, opt, strategy(mode, 1))
+
+    m = dist.to_static(model, None, mse, opt, strategy("VPP", 2))
+    losses = [float(m(x, x).numpy()) for _ in range(2)]
+    (runner,) = m._pipeline._runners.values()
+    assert runner.schedule.ranks == 2 and runner.schedule.chunks == 2
+    expected = _sgd_losses(_FourBlocks(nnx.Rngs(0)), lambda mm: mse(mm(x), x), steps=2)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+
 def test_vpp_with_fewer_cuts_than_pp_times_vpp_degree_names_the_cuts_and_they_train_like_one_device():
     """split_spec="blocks" makes one stage per pp slice; vpp_degree = 2 needs 4: to_static
     says which SplitPoints to name (was: "put stage 1 on that mesh", a stage the user never

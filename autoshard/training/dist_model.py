@@ -232,28 +232,35 @@ class DistModel:
     def _check_chunks(self, vpp: int) -> None:
         """A model cut by parallelize's pp_config: with vpp_degree chunks per pp rank, its
         split_spec must have made pp x vpp_degree stages (checked here, before any batch, so
-        the error can say which cuts to name)."""
+        the error can say which cuts to name). With one chunk per rank, more stages than pp
+        ranks would run as that many ranks, several on one mesh: the schedule (and its
+        simulated timeline) would count ranks the mesh does not have."""
         parallel = getattr(self._model, "_autoshard_parallel", None)
-        if vpp < 2 or parallel is None or not parallel.stage_meshes:
+        if parallel is None or not parallel.stage_meshes:
             return
         ranks, spec = len(parallel.stage_meshes), parallel.split_spec
         want = ranks * vpp
-        if parallel.stages == want:
+        if parallel.stages == want or (vpp < 2 and parallel.stages <= ranks):
             return
         from .pipeline_split import even_cuts
 
         cuts = even_cuts(self._model, spec, want)
+        cut_s = "cut" if want == 2 else "cuts"
         what = (f"split_spec={cuts}" if cuts else
-                f"split_spec={{layer: dist.SplitPoint.END, ...}} with {want - 1} entries")
-        fewer = (f" or set vpp_degree to {parallel.stages // ranks}"
+                f"split_spec={{layer: dist.SplitPoint.END, ...}} with {want - 1} "
+                f"{'entry' if want == 2 else 'entries'}")
+        chunks = parallel.stages // ranks
+        fewer = ((f" or set vpp_degree to {chunks}" if chunks > 1 or vpp > 1 else "")
+                 + (" with schedule_mode 'VPP'" if chunks > 1 and vpp < 2 else "")
                  if parallel.stages % ranks == 0 else "")
+        chunk_s = "model chunk" if vpp == 1 else "model chunks"
         raise StrategyError(
-            f"strategy.pipeline.vpp_degree = {vpp} puts {vpp} model chunks on each of the "
+            f"strategy.pipeline.vpp_degree = {vpp} puts {vpp} {chunk_s} on each of the "
             f"mesh's {ranks} pp ranks: {ranks} x {vpp} = {want} stages, but pp_config's "
             f"split_spec={spec!r} cut the model into {parallel.stages}"
             + (" (a layer-list path makes one stage per pp slice)" if isinstance(spec, str)
                else "")
-            + f": name the {want - 1} cuts with dist.SplitPoint in dist.parallelize's "
+            + f": name the {want - 1} {cut_s} with dist.SplitPoint in dist.parallelize's "
               f"pp_config, {what} —{fewer or ' or change vpp_degree'}")
 
     def _batch_name(self, kind: str, path: tuple, n_inputs: int) -> str:
