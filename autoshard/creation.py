@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any, Callable, Sequence
 
 import jax
@@ -230,14 +231,11 @@ def _check_processes_agree(shape: tuple, first: Any, placements: Sequence) -> No
     shape each process inferred from its own blocks (and their dtype) is compared across them
     (a collective) — a process holding only the short last blocks of an uneven split would
     infer a smaller one, and the processes would then wait for each other forever."""
-    from jax.experimental import multihost_utils
+    from .agreement import differences
 
-    name = dtype_name(first.dtype).encode()[:16].ljust(16)
-    mine = np.asarray(list(shape) + list(name), np.int64)  # one row per process
-    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
-    if (everyone != mine).any():
-        seen = {i: (row[:len(shape)], bytes(row[len(shape):]).decode().strip())
-                for i, row in enumerate(everyone.tolist())}
+    every = differences(json.dumps([list(shape), dtype_name(first.dtype)]).encode())
+    if every is not None:
+        seen = {i: tuple(json.loads(mine)) for i, (mine, _) in enumerate(every)}
         raise LocalDataError(
             f"dtensor_from_local: the processes' blocks, placed {list(placements)}, make "
             f"different tensors (process: (global shape, dtype)) {seen}: with the blocks of "

@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -12,11 +13,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _launch(script: pathlib.Path, nproc: int = 2, devices: int = 4, timeout: float = 600,
-            args: tuple[str, ...] = ()):
+            args: tuple[str, ...] = (), flags: tuple[str, ...] = ()):
     env = dict(os.environ)  # the launcher replaces the device count, keeps the other flags
     return subprocess.run([sys.executable, "-m", "autoshard.launch", "--nproc", str(nproc),
-                           "--devices", str(devices), str(script), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+                           "--devices", str(devices), *flags, str(script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def test_dp_across_processes_tp_inside_equals_one_device():
@@ -351,6 +352,140 @@ def test_a_pipeline_state_dict_saved_across_processes_loads_back_there_and_in_on
             v = jax.random.key_data(dist.unshard_dtensor(v) if k == "keys" else v)
         np.testing.assert_array_equal(v.numpy() if isinstance(v, dist.DistTensor) else v,
                                       want[k], err_msg=k)
+
+
+SIGNATURES = """import time
+import autoshard as dist
+dist.init_parallel_env()
+import jax, jax.numpy as jnp, numpy as np
+from autoshard import agreement
+R, S = dist.Replicate(), dist.Shard
+me = jax.process_index()
+W = dist.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])   # dp across the processes
+checks = []  # the processes' comparisons of what they hold (a collective each)
+compare = agreement.differences
+agreement.differences = lambda *a: checks.append(1) or compare(*a)
+
+
+def layer(x, p):
+    return jnp.tanh(x @ p["w"]) + p["b"]
+
+
+f = dist.jit(layer)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(8, 4)).astype("float32")
+p = {"w": rng.normal(size=(4, 6)).astype("float32"), "b": rng.normal(size=(6,)).astype("float32")}
+placed = {"w": dist.shard_tensor(p["w"], W, [R, S(1)]), "b": dist.shard_tensor(p["b"], W, [R, S(0)])}
+xs = dist.shard_tensor(x, W, [S(0), R])
+with jax.default_device(jax.local_devices()[0]):
+    want = np.asarray(jax.jit(layer)(x, p))
+for args in ((xs, placed), (x, placed)):  # placed and unplaced inputs, agreeing
+    before = len(checks)
+    got = f(*args)
+    assert len(checks) == before + 1, checks  # the first call: one small collective
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    before = len(checks)
+    got = f(*args)  # a cache hit: nothing more
+    assert len(checks) == before, checks
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+h = dist.jit(layer)
+if me == 0:  # a plan asked in one process compares nothing; the first call then does
+    h.plan(xs, placed)
+before = len(checks)
+np.testing.assert_allclose(h(xs, placed).numpy(), want, rtol=1e-6)
+assert len(checks) == before + 1, checks
+loss = lambda fn, x: lambda p: jnp.sum(fn(x, p) ** 2)  # under jax.grad: the check runs outside it
+with jax.default_device(jax.local_devices()[0]):
+    want = jax.grad(loss(layer, x))(p)
+got = jax.grad(loss(f, xs))(placed)
+for k in p:
+    np.testing.assert_allclose(dist.DistTensor.numpy(got[k]), want[k], rtol=1e-4, atol=1e-6)
+
+
+def refused(args, *texts):
+    start = time.monotonic()
+    try:
+        f(*args)
+    except dist.ParallelEnvError as e:
+        assert time.monotonic() - start < 30, time.monotonic() - start
+        for text in texts:
+            assert text in str(e), (text, str(e))
+        return
+    raise AssertionError("no error")
+
+
+# process 1 splits w by rows, or passes x as int32 (both signatures new in both processes: a
+# process calling with one it called before runs that program, and compares nothing)
+refused((xs, {"w": dist.shard_tensor(p["w"], W, [R, R if me == 0 else S(0)]), "b": placed["b"]}),
+        "argument 1['w'] differs",
+        "process 0: float32[4, 6] placed [dp: R, mp: R] on ProcessMesh([[0, 1], [2, 3]]",
+        "process 1: float32[4, 6] placed [dp: R, mp: S(0)] on ProcessMesh([[0, 1], [2, 3]]",
+        "must call layer with the same global shapes")
+refused((x.astype("float16" if me == 0 else "int32"), placed), "argument 0 differs",
+        "process 0: float16[8, 4] not placed", "process 1: int32[8, 4] not placed")
+print(f"process {me}: agreeing calls equal one device, disagreeing ones are refused", flush=True)
+own = rng.normal(size=(8, 4 if me == 0 else 6)).astype("float32")  # process 1: (8, 6)
+g = dist.jit(layer)
+g(own, placed)
+"""
+
+
+def test_processes_calling_a_dist_jit_function_with_different_arguments_all_get_its_error(
+        tmp_path):
+    """Processes passing a dist.jit function different shapes: one failed tracing with jax's
+    TypeError, the other waited in a collective until the launcher stopped it. Now the first
+    call of a signature compares it across the processes (one small collective; a cache hit
+    none) and every process raises the same ParallelEnvError, naming the argument, each
+    process's shape, dtype and placements, the mesh and the line; agreeing calls equal one
+    device."""
+    script = tmp_path / "signatures.py"
+    script.write_text(SIGNATURES)
+    line = SIGNATURES.splitlines().index("g(own, placed)") + 1
+    start = time.monotonic()
+    out = _launch(script, devices=2, flags=("--timeout", "300"))
+    took = time.monotonic() - start
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert took < 150, took  # well under the launcher's timeout: no rank waits for another
+    for rank in (0, 1):
+        assert (f"[rank {rank}] process {rank}: agreeing calls equal one device, disagreeing "
+                f"ones are refused") in out.stdout, out.stdout
+        for text in (f"[rank {rank}] autoshard.parallel_env.ParallelEnvError: layer: the 2 "
+                     f"processes called it with different arguments — argument 0 differs:",
+                     f"[rank {rank}]     process 0: float32[8, 4] not placed",
+                     f"[rank {rank}]     process 1: float32[8, 6] not placed",
+                     f"(called at signatures.py:{line})",
+                     "one program over the same global values on ProcessMesh([[0, 1], [2, 3]], "
+                     "dim_names=['dp', 'mp']), so every process must call layer with the same "
+                     "global shapes",
+                     f"[rank {rank}]   (at signatures.py:{line})"):
+            assert text in out.stdout, (text, out.stdout)
+    assert "TypeError" not in out.stdout, out.stdout
+
+
+def test_dist_jit_in_one_process_compares_nothing(monkeypatch):
+    """The processes' comparison of a call's signature is for several processes only: one
+    process runs no collective for it, on the first call or any other."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
+    import autoshard as dist
+    from autoshard import agreement
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective in a single process")
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", refuse)
+    assert agreement.differences(b"anything") is None
+    agreement.check_call_signature("f", [], [])
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+    x = np.arange(32, dtype="float32").reshape(8, 4)
+    f = dist.jit(lambda x: jnp.tanh(x) * 2)
+    f.plan(dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()]))
+    for _ in range(2):
+        got = f(dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()]))
+        np.testing.assert_allclose(got.numpy(), np.tanh(x) * 2, rtol=1e-6)
+    assert jax.process_count() == 1 and not f._unagreed
 
 
 def test_a_failing_process_fails_the_launch_and_stops_the_others(tmp_path):

@@ -209,6 +209,7 @@ class DistributedFunction:
         self._static_names = static_names
         self._by_static_kwargs: dict = {}
         self._cache: dict = {}
+        self._unagreed: set = set()  # keys compiled by plan/explain/lower, not yet called
         self.trace_count = 0
         # eager operators (eager.py) hand DistTensors back even under an outer jax trace: the
         # user is writing DistTensor code there, op by op
@@ -239,6 +240,7 @@ class DistributedFunction:
                 sub.__dict__.pop(cached, None)
             sub._fn = functools.partial(self._fn, **named)
             sub._static_names, sub._by_static_kwargs, sub._cache = (), {}, {}
+            sub._unagreed = set()
             sub._in_shardings = None  # placed by the function it came from
             sub.trace_count = 0
             self._by_static_kwargs[key] = sub
@@ -288,7 +290,8 @@ class DistributedFunction:
             args.append(next(it) if i in self._static else next(dyn))
         return args
 
-    def _entry(self, args, kwargs, reduced: bool = False, split=None) -> tuple[_Compiled, list]:
+    def _entry(self, args, kwargs, reduced: bool = False, split=None,
+               run: bool = False) -> tuple[_Compiled, list]:
         static, leaves, tree = split or self._split(args, kwargs)
         try:
             described = tuple(_describe_leaf(x) for x in leaves)
@@ -306,9 +309,33 @@ class DistributedFunction:
             raise PlacementTypeError(f"dist.jit: static arguments must be hashable ({exc})") from None
         entry = self._cache.get(key)
         if entry is None:
+            if jax.process_count() > 1:
+                self._agree(key, run)
             entry = self._placed_as_planned(key) or self._compile(static, tree, described, reduced)
             self._cache[key] = entry
+        elif self._unagreed and run and key in self._unagreed:
+            self._agree(key, run)
         return entry, leaves
+
+    def _agree(self, key, run: bool) -> None:
+        """Several processes, a signature not yet called: before it is traced, every process
+        checks that all call it alike (one small collective; agreement.py), so that processes
+        passing different shapes get one clear error each rather than a trace error in one and
+        a collective waiting forever in the others. plan / explain / lower may be asked in one
+        process only: there the first call for the signature checks."""
+        if not run:
+            self._unagreed.add(key)
+            return
+        from ..agreement import check_call_signature
+
+        self._unagreed.discard(key)
+        tree, static, described, reduced = key
+        try:
+            names = self._leaf_names(tree, static)
+        except Exception:  # a tree of another shape (a lifted module's): name the flat inputs
+            names = [f"input {k}" for k in range(len(described))]
+        check_call_signature(self.__name__, names, described, static,
+                             self._static[:len(static)], reduced)
 
     def _placed_as_planned(self, key) -> _Compiled | None:
         """A program already built for inputs that then arrived unplaced (numpy, a fresh
@@ -539,7 +566,7 @@ class DistributedFunction:
         # Partial, and no custom_linear_solve is inlined: a jit or checkpoint may itself be
         # differentiated later, after this call has been traced
         outer = _under_a_trace() or any(isinstance(x, jax.core.Tracer) for x in physicals)
-        entry, leaves = self._entry(args, kwargs, reduced=outer, split=split)
+        entry, leaves = self._entry(args, kwargs, reduced=outer, split=split, run=True)
         if isinstance(entry, _MeshStages):
             if outer:
                 raise MeshMismatchError(

@@ -73,7 +73,7 @@ def _check_same_everywhere(flat: dict[str, Any]) -> None:
     only: a CheckpointError unless every process holds the same ones, not a silent pick."""
     import zlib
 
-    from jax.experimental import multihost_utils
+    from ..agreement import differences
 
     local = sorted(k for k, v in flat.items() if isinstance(v, (np.ndarray, *_SCALARS)))
     crc = 0
@@ -81,9 +81,7 @@ def _check_same_everywhere(flat: dict[str, Any]) -> None:
         value = np.asarray(flat[key])
         crc = zlib.crc32(f"{key}{value.dtype}{value.shape}".encode(), crc)
         crc = zlib.crc32(np.ascontiguousarray(value).tobytes(), crc)
-    mine = np.array([len(local), crc], np.uint32)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    if not (every == mine).all():
+    if differences(np.array([len(local), crc], np.uint32).tobytes()) is not None:
         raise CheckpointError(
             f"save_state_dict: the numbers and arrays that are not DistTensors ({local[:8]}) "
             f"differ between the processes (each process holds its own copy, and only one "
