@@ -180,7 +180,7 @@ def test_dist_jit_arguments_of_the_wrong_kind(call, error, match):
 ])
 def test_a_rule_that_is_no_function_of_in_and_out_avals_is_refused_when_registered(rule, lower, match):
     # (one that failed when called would be read as 'no rule here': the primitive replicated)
-    from rules.registry import lookup_rule
+    from autoshard.rules.registry import lookup_rule
     import jax
 
     before = lookup_rule(jax.lax.sin_p)

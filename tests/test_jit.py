@@ -477,7 +477,7 @@ def test_rule_answers_are_shared_by_equal_equations_until_a_rule_changes():
     from autoshard.compiler.factors import einsum
     from autoshard.compiler.propagate import rule_signature
     from autoshard.compiler.trace import build_program
-    from rules.registry import RuleRegistry
+    from autoshard.rules.registry import RuleRegistry
 
     calls = []
 
