@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 import warnings
 from collections import Counter
@@ -1005,3 +1006,24 @@ def test_python_numbers_stay_weakly_typed_and_argument_numbers_count_from_the_en
     g = dist.jit(lambda a, n: a * n, static_argnums=-1)
     assert float(g(dx, 3).numpy()[1, 0]) == float(x[1, 0]) * 3
     assert g.trace_count == 1 and float(g(dx, 3).numpy()[1, 0]) == float(x[1, 0]) * 3
+
+
+class _Double:
+    def __call__(self, x):
+        return x * 2.0
+
+
+@pytest.mark.parametrize("fn, name", [(functools.partial(lambda s, x: x * s, 2.0),
+                                       "partial(<lambda>)"), (_Double(), "_Double")])
+def test_a_callable_without_a_name_runs_uneven_inputs_and_is_named_in_errors(fn, name):
+    """dist.jit of a functools.partial or of an object with __call__ (no __name__): an input
+    split unevenly, or a bad argument, crashed with an AttributeError on the function's name."""
+    w = np.arange(4 * 50, dtype=np.float32).reshape(4, 50)  # 50 columns over 4: uneven
+    x = dist.shard_tensor(w, MESH4, [dist.Shard(1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+        out = dist.jit(fn)(x)
+    np.testing.assert_array_equal(out.numpy(), w * 2.0)
+    with pytest.raises(dist.PlacementTypeError, match=re.escape(name) + r": argument 0 is "
+                       r"'a string' of type str, not an array"):
+        dist.jit(fn)("a string")

@@ -164,6 +164,13 @@ def _jax_arguments(method):
     return taking
 
 
+def _callable_name(fn: Any) -> str:
+    """How messages name a callable that has no __name__: partial(f), or its class."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_callable_name(fn.func)})"
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 class DistributedFunction:
     """A function partitioned across a mesh by autoshard; see `autoshard.jit`."""
 
@@ -177,6 +184,8 @@ class DistributedFunction:
                                  f"{type(fn).__name__} {fn!r:.60}: write dist.jit(step) or put "
                                  f"@dist.jit above def step(...)")
         functools.update_wrapper(self, fn)
+        if not hasattr(self, "__name__"):  # a functools.partial, an object with __call__
+            self.__name__ = _callable_name(fn)
         if out_shardings is not None and out_placements is not None:
             raise PlacementTypeError("dist.jit takes out_placements or jax.jit's out_shardings, "
                                      "not both")
