@@ -7,6 +7,7 @@ import optax
 import pytest
 import flax.linen as linen
 from flax import nnx
+from flax.traverse_util import flatten_dict
 
 import autoshard as dist
 
@@ -281,3 +282,51 @@ def test_linen_dropout_draws_step_k_from_fold_in_of_the_given_key(tmp_path):
     want = mse(net.apply({"params": params, "batch_stats": stats}, x, train=False), y)
     np.testing.assert_allclose(float(resumed.eval()(x, y).numpy()), float(want), rtol=1e-5)
     assert int(resumed.state_dict()["state.rng_step"].numpy()) == len(batches)
+
+
+class _WithTable(nnx.Module):
+    """A constant held as a plain array attribute (a RoPE table, a mask), not a Variable."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+        self.table = jnp.arange(1.0, 5.0)
+
+    def __call__(self, x):
+        return self.lin(x) * self.table
+
+
+class _Blocks(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([_WithTable(rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+@pytest.mark.parametrize("net", [_WithTable, _Blocks])
+def test_a_plain_array_attribute_of_an_nnx_module_trains_like_one_device(net):
+    """to_static of an nnx Module holding a plain jax.Array attribute (also inside a list of
+    blocks): nnx.split files it with the non-Param state, and writing the step's state back
+    raised a raw KeyError on its path."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+
+    def mse(o, y):
+        return jnp.mean((o - y) ** 2)
+
+    model = dist.shard_layer(net(nnx.Rngs(0)), MESH)
+    dm = dist.to_static(model, None, mse, optax.sgd(0.1))
+    losses = [float(dm(x, x).numpy()) for _ in range(3)]
+
+    ref = net(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    want = []
+    for _ in range(3):
+        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), x))(ref)
+        opt.update(ref, grads)
+        want.append(float(loss))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    got, ref_state = nnx.state(model), nnx.state(ref)
+    for path, value in flatten_dict(nnx.to_pure_dict(ref_state)).items():
+        mine = flatten_dict(nnx.to_pure_dict(got))[path]
+        np.testing.assert_allclose(_value(mine), np.asarray(value), rtol=1e-5, atol=1e-6,
+                                   err_msg=str(path))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..dtensor import is_dist_tensor as _is_dt
@@ -107,6 +108,22 @@ def _keep_structure(old: dict, new: dict) -> dict:
     return unflatten_dict(out)
 
 
+def _set_attribute(node: Any, path: tuple, value: Any) -> None:
+    """Set the plain (non-Variable) attribute at nnx graph `path`: attributes by name, list
+    and dict entries by key. (nnx.update would walk into a DistTensor already set there, a
+    pytree to it.)"""
+    def child(n, key):
+        return getattr(n, key) if isinstance(key, str) and hasattr(n, key) else n[key]
+
+    for key in path[:-1]:
+        node = child(node, key)
+    key = path[-1]
+    if isinstance(key, str) and hasattr(node, key):
+        setattr(node, key, value)
+    else:
+        node[key] = value
+
+
 def _nnx_parts(model: Any) -> ModelParts:
     from flax import nnx
 
@@ -132,11 +149,20 @@ def _nnx_parts(model: Any) -> ModelParts:
     def write_back(params: Any, state: dict) -> None:
         for path, value in flatten_dict(params).items():
             variables[path].set_value(value)
+        plain = {}  # arrays held as plain attributes (a RoPE table, a mask): no Variable
         for path, value in flatten_dict(state).items():
             if path in codec.impls:  # a DistTensor cannot hold a key dtype: a typed jax array
                 value = jax.random.wrap_key_data(value.physical if _is_dt(value) else value,
                                                  impl=codec.impls[path])
-            variables[path].set_value(value)
+            node = variables.get(path)
+            if node is None:
+                plain[path] = value
+            else:
+                node.set_value(value)
+        for path, value in plain.items():
+            # kept a jax.Array, as nnx filed it (a DistTensor there would be a pytree node to
+            # nnx, no longer state): the logical value, laid out as the step left it
+            _set_attribute(model, path, jnp.asarray(value) if _is_dt(value) else value)
 
     param_shapes = {path: np.shape(v) for path, v in flatten_dict(nnx.to_pure_dict(params)).items()}
     return ModelParts(nnx.to_pure_dict(params), codec.encode(rest_pure), apply, write_back,
