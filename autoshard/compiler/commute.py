@@ -202,7 +202,8 @@ def hoist_reductions(program: Program, eqn_plans: list, actual: dict, output_res
     if dropped:
         # a rule's own collectives (a roll's halo on the way) stay: the step still runs them
         collectives[:] = [c for c in collectives
-                          if c.value not in dropped or c.by_rule or id(c) in planned_here]
+                          if c.value not in dropped or c.by_rule or c.nested
+                          or id(c) in planned_here]
     return touched
 
 

@@ -132,7 +132,8 @@ def move_before_widening(program: Program, eqn_plans: list, actual: dict,
                 out_plans.pop(k, None)
             dropped.add(repr(v))
     if dropped:
-        collectives[:] = [c for c in collectives if c.by_rule or c.value not in dropped]
+        collectives[:] = [c for c in collectives
+                          if c.by_rule or c.nested or c.value not in dropped]
     return touched
 
 

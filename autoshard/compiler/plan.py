@@ -57,6 +57,10 @@ class PlannedCollective:
     # (value, start layout, the move's steps up to this one): equal keys are the same
     # collective of the same operand, which XLA's CSE runs once (`_once`)
     shared: tuple | None = field(default=None, compare=False, repr=False)
+    # run inside a loop / cond / checkpoint body: `value` names one of the body's own values
+    # (named in the body's program, so the name may also be a top-level value's) — passes that
+    # rewrite top-level moves by value name leave these alone
+    nested: bool = field(default=False, compare=False, repr=False)
 
     @property
     def source(self) -> str | None:
@@ -448,7 +452,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                         unrolled = f", copy {i + 1} of {copies} unrolled" if copies > 1 else ""
                         collectives.append(replace(  # (copies are other collectives: `_once`)
                             c, reason=f"{c.reason} (inside {strategy}{unrolled})",
-                            shared=c.shared if i == 0 or c.shared is None else (c.shared, i)))
+                            shared=c.shared if i == 0 or c.shared is None else (c.shared, i),
+                            nested=True))
                 fallbacks.extend(sub.fallbacks)
         else:
             sig = facts.signatures[e.index]

@@ -77,9 +77,9 @@ def split_output_reductions(program: Program, output_reshards: list, collectives
         split[(v, dst)] = ReshardPlan(rp.shape, rp.dtype, mesh, src, mesh, dst, tuple(steps))
         output_reshards[n] = (k, split[(v, dst)])
         source = next((c.where for c in collectives
-                       if c.value == repr(v) and c.consumer == consumer), None)
+                       if not c.nested and c.value == repr(v) and c.consumer == consumer), None)
         collectives[:] = [c for c in collectives
-                          if not (c.value == repr(v) and c.consumer == consumer)]
+                          if c.nested or not (c.value == repr(v) and c.consumer == consumer)]
         record(steps, v, consumer, source, "; reduced one mesh axis at a time, each part "
                "combined with another reduction over that axis")
 
