@@ -313,3 +313,38 @@ def test_vocab_parallel_cross_entropy_reduces_partials_instead_of_gathering_logi
     rows = 8 // 2
     assert all(c.bytes_per_device <= rows * 4 * 2 for c in plan.collectives if "mp" in c.axes)
     assert count_collectives(f.lower(z, y).compile().as_text()) == Counter(c.kind for c in plan.collectives)
+
+
+def test_two_tables_read_at_the_same_ids_move_the_ids_once_as_xla_does():
+    """`cos_t[pos]` and `sin_t[pos]` (RoPE tables read at packed positions): jnp indexing
+    normalises the ids (`pos < 0`, `pos + 64`) once per table. Each literal was its own
+    constant, so the two normalisations were two values, each gathered over dp — 4 all-gathers
+    planned where XLA's CSE runs 3. Equal literals are one constant: one normalisation."""
+    R, S = dist.Replicate(), dist.Shard
+    rng = np.random.default_rng(21)
+    B, T, H, DH = 4, 16, 8, 4
+    wq, wk = (rng.normal(size=(32, H * DH)).astype(np.float32) for _ in range(2))
+    x = rng.normal(size=(B, T, 32)).astype(np.float32)
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    cos_t, sin_t = (rng.normal(size=(64, DH)).astype(np.float32) for _ in range(2))
+
+    def rot(q):
+        a, b = jnp.split(q, 2, -1)
+        return jnp.concatenate([-b, a], -1)
+
+    def scores(x, pos, cos_t, sin_t):
+        q, k = ((x @ w).reshape(B, T, H, DH) for w in (wq, wk))
+        cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]
+        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k)
+
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
+    args = (dist.shard_tensor(x, mesh, [S(0), S(1)]), dist.shard_tensor(pos, mesh, [S(0), S(1)]),
+            dist.shard_tensor(cos_t, mesh, [S(1), R]), dist.shard_tensor(sin_t, mesh, [S(1), R]))
+    f = dist.jit(scores)
+    np.testing.assert_allclose(f(*args).numpy(), jax.jit(scores)(x, pos, cos_t, sin_t),
+                               rtol=1e-5, atol=1e-5)
+    plan = f.plan(*args)
+    assert plan.collective_counts() == count_collectives(f.lower(*args).compile().as_text())
+    ids_moves = [c for c in plan.collectives if c.bytes_per_device == 32]  # the int32 ids
+    assert len(ids_moves) == 1, [str(c) for c in plan.collectives]

@@ -500,6 +500,20 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         consts.append(v)
         return v
 
+    # literal -> its value as a key: `cse_key` compares literals by value, so an expression
+    # written twice (jnp indexing's `i < 0`, `i + n` for two tables read at the same ids) is one
+    # equation, as XLA's CSE makes it, and its moves are planned once. Each literal stays a
+    # constant of its own: equal layers do not share one (their blocks stay apart, repeats.py)
+    literal_keys: dict = {}
+
+    def literal(atom) -> Value:
+        v = const_value(atom.val, atom.aval)
+        try:  # (bytes tell -0.0 from 0.0)
+            literal_keys[id(v)] = (atom.aval, type(atom.val), np.asarray(atom.val).tobytes())
+        except Exception:  # pragma: no cover - a literal numpy cannot read: compared by identity
+            pass
+        return v
+
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
     ones: set = set()  # broadcasts of a scalar 1 (`_is_one`)
     regions: list[CustomRegion] = []
@@ -513,7 +527,13 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             # readers wanting it laid out differently (a cond branch's placeholder results,
             # two of them one value once merged) do not move it
             return None
-        return (eqn.primitive, tuple(map(id, ins)), params)  # values live while building
+        # (values live while building: ids are unique). Literals by value only beside a
+        # computed operand: a step of literals alone (a cast of a constant) stays one per
+        # layer, or equal layers would read one layer's result and stop being equal blocks
+        keys = [literal_keys.get(id(v), id(v)) for v in ins]
+        if all(type(k) is tuple for k in keys):
+            return (eqn.primitive, tuple(map(id, ins)), params)
+        return (eqn.primitive, tuple(keys), params)
 
     def own_outputs(outs: list[Value], start: int, source: Where) -> list[Value]:
         # An output the body passes through (custom_vjp identity with a gradient rule) must be
@@ -538,12 +558,11 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
         def read(atom) -> Value:
             if isinstance(atom, jex_core.Literal):
-                return const_value(atom.val, atom.aval)
+                return literal(atom)
             return env[atom]
 
         for eqn in jaxpr.eqns:
-            ins = [env[a] if type(a) is not Literal else const_value(a.val, a.aval)
-                   for a in eqn.invars]
+            ins = [env[a] if type(a) is not Literal else literal(a) for a in eqn.invars]
             if eqn.primitive is hint_back_p:  # within one mesh, an identity
                 env[eqn.outvars[0]] = ins[0]
                 continue
