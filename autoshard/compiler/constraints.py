@@ -103,7 +103,8 @@ def _layout(e, mesh: ProcessMesh) -> Layout | None:
 def as_hints(program: Program, mesh: ProcessMesh) -> None:
     """Rewrite, in place, each expressible constraint of `program` as a hint on `mesh`."""
     for e in program.eqns:
-        if _sharding(e) is None:
+        name = e.primitive.name  # (most equations are neither: skipped before any call)
+        if (name != NAME and name != PUT) or _sharding(e) is None:
             continue
         layout = _layout(e, mesh)
         if layout is None:

@@ -15,37 +15,48 @@ with those).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from ..reshard.planner import ReshardPlan, plan_on_mesh
 from .dtypes import cost_dtype, local_nbytes
-from .trace import Program, Value
+from .trace import Program, Value, serial_of
 
 _TINY_BYTES = 64  # a loss, a metric, a step count: latency-bound whatever the mesh
 
 
-def _upstream(program: Program, v: Value) -> set[str]:
-    """Names of the values `v` is computed from (itself included)."""
+def _upstream(program: Program, v: Value) -> Callable[[str], bool]:
+    """Whether a value name is one of the values `v` is computed from (itself included). A
+    loss is computed from most of the forward: its values are found by serial number, not
+    named one by one."""
     seen, todo = {id(v)}, [v]
-    names = {repr(v)}
+    serials, names = set(), set()  # (names: values without a serial)
     while todo:
         w = todo.pop()
+        if w.serial >= 0:
+            serials.add(w.serial)
+        else:
+            names.add(repr(w))
         if w.producer < 0:
             continue
         for u in program.eqns[w.producer].inputs:
             if id(u) not in seen:
                 seen.add(id(u))
-                names.add(repr(u))
                 todo.append(u)
-    return names
+
+    def upstream(name: str) -> bool:
+        serial = serial_of(name)
+        return serial in serials if serial is not None else name in names
+    return upstream
 
 
-def _partners(collectives: list, upstream: set[str]) -> set[frozenset]:
+def _partners(collectives: list, upstream: Callable[[str], bool]) -> set[frozenset]:
     """The axis sets of planned sums the output could be combined with."""
     return {frozenset(c.axes) for c in collectives
-            if c.kind == "all-reduce" and c.step.startswith("psum(") and c.value not in upstream}
+            if c.kind == "all-reduce" and c.step.startswith("psum(") and not upstream(c.value)}
 
 
 def split_output_reductions(program: Program, output_reshards: list, collectives: list,

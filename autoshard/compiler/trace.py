@@ -103,6 +103,17 @@ def _letters(n: int) -> str:
             return s
 
 
+def serial_of(name: str) -> int | None:
+    """The n whose `_letters(n)` is `name` (None: no such name, e.g. "v140..."): finds a value
+    named in a plan without naming every value of the program."""
+    if not name or not name.isascii() or not name.isalpha() or not name.islower():
+        return None
+    n = 0
+    for ch in name:
+        n = n * 26 + (ord(ch) - ord("a") + 1)
+    return n - 1
+
+
 class Value:
     """One SSA value of the flat program. Compared and hashed by identity.
 
@@ -652,4 +663,4 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
 
 
-__all__ = ["hint_p", "hint_back_p", "bind_eqn", "bind_hint", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line", "Where"]
+__all__ = ["hint_p", "hint_back_p", "bind_eqn", "bind_hint", "serial_of", "Value", "Eqn", "Program", "CustomRegion", "build_program", "source_line", "Where"]
