@@ -55,5 +55,37 @@ def reduce_sharding(in_avals, out_avals, *, dimensions, **params):
                   replicate="".join(term[d] for d in dimensions))
 
 
+def _over_positions(reduce_p):
+    """psum / pmax / pmin over positional axes — what jax.vmap(..., axis_name=) makes of a
+    collective over its named axis — is a reduction over those dims of the batched value:
+    reduce_sum / max / min's rule and lowering. Over mesh axis names (a user's shard_map body,
+    partitioned apart: user_collectives.py) the rule does not describe it."""
+    inner = reduction_sharding(KINDS[reduce_p])
+
+    def rule(in_avals, out_avals, *, axes, axis_index_groups=None, **params):
+        if (axis_index_groups is not None or len(in_avals) != 1
+                or not all(isinstance(a, (int, np.integer)) for a in axes)):
+            return None
+        return inner(in_avals, out_avals, axes=tuple(int(a) for a in axes))
+
+    def lower(ctx, x, *, axes, **params):
+        extra = {"out_sharding": None} if reduce_p is lax.reduce_sum_p else {}
+        return [reduce_p.bind(x, axes=tuple(int(a) for a in axes), **extra)]
+
+    return Rule(rule, lower)
+
+
 TABLE = {p: Rule(reduction_sharding(k)) for p, k in KINDS.items()}
 TABLE[lax.reduce_p] = Rule(reduce_sharding)
+TABLE.update({lax.psum_p: _over_positions(lax.reduce_sum_p),
+              lax.pmax_p: _over_positions(lax.reduce_max_p),
+              lax.pmin_p: _over_positions(lax.reduce_min_p)})
+
+
+def validation_samples() -> list:
+    import jax
+
+    f2 = ((4, 8), "f")
+    return [(f"vmap {name}", name,
+             lambda x, c=c: jax.vmap(lambda r: r - c(r, "i"), axis_name="i")(x), (f2,))
+            for name, c in (("psum", lax.psum), ("pmax", lax.pmax), ("pmin", lax.pmin))]

@@ -558,3 +558,34 @@ def test_a_scanned_llama_steps_plan_lists_every_collective_of_the_loop_body():
         np.testing.assert_allclose(got.numpy(), ref, rtol=1e-4, atol=1e-6)
     assert f.plan(*args).collective_counts() == count_collectives(
         f.lower(*args).compile().as_text())
+
+
+def _per_example_loops(x):
+    """Loops jax.vmap leaves with a batched predicate: a convergence test per row, a fori_loop
+    with a per-row bound, and a data-dependent trip count over a pair carry."""
+    doubled = jax.vmap(lambda r: jax.lax.while_loop(lambda c: c.sum() < 40.0, lambda c: c * 2.0,
+                                                    r))(x)
+    bound = jax.vmap(lambda r: jax.lax.fori_loop(0, (r[0] % 4).astype(jnp.int32) + 1,
+                                                 lambda i, c: c + jnp.cos(c) * i, r))(x)
+    steps = jax.vmap(lambda r: jax.lax.while_loop(
+        lambda c: c[0] < r[1], lambda c: (c[0] + 1.0, c[1] + c[1][::-1]), (0.0, r))[1])(x)
+    return doubled, bound, steps
+
+
+@pytest.mark.parametrize("mesh, placements", [
+    (dist.ProcessMesh(list(range(8)), ["x"]), ["S(0)"]),
+    (dist.ProcessMesh(list(range(8)), ["x"]), ["R"]),
+    (MESH, ["S(0)", "S(1)"]),
+    (MESH, ["R", "S(0)"]),
+])
+def test_vmapped_loops_with_per_example_conditions_equal_one_device(mesh, placements):
+    """jax.vmap of a while_loop / fori_loop whose condition depends on the row keeps the
+    predicate batched (bool[B]): planning read it as a scalar (a KeyError deep in the planner).
+    Rewritten as the loop jax lowers it to (run while any row continues, finished rows keep
+    their carry): one device's values, every device running the same trip count."""
+    x = (np.arange(8 * 4, dtype=np.float32).reshape(8, 4) % 7) + 1.0
+    g = dist.jit(_per_example_loops)
+    xd = dist.shard_tensor(x, mesh, placements)
+    for got, want in zip(g(xd), jax.jit(_per_example_loops)(x)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    assert g.plan(xd).collective_counts() == count_collectives(g.lower(xd).compile().as_text())

@@ -1027,3 +1027,36 @@ def test_a_callable_without_a_name_runs_uneven_inputs_and_is_named_in_errors(fn,
     with pytest.raises(dist.PlacementTypeError, match=re.escape(name) + r": argument 0 is "
                        r"'a string' of type str, not an array"):
         dist.jit(fn)("a string")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int8])
+def test_multiply_high_with_a_size_one_operand_equals_one_device(dtype):
+    """jax.vmap with one operand unbatched binds mulhi on (1, n) against (m, n), legal for the
+    primitive: the half-width lowering's select failed on the two shapes."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(1)
+    a = rng.integers(info.min, info.max, (16,), dtype=dtype, endpoint=True)
+    b = rng.integers(info.min, info.max, (8, 16), dtype=dtype, endpoint=True)
+    fn = jax.vmap(jax.lax.mulhi, in_axes=(None, 0))
+    for placements in (["R", "R"], ["S(0)", "S(1)"]):
+        y = dist.shard_tensor(b, MESH24, placements)
+        out = dist.jit(fn)(dist.shard_tensor(a, MESH24, ["R", "R"]), y)
+        np.testing.assert_array_equal(out.numpy(), jax.jit(fn)(a, b))
+
+
+@pytest.mark.parametrize("collective", [jax.lax.psum, jax.lax.pmax, jax.lax.pmin])
+@pytest.mark.parametrize("placements", [["R", "R"], ["S(0)", "S(1)"], ["S(1)", "S(0)"]])
+def test_a_collective_over_a_vmapped_axis_is_a_reduction_over_its_dim(collective, placements):
+    """jax.vmap(..., axis_name="i") makes lax.psum / pmax / pmin over "i" a collective over a
+    positional axis: no rule (a fallback warning), and pmax / pmin then failed in jax's
+    varying-axes check. They are reductions over that dim: one device's values, no warning,
+    the plan's collectives those of the compiled program."""
+    x = (np.arange(8 * 16, dtype=np.float32).reshape(8, 16) % 11) - 3.0
+    fn = jax.vmap(lambda r: r / (collective(r, "i") + 100.0), axis_name="i")
+    g = dist.jit(fn)
+    xd = dist.shard_tensor(x, MESH24, placements)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = g(xd)
+    np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-6)
+    assert g.plan(xd).collective_counts() == count_collectives(g.lower(xd).compile().as_text())

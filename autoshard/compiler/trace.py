@@ -23,6 +23,7 @@ from jax.extend import core as jex_core
 
 from ..layout import Layout
 from ..mesh import ProcessMesh
+from .batched_while import has_batched_predicate, scalar_predicate
 from .constant_gathers import constant_gathers
 from .fold import fold_conv_padding
 from .reversals import fold_reversals
@@ -623,6 +624,15 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                     eqns.append(Eqn(eqn.primitive, [x], [made], one, source,
                                     params_key=params_key(one)))
                     env[out] = made
+                continue
+            if eqn.primitive is lax.while_p and has_batched_predicate(eqn.params):
+                # jax.vmap of a loop with a per-example condition: as the scalar-predicate loop
+                # jax lowers it to (batched_while.py)
+                loop, ins = scalar_predicate(eqn.params, ins)
+                outs = [fresh(v.aval) for v in eqn.outvars]
+                eqns.append(Eqn(eqn.primitive, ins, outs, loop, source,
+                                params_key=params_key(loop)))
+                env.update(zip(eqn.outvars, outs))
                 continue
             kept = (_times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
                     else _unchanged(eqn, ins))
