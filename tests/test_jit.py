@@ -1060,3 +1060,18 @@ def test_a_collective_over_a_vmapped_axis_is_a_reduction_over_its_dim(collective
         out = g(xd)
     np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-6)
     assert g.plan(xd).collective_counts() == count_collectives(g.lower(xd).compile().as_text())
+
+
+@pytest.mark.parametrize("placements", [["S(2)", "S(2)"], ["S(0)", "S(1)"], ["P(sum)", "S(0)"]])
+def test_moves_of_empty_arrays_are_not_listed_as_xla_drops_them(placements):
+    """An empty value (a zero-length slice, reshaped) moved to another layout: the plan listed
+    0-byte gathers and all-reduces the compiled program does not run (XLA removes collectives
+    of empty arrays)."""
+    fn = jax.vmap(lambda x: jax.lax.reshape(x[:, :0], (0, 4)), out_axes=-1)
+    x = np.ones((8, 4, 8), np.float32)
+    xd = dist.shard_tensor(x, MESH24, placements)
+    g = dist.jit(fn)
+    out = g(xd)
+    assert out.shape == (0, 4, 8) and out.numpy().shape == (0, 4, 8)
+    assert not g.plan(xd).collectives
+    assert not count_collectives(g.lower(xd).compile().as_text())

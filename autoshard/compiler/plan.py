@@ -378,6 +378,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                move: tuple[Layout, Layout] | None = None) -> None:
         """List the collectives of planned steps; the reason names the whole `move` (default:
         each step's own layouts)."""
+        if 0 in value.aval.shape:
+            return  # an empty array: no data to move, and XLA drops its collectives
         prefix: tuple = (copy_of.get(value, value), steps[0].before if steps else None)
         for s in steps:
             prefix += (s.step,)
