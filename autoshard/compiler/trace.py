@@ -520,10 +520,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
     def literal(atom) -> Value:
         v = const_value(atom.val, atom.aval)
-        try:  # (bytes tell -0.0 from 0.0)
-            literal_keys[id(v)] = (atom.aval, type(atom.val), np.asarray(atom.val).tobytes())
-        except Exception:  # pragma: no cover - a literal numpy cannot read: compared by identity
-            pass
+        # (bytes tell -0.0 from 0.0)
+        literal_keys[id(v)] = (atom.aval, type(atom.val), np.asarray(atom.val).tobytes())
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once

@@ -249,10 +249,9 @@ class DistModel:
         what = (f"split_spec={cuts}" if cuts else
                 f"split_spec={{layer: dist.SplitPoint.END, ...}} with {want - 1} "
                 f"{'entry' if want == 2 else 'entries'}")
-        chunks = parallel.stages // ranks
-        fewer = ((f" or set vpp_degree to {chunks}" if chunks > 1 or vpp > 1 else "")
-                 + (" with schedule_mode 'VPP'" if chunks > 1 and vpp < 2 else "")
-                 if parallel.stages % ranks == 0 else "")
+        chunks, rest = divmod(parallel.stages, ranks)  # (vpp 1 here: more stages than ranks)
+        fewer = "" if rest else (f" or set vpp_degree to {chunks}"
+                                 + (" with schedule_mode 'VPP'" if vpp < 2 else ""))
         chunk_s = "model chunk" if vpp == 1 else "model chunks"
         raise StrategyError(
             f"strategy.pipeline.vpp_degree = {vpp} puts {vpp} {chunk_s} on each of the "
