@@ -12,6 +12,7 @@ import functools
 import math
 from typing import Sequence
 
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .layout import Layout, partial_axes_in_mesh_order
@@ -67,18 +68,55 @@ def mesh_sharding(x) -> NamedSharding | None:
 
 
 def device_put(value, sharding):
-    """`jax.device_put(value, sharding)`, also of a typed PRNG key array onto the devices of
-    several processes, which jax 0.10 refuses ("device_put's second argument must be a Device
-    or a Sharding which represents addressable devices") though its jax.jit takes the same
-    key: it moves as its key data and is wrapped again with its impl."""
+    """`jax.device_put(value, sharding)`, also onto the devices of several processes of a value
+    every process holds whole (an unplaced input, a tensor being placed) where jax 0.10 refuses:
+    a typed PRNG key array ("device_put's second argument must be a Device or a Sharding which
+    represents addressable devices", though its jax.jit takes the same key: it moves as its key
+    data and is wrapped again with its impl); an array committed to one local device (jax would
+    need a cross-host transfer: it goes through host memory, as a numpy array does); and a value
+    being differentiated eagerly (`jax.grad(dist.jit(f))(w)`: jax's transpose would move the
+    cotangent, an array on every process's devices, back to one device)."""
+    import jax
+
+    if not sharding.is_fully_addressable:
+        if isinstance(value, jax.core.Tracer):
+            return _put_differentiably(value, sharding)
+        if isinstance(value, jax.Array) and value.is_fully_addressable and not _is_key(value):
+            value = np.asarray(value)
+    if _is_key(value) and not sharding.is_fully_addressable:
+        data = device_put(jax.random.key_data(value), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    return jax.device_put(value, sharding)
+
+
+def _is_key(value) -> bool:
     import jax
 
     dtype = getattr(value, "dtype", None)
-    if (dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-            and not sharding.is_fully_addressable):
-        data = jax.device_put(jax.random.key_data(value), sharding)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
-    return jax.device_put(value, sharding)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _put_differentiably(value, sharding):
+    """`device_put` of a traced value onto several processes' devices whose cotangent comes
+    back as the whole value on this process (every process holds the input whole)."""
+    import jax
+
+    @jax.custom_vjp
+    def put(x):
+        return device_put(x, sharding) if not isinstance(x, jax.core.Tracer) else \
+            jax.device_put(x, sharding)
+
+    def forward(x):
+        return put(x), None
+
+    def backward(_, ct):
+        whole = jax.device_put(ct, NamedSharding(sharding.mesh, PartitionSpec()))
+        if isinstance(whole, jax.core.Tracer) or whole.is_fully_addressable:
+            return (whole,)  # (under an outer jit: one global program, nothing to bring back)
+        return (jax.numpy.asarray(np.asarray(whole.addressable_data(0))),)
+
+    put.defvjp(forward, backward)
+    return put(value)
 
 
 # Host offloading: the memory kinds a value can be stored in besides the devices' own

@@ -216,6 +216,25 @@ drop = lambda k, v: jnp.where(jax.random.bernoulli(k, 0.5, v.shape), v / 0.5, 0.
 masked = dist.jit(lambda k, v: drop(k, dist.shard_tensor(v, W, [S(0), S(1)])))(keys[3], x)
 with jax.default_device(jax.local_devices()[0]):
     np.testing.assert_array_equal(masked.numpy(), jax.jit(drop)(keys[3], x))
+# an unplaced input committed to one local device, and one differentiated eagerly from outside
+# (jax.grad(dist.jit(f))(w)): jax asked for a cross-host transfer, and its transpose moved the
+# cotangent back to one device, which an array on both processes' devices cannot do
+w = np.linspace(-1, 1, 24, dtype="float32").reshape(6, 4)
+loss = lambda w, v: jnp.mean((v @ w) ** 2)
+xt = dist.shard_tensor(x, W, [S(0), R])
+with jax.default_device(jax.local_devices()[0]):
+    want_loss, want_grad = jax.value_and_grad(loss)(w, x)
+    on_one = jax.device_put(w, jax.local_devices()[1])
+    np.testing.assert_allclose(dist.jit(loss)(on_one, xt).numpy(), want_loss, rtol=1e-6)
+    np.testing.assert_allclose(dist.shard_tensor(on_one, W, [R, S(1)]).numpy(), w)
+    for given in (w, jnp.asarray(w), on_one):
+        got_loss, got_grad = jax.value_and_grad(dist.jit(loss))(given, xt)
+        np.testing.assert_allclose(np.asarray(got_loss), want_loss, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.device_put(jax.jit(jax.grad(dist.jit(loss)))(w, xt),
+                                  jax.sharding.NamedSharding(W.to_jax(), jax.sharding.PartitionSpec()))
+                   .addressable_data(0)), want_grad, rtol=1e-5)
 # a dataset split by process: each feeds its rows of the batch dim that spans the processes
 rows = x[me * 4:(me + 1) * 4]
 split = lambda mesh: dist.shard_dataloader([(rows,)], meshes=mesh, shard_dims="dp",
@@ -233,8 +252,10 @@ print(f"process {me}: every value made across the processes equals its input", f
 def test_values_made_across_processes_equal_their_input(tmp_path):
     """dtensor_from_local placed every block on every process (jax refuses another process's
     devices: 'Expected 2 per-device arrays'); each process now places its own. A typed PRNG
-    key (shard_tensor, a dist.jit argument) crashed in jax.device_put. A dataset split by
-    process over a mesh dim inside each process was stitched silently from different rows."""
+    key (shard_tensor, a dist.jit argument) crashed in jax.device_put, as did an unplaced
+    input committed to one local device, or differentiated by jax.grad outside dist.jit. A
+    dataset split by process over a mesh dim inside each process was stitched silently from
+    different rows."""
     script = tmp_path / "across.py"
     script.write_text(ACROSS)
     out = _launch(script, devices=2)
