@@ -4,6 +4,8 @@ The partial algebra is the table below: which ops let Partial operands flow thro
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 from jax import lax
@@ -158,7 +160,8 @@ def _barrier_sharding(in_avals, out_avals, **params):
     letters = iter(LETTERS)
     terms = ["".join(next(letters) for _ in a.shape) for a in in_avals]
     spec = ",".join(terms) + "->" + ",".join(terms)
-    return einsum(spec, [a.shape for a in in_avals], [a.shape for a in out_avals])
+    return replace(einsum(spec, [a.shape for a in in_avals], [a.shape for a in out_avals]),
+                   independent=True)
 
 
 def _barrier_lower(ctx, *xs, **params):

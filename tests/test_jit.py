@@ -1075,3 +1075,34 @@ def test_moves_of_empty_arrays_are_not_listed_as_xla_drops_them(placements):
     assert out.shape == (0, 4, 8) and out.numpy().shape == (0, 4, 8)
     assert not g.plan(xd).collectives
     assert not count_collectives(g.lower(xd).compile().as_text())
+
+
+@pytest.mark.parametrize("pa,pb", [
+    ([dist.Shard(1), dist.Shard(0)], [dist.Shard(0), dist.Replicate()]),
+    ([dist.Shard(0), dist.Shard(1)], [dist.Replicate(), dist.Shard(0)]),
+    ([dist.Shard(0), dist.Replicate()], [dist.Shard(1), dist.Shard(0)]),
+])
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_optimization_barrier_keeps_each_operand_as_it_lies(pa, pb, batched):
+    """Operands of one barrier split on the same mesh axis over different dims: one factor
+    model over all of them gave the axis to one, and gathered the other before the barrier
+    (the plan listed it; XLA dropped it where that result was dead)."""
+    def fn(a, b):
+        a2, b2 = jax.lax.optimization_barrier((a, b * 2.0))
+        return a2 @ b2 + a[0]
+
+    f_ = jax.vmap(fn) if batched else fn
+    shape = (4, 8, 8) if batched else (8, 8)
+    rng = np.random.default_rng(0)
+    a, b = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
+    if batched:
+        pa, pb = ([dist.Shard(p.dim + 1) if isinstance(p, dist.Shard) else p for p in pl]
+                  for pl in (pa, pb))
+    A, B = dist.shard_tensor(a, MESH24, pa), dist.shard_tensor(b, MESH24, pb)
+    f = dist.jit(f_)
+    np.testing.assert_allclose(f(A, B).numpy(), jax.jit(f_)(a, b), rtol=1e-5, atol=1e-5)
+    plan = f.plan(A, B)
+    # (a barrier operand may still be sliced locally, for free, as its reader wants it)
+    assert not [c for c in plan.collectives if "optimization_barrier" in c.consumer], plan
+    hlo = count_collectives(f.lower(A, B).compile().as_text())
+    assert hlo == Counter(c.kind for c in plan.collectives), plan.collectives

@@ -51,6 +51,28 @@ class OpSharding:
     # may move onto another passing factor instead of being given up (strategy._moved)
     regroups: bool = False
     compounds: tuple[tuple[int, ...], ...] = ()  # every compound dim's factors, for the check
+    # result i is operand i's own (an optimization_barrier): each pair is decided by itself,
+    # so one mesh axis may split a dim of every pair — one OpSharding over all of them would
+    # give each axis to one factor, and move every other operand split on it
+    independent: bool = False
+
+    def pairs(self) -> list["OpSharding"]:
+        """Per operand / result pair of an `independent` op, its own OpSharding."""
+        out = []
+        for ops, res in zip(self.operands, self.results):
+            used = sorted({g for d in ops + res if d is not None
+                           for g in (d if type(d) is tuple else (d,))})
+            at = {f: k for k, f in enumerate(used)}
+
+            def renamed(dims: DimFactors) -> DimFactors:
+                return tuple(None if d is None else tuple(at[g] for g in d) if type(d) is tuple
+                             else at[d] for d in dims)
+            out.append(OpSharding((renamed(ops),), (renamed(res),),
+                                  tuple(self.factors[f] for f in used), self.linear,
+                                  self.monotone, None, self.monotone_types, self.regroups,
+                                  tuple(tuple(at[g] for g in c) for c in self.compounds
+                                        if all(g in at for g in c))))
+        return out
 
     def partial_mode(self, reduce_type: ReduceType) -> str:
         if reduce_type in (ReduceType.SUM, ReduceType.AVG):

@@ -476,6 +476,9 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
             single_use, available, parameters, unreducing: bool = False,
             scattering: bool = False) -> Choice:
     opsh, in_avals, out_avals = sig.opsh, sig.in_avals, sig.out_avals
+    if opsh.independent:
+        return _choose_pairs(sig, mesh, actual, preferred, cost_model, single_use, available,
+                             parameters, unreducing, scattering)
     sizes = mesh.axis_sizes
     in_shapes = [a.shape for a in in_avals]
     out_shapes = [a.shape for a in out_avals]
@@ -506,6 +509,23 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
             best, best_nested = Choice(s, ins, outs, cost, len(cands)), nested
     assert best is not None  # the replicated strategy is always valid
     return replace(best, description=best.strategy.describe(opsh))
+
+
+def _choose_pairs(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: CostModel,
+                  single_use, available, parameters, unreducing: bool,
+                  scattering: bool) -> Choice:
+    """`_choose` of an `independent` op: each operand / result pair by itself, joined."""
+    picked = [_choose(signature(sub, [ia], [oa]), mesh, (a,), (p,), cost_model, (u,), (m,),
+                      (q,), unreducing, scattering)
+              for sub, ia, oa, a, p, u, m, q in zip(sig.opsh.pairs(), sig.in_avals, sig.out_avals,
+                                                    actual, preferred, single_use, available,
+                                                    parameters)]
+    # (the joined strategy's factor numbers are each pair's own: read only for being empty)
+    joined = Strategy(tuple(a for c in picked for a in c.strategy.assign),
+                      tuple(t for c in picked for t in c.strategy.partial))
+    return Choice(joined, [c.operands[0] for c in picked], [c.results[0] for c in picked],
+                  sum(c.seconds for c in picked), sum(c.considered for c in picked),
+                  "; ".join(f"{i}: {c.description}" for i, c in enumerate(picked)))
 
 
 __all__ = ["Strategy", "Choice", "Signature", "signature", "choose", "chooser", "candidates", "layouts", "reshard_seconds", "NONE"]
