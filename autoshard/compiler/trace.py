@@ -481,6 +481,40 @@ def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> l
     return new
 
 
+def _all_empty(values: list) -> bool:
+    """Every value an empty array of numbers (a constant: zeros of its shape)."""
+    return bool(values) and all(
+        0 in v.aval.shape and isinstance(getattr(v.aval, "dtype", None), np.dtype)
+        for v in values)
+
+
+def _live(eqns: list, outputs: list, regions: list, effectful: set) -> list:
+    """`eqns` without the top-level equations nothing reads (inputs of `_all_empty` results
+    made constants); a region's equations and those with effects stay."""
+    keep = [True] * len(eqns)
+    inside = {k for r in regions for k in range(r.start, r.stop)}
+    live = set(outputs)
+    for r in regions:
+        live.update(r.inputs)
+    for k in range(len(eqns) - 1, -1, -1):
+        e = eqns[k]
+        if k in inside or k in effectful or any(v in live for v in e.outputs):
+            live.update(e.inputs)
+        else:
+            keep[k] = False
+    if all(keep):
+        return eqns
+    at, kept = [], []
+    for k, e in enumerate(eqns):
+        at.append(len(kept))
+        if keep[k]:
+            kept.append(e)
+    at.append(len(kept))
+    for r in regions:
+        r.start, r.stop = at[r.start], at[r.stop]
+    return kept
+
+
 def params_key(params: dict) -> tuple | None:
     """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
     try:
@@ -525,6 +559,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
+    emptied = [False]  # an equation making only empty arrays was replaced by constants
+    effectful: set = set()  # indices of equations with effects (kept though unread)
     ones: set = set()  # broadcasts of a scalar 1 (`_is_one`)
     regions: list[CustomRegion] = []
     depth = [0]  # custom-rule nesting: only outermost bodies become regions
@@ -628,6 +664,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                 # jax lowers it to (batched_while.py)
                 loop, ins = scalar_predicate(eqn.params, ins)
                 outs = [fresh(v.aval) for v in eqn.outvars]
+                if eqn.effects:
+                    effectful.add(len(eqns))
                 eqns.append(Eqn(eqn.primitive, ins, outs, loop, source,
                                 params_key=params_key(loop)))
                 env.update(zip(eqn.outvars, outs))
@@ -645,6 +683,17 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             outs = [fresh(v.aval) for v in eqn.outvars]
             if key is not None:
                 seen[key] = outs
+                if outs and 0 in outs[0].aval.shape and not depth[0] and _all_empty(outs):
+                    # an empty array holds nothing: a constant, so what only fed it is dead
+                    # and not planned (jnp.pad's statistics of a dim padded by nothing,
+                    # which XLA drops: the plan listed their collectives)
+                    outs = seen[key] = [const_value(np.zeros(v.aval.shape, v.aval.dtype), v.aval)
+                                        for v in eqn.outvars]
+                    env.update(zip(eqn.outvars, outs))
+                    emptied[0] = True
+                    continue
+            elif eqn.effects:
+                effectful.add(len(eqns))
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
             if eqn.primitive is lax.broadcast_in_dim_p and _is_one(ins[0], ones):
@@ -657,6 +706,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
     outputs = walk(jaxpr, closed.consts, inputs, called)
+    if emptied[0]:
+        eqns = _live(eqns, outputs, regions, effectful)
     eqns = constant_gathers(eqns, outputs, regions, fresh, const_value)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
