@@ -92,6 +92,11 @@ def samples() -> list[Sample]:
     add("convert f32->f16", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.float16), f2)
     add("bitcast f32->i32", "bitcast_convert_type",
         lambda x: lax.bitcast_convert_type(x, jnp.int32) >> 3, f2)
+    add("bitcast f32->u8 (a trailing dim of bytes)", "bitcast_convert_type",
+        lambda x: lax.bitcast_convert_type(x, jnp.uint8)[..., 1:], f2)
+    add("bitcast u8 bytes->f32", "bitcast_convert_type",
+        lambda x: lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint8)[::-1],
+                                           jnp.float32) * 2.0, f2)
     add("convert f32->c64", "convert_element_type",
         lambda x: lax.real(lax.convert_element_type(x, jnp.complex64) * (1.0 + 2.0j)), f2)
     add("convert f32->i32", "convert_element_type", lambda x: lax.convert_element_type(x, jnp.int32), f2)

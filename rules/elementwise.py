@@ -148,10 +148,14 @@ def _convert_sharding(in_avals, out_avals, **params):
 
 
 def _bitcast_sharding(in_avals, out_avals, **params):
-    # Same-width bitcasts are elementwise; width changes add or drop a trailing dim.
-    if len(in_avals[0].shape) != len(out_avals[0].shape):
-        return None
-    return elementwise_sharding(_PLAIN)(in_avals, out_avals)
+    # Same-width bitcasts are elementwise; width changes add or drop a trailing dim (the
+    # bytes of one wider element), which stays whole: the leading dims split as they lie
+    ranks = len(in_avals[0].shape), len(out_avals[0].shape)
+    if ranks[0] == ranks[1]:
+        return elementwise_sharding(_PLAIN)(in_avals, out_avals)
+    lead = LETTERS[:min(ranks)]
+    return einsum(lead + "." * (ranks[0] - len(lead)) + "->" + lead + "." * (ranks[1] - len(lead)),
+                  [in_avals[0].shape], [out_avals[0].shape])
 
 
 def _barrier_sharding(in_avals, out_avals, **params):

@@ -51,6 +51,11 @@ FUNCTIONS = {
     "histogram": (lambda x: jnp.histogram(x, bins=8, range=(-2, 2))[0], (X,)),
     "linalg.norm": (lambda x: jnp.linalg.norm(x, axis=-1), (X,)),
     "pad reflect": (lambda x: jnp.pad(x, ((0, 0), (2, 2), (0, 0)), mode="reflect"), (X,)),
+    # a bitcast changing the width adds / drops a trailing dim of bytes: the rest stays split
+    "bitcast to bytes and back": (lambda x: jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint8)[..., ::-1], jnp.float32), (X,)),
+    "bitcast to half width": (lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16)[..., 1]
+                              .astype(jnp.float32), (X,)),
     # statistics jnp.pad computes for the dims it pads by nothing feed empty arrays: dead, as
     # XLA finds (the plan listed their collectives)
     "pad median": (lambda x: jnp.pad(x, ((0, 0), (0, 0), (2, 2)), mode="median"), (X,)),
