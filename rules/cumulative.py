@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from autoshard.compiler.dtypes import highest, lowest
-from autoshard.compiler.factors import LETTERS, einsum
+from autoshard.compiler.factors import LETTERS, Serves, einsum
 from autoshard.placement import ReduceType
 
 from .registry import Rule
@@ -188,12 +188,12 @@ def top_k_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, k, axis=-
     name = ",".join(axes)
     if _candidates_cost_more(local[axis], k, in_avals[0].dtype, out_avals[1].dtype):
         return [("all-gather", f"all_gather({name}) the searched dim (smaller than k candidates)",
-                 axes, _nbytes(local, in_avals[0].dtype) * (n - 1))]
+                 axes, _nbytes(local, in_avals[0].dtype) * (n - 1), 0)]
     local[axis] = min(k, local[axis])
     return [("all-gather", f"all_gather({name}) local top-k values", axes,
              _nbytes(local, in_avals[0].dtype) * (n - 1)),
             ("all-gather", f"all_gather({name}) local top-k indices", axes,
-             _nbytes(local, out_avals[1].dtype) * (n - 1))]
+             _nbytes(local, out_avals[1].dtype) * (n - 1), Serves(1))]
 
 
 def approx_top_k_sharding(in_avals, out_avals, *, reduction_dimension, **params):

@@ -8,11 +8,15 @@ A `lower` that communicates itself (a cross-shard combine) declares what it send
 (hlo kind, description, mesh axes, bytes per device), so the plan still lists every collective;
 a fifth item, an operand index, says the collective sends only that operand's data, as the
 description says: the same send of the same value is listed once, as XLA computes it once.
+A last item `Serves(i)` says the collective makes only result i (top_k's gather of the
+indices): where nothing reads that result XLA drops it, and the plan does not list it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from autoshard.compiler.factors import Serves  # noqa: F401  (part of a rule's vocabulary)
 
 
 @dataclass(frozen=True)

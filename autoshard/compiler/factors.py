@@ -15,7 +15,7 @@ replicated (mul, dot); MONOTONE ops pass P(max)/P(min) when all operands carry i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..placement import ReduceType
 
@@ -90,6 +90,13 @@ class OpSharding:
         return out
 
 
+class Serves(NamedTuple):
+    """The last item of a rule's `comm` entry (rules/registry.py) that only result `output`
+    of the equation needs."""
+
+    output: int
+
+
 def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[Sequence[int]],
            *, reduce_type: ReduceType = ReduceType.SUM, replicate: str = "", combine: str = "",
            linear: str = NONE, monotone: str = NONE,
@@ -126,5 +133,5 @@ def einsum(spec: str, shapes_in: Sequence[Sequence[int]], shapes_out: Sequence[S
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
-__all__ = ["Factor", "OpSharding", "einsum", "PASS", "REDUCE", "REPLICATE", "COMBINE", "NONE", "ALL", "ONE",
+__all__ = ["Factor", "OpSharding", "Serves", "einsum", "PASS", "REDUCE", "REPLICATE", "COMBINE", "NONE", "ALL", "ONE",
            "LETTERS"]

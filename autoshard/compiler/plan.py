@@ -22,6 +22,7 @@ from .commute import hoist_reductions
 from .early_moves import move_before_widening
 from .control_flow import HIGHER_ORDER, body_copies, plan_higher_order
 from .dtypes import cost_dtype
+from .factors import Serves
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
 from . import constraints, recompute
@@ -396,6 +397,12 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                         shared=prefix + ("remainders",)))
 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
+    read: list = []  # the values some equation or the outputs read, made when first asked
+
+    def read_values() -> set:
+        if not read:
+            read.append({v for q in program.eqns for v in q.inputs} | set(program.outputs))
+        return read[0]
     rule_sends: set = set()  # what rules' lowerings send that XLA computes once (CSE)
 
     def rule_collectives(e, required, results) -> tuple[int, ...]:
@@ -411,6 +418,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         sent: set = set()
         for kind, step, axes, nbytes, *sends in comm(required, results, in_avals, out_avals,
                                                      mesh.axis_sizes, **e.params):
+            if sends and isinstance(sends[-1], Serves):
+                if e.outputs[sends[-1].output] not in read_values():
+                    continue  # it makes a result nothing reads: XLA drops it
+                sends = sends[:-1]
             if sends:  # it sends only what `step` says of operand sends[0]: once per value
                 sent.add(sends[0])
                 key = (e.inputs[sends[0]], required[sends[0]], kind, step, tuple(axes), nbytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from .batched_while import has_batched_predicate, scalar_predicate
 from .constant_gathers import constant_gathers
 from .fold import fold_conv_padding
 from .reversals import fold_reversals
-from .shift import fold_shifts
+from .shift import drop_dead, fold_shifts
 from .widen import widen_slices
 from .gc_pause import gc_paused
 
@@ -488,33 +489,6 @@ def _all_empty(values: list) -> bool:
         for v in values)
 
 
-def _live(eqns: list, outputs: list, regions: list, effectful: set) -> list:
-    """`eqns` without the top-level equations nothing reads (inputs of `_all_empty` results
-    made constants); a region's equations and those with effects stay."""
-    keep = [True] * len(eqns)
-    inside = {k for r in regions for k in range(r.start, r.stop)}
-    live = set(outputs)
-    for r in regions:
-        live.update(r.inputs)
-    for k in range(len(eqns) - 1, -1, -1):
-        e = eqns[k]
-        if k in inside or k in effectful or any(v in live for v in e.outputs):
-            live.update(e.inputs)
-        else:
-            keep[k] = False
-    if all(keep):
-        return eqns
-    at, kept = [], []
-    for k, e in enumerate(eqns):
-        at.append(len(kept))
-        if keep[k]:
-            kept.append(e)
-    at.append(len(kept))
-    for r in regions:
-        r.start, r.stop = at[r.start], at[r.stop]
-    return kept
-
-
 def params_key(params: dict) -> tuple | None:
     """`params` as a hashable key (None if some value is not hashable, e.g. an array)."""
     try:
@@ -706,8 +680,12 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
     outputs = walk(jaxpr, closed.consts, inputs, called)
-    if emptied[0]:
-        eqns = _live(eqns, outputs, regions, effectful)
+    if emptied[0]:  # what only fed the emptied equations: top-level, without effects
+        inside = {id(e) for r in regions for e in eqns[r.start:r.stop]}
+        eqns = drop_dead(eqns, outputs, regions,
+                         {v for r in regions for v in (*r.inputs, *r.outputs)}, Counter(),
+                         also=frozenset(id(e) for k, e in enumerate(eqns)
+                                        if k not in effectful and id(e) not in inside))
     eqns = constant_gathers(eqns, outputs, regions, fresh, const_value)
     eqns = fold_conv_padding(eqns, outputs, regions)
     eqns = fold_shifts(eqns, outputs, regions)
