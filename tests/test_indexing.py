@@ -348,3 +348,24 @@ def test_two_tables_read_at_the_same_ids_move_the_ids_once_as_xla_does():
     assert plan.collective_counts() == count_collectives(f.lower(*args).compile().as_text())
     ids_moves = [c for c in plan.collectives if c.bytes_per_device == 32]  # the int32 ids
     assert len(ids_moves) == 1, [str(c) for c in plan.collectives]
+
+
+@pytest.mark.parametrize("write", [
+    lambda x, i: jnp.put_along_axis(x, i, 0.0, axis=1, inplace=False),
+    lambda x, i: x.at[jnp.arange(8)[:, None], i[:, 0], :].set(0.0),
+], ids=["put_along_axis", "at_set"])
+@pytest.mark.parametrize("placements", [[S(0), S(1)], [S(1), S(2)]])
+def test_the_gradient_of_writing_a_constant_runs_no_dead_collectives(write, placements):
+    """The gradient of writing a constant selects between two zeros for the written value's
+    cotangent: the select is that zero, and the scatter, gather and comparison that made its
+    predicate (a psum and gathers in the plan) are dead, as XLA finds."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 16, 32)).astype(np.float32)
+    idx = rng.integers(0, 16, size=(8, 1, 32)).astype(np.int32)
+    fn = jax.grad(lambda x, i: jnp.sum(write(x, i) ** 2))
+    args = [dist.shard_tensor(x, MESH24, placements), dist.shard_tensor(idx, MESH24, [S(0), R])]
+    f = dist.jit(fn)
+    np.testing.assert_allclose(f(*args).numpy(), jax.jit(fn)(x, idx), rtol=1e-6)
+    plan = f.plan(*args)
+    hlo = count_collectives(f.lower(*args).compile().as_text())
+    assert hlo == Counter(c.kind for c in plan.collectives), plan.collectives

@@ -482,6 +482,25 @@ def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> l
     return new
 
 
+def _scalar_key(v: Value) -> tuple:
+    """A scalar constant's value as a key (bytes tell -0.0 from 0.0)."""
+    c = np.asarray(v.const, dtype=v.dtype)
+    return (c.dtype, c.tobytes())
+
+
+def _same_cases(ins: list, out_aval, fills: dict) -> Value | None:
+    """The first case of a `select_n(which, *cases)` whose cases are all the same constant
+    filled in (a broadcast scalar; jax's gradient of `x.at[i].set(0.0)` selects between two
+    zeros), else None: whichever is picked, the result is that value — and what computes the
+    predicate is dead, as XLA finds."""
+    cases = ins[1:]
+    first = fills.get(cases[0]) if cases else None
+    if first is None or any(fills.get(c) != first for c in cases[1:]):
+        return None
+    x = cases[0]
+    return x if x.aval.shape == out_aval.shape and x.aval.dtype == out_aval.dtype else None
+
+
 def _all_empty(values: list) -> bool:
     """Every value an empty array of numbers (a constant: zeros of its shape)."""
     return bool(values) and all(
@@ -533,7 +552,10 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
-    emptied = [False]  # an equation making only empty arrays was replaced by constants
+    # an equation was replaced by constants (it made only empty arrays) or by one of its
+    # operands (a select of equal cases): what only fed it is dead
+    pruned = [False]
+    fills: dict = {}  # broadcast of a scalar constant -> the constant (`_same_cases`)
     effectful: set = set()  # indices of equations with effects (kept though unread)
     ones: set = set()  # broadcasts of a scalar 1 (`_is_one`)
     regions: list[CustomRegion] = []
@@ -645,10 +667,13 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                 env.update(zip(eqn.outvars, outs))
                 continue
             kept = (_times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
-                    else _unchanged(eqn, ins))
+                    else _same_cases(ins, eqn.outvars[0].aval, fills)
+                    if eqn.primitive is lax.select_n_p else _unchanged(eqn, ins))
             if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
                 env[eqn.outvars[0]] = kept  # broadcast 1), as are the steps below: as XLA
-                continue  # simplifies them, or the plan moves a copy the program never makes
+                # simplifies them, or the plan moves a copy the program never makes
+                pruned[0] = pruned[0] or eqn.primitive is lax.select_n_p
+                continue
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
             if key is not None and key in seen:
@@ -664,14 +689,18 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                     outs = seen[key] = [const_value(np.zeros(v.aval.shape, v.aval.dtype), v.aval)
                                         for v in eqn.outvars]
                     env.update(zip(eqn.outvars, outs))
-                    emptied[0] = True
+                    pruned[0] = True
                     continue
             elif eqn.effects:
                 effectful.add(len(eqns))
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
-            if eqn.primitive is lax.broadcast_in_dim_p and _is_one(ins[0], ones):
-                ones.add(outs[0])
+            if eqn.primitive is lax.broadcast_in_dim_p:
+                if _is_one(ins[0], ones):
+                    ones.add(outs[0])
+                if (ins[0].is_const and not ins[0].aval.shape
+                        and isinstance(ins[0].aval.dtype, np.dtype)):
+                    fills[outs[0]] = _scalar_key(ins[0])
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
     # Dead code out first, into every body (a user's shard_map included): what XLA would drop
@@ -680,7 +709,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
     outputs = walk(jaxpr, closed.consts, inputs, called)
-    if emptied[0]:  # what only fed the emptied equations: top-level, without effects
+    if pruned[0]:  # what only fed the replaced equations: top-level, without effects
         inside = {id(e) for r in regions for e in eqns[r.start:r.stop]}
         eqns = drop_dead(eqns, outputs, regions,
                          {v for r in regions for v in (*r.inputs, *r.outputs)}, Counter(),
