@@ -58,6 +58,11 @@ FUNCTIONS = {
                               .astype(jnp.float32), (X,)),
     # the rule's gather of each device's best indices makes a result nothing reads here
     "top_k values only": (lambda x: jax.lax.top_k(jnp.swapaxes(x, 1, 2), 3)[0], (X,)),
+    # a slice of one concatenated part is a slice of that part, as XLA folds it: jnp.partition
+    # slices away the top_k of the larger side
+    "partition": (lambda x: jnp.partition(x, 3, axis=-1)[..., 3], (X,)),
+    "slice of one concatenated part": (lambda x: jnp.concatenate([x, x * 2], axis=2)[..., 40:48],
+                                       (X,)),
     # statistics jnp.pad computes for the dims it pads by nothing feed empty arrays: dead, as
     # XLA finds (the plan listed their collectives)
     "pad median": (lambda x: jnp.pad(x, ((0, 0), (0, 0), (2, 2)), mode="median"), (X,)),

@@ -482,6 +482,27 @@ def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> l
     return new
 
 
+def _slice_of_part(params: dict, dim: int, parts: list) -> tuple | None:
+    """(part, slice params) of a slice that reads only one part of a concatenation along
+    `dim` (params None: the whole part); None when it reads from several."""
+    if params["strides"] is not None and any(s != 1 for s in params["strides"]):
+        return None
+    lo, hi = params["start_indices"][dim], params["limit_indices"][dim]
+    at = 0
+    for x in parts:
+        size = x.aval.shape[dim]
+        if at <= lo and hi <= at + size and hi > lo:
+            starts = tuple(lo - at if d == dim else s
+                           for d, s in enumerate(params["start_indices"]))
+            limits = tuple(hi - at if d == dim else s
+                           for d, s in enumerate(params["limit_indices"]))
+            whole = all(s == 0 for s in starts) and limits == tuple(x.aval.shape)
+            return x, None if whole else dict(params, start_indices=starts,
+                                              limit_indices=limits)
+        at += size
+    return None
+
+
 def _scalar_key(v: Value) -> tuple:
     """A scalar constant's value as a key (bytes tell -0.0 from 0.0)."""
     c = np.asarray(v.const, dtype=v.dtype)
@@ -552,10 +573,12 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
-    # an equation was replaced by constants (it made only empty arrays) or by one of its
-    # operands (a select of equal cases): what only fed it is dead
+    # an equation was replaced by one of its operands (a select of equal cases) or a slice of
+    # one part of a concatenation: what only fed it is dead
     pruned = [False]
+    empty_at: list = []  # top-level equations making only empty arrays
     fills: dict = {}  # broadcast of a scalar constant -> the constant (`_same_cases`)
+    concats: dict = {}  # a concatenation -> (its dim, its parts) (`_slice_of_part`)
     effectful: set = set()  # indices of equations with effects (kept though unread)
     ones: set = set()  # broadcasts of a scalar 1 (`_is_one`)
     regions: list[CustomRegion] = []
@@ -666,6 +689,16 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                                 params_key=params_key(loop)))
                 env.update(zip(eqn.outvars, outs))
                 continue
+            if eqn.primitive is lax.slice_p and ins[0] in concats and not depth[0]:
+                # a slice of one concatenated part is a slice of that part (as XLA folds it)
+                part = _slice_of_part(eqn.params, *concats[ins[0]])
+                if part is not None:
+                    pruned[0] = True
+                    ins, (x, params) = [part[0]], part
+                    if params is None:
+                        env[eqn.outvars[0]] = x
+                        continue
+                    eqn = eqn.replace(params=params)
             kept = (_times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
                     else _same_cases(ins, eqn.outvars[0].aval, fills)
                     if eqn.primitive is lax.select_n_p else _unchanged(eqn, ins))
@@ -683,19 +716,14 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             if key is not None:
                 seen[key] = outs
                 if outs and 0 in outs[0].aval.shape and not depth[0] and _all_empty(outs):
-                    # an empty array holds nothing: a constant, so what only fed it is dead
-                    # and not planned (jnp.pad's statistics of a dim padded by nothing,
-                    # which XLA drops: the plan listed their collectives)
-                    outs = seen[key] = [const_value(np.zeros(v.aval.shape, v.aval.dtype), v.aval)
-                                        for v in eqn.outvars]
-                    env.update(zip(eqn.outvars, outs))
-                    pruned[0] = True
-                    continue
+                    empty_at.append(len(eqns))  # (made constants below)
             elif eqn.effects:
                 effectful.add(len(eqns))
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
-            if eqn.primitive is lax.broadcast_in_dim_p:
+            if eqn.primitive is lax.concatenate_p and not depth[0]:  # (a region reads only
+                concats[outs[0]] = (eqn.params["dimension"], ins)  # its inputs: not inside)
+            elif eqn.primitive is lax.broadcast_in_dim_p:
                 if _is_one(ins[0], ones):
                     ones.add(outs[0])
                 if (ins[0].is_const and not ins[0].aval.shape
@@ -709,6 +737,21 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
     outputs = walk(jaxpr, closed.consts, inputs, called)
+    if empty_at:
+        # an empty array holds nothing: a constant, so what only fed it is dead and not
+        # planned (jnp.pad's statistics of a dim padded by nothing, which XLA drops: the plan
+        # listed their collectives). An output keeps its equation, whose layout it reports.
+        returned = set(outputs)
+        zeros = {v: const_value(np.zeros(v.aval.shape, v.aval.dtype), v.aval)
+                 for k in empty_at if not any(v in returned for v in eqns[k].outputs)
+                 for v in eqns[k].outputs}
+        if zeros:
+            pruned[0] = True
+            for e in eqns:
+                if any(v in zeros for v in e.inputs):
+                    e.inputs = [zeros.get(v, v) for v in e.inputs]
+            for r in regions:
+                r.inputs = [zeros.get(v, v) for v in r.inputs]
     if pruned[0]:  # what only fed the replaced equations: top-level, without effects
         inside = {id(e) for r in regions for e in eqns[r.start:r.stop]}
         eqns = drop_dead(eqns, outputs, regions,
