@@ -589,3 +589,28 @@ def test_vmapped_loops_with_per_example_conditions_equal_one_device(mesh, placem
     for got, want in zip(g(xd), jax.jit(_per_example_loops)(x)):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     assert g.plan(xd).collective_counts() == count_collectives(g.lower(xd).compile().as_text())
+
+
+@pytest.mark.parametrize("step", [0, 7])
+@pytest.mark.parametrize("form", ["cond", "switch"])
+def test_a_branch_picked_by_a_constant_is_the_only_one_planned(step, form):
+    """A cond whose index the program computes from constants (a schedule on a constant step
+    count, as optax.novograd's first update writes): XLA keeps only the branch it picks, and so
+    does the plan (both branches' all-reduces were listed)."""
+    w = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+
+    def fn(w):
+        count = jnp.int32(step)
+        norm = lambda a: jnp.sqrt(jnp.sum(a * a))
+        absum = lambda a: jnp.sum(jnp.abs(a)) ** 2
+        if form == "cond":
+            return jax.lax.cond(count < 5, norm, absum, w)
+        return jax.lax.switch(count // 4, [norm, absum, lambda a: jnp.max(a)], w)
+
+    ws = dist.shard_tensor(w, MESH, [dist.Shard(0), dist.Shard(1)])
+    f = dist.jit(fn)
+    np.testing.assert_allclose(f(ws).numpy(), jax.jit(fn)(w), rtol=1e-5)
+    plan = f.plan(ws)
+    assert not any(ep.sub_plans for ep in plan.eqns)  # no branch left to choose at run time
+    hlo = count_collectives(f.lower(ws).compile().as_text())
+    assert hlo == Counter(c.kind for c in plan.collectives), plan.collectives

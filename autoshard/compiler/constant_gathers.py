@@ -151,6 +151,12 @@ class _Constants:
         return value
 
 
+def known_constant(v, made_by: dict) -> np.ndarray | None:
+    """`v`'s value where the program computes it from literals alone (small integer
+    arithmetic), else None."""
+    return _Constants(made_by)(v)
+
+
 def _pattern(index: np.ndarray, rows: int) -> tuple | None:
     """('repeat', r) for i // r; ('every', lo, k) for lo + k i with 0 <= lo < k and k times
     as many rows as indices; None for any other index into a dim of `rows` rows."""
@@ -417,4 +423,4 @@ def _inline(closed, args: list, out, where, fresh, constant, Eqn, params_key) ->
     return made
 
 
-__all__ = ["constant_gathers"]
+__all__ = ["constant_gathers", "known_constant"]

@@ -25,7 +25,7 @@ from jax.extend import core as jex_core
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from .batched_while import has_batched_predicate, scalar_predicate
-from .constant_gathers import constant_gathers
+from .constant_gathers import constant_gathers, known_constant
 from .fold import fold_conv_padding
 from .reversals import fold_reversals
 from .shift import drop_dead, fold_shifts
@@ -573,6 +573,18 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
+    made_by: dict = {}  # value -> its equation, for the equations up to `indexed[0]`
+    indexed = [0]
+
+    def constant_branch(branches, index: Value):
+        """The branch a cond takes whatever the inputs (its index a computed constant)."""
+        if not index.is_const:
+            made_by.update((v, e) for e in eqns[indexed[0]:] for v in e.outputs)
+            indexed[0] = len(eqns)
+            if index not in made_by:
+                return None
+        found = known_constant(index, made_by)
+        return None if found is None else branches[int(np.clip(found, 0, len(branches) - 1))]
     # an equation was replaced by one of its operands (a select of equal cases) or a slice of
     # one part of a concatenation: what only fed it is dead
     pruned = [False]
@@ -678,6 +690,15 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                                     params_key=params_key(one)))
                     env[out] = made
                 continue
+            if eqn.primitive is lax.cond_p and not eqn.effects:
+                branch = constant_branch(eqn.params["branches"], ins[0])
+                if branch is not None:
+                    # an index known when compiling (a schedule on a constant step): the branch
+                    # it picks, as XLA folds it (both branches planned listed both's moves)
+                    outs = walk(branch.jaxpr, branch.consts, ins[1:], source)
+                    env.update(zip(eqn.outvars, outs))
+                    pruned[0] = True
+                    continue
             if eqn.primitive is lax.while_p and has_batched_predicate(eqn.params):
                 # jax.vmap of a loop with a per-example condition: as the scalar-predicate loop
                 # jax lowers it to (batched_while.py)
