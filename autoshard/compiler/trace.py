@@ -29,6 +29,8 @@ from .constant_gathers import constant_gathers, known_constant
 from .fold import fold_conv_padding
 from .reversals import fold_reversals
 from .shift import drop_dead, fold_shifts
+from .simplify import (all_empty, is_one, same_cases, scalar_key, slice_of_part, times_one,
+                       unchanged)
 from .widen import widen_slices
 from .gc_pause import gc_paused
 
@@ -385,55 +387,6 @@ def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _is_one(v: Value, ones: set) -> bool:
-    """`v` is 1 everywhere: a real scalar constant 1, or a broadcast of one (`ones`). Complex
-    numbers are left alone: (a + bi)(1 + 0i) is not a + bi where b is infinite."""
-    if v in ones:
-        return True
-    if not v.is_const or np.ndim(v.const) or getattr(v.dtype, "kind", "c") not in "fiu":
-        return False
-    return bool(np.asarray(v.const) == 1)
-
-
-def _times_one(ins: list, out_aval, ones: set) -> Value | None:
-    """The operand of a product `ins[0] * ins[1]` that is the product (the other is 1 and it
-    has the result's shape and dtype), else None."""
-    for x, y in ((ins[0], ins[1]), (ins[1], ins[0])):
-        if (_is_one(y, ones) and x.aval.shape == out_aval.shape
-                and x.aval.dtype == out_aval.dtype):
-            return x
-    return None
-
-
-def _unchanged(eqn: Any, ins: list) -> Value | None:
-    """The operand of a one-operand step that returns it as it is, else None: a reversal of
-    dims of size 1 (jax's convolution gradient reverses a 1x1 kernel), a cast to its own dtype,
-    a reshape or broadcast to its own shape, the identity transpose."""
-    p = eqn.primitive
-    if len(ins) != 1 or p not in _MAYBE_UNCHANGED:
-        return None
-    x, out = ins[0], eqn.outvars[0].aval
-    if x.aval.shape != out.shape or x.aval.dtype != out.dtype:
-        return None
-    params = eqn.params
-    if params.get("sharding") is not None:
-        return None  # (jax's explicit-sharding out_sharding: kept as written)
-    if p is lax.rev_p:
-        return x if all(x.aval.shape[d] == 1 for d in params["dimensions"]) else None
-    if p is lax.transpose_p:
-        return x if tuple(params["permutation"]) == tuple(range(len(out.shape))) else None
-    if p is lax.broadcast_in_dim_p:
-        return x if tuple(params["broadcast_dimensions"]) == tuple(range(len(out.shape))) \
-            else None
-    if p is lax.reshape_p:
-        return x if params.get("dimensions") is None else None
-    return x  # convert_element_type to the same dtype (a weak type made strong)
-
-
-_MAYBE_UNCHANGED = frozenset({lax.rev_p, lax.transpose_p, lax.broadcast_in_dim_p, lax.reshape_p,
-                              lax.convert_element_type_p})
-
-
 def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> list:
     """`eqns` with a scalar's broadcast read by several equations made once per reader (each
     copy right after it): a broadcast made in one reader's layout and moved for another lists
@@ -480,53 +433,6 @@ def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> l
     for r in regions:
         r.start, r.stop = at[r.start], at[r.stop]
     return new
-
-
-def _slice_of_part(params: dict, dim: int, parts: list) -> tuple | None:
-    """(part, slice params) of a slice that reads only one part of a concatenation along
-    `dim` (params None: the whole part); None when it reads from several."""
-    if params["strides"] is not None and any(s != 1 for s in params["strides"]):
-        return None
-    lo, hi = params["start_indices"][dim], params["limit_indices"][dim]
-    at = 0
-    for x in parts:
-        size = x.aval.shape[dim]
-        if at <= lo and hi <= at + size and hi > lo:
-            starts = tuple(lo - at if d == dim else s
-                           for d, s in enumerate(params["start_indices"]))
-            limits = tuple(hi - at if d == dim else s
-                           for d, s in enumerate(params["limit_indices"]))
-            whole = all(s == 0 for s in starts) and limits == tuple(x.aval.shape)
-            return x, None if whole else dict(params, start_indices=starts,
-                                              limit_indices=limits)
-        at += size
-    return None
-
-
-def _scalar_key(v: Value) -> tuple:
-    """A scalar constant's value as a key (bytes tell -0.0 from 0.0)."""
-    c = np.asarray(v.const, dtype=v.dtype)
-    return (c.dtype, c.tobytes())
-
-
-def _same_cases(ins: list, out_aval, fills: dict) -> Value | None:
-    """The first case of a `select_n(which, *cases)` whose cases are all the same constant
-    filled in (a broadcast scalar; jax's gradient of `x.at[i].set(0.0)` selects between two
-    zeros), else None: whichever is picked, the result is that value — and what computes the
-    predicate is dead, as XLA finds."""
-    cases = ins[1:]
-    first = fills.get(cases[0]) if cases else None
-    if first is None or any(fills.get(c) != first for c in cases[1:]):
-        return None
-    x = cases[0]
-    return x if x.aval.shape == out_aval.shape and x.aval.dtype == out_aval.dtype else None
-
-
-def _all_empty(values: list) -> bool:
-    """Every value an empty array of numbers (a constant: zeros of its shape)."""
-    return bool(values) and all(
-        0 in v.aval.shape and isinstance(getattr(v.aval, "dtype", None), np.dtype)
-        for v in values)
 
 
 def params_key(params: dict) -> tuple | None:
@@ -589,10 +495,10 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     # one part of a concatenation: what only fed it is dead
     pruned = [False]
     empty_at: list = []  # top-level equations making only empty arrays
-    fills: dict = {}  # broadcast of a scalar constant -> the constant (`_same_cases`)
-    concats: dict = {}  # a concatenation -> (its dim, its parts) (`_slice_of_part`)
+    fills: dict = {}  # broadcast of a scalar constant -> the constant (`same_cases`)
+    concats: dict = {}  # a concatenation -> (its dim, its parts) (`slice_of_part`)
     effectful: set = set()  # indices of equations with effects (kept though unread)
-    ones: set = set()  # broadcasts of a scalar 1 (`_is_one`)
+    ones: set = set()  # broadcasts of a scalar 1 (`is_one`)
     regions: list[CustomRegion] = []
     depth = [0]  # custom-rule nesting: only outermost bodies become regions
 
@@ -712,7 +618,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                 continue
             if eqn.primitive is lax.slice_p and ins[0] in concats and not depth[0]:
                 # a slice of one concatenated part is a slice of that part (as XLA folds it)
-                part = _slice_of_part(eqn.params, *concats[ins[0]])
+                part = slice_of_part(eqn.params, *concats[ins[0]])
                 if part is not None:
                     pruned[0] = True
                     ins, (x, params) = [part[0]], part
@@ -720,9 +626,9 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                         env[eqn.outvars[0]] = x
                         continue
                     eqn = eqn.replace(params=params)
-            kept = (_times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
-                    else _same_cases(ins, eqn.outvars[0].aval, fills)
-                    if eqn.primitive is lax.select_n_p else _unchanged(eqn, ins))
+            kept = (times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
+                    else same_cases(ins, eqn.outvars[0].aval, fills)
+                    if eqn.primitive is lax.select_n_p else unchanged(eqn, ins))
             if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
                 env[eqn.outvars[0]] = kept  # broadcast 1), as are the steps below: as XLA
                 # simplifies them, or the plan moves a copy the program never makes
@@ -736,7 +642,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             outs = [fresh(v.aval) for v in eqn.outvars]
             if key is not None:
                 seen[key] = outs
-                if outs and 0 in outs[0].aval.shape and not depth[0] and _all_empty(outs):
+                if outs and 0 in outs[0].aval.shape and not depth[0] and all_empty(outs):
                     empty_at.append(len(eqns))  # (made constants below)
             elif eqn.effects:
                 effectful.add(len(eqns))
@@ -745,11 +651,11 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             if eqn.primitive is lax.concatenate_p and not depth[0]:  # (a region reads only
                 concats[outs[0]] = (eqn.params["dimension"], ins)  # its inputs: not inside)
             elif eqn.primitive is lax.broadcast_in_dim_p:
-                if _is_one(ins[0], ones):
+                if is_one(ins[0], ones):
                     ones.add(outs[0])
                 if (ins[0].is_const and not ins[0].aval.shape
                         and isinstance(ins[0].aval.dtype, np.dtype)):
-                    fills[outs[0]] = _scalar_key(ins[0])
+                    fills[outs[0]] = scalar_key(ins[0])
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
     # Dead code out first, into every body (a user's shard_map included): what XLA would drop
