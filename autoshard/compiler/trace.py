@@ -632,7 +632,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
                 env[eqn.outvars[0]] = kept  # broadcast 1), as are the steps below: as XLA
                 # simplifies them, or the plan moves a copy the program never makes
-                pruned[0] = pruned[0] or eqn.primitive is lax.select_n_p
+                if eqn.primitive is lax.select_n_p:
+                    pruned[0] = True  # (its predicate may now be read by nothing)
                 continue
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
