@@ -265,6 +265,7 @@ def run_sample(sample: Sample, mesh, limit: int | None, seed: int = 0) -> Report
 
 def _fits_without_moving(plan) -> bool:
     """True if the operands already fit the strategy the rule seeds from them."""
+    from .compiler.early_moves import result_layout
     from .compiler.propagate import rule_sharding
     from .compiler.strategy import candidates, layouts
     from .rules import REGISTRY
@@ -274,7 +275,9 @@ def _fits_without_moving(plan) -> bool:
     before: dict = {}
     for e, ep in zip(plan.program.eqns, plan.eqns):
         if ep.early is not None:
-            before[e.outputs[0]] = before.get(e.inputs[ep.early], ep.operands[ep.early])
+            came = before.get(e.inputs[ep.early], ep.operands[ep.early])
+            before[e.outputs[0]] = (result_layout(e, came) if e.primitive.name == "broadcast_in_dim"
+                                    else came)
             continue
         opsh = rule_sharding(e, REGISTRY)
         if opsh is None:

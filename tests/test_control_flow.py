@@ -614,3 +614,36 @@ def test_a_branch_picked_by_a_constant_is_the_only_one_planned(step, form):
     assert not any(ep.sub_plans for ep in plan.eqns)  # no branch left to choose at run time
     hlo = count_collectives(f.lower(ws).compile().as_text())
     assert hlo == Counter(c.kind for c in plan.collectives), plan.collectives
+
+
+CUBE = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["a", "b", "c"])
+_switch = lambda i, x: jax.lax.switch(i[0, 0] % 3, [lambda a: a, lambda a: a * 2.0,
+                                                    lambda a: -a], x)
+_cond = lambda p, x: jax.lax.cond(p[0, 0], lambda a: a * 2.0, lambda a: a - 1.0, x)
+
+
+@pytest.mark.parametrize("form,batched,mesh,p_at,x_at", [
+    ("cond", "out_axes=-1", MESH, ["S(2)", "S(0)"], ["R", "S(1)"]),
+    ("cond", "out_axes=-1", CUBE, ["R", "S(0)", "S(0)"], ["R", "S(0)", "S(1)"]),
+    ("switch", "twice", CUBE, ["S(1)", "S(0)", "R"], ["S(1)", "S(3)", "S(1)"]),
+    ("switch", "out_axes=-1", CUBE, ["S(1)", "S(2)", "S(0)"], ["S(0)", "S(0)", "S(0)"])])
+def test_a_vmapped_branch_predicate_moves_before_it_is_broadcast(form, batched, mesh, p_at,
+                                                                  x_at):
+    """jax.vmap makes a cond or switch with a per-example index a select of the branches'
+    results, reading the index broadcast to the data's shape once per branch. Where the data
+    lies elsewhere than the index, the small index moves once, before its broadcasts — as
+    XLA's simplifier moves it (each broadcast copy was listed as a move of its own: up to 4
+    collectives planned where the compiled program runs 1)."""
+    fn = _cond if form == "cond" else _switch
+    fn = jax.vmap(jax.vmap(fn)) if batched == "twice" else jax.vmap(fn, out_axes=-1)
+    shape = (2, 4, 4, 8) if batched == "twice" else (8, 4, 8)
+    rng = np.random.default_rng(0)
+    p = rng.random(shape) > 0.5 if form == "cond" else rng.integers(0, 5, shape, np.int32)
+    x = rng.normal(size=shape).astype(np.float32)
+    pd, xd = make_tensor(p, mesh, p_at), make_tensor(x, mesh, x_at)
+    f, out = run_checked(fn, pd, xd)  # the plan's collectives are the compiled program's
+    np.testing.assert_array_equal(out.numpy(), jax.jit(fn)(p, x))
+    plan = f.plan(pd, xd)
+    moves = [c for c in plan.collectives if not c.by_rule]
+    assert len(moves) <= 2, str(plan)  # the index, and the data if it must move
+    assert sum(c.bytes_per_device for c in moves if c.value != "b") <= p.size, str(plan)
