@@ -231,17 +231,6 @@ def test_micro_batches_are_cut_without_communication():
     assert collectives(hlo) == []
 
 
-def test_the_example_trains_like_one_device_under_every_schedule():
-    reference, ref_params = example.one_device(steps=2)
-    for mode, m, chunks in example.RUNS:
-        losses, params, runner, _ = example.train(mode, m, chunks, steps=2)
-        np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-6, err_msg=mode)
-        for p, ref in zip(params, ref_params):
-            for name in ref:
-                np.testing.assert_allclose(p[name].numpy(), ref[name], rtol=1e-4, atol=1e-5)
-        assert runner.schedule.name == mode and runner.schedule.micro_batches == m
-
-
 def test_pipeline_errors_name_the_fix():
     ws, x, y, stages, params, xd, yd = _setup(MESHES_1D, 1, [R])
     with pytest.raises(dist.StageError, match=r"batch dim 8 cannot be cut into 8 micro-batches "
