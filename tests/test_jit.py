@@ -963,6 +963,32 @@ def test_a_scalars_broadcast_is_made_in_each_readers_layout():
     assert hlo_counts(g, *args) == planned(g, *args)
 
 
+def _masked(a, b):
+    m = jnp.tril(jnp.ones((16, 16), bool))[None, None]  # a causal mask, made from constants
+    return jnp.where(m, a, 0.0) * 2.0, jnp.where(m, b, 1.0)
+
+
+@pytest.mark.parametrize("form", ["plain", "checkpoint", "gradient of checkpoint"])
+def test_a_broadcast_made_from_constants_is_made_in_each_readers_layout(form):
+    """A causal mask broadcast to the scores and read by two selects split differently (an
+    attention's scores split by heads forward, by batch in its gradient under Megatron-SP): made
+    in the first reader's layout, it was all-to-all'ed for the second (1.75 KiB here; under
+    jax.checkpoint once more in the recomputation, 2 planned / 1 compiled). Each reader gets its
+    own broadcast of the constant mask, laid out as it reads it: nothing moves."""
+    fn = {"plain": _masked, "checkpoint": jax.checkpoint(_masked),
+          "gradient of checkpoint": jax.grad(
+              lambda a, b: sum(jnp.sum(jnp.sin(o)) for o in jax.checkpoint(_masked)(a, b)),
+              argnums=(0, 1))}[form]
+    line = dist.ProcessMesh(list(range(8)), dim_names=["mp"])
+    rng = np.random.default_rng(0)
+    a, b = (rng.normal(size=(8, 8, 16, 16)).astype(np.float32) for _ in range(2))
+    args = (dist.shard_tensor(a, line, [S(1)]), dist.shard_tensor(b, line, [S(0)]))
+    g = dist.jit(fn)
+    for got, want in zip(g(*args), jax.jit(fn)(a, b)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    assert planned(g, *args) == hlo_counts(g, *args) == Counter(), g.plan(*args)
+
+
 def test_a_product_with_one_is_its_other_operand():
     """jax's gradient of a sum multiplies by a broadcast 1: that product is its other operand
     (XLA simplifies it so), so the gather it would have needed is the one already planned for

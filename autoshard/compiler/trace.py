@@ -387,17 +387,21 @@ def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh) -> list:
+def _broadcasts_per_reader(eqns: list, outputs: list, regions: list, fresh,
+                           constant: set = frozenset()) -> list:
     """`eqns` with a scalar's broadcast read by several equations made once per reader (each
     copy right after it): a broadcast made in one reader's layout and moved for another lists
     a gather XLA folds into a local broadcast (the gradient of a mean, read by a cross-entropy's
-    two terms split differently). Top-level broadcasts only: a custom rule's region hands out
-    what it makes as its outputs, which stay single values."""
+    two terms split differently). So too the broadcast of a value computed from constants
+    alone (`constant`: a causal mask, read by the attention's select split by heads and by its
+    gradient's split by batch — XLA computes it in place, the plan moved it). Top-level
+    broadcasts only: a custom rule's region hands out what it makes as its outputs, which stay
+    single values."""
     in_region = {id(e) for r in regions for e in eqns[r.start:r.stop]} if regions else set()
     many = {}
     for e in eqns:
-        if (e.primitive is lax.broadcast_in_dim_p and not e.inputs[0].aval.shape
-                and id(e) not in in_region):
+        if (e.primitive is lax.broadcast_in_dim_p and id(e) not in in_region
+                and (not e.inputs[0].aval.shape or e.inputs[0] in constant)):
             many[e.outputs[0]] = e
     if not many:
         return eqns
@@ -461,9 +465,14 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     def fresh(aval) -> Value:
         return Value(aval, next(serials))
 
+    # values computed from constants alone (literals, closed-over arrays, iotas), without
+    # effects: their broadcasts are made once per reader (`_broadcasts_per_reader`)
+    constant: set = set()
+
     def const_value(val, aval) -> Value:
         v = Value(aval, next(serials), const=val, is_const=True)
         consts.append(v)
+        constant.add(v)
         return v
 
     # literal -> its value as a key: `cse_key` compares literals by value, so an expression
@@ -647,6 +656,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                     empty_at.append(len(eqns))  # (made constants below)
             elif eqn.effects:
                 effectful.add(len(eqns))
+            if constant.issuperset(ins) and not eqn.effects:
+                constant.update(outs)
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
             if eqn.primitive is lax.concatenate_p and not depth[0]:  # (a region reads only
@@ -691,7 +702,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     eqns = fold_shifts(eqns, outputs, regions)
     eqns = fold_reversals(eqns, outputs, regions)
     eqns = widen_slices(eqns, outputs, regions, fresh, const_value)
-    eqns = _broadcasts_per_reader(eqns, outputs, regions, fresh)
+    eqns = _broadcasts_per_reader(eqns, outputs, regions, fresh, constant)
     for i, e in enumerate(eqns):
         e.index = i
         for v in e.outputs:
