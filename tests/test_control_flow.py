@@ -647,3 +647,18 @@ def test_a_vmapped_branch_predicate_moves_before_it_is_broadcast(form, batched, 
     moves = [c for c in plan.collectives if not c.by_rule]
     assert len(moves) <= 2, str(plan)  # the index, and the data if it must move
     assert sum(c.bytes_per_device for c in moves if c.value != "b") <= p.size, str(plan)
+
+
+@pytest.mark.parametrize("n,unroll", [(5, 16), (5, 3), (5, 2), (4, 2), (5, 1)],
+                         ids=["whole", "loop-then-two", "loop-then-one", "loop-only", "rolled"])
+def test_an_unrolled_scans_unread_final_carry_is_not_moved(n, unroll):
+    """The gradient of jnp.polyval runs a reverse scan whose second carry's final value nobody
+    reads. Where jax's lowering runs the scan's last iteration after its loop (an unroll that
+    leaves iterations over, or covers them all), XLA drops that copy's sum of the carry; the
+    plan lists one sum fewer there too (it listed one per copy: 10 planned / 9 compiled)."""
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["a", "b", "c"])
+    x = np.random.default_rng(0).normal(size=(8, 16, 32)).astype(np.float32)
+    fn = jax.grad(lambda x: jnp.sum(jnp.polyval(x[0, 0, :n], x[1], unroll=unroll) ** 2))
+    xd = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Shard(0), dist.Replicate()])
+    f, out = run_checked(fn, xd)  # the plan's collectives are the compiled program's
+    np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-4, atol=1e-6)

@@ -416,6 +416,21 @@ def body_copies(e, required: list[Layout], sizes: dict) -> int:
     return unrolled_copies(e.params["length"] // n, e.params["unroll"])
 
 
+def last_copy_straight(e, required: list[Layout]) -> bool:
+    """Whether a scan's last iteration runs as straight-line code after its loop (jax's
+    lowering: the iterations an `unroll` leaves over, or all of them when it covers the
+    length), where XLA drops what only makes a final carry nobody reads. Not for a split scan,
+    whose devices each run a share of the iterations."""
+    if e.name != "scan" or _split_axes(e, required):
+        return False
+    length, unroll = e.params["length"], e.params["unroll"]
+    unroll = length if unroll is True else 1 if unroll is False else int(unroll)
+    if unroll == 1 or not length:
+        return False
+    trips, remainder = divmod(length, unroll) if unroll else (0, length)
+    return bool(remainder) or trips == 1  # (one trip of the whole length: no loop either)
+
+
 def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
                       available: list | None = None):
     """(required operand layouts, result layouts, sub-plans, description) for `e`.
@@ -699,4 +714,4 @@ def _vary_to(values, layouts, ambient: frozenset = frozenset()):
     return [ensure_varying(v, L.used_axes | ambient) for v, L in zip(values, layouts)]
 
 
-__all__ = ["HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]
+__all__ = ["last_copy_straight", "HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]

@@ -20,7 +20,7 @@ from ..reshard.planner import ReshardPlan
 from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
-from .control_flow import HIGHER_ORDER, body_copies, plan_higher_order
+from .control_flow import HIGHER_ORDER, body_copies, last_copy_straight, plan_higher_order
 from .dtypes import cost_dtype
 from .factors import Serves
 from .gc_pause import gc_paused
@@ -459,9 +459,18 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             # as often in the plan as in the compiled program: once per copy of the body
             # (a loop's body once, an unrolled scan's each copy), not once per iteration
             copies = body_copies(e, required, mesh.axis_sizes)
+            # a scan whose last copy runs after its loop: its moves for a final carry nobody
+            # reads are dead code there, which XLA drops (the reverse scan of jnp.polyval's
+            # gradient)
+            dead: frozenset = frozenset()
+            if copies > 1 and last_copy_straight(e, required):
+                body_out = sub_plans[0].program.outputs
+                dead = frozenset(f"output {k}" for k in range(e.params["num_carry"])
+                                 if e.outputs[k] not in read_values()
+                                 and body_out.count(body_out[k]) == 1)
             for sub in sub_plans:
                 for c in sub.collectives:
-                    for i in range(copies):
+                    for i in range(copies - (c.consumer in dead)):
                         unrolled = f", copy {i + 1} of {copies} unrolled" if copies > 1 else ""
                         collectives.append(replace(  # (copies are other collectives: `_once`)
                             c, reason=f"{c.reason} (inside {strategy}{unrolled})",
