@@ -662,3 +662,19 @@ def test_an_unrolled_scans_unread_final_carry_is_not_moved(n, unroll):
     xd = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Shard(0), dist.Replicate()])
     f, out = run_checked(fn, xd)  # the plan's collectives are the compiled program's
     np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("placements", [["S(1)", "P(max)"], ["P(max)", "S(1)"], ["P(sum)", "S(0)"]])
+def test_a_platform_dependent_cond_lists_the_branch_of_the_platform_compiled_for(placements):
+    """lax.platform_dependent is a cond on `platform_index`, which jax lowers to the constant
+    of the platform it compiles for: XLA keeps that branch alone. The plan plans both (the
+    program holds both) but lists the collectives of that one (it listed both: 2 / 1)."""
+    mesh = dist.ProcessMesh(np.arange(8).reshape(4, 2), ["a", "b"])
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+
+    def fn(x):
+        return jax.lax.platform_dependent(x, cpu=lambda a: a * 2.0, default=lambda a: a + 1.0)
+
+    f, out = run_checked(fn, make_tensor(x, mesh, placements))  # (a sum's parts: rounding)
+    np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-5, atol=1e-6)
+    assert any(ep.sub_plans for ep in f.plan(make_tensor(x, mesh, placements)).eqns)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax._src import xla_bridge
 
 from ..layout import Layout
 from ..mesh import ProcessMesh
@@ -431,6 +432,23 @@ def last_copy_straight(e, required: list[Layout]) -> bool:
     return bool(remainder) or trips == 1  # (one trip of the whole length: no loop either)
 
 
+def platform_branch(e, program, mesh) -> int | None:
+    """The branch a `lax.platform_dependent` cond takes on the mesh's devices (its index is a
+    `platform_index`, which jax lowers to the constant of the platform compiled for, and XLA
+    then keeps that branch alone), else None."""
+    if e.name != "cond" or e.inputs[0].producer < 0:
+        return None
+    made = program.eqns[e.inputs[0].producer]
+    if made.primitive.name != "platform_index":
+        return None
+    platform = xla_bridge.canonicalize_platform(mesh.devices().flat[0].platform)
+    options = made.params["platforms"]
+    found = next((i for i, names in enumerate(options) if names and platform in names), None)
+    if found is None:
+        found = next((i for i, names in enumerate(options) if names is None), None)
+    return found if found is not None and found < len(e.params["branches"]) else None
+
+
 def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
                       available: list | None = None):
     """(required operand layouts, result layouts, sub-plans, description) for `e`.
@@ -714,4 +732,4 @@ def _vary_to(values, layouts, ambient: frozenset = frozenset()):
     return [ensure_varying(v, L.used_axes | ambient) for v, L in zip(values, layouts)]
 
 
-__all__ = ["last_copy_straight", "HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]
+__all__ = ["last_copy_straight", "platform_branch", "HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]

@@ -20,7 +20,8 @@ from ..reshard.planner import ReshardPlan
 from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
-from .control_flow import HIGHER_ORDER, body_copies, last_copy_straight, plan_higher_order
+from .control_flow import (HIGHER_ORDER, body_copies, last_copy_straight, plan_higher_order,
+                           platform_branch)
 from .dtypes import cost_dtype
 from .factors import Serves
 from .gc_pause import gc_paused
@@ -468,8 +469,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                 dead = frozenset(f"output {k}" for k in range(e.params["num_carry"])
                                  if e.outputs[k] not in read_values()
                                  and body_out.count(body_out[k]) == 1)
-            for sub in sub_plans:
-                for c in sub.collectives:
+            # a platform_dependent cond runs the branch of the platform compiled for
+            taken = platform_branch(e, program, mesh)
+            for b, sub in enumerate(sub_plans):
+                for c in sub.collectives if taken is None or b == taken else ():
                     for i in range(copies - (c.consumer in dead)):
                         unrolled = f", copy {i + 1} of {copies} unrolled" if copies > 1 else ""
                         collectives.append(replace(  # (copies are other collectives: `_once`)
