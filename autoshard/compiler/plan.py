@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from jax import lax
+
 from ..cost_model import CostModel
 from ..layout import Layout
 from ..mesh import ProcessMesh
@@ -322,6 +324,18 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # planned and reused per region. The same move of the same value in two scopes lowers to
     # the same collectives of the same operand, which XLA's CSE runs once: listed once (`_once`).
     region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
+
+    def same_buffer(v: Value) -> Value:
+        """The value `v` is, buffer for buffer: through stop_gradient (lowered to nothing)
+        while the layout stays. A move of either runs on one operand, which XLA's CSE runs
+        once (slogdet's rule reads a stop_gradient'ed matrix its primal also moves)."""
+        while v.producer >= 0:
+            e = program.eqns[v.producer]
+            if (e.primitive is not lax.stop_gradient_p
+                    or actual.get(e.inputs[0]) is not actual.get(v)):
+                break
+            v = e.inputs[0]
+        return v
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
     made_at: dict = {}  # (value, layout) → the first equation a copy was made for
 
@@ -382,7 +396,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         each step's own layouts)."""
         if 0 in value.aval.shape:
             return  # an empty array: no data to move, and XLA drops its collectives
-        prefix: tuple = (copy_of.get(value, value), steps[0].before if steps else None)
+        prefix: tuple = (same_buffer(copy_of.get(value, value)),
+                         steps[0].before if steps else None)
         for s in steps:
             prefix += (s.step,)
             if s.step.hlo:
