@@ -678,3 +678,18 @@ def test_a_platform_dependent_cond_lists_the_branch_of_the_platform_compiled_for
     f, out = run_checked(fn, make_tensor(x, mesh, placements))  # (a sum's parts: rounding)
     np.testing.assert_allclose(out.numpy(), jax.jit(fn)(x), rtol=1e-5, atol=1e-6)
     assert any(ep.sub_plans for ep in f.plan(make_tensor(x, mesh, placements)).eqns)
+
+
+def test_a_checkpoints_partial_operand_is_reduced_once_with_the_forward():
+    """The recomputation of a differentiated jax.checkpoint reads a Partial operand outside
+    its barrier: its reduction of it and the forward's are one, which XLA's CSE runs once —
+    listed once (3 all-reduces planned / 2 compiled before)."""
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["a", "b", "c"])
+    x = np.random.default_rng(0).normal(size=(8, 4, 8)).astype(np.float32)
+    inner = jax.vmap(lambda x: jax.checkpoint(lambda y: jnp.sin(y).sum(1))(x))
+    fn = jax.value_and_grad(lambda x: jnp.sum(inner(x)))
+    xd = make_tensor(x, mesh, ["P(min)", "S(0)", "P(min)"])
+    f, (value, grad) = run_checked(fn, xd)
+    want = jax.jit(fn)(x)
+    np.testing.assert_allclose(value.numpy(), want[0], rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), want[1], rtol=1e-5, atol=1e-6)

@@ -432,6 +432,21 @@ def last_copy_straight(e, required: list[Layout]) -> bool:
     return bool(remainder) or trips == 1  # (one trip of the whole length: no loop either)
 
 
+def shared_operands(e, required: list[Layout], sub) -> dict:
+    """Body input -> the operand it is, for the inputs of a checkpoint whose moves inside its
+    body run on the operand's own buffer, which XLA's CSE merges with the same move outside:
+    all of them when nothing is barred (a checkpoint jax has not differentiated), else those
+    out of the recomputation's barrier — held as Partial, or not prevent_cse
+    (`_rematerialised`)."""
+    if e.name not in ("checkpoint", "remat", "remat2"):
+        return {}
+    inputs = sub.program.inputs
+    if not e.params.get("differentiated", False):
+        return dict(zip(inputs, e.inputs))
+    read = _cse_flags(e.params.get("prevent_cse", True), len(e.inputs))
+    return {b: v for b, v, f, L in zip(inputs, e.inputs, read, required) if not f or L.partial}
+
+
 def platform_branch(e, program, mesh) -> int | None:
     """The branch a `lax.platform_dependent` cond takes on the mesh's devices (its index is a
     `platform_index`, which jax lowers to the constant of the platform compiled for, and XLA
@@ -732,4 +747,4 @@ def _vary_to(values, layouts, ambient: frozenset = frozenset()):
     return [ensure_varying(v, L.used_axes | ambient) for v, L in zip(values, layouts)]
 
 
-__all__ = ["last_copy_straight", "platform_branch", "HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]
+__all__ = ["last_copy_straight", "platform_branch", "shared_operands", "HIGHER_ORDER", "plan_higher_order", "lower_higher_order"]

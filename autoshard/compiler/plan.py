@@ -23,7 +23,7 @@ from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
 from .control_flow import (HIGHER_ORDER, body_copies, last_copy_straight, plan_higher_order,
-                           platform_branch)
+                           platform_branch, shared_operands)
 from .dtypes import cost_dtype
 from .factors import Serves
 from .gc_pause import gc_paused
@@ -325,16 +325,23 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # the same collectives of the same operand, which XLA's CSE runs once: listed once (`_once`).
     region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
 
-    def same_buffer(v: Value) -> Value:
-        """The value `v` is, buffer for buffer: through stop_gradient (lowered to nothing)
-        while the layout stays. A move of either runs on one operand, which XLA's CSE runs
-        once (slogdet's rule reads a stop_gradient'ed matrix its primal also moves)."""
+    def same_buffer(v: Value):
+        """What `v` is, buffer for buffer, for moves that XLA's CSE runs once: through
+        stop_gradient (lowered to nothing) while the layout stays (slogdet's rule reads a
+        stop_gradient'ed matrix its primal also moves); and a broadcast as its operand, params
+        and layouts (build_program makes a broadcast of a scalar or a constant once per reader:
+        copies laid out alike are one computation, and so are their moves)."""
         while v.producer >= 0:
-            e = program.eqns[v.producer]
-            if (e.primitive is not lax.stop_gradient_p
-                    or actual.get(e.inputs[0]) is not actual.get(v)):
-                break
-            v = e.inputs[0]
+            p = v.producer
+            e = program.eqns[p]
+            if e.primitive is lax.stop_gradient_p and actual.get(e.inputs[0]) is actual.get(v):
+                v = e.inputs[0]
+                continue
+            if (e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1
+                    and e.params_key is not None):
+                read = eqn_plans[p].required[0] if p < len(eqn_plans) else actual.get(e.inputs[0])
+                return ("broadcast", same_buffer(e.inputs[0]), e.params_key, read, actual.get(v))
+            break
         return v
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
     made_at: dict = {}  # (value, layout) → the first equation a copy was made for
@@ -487,12 +494,18 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             # a platform_dependent cond runs the branch of the platform compiled for
             taken = platform_branch(e, program, mesh)
             for b, sub in enumerate(sub_plans):
+                # a checkpoint's body moving an operand as it is moves the operand's buffer:
+                # keyed by the operand, the same move made outside is listed once (XLA's CSE)
+                outer = shared_operands(e, required, sub)
                 for c in sub.collectives if taken is None or b == taken else ():
+                    shared = c.shared
+                    if shared is not None and outer and shared[0] in outer:
+                        shared = (outer[shared[0]], *shared[1:])
                     for i in range(copies - (c.consumer in dead)):
                         unrolled = f", copy {i + 1} of {copies} unrolled" if copies > 1 else ""
                         collectives.append(replace(  # (copies are other collectives: `_once`)
                             c, reason=f"{c.reason} (inside {strategy}{unrolled})",
-                            shared=c.shared if i == 0 or c.shared is None else (c.shared, i),
+                            shared=shared if i == 0 or shared is None else (shared, i),
                             nested=True))
                 fallbacks.extend(sub.fallbacks)
         else:
