@@ -394,17 +394,25 @@ def _split_axes(e, required: list[Layout]) -> tuple[str, ...]:
     return xs[0].dims[0] if xs else ()
 
 
-def unrolled_copies(length: int, unroll: int | bool) -> int:
-    """How many copies of a scan's body its compiled program holds (jax's scan lowering):
-    `unroll` in the loop's body and the iterations left over after it; a scan unrolled whole
-    is all copies, no loop."""
+def _unrolled(length: int, unroll: int | bool) -> tuple[int, int, int]:
+    """(copies in the loop's body, loop trips, iterations after the loop) of jax's scan
+    lowering: a scan unrolled whole, or in one trip, is all copies after no loop."""
     unroll = length if unroll is True else 1 if unroll is False else int(unroll)
-    if unroll == 0:
-        return length
-    trips, remainder = divmod(length, unroll)
     if unroll == 1:
+        return 1, length, 0
+    trips, remainder = divmod(length, unroll) if unroll else (0, length)
+    if trips == 1 and remainder == 0:
+        return unroll, 0, length
+    return unroll, trips, remainder
+
+
+def unrolled_copies(length: int, unroll: int | bool) -> int:
+    """How many copies of a scan's body its compiled program holds: `unroll` in the loop's
+    body and the iterations left over after it."""
+    per_trip, trips, remainder = _unrolled(length, unroll)
+    if per_trip == 1:
         return 1 if length else 0
-    return (unroll if trips else 0) + remainder
+    return (per_trip if trips else 0) + remainder
 
 
 def body_copies(e, required: list[Layout], sizes: dict) -> int:
@@ -424,12 +432,8 @@ def last_copy_straight(e, required: list[Layout]) -> bool:
     whose devices each run a share of the iterations."""
     if e.name != "scan" or _split_axes(e, required):
         return False
-    length, unroll = e.params["length"], e.params["unroll"]
-    unroll = length if unroll is True else 1 if unroll is False else int(unroll)
-    if unroll == 1 or not length:
-        return False
-    trips, remainder = divmod(length, unroll) if unroll else (0, length)
-    return bool(remainder) or trips == 1  # (one trip of the whole length: no loop either)
+    per_trip, _, remainder = _unrolled(e.params["length"], e.params["unroll"])
+    return per_trip != 1 and remainder > 0
 
 
 def shared_operands(e, required: list[Layout], sub) -> dict:
