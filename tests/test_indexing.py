@@ -342,8 +342,11 @@ def test_two_tables_read_at_the_same_ids_move_the_ids_once_as_xla_does():
     args = (dist.shard_tensor(x, mesh, [S(0), S(1)]), dist.shard_tensor(pos, mesh, [S(0), S(1)]),
             dist.shard_tensor(cos_t, mesh, [S(1), R]), dist.shard_tensor(sin_t, mesh, [S(1), R]))
     f = dist.jit(scores)
-    np.testing.assert_allclose(f(*args).numpy(), jax.jit(scores)(x, pos, cos_t, sin_t),
-                               rtol=1e-5, atol=1e-5)
+    want = np.asarray(jax.jit(scores)(x, pos, cos_t, sin_t))
+    # scores reach ~200: float32 sums taken in another order (a local block's matmul; AVX-512
+    # kernels) differ by a few ulps of that scale, not of each element
+    np.testing.assert_allclose(f(*args).numpy(), want, rtol=1e-5,
+                               atol=3e-6 * np.abs(want).max())
     plan = f.plan(*args)
     assert plan.collective_counts() == count_collectives(f.lower(*args).compile().as_text())
     ids_moves = [c for c in plan.collectives if c.bytes_per_device == 32]  # the int32 ids
