@@ -29,8 +29,8 @@ from .constant_gathers import constant_gathers, known_constant
 from .fold import fold_conv_padding
 from .reversals import fold_reversals
 from .shift import drop_dead, fold_shifts
-from .simplify import (all_empty, is_one, same_cases, scalar_key, slice_of_part, times_one,
-                       unchanged)
+from .simplify import (_MAYBE_UNCHANGED, all_empty, is_one, same_cases, scalar_key,
+                       slice_of_part, times_one, unchanged)
 from .widen import widen_slices
 from .gc_pause import gc_paused
 
@@ -449,6 +449,24 @@ def params_key(params: dict) -> tuple | None:
     return key
 
 
+# How `build_program` treats a primitive: copied as it is (merged with an equal equation, if
+# any); first checked for a step XLA's simplifier removes (simplify.py) and noted for the folds
+# that read concatenations and broadcasts; or a case of its own (annotations, calls it inlines,
+# branches on constants, loops, slices of concatenations)
+_PLAIN, _SIMPLIFIABLE, _SPECIAL = "plain", "simplifiable", "special"
+_SIMPLIFIABLE_PRIMITIVES = frozenset({lax.mul_p, lax.select_n_p, lax.concatenate_p,
+                                      lax.broadcast_in_dim_p, *_MAYBE_UNCHANGED})
+_SPECIAL_NAMES = frozenset({*_INLINE_JAXPR_PARAM, "custom_linear_solve", "call_hi_primitive",
+                            "device_put"})
+
+
+def _kind(p) -> str:
+    if p is hint_back_p or p is lax.cond_p or p is lax.while_p or p is lax.slice_p \
+            or p.name in _SPECIAL_NAMES:
+        return _SPECIAL
+    return _SIMPLIFIABLE if p in _SIMPLIFIABLE_PRIMITIVES else _PLAIN
+
+
 @gc_paused
 def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls.
@@ -488,6 +506,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         return v
 
     seen: dict = {}  # (primitive, inputs, params) → outputs: duplicate pure equations run once
+    kinds: dict = {}  # primitive -> _PLAIN, or whether it has a case of its own (`_kind`)
     made_by: dict = {}  # value -> its equation, for the equations up to `indexed[0]`
     indexed = [0]
 
@@ -511,6 +530,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     regions: list[CustomRegion] = []
     depth = [0]  # custom-rule nesting: only outermost bodies become regions
 
+    is_literal = literal_keys.__contains__
+
     def cse_key(eqn, ins, params):
         if eqn.effects or params is None:  # params holding arrays: not worth comparing
             return None
@@ -522,9 +543,12 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
         # (values live while building: ids are unique). Literals by value only beside a
         # computed operand: a step of literals alone (a cast of a constant) stays one per
         # layer, or equal layers would read one layer's result and stop being equal blocks
-        keys = [literal_keys.get(id(v), id(v)) for v in ins]
+        ids = tuple(map(id, ins))
+        if not any(map(is_literal, ids)):  # (most equations: checked without a key per read)
+            return (eqn.primitive, ids, params)
+        keys = [literal_keys.get(i, i) for i in ids]
         if all(type(k) is tuple for k in keys):
-            return (eqn.primitive, tuple(map(id, ins)), params)
+            return (eqn.primitive, ids, params)
         return (eqn.primitive, tuple(keys), params)
 
     def own_outputs(outs: list[Value], start: int, source: Where) -> list[Value]:
@@ -541,6 +565,19 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             fixed.append(v)
         return fixed
 
+    def noted(eqn, ins: list[Value], outs: list[Value]) -> None:
+        """What the simplifications and folds below ask of a concatenation or broadcast."""
+        prim = eqn.primitive
+        if prim is lax.concatenate_p:
+            if not depth[0]:  # (a region reads only its inputs: not inside)
+                concats[outs[0]] = (eqn.params["dimension"], ins)
+        elif prim is lax.broadcast_in_dim_p:
+            if is_one(ins[0], ones):
+                ones.add(outs[0])
+            if (ins[0].is_const and not ins[0].aval.shape
+                    and isinstance(ins[0].aval.dtype, np.dtype)):
+                fills[outs[0]] = scalar_key(ins[0])
+
     def walk(jaxpr, const_vals, inputs: list[Value], outer: Where | None = None) -> list[Value]:
         env: dict[Any, Value] = {}
         for var, val in zip(jaxpr.constvars, const_vals):
@@ -555,7 +592,45 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
 
         for eqn in jaxpr.eqns:
             ins = [env[a] if type(a) is not Literal else literal(a) for a in eqn.invars]
-            if eqn.primitive is hint_back_p:  # within one mesh, an identity
+            prim = eqn.primitive
+            kind = kinds.get(prim)
+            if kind is None:
+                kind = kinds[prim] = _kind(prim)
+            if kind is not _SPECIAL:
+                # most equations (arithmetic, dots, reductions, layout steps): the general
+                # case below, without asking for the cases that do not apply
+                if kind is _SIMPLIFIABLE:
+                    kept = (times_one(ins, eqn.outvars[0].aval, ones) if prim is lax.mul_p
+                            else same_cases(ins, eqn.outvars[0].aval, fills)
+                            if prim is lax.select_n_p else unchanged(eqn, ins))
+                    if kept is not None:  # (as below)
+                        env[eqn.outvars[0]] = kept
+                        if prim is lax.select_n_p:
+                            pruned[0] = True
+                        continue
+                source = Where(eqn.source_info, outer)
+                params = params_key(eqn.params)
+                key = cse_key(eqn, ins, params)
+                if key is not None:
+                    found = seen.get(key)
+                    if found is not None:
+                        env.update(zip(eqn.outvars, found))
+                        continue
+                outs = [Value(v.aval, next(serials)) for v in eqn.outvars]
+                if key is not None:
+                    seen[key] = outs
+                    if outs and 0 in outs[0].aval.shape and not depth[0] and all_empty(outs):
+                        empty_at.append(len(eqns))
+                elif eqn.effects:
+                    effectful.add(len(eqns))
+                if not eqn.effects and constant.issuperset(ins):
+                    constant.update(outs)
+                eqns.append(Eqn(prim, ins, outs, dict(eqn.params), source, params_key=params))
+                env.update(zip(eqn.outvars, outs))
+                if kind is _SIMPLIFIABLE:
+                    noted(eqn, ins, outs)
+                continue
+            if prim is hint_back_p:  # within one mesh, an identity
                 env[eqn.outvars[0]] = ins[0]
                 continue
             source = Where(eqn.source_info, outer)
@@ -660,14 +735,7 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                 constant.update(outs)
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
-            if eqn.primitive is lax.concatenate_p and not depth[0]:  # (a region reads only
-                concats[outs[0]] = (eqn.params["dimension"], ins)  # its inputs: not inside)
-            elif eqn.primitive is lax.broadcast_in_dim_p:
-                if is_one(ins[0], ones):
-                    ones.add(outs[0])
-                if (ins[0].is_const and not ins[0].aval.shape
-                        and isinstance(ins[0].aval.dtype, np.dtype)):
-                    fills[outs[0]] = scalar_key(ins[0])
+            noted(eqn, ins, outs)
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
     # Dead code out first, into every body (a user's shard_map included): what XLA would drop
