@@ -62,6 +62,9 @@ def test_compiler_suite(tmp_path):
     assert one["workload"] == "gpt unrolled 1L" and two["workload"] == "gpt unrolled 2L"
     for row in rows:
         assert row["equations"] > 100 and row["pass_s"] > 0 and row["xla_compile_s"] > 0
+        # merging duplicates and dropping what XLA drops leaves fewer than were traced
+        assert row["equations"] < row["traced_equations"]
+        assert row["s_per_10k_traced_eqns"] < row["s_per_10k_eqns"]
         assert row["trace_s"] > 0 and row["pass_per_trace"] > 0
         assert row["bytes"] <= row["xla_bytes"]  # deterministic counts from the compiled HLO
     # the slope between depths (timing noise may make it any sign, never missing)

@@ -6,7 +6,10 @@ under shard_map); jax's lowering of it to StableHLO is the `lower_s` column, apa
 `s_per_10k_eqns_with_lower` counts it in (see `measure.py`). `trace_s` is jax's `make_jaxpr`
 of the same step on the same machine, and `pass_per_trace` our pass time over it: seconds per
 10k equations vary with the machine's speed (2-3x between days on the shared machine these
-were measured on), the ratio to jax's own tracing much less.
+were measured on), the ratio to jax's own tracing much less. `equations` counts the program
+the passes plan (duplicates merged, steps XLA's simplifier removes removed: ~10% fewer on the
+GPT step), `traced_equations` the traced step they start from (calls inlined), each with its
+seconds per 10k.
 
     python -m autoshard.bench compiler [--layers 2 12 48] [--scan 12] [--json FILE]
 
@@ -25,7 +28,8 @@ def measure(layers: int, form: str) -> dict:
     b = build(w)
     comm = communication(b.ours.as_text(), b.base.as_text(), w)
     return {
-        "workload": f"gpt {form} {layers}L", "equations": b.equations, **pass_times(b),
+        "workload": f"gpt {form} {layers}L", "equations": b.equations,
+        "traced_equations": b.traced_equations, **pass_times(b),
         "xla_compile_s": round(b.xla_compile_s, 3),
         **{k: comm[k] for k in ("bytes", "xla_bytes", "bytes_ratio", "collectives",
                                 "xla_collectives", "collective_ops", "xla_collective_ops")},
@@ -42,8 +46,8 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
         b["marginal_s_per_10k_eqns"] = round((b["pass_s"] - a["pass_s"]) * 1e4 / added, 3) \
             if added > 0 else None
     rows += [measure(n, "scan") for n in scan]
-    cols = ["workload", "equations", "plan_s", "partition_s", "trace_s", "pass_per_trace",
-            "lower_s", "s_per_10k_eqns",
+    cols = ["workload", "equations", "traced_equations", "plan_s", "partition_s", "trace_s",
+            "pass_per_trace", "lower_s", "s_per_10k_eqns", "s_per_10k_traced_eqns",
             "marginal_s_per_10k_eqns", "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes",
             "xla_bytes", "bytes_ratio", "collectives", "xla_collectives", "collective_ops",
             "xla_collective_ops"]

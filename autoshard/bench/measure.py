@@ -74,6 +74,7 @@ class Built:
     xla_compile_s: float
     base_compile_s: float
     call: Callable[[], Any]    # dist.jit's own __call__ (DistTensors in and out)
+    traced_equations: int = 0  # the user's traced step, calls inlined (`jaxpr_equations`)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -82,9 +83,24 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, float]:
+def jaxpr_equations(closed: Any) -> int:
+    """The equations of the traced step as `build_program` walks them: the bodies of the calls
+    it inlines (jit, custom_jvp / custom_vjp calls) counted equation by equation. The passes'
+    input; the program they plan has fewer (duplicates merged, steps XLA removes removed)."""
+    from autoshard.compiler.trace import _INLINE_JAXPR_PARAM
+
+    n = 0
+    for e in closed.eqns:
+        key = _INLINE_JAXPR_PARAM.get(e.primitive.name)
+        inner = e.params.get(key) if key else None
+        n += 1 if inner is None else jaxpr_equations(getattr(inner, "jaxpr", inner))
+    return n
+
+
+def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, float, int]:
     """Time propagation + planning by themselves, on an already traced program; and jax's
-    tracing of the user's function that precedes them (seconds, equations, trace seconds).
+    tracing of the user's function that precedes them (seconds, equations, trace seconds,
+    the traced step's equations).
 
     Uses the DistributedFunction's internals (as the compiler benchmark always has): there is
     no public hook between make_jaxpr and the plan.
@@ -105,7 +121,7 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, 
         return program
 
     program, seconds = _timed(passes)
-    return seconds, len(program.eqns), trace_s
+    return seconds, len(program.eqns), trace_s, jaxpr_equations(closed.jaxpr)
 
 
 def build(w: Workload, repeats: int = 3) -> Built:
@@ -115,7 +131,7 @@ def build(w: Workload, repeats: int = 3) -> Built:
     third. XLA's compiles are timed once (minutes at 48 layers)."""
     f = dist.jit(w.step, out_placements=w.out_placements)
     plans = [time_plan(f, w.args, w.mesh) for _ in range(repeats)]
-    plan_s, equations = min(p[0] for p in plans), plans[0][1]
+    plan_s, equations, traced_equations = min(p[0] for p in plans), plans[0][1], plans[0][3]
     trace_s = min(p[2] for p in plans)
     partition_s = math.inf
     for _ in range(repeats):
@@ -131,7 +147,7 @@ def build(w: Workload, repeats: int = 3) -> Built:
     base, base_compile_s = _timed(lambda: jax.jit(w.baseline_step or w.step).lower(*base_inputs).compile())
     return Built(ours, base, ours_inputs, base_inputs, equations, len(entry.plan.collectives),
                  plan_s, partition_s, trace_s, lower_s, xla_compile_s, base_compile_s,
-                 lambda: f(*w.args))
+                 lambda: f(*w.args), traced_equations)
 
 
 def pass_times(b: Built) -> dict:
@@ -143,6 +159,7 @@ def pass_times(b: Built) -> dict:
             "lower_s": round(b.lower_s, 3), "pass_s": round(pass_s, 3),
             "pass_with_lower_s": round(with_lower, 3),
             "s_per_10k_eqns": round(pass_s * per_10k, 3),
+            "s_per_10k_traced_eqns": round(pass_s * 1e4 / max(b.traced_equations, 1), 3),
             "trace_s": round(b.trace_s, 3), "pass_per_trace": round(pass_s / b.trace_s, 3),
             "s_per_10k_eqns_with_lower": round(with_lower * per_10k, 3)}
 
@@ -290,6 +307,7 @@ def measure(w: Workload, pairs: int = 20, warmup: int = 2, hlo_dir: str | None =
                 fh.write(compiled.as_text())
     row: dict[str, Any] = {"workload": w.name, "mesh": dict(zip(w.mesh.dim_names, w.mesh.shape)),
                            "equations": built.equations,
+                           "traced_equations": built.traced_equations,
                            "planned_collectives": built.planned_collectives, **w.info}
     row.update(communication(built.ours.as_text(), built.base.as_text(), w))
     row.update(memory(built.ours, built.base))
