@@ -211,7 +211,7 @@ class DistTensor:
 
     # _desc: dist.jit's description of this tensor as an input (shape, dtype, mesh, layout),
     # made once: a train loop hands the same outputs back in every step
-    __slots__ = ("_value", "_mesh", "_layout", "_shape", "_desc")
+    __slots__ = ("_value", "_mesh", "_layout", "_shape", "_desc", "_whole")
 
     def __init__(self, value: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...]):
         # Trusted constructor: callers have checked that `value` is the physical array of
@@ -224,7 +224,27 @@ class DistTensor:
 
     # -- pytree ------------------------------------------------------------------------------
     def tree_flatten(self):
+        if self._layout.partial and not isinstance(self._value, jax.core.Tracer):
+            # The leaf is what jax.tree.map's function is given. Partial storage holds the
+            # parts of the value, one per slot: a function that is not linear (x + 1, x ** 2)
+            # applied to each part and summed is not that function of the value — so outside
+            # a trace the leaf is the value reduced (the collective `.numpy()` runs too), and
+            # the node comes back without the Partial. Traced storage stays as it is: jax's
+            # own passes (a jit's inputs and outputs, vmap, grad) hand it through whole.
+            whole = self._reduced()
+            return (whole._value,), _Meta((whole._mesh, whole._layout, whole._shape))
         return (self._value,), _Meta((self._mesh, self._layout, self._shape))
+
+    def _reduced(self) -> "DistTensor":
+        """This tensor with its Partial placements reduced (made once: tensors are immutable)."""
+        try:
+            return self._whole
+        except AttributeError:
+            from .reshard.api import reshard
+
+            self._whole = reshard(self, self._mesh,
+                                  self._layout.without_partial().placements(self._mesh))
+            return self._whole
 
     @classmethod
     def tree_unflatten(cls, aux, children):

@@ -217,6 +217,30 @@ def test_partial_tensors_of_other_kinds_are_other_tree_structures(kinds):
         np.testing.assert_allclose(np.asarray(relu(x)), np.maximum(value, 0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("fn", [lambda x: x + 1, lambda x: x * x, jnp.exp, lambda x: x * 2],
+                         ids=["plus one", "square", "exp", "double"])
+@pytest.mark.parametrize("mesh,placements", [
+    (MESH, ["P(sum)", "S(1)"]), (MESH, ["P(avg)", "P(sum)"]), (MESH, ["S(0)", "P(max)"]),
+    (MESH, ["P(min)", "R"]), (dist.ProcessMesh(list(range(8)), ["x"]), ["P(sum)"]),
+    (dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["a", "b", "c"]),
+     ["S(0)", "P(max)", "P(max)"])], ids=["2d-sum", "2d-avg-sum", "2d-max", "2d-min", "1d-sum",
+                                           "3d-max"])
+def test_tree_map_over_a_partial_tensor_maps_its_value(mesh, placements, fn):
+    """jax.tree.map hands its function a Partial tensor's value, reduced — not its pending
+    parts, whose `x + 1` summed would add one per part: the same numbers as one device, eager
+    and under jax.jit, placed without the Partial."""
+    from autoshard.testing import make_tensor
+
+    value = np.random.default_rng(7).normal(size=(4, 8)).astype(np.float32)
+    t = make_tensor(value, mesh, placements)
+    want = np.asarray(fn(value))
+    for mapped in (jax.tree.map(fn, {"w": t})["w"],
+                   jax.jit(lambda tree: jax.tree.map(fn, tree))({"w": t})["w"]):
+        assert isinstance(mapped, dist.DistTensor) and not mapped.layout.partial
+        np.testing.assert_allclose(mapped.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert [repr(p) for p in t.placements] == placements  # t itself is left as it was
+
+
 @pytest.mark.parametrize("placements", [["R", "S(1)"], ["R", "S(0)"], ["P(avg)", "P(sum)"]],
                          ids=["even", "uneven", "partial"])
 def test_tree_map_to_descriptions_and_host_values(placements):
@@ -228,7 +252,8 @@ def test_tree_map_to_descriptions_and_host_values(placements):
 
     value = np.random.default_rng(5).normal(size=(6, 8)).astype(np.float32)
     t = make_tensor(value, MESH, placements)
-    padded_or_partial = t.physical.shape != value.shape
+    # (a Partial tensor's leaf is its value, reduced: only padding is storage the leaf shows)
+    padded = t.physical.shape != value.shape and not t.layout.partial
     for host in (jax.device_get({"w": t})["w"], jax.tree.map(np.asarray, {"w": t})["w"]):
         assert type(host) is np.ndarray
         np.testing.assert_allclose(host, value, rtol=1e-5, atol=1e-6)
@@ -240,8 +265,8 @@ def test_tree_map_to_descriptions_and_host_values(placements):
     assert type(sizes["w"]) is int and dtypes["w"] == np.float32 and masks["w"] is True
     # the size was counted on the storage: said so where that is not the logical size (once:
     # a mask, decided by the rank, is not warned of)
-    assert sizes["w"] == t.physical.size
-    assert len(seen) == padded_or_partial
+    assert sizes["w"] == (value.size if t.layout.partial else t.physical.size)
+    assert len(seen) == padded
     assert all(issubclass(w.category, dist.StorageViewWarning) and
                "test_dtensor.py" in str(w.message) for w in seen)
     names = jax.tree.map(lambda x: "w", {"w": t})

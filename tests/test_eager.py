@@ -630,15 +630,16 @@ def test_jax_device_put_of_a_dtensor_stays_on_its_mesh():
 
 
 @pytest.mark.parametrize("kind", ["sum", "avg", "max"])
-def test_an_eager_gradient_at_a_partial_tensor_through_jnp_raises_as_through_operators(kind):
-    # jnp reads the pending parts reduced; the cotangent of each part is not a part of the
-    # gradient (P(sum): each the whole of it) — refused, as the operator path refuses it
+def test_an_eager_gradient_at_a_partial_tensor_is_the_gradient_of_its_value(kind):
+    # the cotangent of each pending part is not a part of the gradient (P(sum): each the whole
+    # of it): jax flattens the tensor to its value, reduced, and differentiates that — through
+    # jnp and through the operators alike; the gradient is placed without the Partial
     x = make_tensor(A, MESH24, [P(kind), S(1)])
-    for f in (lambda t: jnp.sum(jnp.sin(t)), lambda t: (t * t).sum()):
-        with pytest.raises(dist.PlacementTypeError, match="no Partial meaning") as info:
-            jax.grad(f)(x)
-        assert f"P({kind})" in str(info.value) and "test_eager.py:" in str(info.value)
-    # reduced first, as it says: the gradient of the logical value
+    for f, want in ((lambda t: jnp.sum(jnp.sin(t)), np.cos(A)), (lambda t: (t * t).sum(), 2 * A)):
+        g = jax.grad(f)(x)
+        assert g.placements == [R(), S(1)]
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-6)
+    # reduced by the user first: the same
     y = dist.reshard(x, MESH24, [R(), S(1)])
     np.testing.assert_allclose(jax.grad(lambda t: jnp.sum(jnp.sin(t)))(y).numpy(), np.cos(A),
                                rtol=1e-6)
