@@ -162,6 +162,12 @@ xp = dist.reshard(xa, A, [dist.Partial(), S(1)])
 for p2 in ([S(0), R], [dist.Partial(), R]):
     there = dist.reshard(xp, B, p2)
     np.testing.assert_allclose(there.numpy(), x, rtol=1e-6)
+# a Partial tensor over both processes, mapped by jax.tree.map in every process: its value,
+# reduced across them (a collective both run), not its parts
+xw = dist.reshard(dist.shard_tensor(x, W, [R, S(1)]), W, [dist.Partial(), S(1)])
+mapped = jax.tree.map(lambda t: t * t + 1, {"w": xw})["w"]
+assert mapped.placements == [R, S(1)], mapped.placements
+np.testing.assert_allclose(mapped.numpy(), x * x + 1, rtol=1e-5)
 print(f"process {me}: every move between the processes' meshes equals its input", flush=True)
 """
 
