@@ -235,8 +235,16 @@ class DistTensor:
             return (whole._value,), _Meta((whole._mesh, whole._layout, whole._shape))
         return (self._value,), _Meta((self._mesh, self._layout, self._shape))
 
+    def _set_storage(self, value: Any) -> None:
+        """Hold `value` (the physical array of the same layout) from now on: `x[idx] = v`."""
+        self._value = value
+        try:
+            del self._whole  # the reduced value of what it held before
+        except AttributeError:
+            pass
+
     def _reduced(self) -> "DistTensor":
-        """This tensor with its Partial placements reduced (made once: tensors are immutable)."""
+        """This tensor with its Partial placements reduced (made once, until `_set_storage`)."""
         try:
             return self._whole
         except AttributeError:

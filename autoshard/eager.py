@@ -596,7 +596,7 @@ def _setitem(self: DistTensor, index: Any, value: Any) -> None:
         new = self.at[index].set(value)
     if new.mesh != self.mesh or new.layout != self.layout:
         new = reshard(new, self.mesh, self.placements)
-    self._value = new.physical
+    self._set_storage(new.physical)
 
 
 def install(cls: type = DistTensor) -> None:

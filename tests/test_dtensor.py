@@ -239,6 +239,10 @@ def test_tree_map_over_a_partial_tensor_maps_its_value(mesh, placements, fn):
         assert isinstance(mapped, dist.DistTensor) and not mapped.layout.partial
         np.testing.assert_allclose(mapped.numpy(), want, rtol=1e-5, atol=1e-6)
     assert [repr(p) for p in t.placements] == placements  # t itself is left as it was
+    t[0] = 5.0  # written in place: mapped again, the new value
+    value[0] = 5.0
+    np.testing.assert_allclose(jax.tree.map(fn, t).numpy(), np.asarray(fn(value)), rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("placements", [["R", "S(1)"], ["R", "S(0)"], ["P(avg)", "P(sum)"]],
