@@ -596,146 +596,121 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
             kind = kinds.get(prim)
             if kind is None:
                 kind = kinds[prim] = _kind(prim)
-            if kind is not _SPECIAL:
-                # most equations (arithmetic, dots, reductions, layout steps): the general
-                # case below, without asking for the cases that do not apply
+            if kind is _SPECIAL:
+                if prim is hint_back_p:  # within one mesh, an identity
+                    env[eqn.outvars[0]] = ins[0]
+                    continue
+                source = Where(eqn.source_info, outer)
+                key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
+                inner = eqn.params.get(key) if key else None
+                body_ins, solve_region = ins, False
+                if eqn.primitive.name == "custom_linear_solve":
+                    # inlined; differentiated from outside, as a region that keeps the solve's
+                    # own derivative (the inlined body runs on stop_gradient'ed factors)
+                    inner, body_ins = _linear_solve_body(eqn.params, ins)
+                    solve_region = not inline_solves
+                    if inline_solves:
+                        ins = body_ins
+                elif eqn.primitive.name == "call_hi_primitive":
+                    inner = _hi_primitive_body(eqn)
+                if inner is not None:
+                    if hasattr(inner, "jaxpr"):  # ClosedJaxpr
+                        inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
+                    else:
+                        inner_jaxpr, inner_consts = inner, []
+                    custom = eqn.primitive.name in _CUSTOM_RULES or solve_region
+                    if custom:
+                        # A region's body must read only its inputs and constants: equations are
+                        # not merged across its boundary.
+                        outer_seen, start = dict(seen), len(eqns)
+                        seen.clear()
+                        depth[0] += 1
+                    outs = walk(inner_jaxpr, inner_consts, body_ins, source)
+                    if custom:
+                        depth[0] -= 1
+                        seen.clear()
+                        seen.update(outer_seen)
+                        if depth[0] == 0:
+                            outs = own_outputs(outs, start, source)
+                            regions.append(CustomRegion(eqn.primitive, dict(eqn.params), list(ins),
+                                                        list(outs), start, len(eqns)))
+                    env.update(zip(eqn.outvars, outs))
+                    continue
+                if eqn.primitive.name == "device_put" and len(ins) > 1:
+                    # jax.device_put of a pytree is one equation; per array it lays out (and may
+                    # constrain) each value on its own, as its own equation
+                    for i, (x, out) in enumerate(zip(ins, eqn.outvars)):
+                        one = {k: (v[i],) if isinstance(v, tuple) and len(v) == len(ins) else v
+                               for k, v in eqn.params.items()}
+                        made = fresh(out.aval)
+                        eqns.append(Eqn(eqn.primitive, [x], [made], one, source,
+                                        params_key=params_key(one)))
+                        env[out] = made
+                    continue
+                if eqn.primitive is lax.cond_p and not eqn.effects:
+                    branch = constant_branch(eqn.params["branches"], ins[0])
+                    if branch is not None:
+                        # an index known when compiling (a schedule on a constant step): the branch
+                        # it picks, as XLA folds it (both branches planned listed both's moves)
+                        outs = walk(branch.jaxpr, branch.consts, ins[1:], source)
+                        env.update(zip(eqn.outvars, outs))
+                        pruned[0] = True
+                        continue
+                if eqn.primitive is lax.while_p and has_batched_predicate(eqn.params):
+                    # jax.vmap of a loop with a per-example condition: as the scalar-predicate loop
+                    # jax lowers it to (batched_while.py)
+                    loop, ins = scalar_predicate(eqn.params, ins)
+                    outs = [fresh(v.aval) for v in eqn.outvars]
+                    if eqn.effects:
+                        effectful.add(len(eqns))
+                    eqns.append(Eqn(eqn.primitive, ins, outs, loop, source,
+                                    params_key=params_key(loop)))
+                    env.update(zip(eqn.outvars, outs))
+                    continue
+                if eqn.primitive is lax.slice_p and ins[0] in concats and not depth[0]:
+                    # a slice of one concatenated part is a slice of that part (as XLA folds it)
+                    part = slice_of_part(eqn.params, *concats[ins[0]])
+                    if part is not None:
+                        pruned[0] = True
+                        ins, (x, params) = [part[0]], part
+                        if params is None:
+                            env[eqn.outvars[0]] = x
+                            continue
+                        eqn = eqn.replace(params=params)
+            else:
                 if kind is _SIMPLIFIABLE:
                     kept = (times_one(ins, eqn.outvars[0].aval, ones) if prim is lax.mul_p
                             else same_cases(ins, eqn.outvars[0].aval, fills)
                             if prim is lax.select_n_p else unchanged(eqn, ins))
-                    if kept is not None:  # (as below)
-                        env[eqn.outvars[0]] = kept
+                    if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by
+                        env[eqn.outvars[0]] = kept  # a broadcast 1), as are the steps of
+                        # simplify.py: as XLA simplifies them, or the plan moves a copy the
+                        # program never makes
                         if prim is lax.select_n_p:
-                            pruned[0] = True
+                            pruned[0] = True  # (its predicate may now be read by nothing)
                         continue
                 source = Where(eqn.source_info, outer)
-                params = params_key(eqn.params)
-                key = cse_key(eqn, ins, params)
-                if key is not None:
-                    found = seen.get(key)
-                    if found is not None:
-                        env.update(zip(eqn.outvars, found))
-                        continue
-                outs = [Value(v.aval, next(serials)) for v in eqn.outvars]
-                if key is not None:
-                    seen[key] = outs
-                    if outs and 0 in outs[0].aval.shape and not depth[0] and all_empty(outs):
-                        empty_at.append(len(eqns))
-                elif eqn.effects:
-                    effectful.add(len(eqns))
-                if not eqn.effects and constant.issuperset(ins):
-                    constant.update(outs)
-                eqns.append(Eqn(prim, ins, outs, dict(eqn.params), source, params_key=params))
-                env.update(zip(eqn.outvars, outs))
-                if kind is _SIMPLIFIABLE:
-                    noted(eqn, ins, outs)
-                continue
-            if prim is hint_back_p:  # within one mesh, an identity
-                env[eqn.outvars[0]] = ins[0]
-                continue
-            source = Where(eqn.source_info, outer)
-            key = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
-            inner = eqn.params.get(key) if key else None
-            body_ins, solve_region = ins, False
-            if eqn.primitive.name == "custom_linear_solve":
-                # inlined; differentiated from outside, as a region that keeps the solve's
-                # own derivative (the inlined body runs on stop_gradient'ed factors)
-                inner, body_ins = _linear_solve_body(eqn.params, ins)
-                solve_region = not inline_solves
-                if inline_solves:
-                    ins = body_ins
-            elif eqn.primitive.name == "call_hi_primitive":
-                inner = _hi_primitive_body(eqn)
-            if inner is not None:
-                if hasattr(inner, "jaxpr"):  # ClosedJaxpr
-                    inner_jaxpr, inner_consts = inner.jaxpr, inner.consts
-                else:
-                    inner_jaxpr, inner_consts = inner, []
-                custom = eqn.primitive.name in _CUSTOM_RULES or solve_region
-                if custom:
-                    # A region's body must read only its inputs and constants: equations are
-                    # not merged across its boundary.
-                    outer_seen, start = dict(seen), len(eqns)
-                    seen.clear()
-                    depth[0] += 1
-                outs = walk(inner_jaxpr, inner_consts, body_ins, source)
-                if custom:
-                    depth[0] -= 1
-                    seen.clear()
-                    seen.update(outer_seen)
-                    if depth[0] == 0:
-                        outs = own_outputs(outs, start, source)
-                        regions.append(CustomRegion(eqn.primitive, dict(eqn.params), list(ins),
-                                                    list(outs), start, len(eqns)))
-                env.update(zip(eqn.outvars, outs))
-                continue
-            if eqn.primitive.name == "device_put" and len(ins) > 1:
-                # jax.device_put of a pytree is one equation; per array it lays out (and may
-                # constrain) each value on its own, as its own equation
-                for i, (x, out) in enumerate(zip(ins, eqn.outvars)):
-                    one = {k: (v[i],) if isinstance(v, tuple) and len(v) == len(ins) else v
-                           for k, v in eqn.params.items()}
-                    made = fresh(out.aval)
-                    eqns.append(Eqn(eqn.primitive, [x], [made], one, source,
-                                    params_key=params_key(one)))
-                    env[out] = made
-                continue
-            if eqn.primitive is lax.cond_p and not eqn.effects:
-                branch = constant_branch(eqn.params["branches"], ins[0])
-                if branch is not None:
-                    # an index known when compiling (a schedule on a constant step): the branch
-                    # it picks, as XLA folds it (both branches planned listed both's moves)
-                    outs = walk(branch.jaxpr, branch.consts, ins[1:], source)
-                    env.update(zip(eqn.outvars, outs))
-                    pruned[0] = True
-                    continue
-            if eqn.primitive is lax.while_p and has_batched_predicate(eqn.params):
-                # jax.vmap of a loop with a per-example condition: as the scalar-predicate loop
-                # jax lowers it to (batched_while.py)
-                loop, ins = scalar_predicate(eqn.params, ins)
-                outs = [fresh(v.aval) for v in eqn.outvars]
-                if eqn.effects:
-                    effectful.add(len(eqns))
-                eqns.append(Eqn(eqn.primitive, ins, outs, loop, source,
-                                params_key=params_key(loop)))
-                env.update(zip(eqn.outvars, outs))
-                continue
-            if eqn.primitive is lax.slice_p and ins[0] in concats and not depth[0]:
-                # a slice of one concatenated part is a slice of that part (as XLA folds it)
-                part = slice_of_part(eqn.params, *concats[ins[0]])
-                if part is not None:
-                    pruned[0] = True
-                    ins, (x, params) = [part[0]], part
-                    if params is None:
-                        env[eqn.outvars[0]] = x
-                        continue
-                    eqn = eqn.replace(params=params)
-            kept = (times_one(ins, eqn.outvars[0].aval, ones) if eqn.primitive is lax.mul_p
-                    else same_cases(ins, eqn.outvars[0].aval, fills)
-                    if eqn.primitive is lax.select_n_p else unchanged(eqn, ins))
-            if kept is not None:  # x * 1 is x (jax's gradient of a sum multiplies by a
-                env[eqn.outvars[0]] = kept  # broadcast 1), as are the steps below: as XLA
-                # simplifies them, or the plan moves a copy the program never makes
-                if eqn.primitive is lax.select_n_p:
-                    pruned[0] = True  # (its predicate may now be read by nothing)
-                continue
+            # every other equation: merged with an equal one made before, or copied
             params = params_key(eqn.params)
             key = cse_key(eqn, ins, params)
-            if key is not None and key in seen:
-                env.update(zip(eqn.outvars, seen[key]))
-                continue
-            outs = [fresh(v.aval) for v in eqn.outvars]
+            if key is not None:
+                found = seen.get(key)
+                if found is not None:
+                    env.update(zip(eqn.outvars, found))
+                    continue
+            outs = [Value(v.aval, next(serials)) for v in eqn.outvars]
             if key is not None:
                 seen[key] = outs
                 if outs and 0 in outs[0].aval.shape and not depth[0] and all_empty(outs):
                     empty_at.append(len(eqns))  # (made constants below)
             elif eqn.effects:
                 effectful.add(len(eqns))
-            if constant.issuperset(ins) and not eqn.effects:
+            if not eqn.effects and constant.issuperset(ins):
                 constant.update(outs)
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), source, params_key=params))
+            eqns.append(Eqn(prim, ins, outs, dict(eqn.params), source, params_key=params))
             env.update(zip(eqn.outvars, outs))
-            noted(eqn, ins, outs)
+            if kind is _SIMPLIFIABLE:
+                noted(eqn, ins, outs)
         return [read(a) if isinstance(a, jex_core.Literal) else env[a] for a in jaxpr.outvars]
 
     # Dead code out first, into every body (a user's shard_map included): what XLA would drop
