@@ -221,6 +221,7 @@ class DistTensor:
         self._layout = layout
         self._shape = tuple(shape)
         self._desc = None
+        self._whole = None  # a Partial tensor's value, reduced, once flattened (`_reduced`)
 
     # -- pytree ------------------------------------------------------------------------------
     def tree_flatten(self):
@@ -238,21 +239,16 @@ class DistTensor:
     def _set_storage(self, value: Any) -> None:
         """Hold `value` (the physical array of the same layout) from now on: `x[idx] = v`."""
         self._value = value
-        try:
-            del self._whole  # the reduced value of what it held before
-        except AttributeError:
-            pass
+        self._whole = None  # the reduced value of what it held before
 
     def _reduced(self) -> "DistTensor":
         """This tensor with its Partial placements reduced (made once, until `_set_storage`)."""
-        try:
-            return self._whole
-        except AttributeError:
+        if self._whole is None:
             from .reshard.api import reshard
 
             self._whole = reshard(self, self._mesh,
                                   self._layout.without_partial().placements(self._mesh))
-            return self._whole
+        return self._whole
 
     @classmethod
     def tree_unflatten(cls, aux, children):
