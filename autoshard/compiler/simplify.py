@@ -41,7 +41,7 @@ def unchanged(eqn: Any, ins: list) -> Value | None:
     dims of size 1 (jax's convolution gradient reverses a 1x1 kernel), a cast to its own dtype,
     a reshape or broadcast to its own shape, the identity transpose."""
     p = eqn.primitive
-    if len(ins) != 1 or p not in _MAYBE_UNCHANGED:
+    if len(ins) != 1 or p not in MAYBE_UNCHANGED:
         return None
     x, out = ins[0], eqn.outvars[0].aval
     if x.aval.shape != out.shape or x.aval.dtype != out.dtype:
@@ -61,7 +61,7 @@ def unchanged(eqn: Any, ins: list) -> Value | None:
     return x  # convert_element_type to the same dtype (a weak type made strong)
 
 
-_MAYBE_UNCHANGED = frozenset({lax.rev_p, lax.transpose_p, lax.broadcast_in_dim_p, lax.reshape_p,
+MAYBE_UNCHANGED = frozenset({lax.rev_p, lax.transpose_p, lax.broadcast_in_dim_p, lax.reshape_p,
                               lax.convert_element_type_p})
 
 
@@ -112,4 +112,4 @@ def all_empty(values: list) -> bool:
         for v in values)
 
 
-__all__ = ["is_one", "times_one", "unchanged", "slice_of_part", "scalar_key", "same_cases", "all_empty"]
+__all__ = ["is_one", "times_one", "unchanged", "MAYBE_UNCHANGED", "slice_of_part", "scalar_key", "same_cases", "all_empty"]

@@ -29,8 +29,8 @@ from .constant_gathers import constant_gathers, known_constant
 from .fold import fold_conv_padding
 from .reversals import fold_reversals
 from .shift import drop_dead, fold_shifts
-from .simplify import (_MAYBE_UNCHANGED, all_empty, is_one, same_cases, scalar_key,
-                       slice_of_part, times_one, unchanged)
+from .simplify import (MAYBE_UNCHANGED, all_empty, is_one, same_cases, scalar_key, slice_of_part,
+                       times_one, unchanged)
 from .widen import widen_slices
 from .gc_pause import gc_paused
 
@@ -455,7 +455,7 @@ def params_key(params: dict) -> tuple | None:
 # branches on constants, loops, slices of concatenations)
 _PLAIN, _SIMPLIFIABLE, _SPECIAL = "plain", "simplifiable", "special"
 _SIMPLIFIABLE_PRIMITIVES = frozenset({lax.mul_p, lax.select_n_p, lax.concatenate_p,
-                                      lax.broadcast_in_dim_p, *_MAYBE_UNCHANGED})
+                                      lax.broadcast_in_dim_p, *MAYBE_UNCHANGED})
 _SPECIAL_NAMES = frozenset({*_INLINE_JAXPR_PARAM, "custom_linear_solve", "call_hi_primitive",
                             "device_put"})
 
