@@ -27,6 +27,7 @@ from __future__ import annotations
 from jax import lax
 
 from autoshard.compiler.factors import LETTERS, ONE, einsum
+from autoshard.compiler.partition import match_vma
 
 from .halo import SLIDE, Halo, fetch, halo, sends
 from .registry import Rule
@@ -105,6 +106,9 @@ def conv_lower(ctx, lhs, rhs, **params):
         lhs, before, after = fetch(ctx, lhs, dim, axes, h.left, h.right)
         ld = params["lhs_dilation"][j]
         padding[j] = (h.padding[0] + before * ld, h.padding[1] + after * ld)
+    # the fetched rows vary over the split axes; the kernel may not (a cotangent the same on
+    # every device, laid out split by rows, convolved with a replicated kernel)
+    lhs, rhs = match_vma([lhs, rhs])
     return [lax.conv_general_dilated_p.bind(lhs, rhs, **{**params, "padding": tuple(padding)})]
 
 

@@ -21,6 +21,7 @@ from jax import lax
 
 from autoshard.compiler.dtypes import highest, lowest
 from autoshard.compiler.factors import ALL, LETTERS, NONE, ONE, einsum
+from autoshard.compiler.partition import match_vma
 from autoshard.placement import ReduceType
 
 from .halo import SLIDE, Halo, fetch, halo, sends
@@ -164,6 +165,8 @@ def _scatter_lower(ctx, source, operand, *, select_prim, window_dimensions, wind
                                 _not_chosen(select_prim, operand.dtype))
         padding[d] = (o0, o1)  # past every device: padding, never chosen
         crops.append((d, r_before - o0, b))
+    # one of the two may have fetched no rows (no ppermute): both vary as the other does
+    source, operand = match_vma([source, operand])
     out = lax.select_and_scatter_add_p.bind(
         source, operand, select_prim=select_prim, window_dimensions=window_dimensions,
         window_strides=window_strides, padding=tuple(padding))
@@ -201,6 +204,7 @@ def _gather_lower(ctx, tangents, operand, *, select_prim, window_dimensions, win
     (tangents, operand), padding = _with_halos(
         ctx, [tangents, operand], [None, _not_chosen(select_prim, operand.dtype)], 1,
         padding=padding, **params)
+    tangents, operand = match_vma([tangents, operand])  # (see _scatter_lower)
     return [lax.select_and_gather_add_p.bind(tangents, operand, select_prim=select_prim,
                                              padding=padding, **params)]
 

@@ -141,6 +141,58 @@ def test_split_spatial_dims_exchange_edge_rows_instead_of_gathering(net, placeme
             collective_bytes(baseline.as_text()).values())
 
 
+_SAME_EVERYWHERE = {
+    # the first conv's cotangent is the constant ones of `.sum()`: laid out split by rows,
+    # the same on every device, while the kernel is replicated
+    "sum plus squares": lambda f, x, k, k2: jax.grad(
+        lambda x: f(x, k, k2).sum() + (f(x, k, k2) ** 2).sum())(x),
+    # a classifier whose last conv feeds global average pooling and a linear head: the
+    # cotangent is the head's gradient spread over the rows; the first kernel's gradient runs
+    # through the second conv's input gradient
+    "pooled classifier": lambda f, x, k, k2: jax.grad(
+        lambda k: (f(x, k, k2).mean((1, 2)) @ jnp.arange(12.0).reshape(4, 3)).sum())(k),
+}
+
+
+@pytest.mark.parametrize("how", list(_SAME_EVERYWHERE))
+@pytest.mark.parametrize("net", ["plain", "depthwise", "dilated", "transpose"])
+@pytest.mark.parametrize("mesh,placements", [
+    (dist.ProcessMesh(list(range(8)), ["x"]), [S(1)]), (MESH, [S(1), S(2)]),
+    (MESH, [S(0), S(1)]), (dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["a", "b", "c"]),
+                           [S(0), S(1), S(1)])], ids=["H over 8", "H dp W mp", "N dp H mp", "2x2x2"])
+def test_a_gradient_the_same_on_every_device_through_a_split_image_equals_one_device(
+        how, net, mesh, placements):
+    """A cotangent that is the same on every device but laid out split by rows reaches a
+    convolution whose input rows are fetched from the neighbours: the fetched rows vary over
+    the row axes, the replicated kernel does not — the two are made to agree before the conv
+    runs (it crashed inside jax with 'varying manual axes to match')."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 16, 16, 4)).astype(np.float32)
+    k = rng.normal(size=(3, 3, 4, 4)).astype(np.float32) * 0.3
+    k2 = rng.normal(size=(3, 3, 4, 4)).astype(np.float32) * 0.3
+    dn = ("NHWC", "HWIO", "NHWC")
+    conv = {
+        "plain": lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                                           dimension_numbers=dn),
+        "depthwise": lambda x, k: jax.lax.conv_general_dilated(
+            x, k[:, :, :1, :], (1, 1), "SAME", dimension_numbers=dn, feature_group_count=4),
+        "dilated": lambda x, k: jax.lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", rhs_dilation=(2, 2), dimension_numbers=dn),
+        "transpose": lambda x, k: jax.lax.conv_transpose(x, k, (1, 1), "SAME",
+                                                         dimension_numbers=dn),
+    }[net]
+    f = lambda x, k, k2: conv(jnp.tanh(conv(x, k)), k2)
+    fn = lambda x, k, k2: _SAME_EVERYWHERE[how](f, x, k, k2)
+    g = dist.jit(fn)
+    args = (dist.shard_tensor(x, mesh, placements), k, k2)
+    np.testing.assert_allclose(g(*args).numpy(), jax.jit(fn)(x, k, k2), rtol=2e-4, atol=2e-5)
+    plan = g.plan(*args)
+    assert not plan.fallbacks
+    hlo = g.lower(*args).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    assert [c for c in plan.collectives if c.kind == "collective-permute"]  # rows fetched
+
+
 def test_a_causal_sequence_conv_over_a_split_sequence_fetches_its_window_from_the_left():
     """Sequence parallelism through a causal depthwise conv (a Mamba-style short conv): the
     sequence stays split over all 8 devices, each fetching its window - 1 = 3 previous rows —
