@@ -173,6 +173,27 @@ def test_gradient_merge_reduces_once_per_k_steps(stage):
         assert acc_bytes == full_bytes // mesh.get_dim_size("dp")
 
 
+@pytest.mark.parametrize("fails_at", [0, 1, 2])
+def test_a_call_that_raises_leaves_the_gradient_merge_cycle_where_it_was(fails_at):
+    """A user's call with a bad batch (the wrong width) raises; they fix it and go on: the
+    merge cycle did not move (no update from a short cycle, no later cycle shifted)."""
+    weights, batches = _weights(), _batches()
+    _, model = _model("dp", weights)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 3, "avg": True}})
+    tx = optax.sgd(0.1, momentum=0.9)
+    m = dist.to_static(model, None, mse, tx, strategy)
+    losses = []
+    for i, (x, y) in enumerate(batches[:6]):
+        if i == fails_at:
+            with pytest.raises(Exception):
+                m(x[:, :-1], y)
+        losses.append(float(m(x, y).numpy()))
+    ref_losses, ref_params = _reference(weights, batches[:6], tx, k=3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("stage", [0, 2], ids=["no-zero", "zero2"])
 def test_a_checkpoint_taken_inside_a_gradient_merge_cycle_resumes_it(stage, tmp_path):
     """state_dict() mid-cycle holds the pending accumulated gradients (gm.acc.*: Partial over

@@ -304,15 +304,17 @@ class DistModel:
             loss, grads = self._programs["unscale"](loss, grads, scaler)
         if self.k_steps > 1:  # gradient merge: k pipeline steps, then one update
             if self._acc is None:
-                self._acc = grads
+                acc = grads
             else:
                 if "add" not in self._programs:
                     self._programs["add"] = jit(lambda a, g: jax.tree.map(jnp.add, a, g))
-                self._acc = self._programs["add"](self._acc, grads)
-            self._micro += 1
-            if self._micro < self.k_steps:
+                acc = self._programs["add"](self._acc, grads)
+            # the cycle moves on only once this step's work is done: a call that raises
+            # leaves it where it was (the user fixes the batch and calls again)
+            if self._micro + 1 < self.k_steps:
+                self._acc, self._micro = acc, self._micro + 1
                 return loss
-            grads, self._acc, self._micro = self._acc, None, 0
+            grads = acc
         if "update" not in self._programs:
             stored = jax.tree.leaves((self.params, self.opt_state, scaler or {}), is_leaf=_is_dt)
             out = [x.placements if _is_dt(x) else None for x in stored]
@@ -328,6 +330,8 @@ class DistModel:
                                            out_memory_kinds=_memory_kinds(stored))
         self.params, self.opt_state, scaler = self._programs["update"](
             self.params, self.opt_state, grads, scaler or {})
+        if self.k_steps > 1:
+            self._acc, self._micro = None, 0
         if self.scaler_state:
             self.scaler_state = scaler
         self._parts.write_back(self.params, self.state)
@@ -720,9 +724,12 @@ class DistModel:
             return self._pipelined_step(*batch)
         if self.k_steps == 1:
             return self._run("train", *batch)
-        self._micro += 1
-        if self._micro < self.k_steps:
-            return self._run("accumulate", *batch)
+        # the cycle moves on only once the step has run: a call that raises (a batch of the
+        # wrong shape, fixed and called again) leaves it where it was
+        if self._micro + 1 < self.k_steps:
+            loss = self._run("accumulate", *batch)
+            self._micro += 1
+            return loss
         loss = self._run("merge", *batch)
         self._micro, self._acc = 0, None
         return loss
