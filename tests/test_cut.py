@@ -338,6 +338,37 @@ def test_to_static_pipeline_takes_plain_batches_when_params_are_placed_by_hand()
     np.testing.assert_allclose(dm.params["w1"].numpy(), ref["w1"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_gradient_merge_without_a_pipeline_keeps_each_accumulator_on_its_params_mesh(stage):
+    """The seed's two-mesh model trained by to_static with gradient merge (k=2, averaged) and
+    no strategy.pipeline: each gradient accumulator lives on its param's own mesh (they were
+    all made on the first: the accumulate program failed, two meshes meeting in an `add`);
+    losses and params equal one device, with and without ZeRO."""
+    batches = [(X + k, Y * (k + 1)) for k in range(4)]
+    config = {"gradient_merge": {"enable": True, "k_steps": 2, "avg": True}}
+    if stage:
+        config["sharding"] = {"enable": True, "stage": stage, "mesh_dim": "x"}
+    p, _, _ = placed()
+    dm = dist.to_static((lambda p, x: forward(p, x), p), None, _mse, optax.sgd(0.05, 0.9),
+                        dist.Strategy(config))
+    losses = [float(dm(dist.shard_tensor(x, MESH0, [S(0), R]),
+                       dist.shard_tensor(y, MESH1, [S(0), R])).numpy()) for x, y in batches]
+    w = {"w0": jnp.asarray(W0), "w1": jnp.asarray(W1)}
+    tx = optax.sgd(0.05, 0.9)
+    state, acc, ref_losses = tx.init(w), None, []
+    for i, (x, y) in enumerate(batches):
+        value, g = jax.value_and_grad(lambda w: loss_fn(w, x, y, move=False))(w)
+        ref_losses.append(float(value))
+        acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+        if i % 2:
+            u, state = tx.update(jax.tree.map(lambda a: a / 2, acc), state, w)
+            w, acc = optax.apply_updates(w, u), None
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k in w:
+        np.testing.assert_allclose(dm.params[k].numpy(), w[k], rtol=1e-4, atol=1e-6)
+    assert (dm.params["w0"].mesh, dm.params["w1"].mesh) == (MESH0, MESH1)
+
+
 @pytest.mark.parametrize("sharding", [None, "stage3"])
 def test_to_static_pipeline_with_gradient_merge_and_zero3(sharding):
     """strategy.pipeline with gradient_merge (k=2, averaged): one update per two calls, on

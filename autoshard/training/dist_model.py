@@ -525,15 +525,19 @@ class DistModel:
         the batch is split over (where each device's gradient is a part of the sum), so they
         are reduced once per k steps, over those dims only."""
         stage = self.optimizer.stage if self.optimizer is not None else 0
-        split = {k for x in batch if _is_dt(x) for k, q in enumerate(x.placements)
+        # the dims the batch is split over, by name on each mesh it lives on (a model on two
+        # meshes reads its inputs on the first and its labels on the last)
+        split = {(x.mesh, k) for x in batch if _is_dt(x) for k, q in enumerate(x.placements)
                  if not isinstance(q, Replicate)}
+        names = {m.dim_names[k] for m, k in split}
         out = []
         for p in jax.tree.leaves(self.params, is_leaf=_is_dt):
             if stage >= 2:
                 out.append(self.optimizer.state_placements(p))
             else:
-                out.append([Partial() if k in split and isinstance(q, Replicate) else q
-                            for k, q in enumerate(p.placements)])
+                out.append([Partial() if ((p.mesh, k) in split or name in names)
+                            and isinstance(q, Replicate) else q
+                            for k, (q, name) in enumerate(zip(p.placements, p.mesh.dim_names))])
         return out
 
     def _program(self, name: str, args: tuple):
@@ -588,8 +592,9 @@ class DistModel:
                             else reshard(n, o.mesh, o.placements), new, old, is_leaf=_is_dt)
 
     def _zero_acc(self, batch: tuple) -> Any:
+        # each accumulator on its param's mesh (a model cut into stages has several)
         return jax.tree.map(
-            lambda p, pl: shard_tensor(np.zeros(p.shape, p.dtype), self.mesh, pl),
+            lambda p, pl: shard_tensor(np.zeros(p.shape, p.dtype), p.mesh, pl),
             self.params, _unflatten_like(self.params, self._acc_placements(batch)),
             is_leaf=lambda x: _is_dt(x) or _is_placements(x))
 
@@ -598,12 +603,13 @@ class DistModel:
         comes placed like the params (Partial parts are summed when saved) and is made Partial
         over the batch's dims again, so the cycle continues in the program it started in."""
         leaves = jax.tree.leaves(self._acc, is_leaf=_is_dt)
+        homes = [p.mesh for p in jax.tree.leaves(self.params, is_leaf=_is_dt)]
         want = self._acc_placements(batch)
-        if all(a.mesh == self.mesh and a.placements == w for a, w in zip(leaves, want)):
+        if all(a.mesh == m and a.placements == w for a, m, w in zip(leaves, homes, want)):
             return self._acc
         return _unflatten_like(self.params, [
-            a if a.mesh == self.mesh and a.placements == w else reshard(a, self.mesh, w)
-            for a, w in zip(leaves, want)])
+            a if a.mesh == m and a.placements == w else reshard(a, m, w)
+            for a, m, w in zip(leaves, homes, want)])
 
     def _batch(self, batch: tuple) -> tuple:
         if len(batch) == 1 and isinstance(batch[0], (tuple, list)):
