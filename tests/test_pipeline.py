@@ -317,6 +317,34 @@ def test_a_loss_function_is_cut_into_stages_and_scheduled(mode, m, chunks, n_mes
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["1F1B", "ZBH1", "FThenB"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_a_stage_holding_no_params_runs_in_the_pipeline(mode, m):
+    """A middle stage of activations only (a nonlinearity between two moves): it has no
+    gradients to accumulate over the micro-batches (adding its empty ones failed: 'found no
+    mesh'); loss and gradients equal one device."""
+    m0, m1, m2 = MESHES_1D[:3]
+    rng = np.random.default_rng(7)
+    w0, w2, x, y = (rng.normal(size=(8, 8)).astype("float32") * 0.3 for _ in range(4))
+
+    def loss(p, x, y, move=True):
+        h = jnp.tanh(x @ p["w0"])
+        h = dist.reshard(h, m1, [S(0)]) if move else h
+        h = jax.nn.gelu(h) * 2.0
+        h = dist.reshard(h, m2, [S(0)]) if move else h
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    p = {"w0": dist.shard_tensor(w0, m0, [R]), "w2": dist.shard_tensor(w2, m2, [R])}
+    runner = dist.PipelineRunner.from_function(loss, mode, m)
+    value, grads = runner.value_and_grad(p, dist.shard_tensor(x, m0, [S(0)]),
+                                         dist.shard_tensor(y, m2, [S(0)]))
+    ref, ref_grads = jax.value_and_grad(lambda q: loss(q, x, y, False))({"w0": w0, "w2": w2})
+    np.testing.assert_allclose(float(value.numpy()), float(ref), rtol=1e-5)
+    for name in ref_grads:
+        np.testing.assert_allclose(grads[name].numpy(), ref_grads[name], rtol=1e-4, atol=1e-6)
+        assert grads[name].mesh == p[name].mesh
+
+
 def test_the_seed_forward_as_written_runs_in_a_1f1b_pipeline():
     """Seed §4.4's forward (2-d meshes, dp × mp, the reshard inside) on 2 micro-batches."""
     m0, m1 = MESHES_2D

@@ -386,7 +386,8 @@ class PipelineRunner(StageRunner):
         split = self.schedule.split_backward
 
         def accumulate(s: int, g: Params) -> None:
-            grads[s] = g if grads[s] is None else _add(grads[s], g)
+            # (a stage of activations only, a norm or a nonlinearity, has no gradients to add)
+            grads[s] = g if grads[s] is None or not jax.tree.leaves(g) else _add(grads[s], g)
 
         self._stateful = states is not None
         try:
