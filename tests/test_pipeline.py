@@ -345,6 +345,39 @@ def test_a_stage_holding_no_params_runs_in_the_pipeline(mode, m):
         assert grads[name].mesh == p[name].mesh
 
 
+@pytest.mark.parametrize("m", [2, 4])
+def test_vpp_computes_what_reads_only_a_param_in_the_stage_that_reads_it(m):
+    """VPP, four stages alternating on two meshes; layer 2 normalises its weight (w / |w|).
+    That reads only a param of stage 2's mesh: it runs in stage 2, not in the first stage on
+    that mesh (its result was carried from stage 0 through stage 1 and back, every
+    micro-batch, and stage 2 read no param at all) — each stage reads its own layer's weight,
+    carries one activation, and loss and gradients equal one device."""
+    meshes = MESHES_1D[:2]
+    rng = np.random.default_rng(3)
+    ws = [rng.normal(size=(8, 8)).astype("float32") * 0.3 for _ in range(4)]
+    x, y = (rng.normal(size=(8, 8)).astype("float32") for _ in range(2))
+
+    def loss(ws, x, y, move=True):
+        for k in range(4):
+            if k and move:
+                x = dist.reshard(x, meshes[k % 2], [S(0)])
+            w = ws[k] / jnp.linalg.norm(ws[k]) if k == 2 else ws[k]
+            x = jnp.tanh(x @ w)
+        return jnp.mean((x - y) ** 2)
+
+    params = [dist.shard_tensor(w, meshes[k % 2], [R]) for k, w in enumerate(ws)]
+    runner = dist.PipelineRunner.from_function(loss, "VPP", m, chunks=2)
+    value, grads = runner.value_and_grad(params, dist.shard_tensor(x, meshes[0], [S(0)]),
+                                         dist.shard_tensor(y, meshes[1], [S(0)]))
+    ref, ref_grads = jax.value_and_grad(lambda w: loss(w, x, y, False))(ws)
+    np.testing.assert_allclose(float(value.numpy()), float(ref), rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)
+    (inner,) = runner._runners.values()
+    assert inner._reads == [[0], [1], [2], [3]]
+    assert [len(c) for c in inner._carries] == [1, 1, 1, 0]
+
+
 def test_the_seed_forward_as_written_runs_in_a_1f1b_pipeline():
     """Seed §4.4's forward (2-d meshes, dp × mp, the reshard inside) on 2 micro-batches."""
     m0, m1 = MESHES_2D

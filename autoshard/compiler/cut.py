@@ -334,6 +334,7 @@ def _cut(closed: Any, in_meshes: list) -> Cut:
             if loose or v.aval.shape == ():
                 movable.add(v)
 
+    parts, stage_of = _late_as_read(jaxpr, parts, stage_of, mesh_of, free)
     # results that read nothing placed are computed apart, as plain arrays (`free_function`)
     free_results = [v for v in jaxpr.outvars if _is_var(v) and v in free]
 
@@ -363,6 +364,57 @@ def _cut(closed: Any, in_meshes: list) -> Cut:
                list(jaxpr.outvars), mesh_of,
                sorted(_free_closure(StagePart(None, outputs=free_results), free),
                       key=_position(jaxpr)), free_results)
+
+
+def _late_as_read(jaxpr, parts: list, stage_of: dict, mesh_of: dict, free: dict) -> tuple:
+    """Equations that read only the function's inputs (params: a weight's norm, ZeRO-3's
+    gather of a weight) were put in the first stage on their mesh; with several stages on one
+    mesh (VPP's chunks) that may be long before the stage reading the result, which was then
+    carried through the stages between, every micro-batch. Each moves to the last stage on its
+    mesh up to its first reader (never past one; a result the function returns stays)."""
+    if len({id(p.mesh) for p in parts}) == len(parts):
+        return parts, stage_of  # one stage per mesh: nowhere later to go
+    given = set(jaxpr.invars) | set(jaxpr.constvars) | set(free)
+    stage_eqn: dict = {}  # id(eqn) -> its stage, for equations reading only `given` values
+    for e in jaxpr.eqns:
+        outs = [v for v in e.outvars if v in stage_of]
+        if outs and not e.effects and all(v in given for v in e.invars if _is_var(v)):
+            stage_eqn[id(e)] = stage_of[outs[0]]
+            given.update(e.outvars)
+    if not stage_eqn:
+        return parts, stage_of
+    readers: dict = {}  # Var -> the stages of the equations reading it
+    for k, part in enumerate(parts):
+        for e in part.eqns:
+            for v in e.invars:
+                if _is_var(v):
+                    readers.setdefault(v, set()).add(k)
+    returned = {v for v in jaxpr.outvars if _is_var(v)}
+    for e in reversed(jaxpr.eqns):  # readers first: a chain moves together
+        k = stage_eqn.get(id(e))
+        if k is None or any(v in returned for v in e.outvars):
+            continue
+        first = min((r for v in e.outvars for r in readers.get(v, ())), default=None)
+        if first is None:
+            continue
+        to = max(j for j in range(k, first + 1) if parts[j].mesh == parts[k].mesh)
+        if to == k:
+            continue
+        parts[k].eqns = [q for q in parts[k].eqns if q is not e]
+        parts[to].eqns.append(e)
+        for v in e.outvars:
+            stage_of[v] = to
+        for v in e.invars:
+            if _is_var(v) and v in readers:
+                readers[v].add(to)
+                if not any(q is not e and v in q.invars for q in parts[k].eqns):
+                    readers[v].discard(k)
+    kept = [k for k, p in enumerate(parts) if p.eqns]
+    if len(kept) < len(parts):
+        renumber = {k: n for n, k in enumerate(kept)}
+        parts = [parts[k] for k in kept]
+        stage_of = {v: renumber[k] for v, k in stage_of.items()}
+    return parts, stage_of
 
 
 def _hint_meshes_inside(eqn) -> list:
