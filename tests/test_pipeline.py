@@ -378,6 +378,35 @@ def test_vpp_computes_what_reads_only_a_param_in_the_stage_that_reads_it(m):
     assert [len(c) for c in inner._carries] == [1, 1, 1, 0]
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("regularised", [False, True])
+def test_a_loss_moved_back_to_the_first_mesh_runs_in_the_pipeline(m, regularised):
+    """The loss computed on the second mesh and moved back to the first (to add a term of the
+    first stage's params there, or to log it where the batch lives): the move is a stage of
+    its own, which reads no label (it was handed the labels of the other mesh, and its
+    program spanned two meshes: 'spans 1 stages on different meshes')."""
+    m0, m1 = MESHES_1D[:2]
+    rng = np.random.default_rng(4)
+    w0, w1, x, y = (rng.normal(size=(8, 8)).astype("float32") * 0.3 for _ in range(4))
+
+    def loss(p, x, y, move=True):
+        h = jnp.tanh(x @ p["w0"])
+        h = dist.reshard(h, m1, [S(0)]) if move else h
+        out = jnp.mean((h @ p["w1"] - y) ** 2)
+        out = dist.reshard(out, m0, [R]) if move else out
+        return out + 0.1 * jnp.sum(p["w0"] ** 2) if regularised else out
+
+    p = {"w0": dist.shard_tensor(w0, m0, [R]), "w1": dist.shard_tensor(w1, m1, [R])}
+    value, grads = dist.PipelineRunner.from_function(loss, "1F1B", m).value_and_grad(
+        p, dist.shard_tensor(x, m0, [S(0)]), dist.shard_tensor(y, m1, [S(0)]))
+    ref, ref_grads = jax.value_and_grad(lambda q: loss(q, x, y, False))({"w0": w0, "w1": w1})
+    np.testing.assert_allclose(float(value.numpy()), float(ref), rtol=1e-5)
+    assert value.mesh == m0
+    for name in ref_grads:
+        np.testing.assert_allclose(grads[name].numpy(), ref_grads[name], rtol=1e-4, atol=1e-6)
+        assert grads[name].mesh == p[name].mesh
+
+
 def test_the_seed_forward_as_written_runs_in_a_1f1b_pipeline():
     """Seed §4.4's forward (2-d meshes, dp × mp, the reshard inside) on 2 micro-batches."""
     m0, m1 = MESHES_2D

@@ -243,9 +243,11 @@ class _CutRunner(PipelineRunner):
                                                       for e in part.eqns for v in e.outvars)
                             if v in later and made_in.get(v, -1) <= k])
         # the loss arguments go to every stage that reads them (label preprocessing that reads
-        # nothing else lands in the first stage on the label's mesh); the last always takes them
+        # nothing else lands in the first stage on the label's mesh), to the last if none does;
+        # not to a last stage that reads none: a label on another mesh would make its program
+        # one of two meshes (a loss moved back to the first mesh is a stage of its own)
         self._arg_readers = {k for k, part in enumerate(parts)
-                             if any(v in arg_vars for v in part.inputs)} | {last}
+                             if any(v in arg_vars for v in part.inputs)} or {last}
         self._carries, self._made_by, self._n_params = carries, cut, len(params_vars)
         self._p_tree, self._s_tree, self._micro = p_tree, s_tree, m
         self._owned, self._updates = _state_owners(cut, state_vars, made_in)

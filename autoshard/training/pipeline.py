@@ -517,8 +517,9 @@ class PipelineRunner(StageRunner):
         m = self.schedule.micro_batches
         groups = self._groups(inputs)
         check_batch(inputs, loss_args, m, self._micro_batch_size, self._name_of)
-        # a 0-d loss argument placed elsewhere (a float16 loss scale) joins the last stage
-        home = self.stages[-1].mesh
+        # a 0-d loss argument placed elsewhere (a float16 loss scale) joins the stage that
+        # computes the loss (the last that reads the loss arguments)
+        home = self.stages[max(s for s in range(len(self.stages)) if self._reads_args(s))].mesh
         loss_args = jax.tree.map(
             lambda a: reshard(a, home, [Replicate()] * home.ndim)
             if isinstance(a, DistTensor) and not a.shape and a.mesh != home else a,
