@@ -35,7 +35,7 @@ from .layout import Layout, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, get_mesh
 from .physical import physical_spec
 from .placement import (Partial, Placement, ReduceType, Replicate, Shard, parse_placement,
-                        mean_of_parts)
+                        mean_of_parts, placement_code)
 from .uneven import uneven_dims
 
 
@@ -116,16 +116,6 @@ def _name(func: Callable) -> str:
     return getattr(func, "__name__", repr(func))
 
 
-def _code(p: Any) -> str:
-    """A placement as the user writes it."""
-    if isinstance(p, Shard):
-        return f"dist.Shard({p.dim})"
-    if isinstance(p, Partial):
-        kind = ReduceType(p.reduce_type).value
-        return "dist.Partial()" if kind == "sum" else f"dist.Partial({kind!r})"
-    return "dist.Replicate()" if isinstance(p, Replicate) else repr(p)
-
-
 def _check_placements(func: Callable, out_placements: Any, in_placements: Any,
                       mesh: ProcessMesh | None, now: bool = False) -> None:
     elements = not now or isinstance(mesh, ProcessMesh)
@@ -147,7 +137,7 @@ def _check_placement_lists(func: Callable, name: str, lists: Any, per: str,
             f"{head} is a list with one placements list per {per}, got {lists!r} of type "
             f"{type(lists).__name__}: write e.g. {name}={example} for one {per} on a 2-d mesh")
     if any(isinstance(p, (Placement, str)) for p in lists):
-        one = "[" + ", ".join(_code(p) for p in lists) + "]"
+        one = "[" + ", ".join(placement_code(p) for p in lists) + "]"
         raise PlacementTypeError(
             f"{head} = {list(lists)} is one flat list of placements, but it has one placements "
             f"list per {per} (one placement per mesh dim in each): for one {per} write "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -158,6 +158,16 @@ def normalize_placements(placements: Sequence[Placement | str], mesh_ndim: int,
     return tuple(result)
 
 
+def placement_code(p: Any) -> str:
+    """A placement as the user writes it (for error messages that say what to write)."""
+    if isinstance(p, Shard):
+        return f"dist.Shard({p.dim})"
+    if isinstance(p, Partial):
+        kind = ReduceType(p.reduce_type).value
+        return "dist.Partial()" if kind == "sum" else f"dist.Partial({kind!r})"
+    return "dist.Replicate()" if isinstance(p, Replicate) else repr(p)
+
+
 def _example(ndim: int) -> str:
     return "[" + ", ".join(["dist.Shard(0)"] + ["dist.Replicate()"] * max(ndim - 1, 0)) + "]"
 
@@ -178,4 +188,4 @@ def mean_of_parts(x, n: int, total, wide):
 
 
 __all__ = ["mean_of_parts", "ReduceType", "Placement", "Replicate", "Shard", "Partial", "parse_placement",
-           "normalize_placements", "as_reduce_type"]
+           "normalize_placements", "as_reduce_type", "placement_code"]

@@ -5,6 +5,7 @@ its params and optimizer states live, and which collectives each stage program r
 three-stage chain with labels and nonlinearities against jax.value_and_grad.
 """
 import pathlib
+import re
 import sys
 
 import jax
@@ -160,3 +161,40 @@ def test_last_stage_must_return_a_scalar_loss():
         runner.value_and_grad(params, data)
     with pytest.raises(dist.StageError, match="at least one"):
         dist.StageRunner([])
+
+
+@pytest.mark.parametrize("runner", ["StageRunner", "PipelineRunner"])
+def test_stages_on_meshes_of_another_rank_say_where_the_activation_lands(runner):
+    """A 2-d stage feeding a 1-d one, without in_placements: the activation's placements
+    cannot carry over; the error names the stages and meshes and writes the in_placements
+    that keeps the split by dim name (it blamed placements the user never wrote); with them,
+    loss and gradients equal one device."""
+    R, S = dist.Replicate(), dist.Shard
+    m0 = dist.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    m1 = dist.ProcessMesh([4, 5, 6, 7], ["dp"])
+    rng = np.random.default_rng(0)
+    w0, w1, x, y = (rng.normal(size=(8, 8)).astype("float32") * 0.3 for _ in range(4))
+
+    def s0(p, x):
+        return jnp.tanh(x @ p)
+
+    def s1(p, h, y):
+        return jnp.mean((jnp.tanh(h @ p) - y) ** 2)
+
+    def make(second):
+        stages = [dist.Stage(s0, m0), second]
+        return (dist.StageRunner(stages) if runner == "StageRunner"
+                else dist.PipelineRunner(stages, "1F1B", 2))
+
+    params = [dist.shard_tensor(w0, m0, [R, R]), dist.shard_tensor(w1, m1, [R])]
+    args = (params, dist.shard_tensor(x, m0, [S(0), R]), dist.shard_tensor(y, m1, [S(0)]))
+    with pytest.raises(dist.StageError, match=re.escape(
+            "stage 0's activation is placed [S(0), R] on a 2-d mesh ['dp', 'mp'], and stage 1 "
+            "runs on a 1-d mesh ['dp']: say where it lands there, dist.Stage(fn, mesh, "
+            "in_placements=[dist.Shard(0)])")):
+        make(dist.Stage(s1, m1)).value_and_grad(*args)
+    loss, grads = make(dist.Stage(s1, m1, in_placements=[S(0)])).value_and_grad(*args)
+    ref, ref_grads = jax.value_and_grad(lambda w: s1(w[1], s0(w[0], x), y))([w0, w1])
+    np.testing.assert_allclose(float(loss.numpy()), float(ref), rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)

@@ -18,7 +18,7 @@ from ..compiler.jit import DistributedFunction, jit
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError
 from ..mesh import ProcessMesh, as_process_mesh
-from ..placement import Placement
+from ..placement import Placement, Replicate, placement_code
 from ..reshard.api import reshard
 
 Params = Any  # a pytree of DistTensors, all on the stage's mesh
@@ -100,6 +100,15 @@ class StageRunner:
             raise StageError(f"stage {i - 1} returned {type(x).__name__}; each stage but the "
                              f"last must return one array (its activation)")
         stage = self.stages[i]
+        if stage.in_placements is None and x.mesh.ndim != stage.mesh.ndim:
+            # its placements cannot carry over: say where it should land, by the dims' names
+            names = dict(zip(x.mesh.dim_names, x.placements))
+            guess = [names.get(n, Replicate()) for n in stage.mesh.dim_names]
+            raise StageError(
+                f"stage {i - 1}'s activation is placed {list(x.placements)} on a "
+                f"{x.mesh.ndim}-d mesh {x.mesh.dim_names}, and stage {i} runs on a "
+                f"{stage.mesh.ndim}-d mesh {stage.mesh.dim_names}: say where it lands there, "
+                f"dist.Stage(fn, mesh, in_placements=[{', '.join(map(placement_code, guess))}])")
         placements = x.placements if stage.in_placements is None else stage.in_placements
         return reshard(x, stage.mesh, placements)
 
