@@ -254,6 +254,16 @@ def test_pipeline_errors_name_the_fix():
                                               r"\(12 over the 2 .*the batch has 8 rows: set "
                                               r"micro_batch_size to 2"):
         runner.value_and_grad(params, xd, yd)
+    # 1 given is checked as any other value (Paddle's default 1, not given, is not: the batch
+    # sets the micro-batch size then)
+    strategy.pipeline.micro_batch_size = 1
+    with pytest.raises(dist.StageError, match=r"micro_batch_size = 1 with accumulate_steps = 2 "
+                                              r"makes batches of 2 rows per data-parallel rank "
+                                              r".*set micro_batch_size to 2 or leave it unset"):
+        dist.PipelineRunner.from_strategy(stages, strategy).value_and_grad(params, xd, yd)
+    unset = dist.Strategy({"pipeline": {"enable": True, "accumulate_steps": 2}})
+    assert unset.pipeline.micro_batch_size == 1 and not unset.pipeline.written("micro_batch_size")
+    dist.PipelineRunner.from_strategy(stages, unset).value_and_grad(params, xd, yd)
     # Paddle's micro_batch_size is one data-parallel rank's: 2 x 2 micro-batches x 2 ranks
     strategy.pipeline.micro_batch_size = 2
     runner = dist.PipelineRunner.from_strategy(stages, strategy)

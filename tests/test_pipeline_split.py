@@ -310,7 +310,8 @@ def test_to_static_checks_the_strategys_micro_batch_size_per_data_parallel_rank(
         model, opt = dist.parallelize(_TwoBlocks(nnx.Rngs(0)), optax.sgd(0.1), mesh,
                                       {"pp_config": {"split_spec": "blocks"}})
         pipeline = {"enable": True, "accumulate_steps": 2}
-        strategy = dist.Strategy({"pipeline": {**pipeline, "micro_batch_size": mbs or 1}})
+        given = {"micro_batch_size": mbs} if mbs else {}  # None: left at Paddle's default
+        strategy = dist.Strategy({"pipeline": {**pipeline, **given}})
         m = dist.to_static(model, None, lambda o, y: jnp.mean((o - y) ** 2), opt, strategy)
         if mbs == 3:  # 3 x 2 micro-batches x 2 data-parallel ranks is not the batch's 8 rows
             with pytest.raises(dist.StageError, match="micro_batch_size = 3 with "

@@ -197,7 +197,7 @@ class DistModel:
         staged_recompute = self.strategy.recompute.enable and len(meshes) > 1
         if not pp.enable and not staged_recompute:
             return None
-        from .pipeline import PipelineRunner
+        from .pipeline import PipelineRunner, micro_batch_size
 
         scaled = self._loss_scaler() is not None
         stateful = bool(jax.tree.leaves(self.state))
@@ -225,7 +225,7 @@ class DistModel:
                                               chunks=pp.vpp_degree,
                                               recompute=self.strategy.recompute.enable,
                                               stateful=stateful)
-        runner._micro_batch_size = pp.micro_batch_size  # checked per batch, as from_strategy
+        runner._micro_batch_size = micro_batch_size(pp)  # checked per batch, as from_strategy
         runner._name_of = self._batch_name  # errors name the batch's elements
         return runner
 

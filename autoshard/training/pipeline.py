@@ -102,6 +102,13 @@ def batch_rows(inputs: Any) -> int | None:
     return next((x.shape[0] for x in first if getattr(x, "shape", ())), None)
 
 
+def micro_batch_size(pipeline) -> int | None:
+    """strategy.pipeline's micro_batch_size to check batches against: None where it is Paddle's
+    default 1, not given (the batch then sets it); one the user gave, 1 included, is checked."""
+    size = pipeline.micro_batch_size
+    return size if size != 1 or pipeline.written("micro_batch_size") else None
+
+
 def check_batch(inputs: Any, loss_args: tuple, m: int, micro_batch_size: int | None,
                 name_of=default_name) -> None:
     """Before anything is cut or traced on micro-batch shapes: the batch fits
@@ -109,7 +116,7 @@ def check_batch(inputs: Any, loss_args: tuple, m: int, micro_batch_size: int | N
     (each is cut into micro-batches along it)."""
     first = jax.tree.leaves(inputs, is_leaf=_is_leaf)
     batch = batch_rows(inputs)
-    if micro_batch_size not in (None, 1) and batch is not None:
+    if micro_batch_size is not None and batch is not None:
         # Paddle's micro_batch_size counts one data-parallel rank's rows: the batch is
         # micro_batch_size x accumulate_steps per rank (or in all, on one rank)
         ranks = max((_shards_of_dim0(x) for x in first if isinstance(x, DistTensor)),
@@ -357,7 +364,7 @@ class PipelineRunner(StageRunner):
             raise ScheduleError("strategy.pipeline.enable is False: set it to True (with "
                                 "schedule_mode and accumulate_steps) to train with a pipeline")
         runner = cls(stages, pp.schedule_mode, pp.accumulate_steps, chunks=pp.vpp_degree)
-        runner._micro_batch_size = pp.micro_batch_size
+        runner._micro_batch_size = micro_batch_size(pp)
         return runner
 
     # -- the step ------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class _Section:
     def __init__(self, name: str, values: dict[str, Any] | None = None):
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_values", dict(_SECTIONS[name]))
+        object.__setattr__(self, "_written", set())  # the settings the user gave
         for key, value in (values or {}).items():
             setattr(self, key, value)
 
@@ -99,6 +100,11 @@ class _Section:
             raise StrategyError(f"strategy.{name}.{key} = {value!r} must lie strictly between "
                                 f"{low} and {high}")
         self._values[key] = value
+        self._written.add(key)
+
+    def written(self, key: str) -> bool:
+        """Whether `key` was given (a value equal to the default included), not defaulted."""
+        return key in self._written
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._values)
