@@ -103,6 +103,41 @@ def test_strategies_train_like_one_device(kind, stage, tx, tol):
         assert m.params["w0"].placements[0] == S(0)
 
 
+_FROZEN_B0 = {"w0": True, "b0": False, "w1": True}
+_MASKED = {
+    "masked": lambda: optax.masked(optax.sgd(0.1, momentum=0.9), _FROZEN_B0),
+    "multi_transform": lambda: optax.multi_transform(
+        {"train": optax.sgd(0.1, momentum=0.9), "frozen": optax.set_to_zero()},
+        {k: "train" if v else "frozen" for k, v in _FROZEN_B0.items()}),
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", list(_MASKED))
+def test_zero_splits_the_states_of_masked_optimizers(name, stage):
+    """optax.masked / multi_transform (a fine-tune freezing some params; nnx.Optimizer's wrt)
+    hold a MaskedNode where a param has no state: the states of the others are split over dp
+    as plain sgd's are (they stayed whole on every device: the memory ZeRO promises, lost
+    silently), and training equals one device."""
+    weights, batches = _weights(), _batches(n=4)
+    mesh, model = _model("tp", weights)
+    tx = _MASKED[name]()
+    strategy = dist.Strategy({"sharding": {"enable": True, "stage": stage}})
+    m = dist.to_static(model, None, mse, tx, strategy)
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for k, value in ref_params.items():
+        np.testing.assert_allclose(m.params[k].numpy(), value, rtol=1e-6, atol=1e-7)
+    flat = jax.tree_util.tree_flatten_with_path(m.opt_state, is_leaf=_is_dt)[0]
+    traces = {jax.tree_util.keystr(path): x for path, x in flat
+              if _is_dt(x) and x.ndim and "trace" in jax.tree_util.keystr(path)}
+    assert {k.split("[")[-1] for k in traces} == {"'w0']", "'w1']"}, list(traces)
+    for k, x in traces.items():  # each momentum split over dp as well as the param's mp
+        assert "dp" in [mesh.dim_names[d] for d, q in enumerate(x.placements)
+                        if isinstance(q, S)], (k, x.placements)
+
+
 @pytest.mark.parametrize("kind,wrap", [("dp", "clip_by_global_norm"), ("tp", "clip_by_global_norm"),
                                        ("tp", "apply_if_finite")])
 def test_a_gradient_summed_up_before_a_zero_update_is_reduce_scattered_once(kind, wrap):

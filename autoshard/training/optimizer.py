@@ -189,16 +189,24 @@ class ShardedOptimizer:
         mesh = next(p.mesh for p in jax.tree.leaves(params, is_leaf=_is_dt) if _is_dt(p))
         replicated = _Target(mesh, [Replicate()] * mesh.ndim)
 
-        def mirrors_params(node) -> bool:  # a subtree shaped like the params (adam's mu, nu)
-            return jax.tree.structure(node) == params_tree
+        def mirrors_params(node) -> bool:
+            # a subtree shaped like the params (adam's mu, nu); in optax.masked's and
+            # multi_transform's states (nnx.Optimizer's `wrt`, frozen layers) a MaskedNode
+            # stands where a param has no state
+            return jax.tree.structure(node, is_leaf=_masked) == params_tree
+
+        def target(s, p):
+            if _masked(s):
+                return s  # no state here: nothing to place
+            if _is_dt(p) and tuple(s.shape) == tuple(p.shape):
+                return _Target(p.mesh, self._custom(p, s) or self.state_placements(p))
+            return replicated
 
         def place(node):
             if not mirrors_params(node):
                 return replicated
-            return jax.tree.map(
-                lambda s, p: _Target(p.mesh, self._custom(p, s) or self.state_placements(p))
-                if _is_dt(p) and tuple(s.shape) == tuple(p.shape) else replicated,
-                node, params, is_leaf=_is_dt)
+            return jax.tree.map(target, node, params,
+                                is_leaf=lambda x: _is_dt(x) or _masked(x))
 
         return jax.tree.map(place, state_shapes, is_leaf=mirrors_params)
 
@@ -255,6 +263,10 @@ class _Target:
 
     mesh: Any
     placements: list
+
+
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
 
 
 def _put(x: Any, target: _Target) -> DistTensor:
