@@ -138,6 +138,51 @@ def test_zero_splits_the_states_of_masked_optimizers(name, stage):
                         if isinstance(q, S)], (k, x.placements)
 
 
+def _split_rows(param):
+    return [S(0) if param.shape[0] % 4 == 0 else R(), R()]
+
+
+_SHARD_FNS = {
+    "placements": lambda param, state: _split_rows(param),
+    "placed": lambda param, state: dist.shard_tensor(state, param.mesh, _split_rows(param)),
+    # Paddle's documented form: the accumulator's name, the param, the accumulator placed
+    "paddle": lambda accumulator_name, param, accumulator: dist.shard_tensor(
+        accumulator, param.process_mesh, _split_rows(param)) if accumulator_name in ("mu", "nu")
+    else None,
+}
+
+
+@pytest.mark.parametrize("form", list(_SHARD_FNS))
+def test_a_custom_optimizer_shard_fn_places_the_states(form):
+    """shard_optimizer(tx, shard_fn): a function of (param, state) answering placements or the
+    state placed, or Paddle's (accumulator_name, param, accumulator) — which raised a bare
+    TypeError — places each state mirroring a param; training equals one device."""
+    weights, batches = _weights(), _batches(n=3)
+    mesh, model = _model("dp", weights)
+    tx = optax.adam(1e-2)
+    m = dist.to_static(model, None, mse, dist.shard_optimizer(tx, _SHARD_FNS[form]))
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k, value in ref_params.items():
+        np.testing.assert_allclose(m.params[k].numpy(), value, rtol=1e-4, atol=1e-6)
+    adam = m.opt_state[0]
+    for k in weights:
+        assert adam.mu[k].placements == adam.nu[k].placements == _split_rows(m.params[k])
+
+
+def test_a_custom_optimizer_shard_fn_of_another_form_is_an_error_that_says_what_to_write():
+    with pytest.raises(dist.OptimizerError, match=r"a function of \(param, state\) or, as "
+                                                  r"Paddle's, of \(accumulator_name, param, "
+                                                  r"accumulator\)"):
+        dist.shard_optimizer(optax.adam(1e-2), lambda param: [R(), R()])
+    weights = _weights()
+    _, model = _model("dp", weights)
+    with pytest.raises(dist.OptimizerError, match=r"shard_fn returned int for the optimizer "
+                                                  r"state 'mu': return its placements"):
+        dist.to_static(model, None, mse, dist.shard_optimizer(optax.adam(1e-2), lambda p, s: 0))
+
+
 @pytest.mark.parametrize("kind,wrap", [("dp", "clip_by_global_norm"), ("tp", "clip_by_global_norm"),
                                        ("tp", "apply_if_finite")])
 def test_a_gradient_summed_up_before_a_zero_update_is_reduce_scattered_once(kind, wrap):

@@ -10,6 +10,8 @@ DistModel): stage 1 keeps the whole unreduced gradient, stage 2 and 3 only the l
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -133,9 +135,12 @@ class ShardedOptimizer:
         if not hasattr(tx, "init") or not hasattr(tx, "update"):
             raise OptimizerError(f"shard_optimizer needs an optax GradientTransformation, got "
                                  f"{type(tx).__name__}: write dist.shard_optimizer(optax.adamw(1e-3))")
-        if shard_fn is not None and not isinstance(shard_fn, _Stage) and not callable(shard_fn):
-            raise OptimizerError(f"shard_fn must be dist.ShardingStage1/2/3(mesh_dim) or a "
-                                 f"function, got {shard_fn!r}")
+        if shard_fn is not None and not isinstance(shard_fn, _Stage) and (
+                not callable(shard_fn) or _positional_count(shard_fn) not in (-1, 2, 3)):
+            raise OptimizerError(
+                f"shard_fn must be dist.ShardingStage1/2/3(mesh_dim) or a function of (param, "
+                f"state) or, as Paddle's, of (accumulator_name, param, accumulator), answering "
+                f"the state's placements or the state placed, got {shard_fn!r}")
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(
                 gradient_accumulation_steps, (int, np.integer)) or gradient_accumulation_steps < 1:
             raise OptimizerError(f"gradient_accumulation_steps must be an int >= 1, got "
@@ -195,25 +200,51 @@ class ShardedOptimizer:
             # stands where a param has no state
             return jax.tree.structure(node, is_leaf=_masked) == params_tree
 
-        def target(s, p):
+        def target(name, s, p):
             if _masked(s):
                 return s  # no state here: nothing to place
             if _is_dt(p) and tuple(s.shape) == tuple(p.shape):
-                return _Target(p.mesh, self._custom(p, s) or self.state_placements(p))
+                return _Target(p.mesh, self._custom(p, s, name) or self.state_placements(p))
             return replicated
 
-        def place(node):
+        def place(path, node):
             if not mirrors_params(node):
                 return replicated
-            return jax.tree.map(target, node, params,
+            # the state's name as optax's state field holding it (adam's "mu", "nu")
+            fields = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+            name = fields[-1] if fields else "state"
+            return jax.tree.map(functools.partial(target, name), node, params,
                                 is_leaf=lambda x: _is_dt(x) or _masked(x))
 
-        return jax.tree.map(place, state_shapes, is_leaf=mirrors_params)
+        return jax.tree_util.tree_map_with_path(place, state_shapes, is_leaf=mirrors_params)
 
-    def _custom(self, param: DistTensor, state_leaf) -> list[Placement] | None:
-        if self.shard_fn is None or isinstance(self.shard_fn, _Stage):
+    def _custom(self, param: DistTensor, state_leaf, name: str) -> list[Placement] | None:
+        """A user's shard_fn: `fn(param, state)` or Paddle's `fn(accumulator_name, param,
+        accumulator)`, answering placements or the state placed (Paddle's
+        `dist.shard_tensor(accumulator, mesh, placements)`); None keeps the default."""
+        fn = self.shard_fn
+        if fn is None or isinstance(fn, _Stage):
             return None
-        return self.shard_fn(param, state_leaf)
+        # a stand-in for the state: zeros of its shape and dtype that hold no memory
+        leaf = np.broadcast_to(np.zeros((), state_leaf.dtype), tuple(state_leaf.shape))
+        if _positional_count(fn) == 3:
+            out = fn(name, param, leaf)
+        else:
+            out = fn(param, leaf)
+        if out is None:
+            return None
+        if _is_dt(out):
+            if out.mesh != param.mesh:
+                raise OptimizerError(
+                    f"shard_fn placed the optimizer state {name!r} of a param on {param.mesh!r} "
+                    f"on {out.mesh!r}: a state lives on its param's mesh")
+            return list(out.placements)
+        if isinstance(out, (list, tuple)) and all(isinstance(q, Placement) for q in out):
+            return list(out)
+        raise OptimizerError(
+            f"shard_fn returned {type(out).__name__} for the optimizer state {name!r}: return "
+            f"its placements (e.g. [dist.Shard(0), dist.Replicate()]), the state placed "
+            f"(dist.shard_tensor(accumulator, param.mesh, placements)), or None for the default")
 
     # -- optax interface -------------------------------------------------------------------
     def init(self, params: Any) -> Any:
@@ -263,6 +294,18 @@ class _Target:
 
     mesh: Any
     placements: list
+
+
+def _positional_count(fn) -> int:
+    """How many positional arguments `fn` takes (-1: any number, or not introspectable)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return -1
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return -1
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+               for p in params)
 
 
 def _masked(x) -> bool:
