@@ -253,6 +253,30 @@ def test_gradient_merge_reduces_once_per_k_steps(stage):
         assert acc_bytes == full_bytes // mesh.get_dim_size("dp")
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_shard_optimizers_gradient_accumulation_steps_merge_gradients(stage):
+    """Paddle's shard_optimizer(opt, shard_fn, gradient_accumulation_steps=k): one update per
+    k calls, on their averaged gradients — the gradient merge of k (it was accepted and then
+    ignored: one update per call); a k_steps of the strategy that disagrees is an error."""
+    weights, batches = _weights(), _batches()
+    _, model = _model("dp", weights)
+    tx = optax.sgd(0.1, momentum=0.9)
+    shard_fn = dist.ShardingStage1("dp") if stage == 1 else (
+        dist.ShardingStage2("dp") if stage == 2 else None)
+    m = dist.to_static(model, None, mse, dist.shard_optimizer(tx, shard_fn, 4))
+    assert m.k_steps == 4
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    ref_losses, ref_params = _reference(weights, batches, tx, k=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})
+    with pytest.raises(dist.StrategyError, match=r"gradient_accumulation_steps = 4 and "
+                                                 r"strategy.gradient_merge.k_steps = 2 disagree"):
+        dist.to_static(_model("dp", weights)[1], None, mse, dist.shard_optimizer(tx, None, 4),
+                       strategy)
+
+
 @pytest.mark.parametrize("fails_at", [0, 1, 2])
 def test_a_call_that_raises_leaves_the_gradient_merge_cycle_where_it_was(fails_at):
     """A user's call with a bad batch (the wrong width) raises; they fix it and go on: the

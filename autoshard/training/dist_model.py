@@ -178,6 +178,15 @@ class DistModel:
         self._io_meshes = (stages[0], stages[-1])
         gm = self.strategy.gradient_merge
         self.k_steps = gm.k_steps if gm.enable else 1
+        # Paddle's shard_optimizer(..., gradient_accumulation_steps=k): gradient merge of k
+        accumulate = self.optimizer.gradient_accumulation_steps if self.optimizer else 1
+        if accumulate > 1:
+            if self.k_steps not in (1, accumulate):
+                raise StrategyError(
+                    f"to_static: shard_optimizer's gradient_accumulation_steps = {accumulate} "
+                    f"and strategy.gradient_merge.k_steps = {self.k_steps} disagree: give one "
+                    f"of them (or the same k in both)")
+            self.k_steps = accumulate
         self._micro = 0
         self._acc = None
         self._mode = "train"
