@@ -200,6 +200,35 @@ def test_parallelize_plan_matches_shard_layer_and_trains():
     assert parallelize(MLP(nnx.Rngs(0)), mesh=MESH).up.kernel.get_value().placements == [R, R]
 
 
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_parallelize_sharding_level_applies_to_the_optimizer_given_to_to_static(level):
+    """dist.parallelize(model, config={"dp_config": {"sharding_level": k}}) without an
+    optimizer, then to_static(model, ..., optax optimizer): the model's ZeRO level applies to
+    that optimizer (it was recorded, then dropped silently: states whole on every device);
+    training equals one device."""
+    x, y = _data()
+    config = {"dp_config": {"sharding_level": level},
+              **_mp({"up": ColWiseParallel(), "down": RowWiseParallel()})}
+    model = parallelize(MLP(nnx.Rngs(0)), mesh=MESH, config=config)
+    tx = optax.sgd(0.1, momentum=0.9)
+    m = dist.to_static(model, None, lambda o, t: jnp.mean((o - t) ** 2), tx)
+    assert m.optimizer.stage == level
+    losses = [float(m(x, y).numpy()) for _ in range(3)]
+    ref = MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(ref, nnx.Param)
+    params = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
+    state, ref_losses = tx.init(params), []
+    for _ in range(3):
+        value, g = jax.value_and_grad(lambda p: jnp.mean(
+            (nnx.merge(graphdef, nnx.State(p))(x) - y) ** 2))(params)
+        ref_losses.append(float(value))
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    trace = m.opt_state[0].trace["up"]["kernel"]
+    assert trace.placements == [S(0), S(1)]  # split over dp beside its param's mp split
+
+
 def test_parallelize_sequence_parallel_and_prepare_input():
     x, y = _data((4, 8, 8))  # [batch, seq, hidden]
     seen = []

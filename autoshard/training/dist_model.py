@@ -360,6 +360,13 @@ class DistModel:
         if sharding.enable and opt.stage == 0:
             opt = ShardedOptimizer(opt, _STAGES[sharding.stage](sharding.mesh_dim),
                                    opt.gradient_accumulation_steps, opt.offload)
+        parallel = getattr(self._model, "_autoshard_parallel", None)
+        level = getattr(parallel, "sharding_level", 0)
+        if level and not sharding.enable and opt.stage == 0 and opt.shard_fn is None:
+            # dist.parallelize(model, config={"dp_config": {"sharding_level": k}}) without the
+            # optimizer: the level the model was configured with applies to the one given here
+            opt = ShardedOptimizer(opt, _STAGES[level](parallel.dp_dim),
+                                   opt.gradient_accumulation_steps, opt.offload)
         if sharding.enable and sharding.degree is not None and hasattr(opt.shard_fn, "axis"):
             axis = opt.shard_fn.axis(self.mesh)
             if sharding.degree != self.mesh.get_dim_size(axis):
