@@ -372,6 +372,30 @@ def test_a_checkpoint_saved_without_gradient_merge_loads_into_a_model_that_merge
         np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
 
 
+def test_a_checkpoint_saved_without_loss_scaling_loads_into_a_float16_model(tmp_path):
+    """A checkpoint of a float32 run (no amp.* entries) loads into a float16 model that scales
+    its loss: its params and optimizer state are the checkpoint's, its loss scaler starts
+    fresh (the load failed: "'amp.bad_steps' is not in checkpoint")."""
+    weights, batches = _weights(), _batches(n=2)
+    tx = optax.sgd(0.1, momentum=0.9)
+    plain = dist.to_static(_model("dp", weights)[1], None, mse, tx)
+    plain(*batches[0])
+    dist.save_state_dict(plain.state_dict(), str(tmp_path / "float32"))
+    strategy = dist.Strategy({"amp": {"enable": True, "dtype": "float16", "level": "o1",
+                                      "init_loss_scaling": 1024.0}})
+    zeros = {k: np.zeros_like(v) for k, v in weights.items()}
+    m = dist.to_static(_model("dp", zeros)[1], None, mse, tx, strategy)
+    target = m.state_dict()
+    fresh = {k: np.asarray(v.numpy()) for k, v in target.items() if k.startswith("amp.")}
+    assert fresh and fresh["amp.scale"] == 1024.0
+    dist.load_state_dict(target, str(tmp_path / "float32"))
+    m.set_state_dict(target)
+    saved = plain.state_dict()
+    for k, v in m.state_dict().items():
+        want = fresh[k] if k.startswith("amp.") else saved[k].numpy()
+        np.testing.assert_array_equal(np.asarray(v.numpy()), want, err_msg=k)
+
+
 def test_recompute_trains_like_one_device():
     # AMP has its own tests (test_amp.py): each level against its one-device program
     weights, batches = _weights(), _batches(n=3)

@@ -383,7 +383,8 @@ def _reads(read: Callable[[list[str]], Any], key: str) -> bool:
         return False
 
 
-_RUN_STATE = "gm."  # a to_static model's gradient-merge cycle (dist_model.py's state dict)
+# a to_static model's gradient-merge cycle and float16 loss scaler (dist_model.py's state dict)
+_RUN_STATE = ("gm.", "amp.")
 
 
 def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
@@ -393,7 +394,8 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     decides where its value goes; every device reads only its own block. Returns a new state
     dict of the same structure and also replaces the entries of the given dicts and lists in
     place, as Paddle does. Checkpoint entries the target does not name are ignored; the
-    target's gradient-merge entries (gm.*) are kept as they are when the checkpoint has none.
+    target's gradient-merge (gm.*) and loss-scaler (amp.*) entries are kept as they are when
+    the checkpoint has none.
     """
     path = _checkpoint_path(path, "load_state_dict")
     wait_for_saves()
@@ -401,10 +403,11 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     saved = _read_metadata(path)
     items: dict[str, Any] = {}
     args: dict[str, Any] = {}
-    # A checkpoint saved without gradient merge (a pretrained model's) has no gm.* entries: a
-    # model that merges loads it between cycles, its own (zero) gm.* entries kept as they are.
-    keep = {k for k in keys if k.startswith(_RUN_STATE)} \
-        if not any(k.startswith(_RUN_STATE) for k in saved) else set()
+    # A checkpoint saved without gradient merge or float16 loss scaling (a pretrained model's)
+    # has no gm.* / amp.* entries: a model that merges loads it between cycles, its own (zero)
+    # gm.* entries kept as they are; one that scales starts from its fresh scaler.
+    keep = {k for prefix in _RUN_STATE if not any(n.startswith(prefix) for n in saved)
+            for k in keys if k.startswith(prefix)}
     for key, target in zip(keys, targets):
         if key in keep:
             continue
