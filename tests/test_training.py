@@ -777,6 +777,27 @@ def test_an_nnx_optimizer_with_wrt_trains_only_its_params(wrap, stage):
     assert not [k for k in state if k.startswith("opt.") and ".body." in k]  # no state for it
 
 
+def test_a_batch_that_does_not_fit_an_nnx_modules_inputs_says_how_batches_become_arguments():
+    """The training batch (x, y) handed to predict of an nnx model: the error says predict
+    takes the inputs only (it was the module's own TypeError from inside the trace)."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    model = dist.shard_layer(Net(nnx.Rngs(0)), MESH8)
+    x, y = np.ones((8, 4), np.float32), np.ones((8, 2), np.float32)
+    m = dist.to_static(model, None, mse, optax.sgd(0.1))
+    ref = Net(nnx.Rngs(0))
+    np.testing.assert_allclose(m.predict()(x).numpy(), np.asarray(ref(x)), rtol=1e-6)
+    with pytest.raises(dist.DistModelError, match=r"Net.__call__\(\*inputs\) cannot take the "
+                                                  r"batch's 2 input\(s\).*in predict mode every "
+                                                  r"element is"):
+        m.predict()(x, y)
+
+
 def test_a_batch_that_does_not_fit_an_apply_fns_inputs_says_how_batches_become_arguments():
     w = dist.shard_tensor(np.ones((4, 2), np.float32), MESH24, [R(), R()])
     x, y = np.ones((8, 4), np.float32), np.ones((8, 2), np.float32)

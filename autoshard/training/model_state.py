@@ -137,7 +137,7 @@ def _nnx_parts(model: Any) -> ModelParts:
     def apply(mode: str, params: Any, state: dict, *inputs: Any) -> tuple[Any, dict]:
         module = nnx.merge(graphdefs.get(mode, graphdef), nnx.State(params),
                            nnx.State(codec.decode(state)))
-        out = module(*inputs)
+        out = module(*_checked_inputs(module.__call__, inputs, params_first=False))
         new_state = codec.encode(nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[2]))
         return out, _keep_structure(state, new_state)
 
@@ -298,16 +298,19 @@ def split_model(model: Any) -> ModelParts:
         f"{type(model).__name__}: for linen write dist.to_static((module, variables), ...)")
 
 
-def _checked_inputs(apply_fn: Any, inputs: tuple) -> tuple:
-    """`inputs` if apply_fn(params, *inputs) fits its signature, else a DistModelError that says
-    how a batch becomes arguments (a jax TypeError would name neither)."""
+def _checked_inputs(apply_fn: Any, inputs: tuple, params_first: bool = True) -> tuple:
+    """`inputs` if apply_fn(params, *inputs) — `apply_fn(*inputs)` without `params_first`, an
+    nnx Module's __call__ — fits its signature, else a DistModelError that says how a batch
+    becomes arguments (a jax TypeError would name neither)."""
     try:
-        inspect.signature(apply_fn).bind(None, *inputs)
+        inspect.signature(apply_fn).bind(*((None,) if params_first else ()), *inputs)
     except TypeError as e:
-        name = getattr(apply_fn, "__name__", type(apply_fn).__name__)
+        name = getattr(apply_fn, "__qualname__", None) or getattr(
+            apply_fn, "__name__", type(apply_fn).__name__)
+        call = f"{name}(params, *inputs)" if params_first else f"{name}(*inputs)"
         # (predict runs the eval graph's mode: the message says both readings)
         raise DistModelError(
-            f"to_static: {name}(params, *inputs) cannot take the batch's {len(inputs)} "
+            f"to_static: {call} cannot take the batch's {len(inputs)} "
             f"input(s) ({e}): in train and eval mode every element of a batch but the last "
             f"(the label) is an input, in predict mode every element is; make the batch "
             f"(inputs..., label) — (inputs...) for predict — or give {name} one parameter per "
