@@ -808,3 +808,21 @@ def test_a_batch_that_does_not_fit_an_apply_fns_inputs_says_how_batches_become_a
         m.predict()(x, y)  # the training batch handed to predict
     with pytest.raises(dist.DistModelError, match=r"cannot take the batch's 2 input\(s\)"):
         m.train()(x, x, y)
+
+
+def test_a_zero_mesh_dim_missing_on_one_stages_mesh_names_the_meshes():
+    """Params on two meshes (pipeline stages), ZeRO over a dim only the first has: the error
+    says the dim must be on every stage's mesh and names one they share (it read as if the
+    params lived on one mesh, suggesting a dim the first mesh lacks)."""
+    first = dist.ProcessMesh([[0, 1], [2, 3]], ["dp", "x"])
+    second = dist.ProcessMesh([4, 5, 6, 7], ["x"])
+    params = {"w0": dist.shard_tensor(np.ones((4, 4), np.float32), first, [R(), R()]),
+              "w1": dist.shard_tensor(np.ones((4, 4), np.float32), second, [R()])}
+    with pytest.raises(dist.OptimizerError, match=r"ShardingStage1\(mesh_dim='dp'\): the params "
+                                                  r"live on 2 meshes \(pipeline stages\), and "
+                                                  r".*has no dim 'dp': name a dim every stage's "
+                                                  r"mesh has, e.g. ShardingStage1\('x'\)"):
+        dist.shard_optimizer(optax.adam(1e-2), dist.ShardingStage1("dp")).init(params)
+    state = dist.shard_optimizer(optax.adam(1e-2), dist.ShardingStage1("x")).init(params)
+    assert state[0].mu["w0"].placements == [R(), S(0)]
+    assert state[0].mu["w1"].placements == [S(0)]

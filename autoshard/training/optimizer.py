@@ -259,8 +259,24 @@ class ShardedOptimizer:
         if isinstance(self.shard_fn, _Stage):
             # a mesh dim the params' mesh lacks is an error even where no state is sharded yet
             # (sgd keeps none): it would surface only once the optimizer is swapped for adam
-            for m in {id(p.mesh): p.mesh for p in leaves}.values():
-                self.shard_fn.axis(m)
+            meshes = list({id(p.mesh): p.mesh for p in leaves}.values())
+            for m in meshes:
+                try:
+                    self.shard_fn.axis(m)
+                except OptimizerError:
+                    if len(meshes) == 1:
+                        raise
+                    # params on several meshes (pipeline stages): the dim must be on each
+                    common = [d for d in meshes[0].dim_names
+                              if all(d in q.dim_names for q in meshes)]
+                    level, dim = self.shard_fn.level, self.shard_fn.mesh_dim
+                    raise OptimizerError(
+                        f"ShardingStage{level}(mesh_dim={dim!r}): the params live on "
+                        f"{len(meshes)} meshes (pipeline stages), and {m!r} has no dim {dim!r}: "
+                        f"name a dim every stage's mesh has"
+                        + (f", e.g. ShardingStage{level}({common[0]!r})" if common else "")
+                        + f", or leave mesh_dim None (each mesh's 'dp', else its first dim)"
+                    ) from None
         logical = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype) if _is_dt(p) else p,
                                params, is_leaf=_is_dt)
         shapes = jax.eval_shape(self.tx.init, logical)
