@@ -414,6 +414,15 @@ def test_values_read_on_a_mesh_they_do_not_live_on_are_errors_that_say_what_to_w
                              r"dist\.reshard\(x, mesh, placements\)") as err:
         dist.jit(forgot_to_move)(p, x)
     assert re.search(r"test_cut\.py:\d+", str(err.value))
+    # a label left on the first stage's mesh: the error says which argument and where to put it
+    with pytest.raises(dist.MeshMismatchError,
+                       match=r"meet in `sub`.*an argument \(leaf 3 of the flattened arguments\) "
+                             r"is read here as it was given, on ProcessMesh\(\[\[0, 1\], "
+                             r"\[2, 3\]\].*: place it on ProcessMesh\(\[\[4, 5\], \[6, 7\]\].*"
+                             r"shard_dataloader\(\.\.\., meshes=\[first stage's mesh, last "
+                             r"stage's mesh\]\)"):
+        dist.jit(loss_fn)(p, x, dist.shard_tensor(Y, MESH0, [S(0), R]))
+
     @jax.checkpoint
     def moves_inside(w0, x):  # a move at the body's edge is taken out of it; this one is not
         return jnp.tanh(dist.reshard(x @ w0, MESH1, [S(0), S(2)]))

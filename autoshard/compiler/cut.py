@@ -306,6 +306,20 @@ def _cut(closed: Any, in_meshes: list) -> Cut:
                 # branches are computed and each result selected, which the cut can split
                 raise _CallSpansMeshes(eqn.params["branches"])
             if len(fixed) > 1:
+                # an argument read as it came, beside a value computed on another mesh: most
+                # often a label placed on the first stage's mesh
+                position = {v: k for k, v in enumerate(jaxpr.invars)}
+                given = [(position[v], mesh_of[v]) for v in ins if v in position
+                         and mesh_of[v] is not None and v not in movable]
+                computed = [mesh_of[v] for v in ins if v not in position
+                            and mesh_of[v] is not None and v not in movable]
+                label = ""
+                if given and computed and given[0][1] != computed[0]:
+                    label = (f"; an argument (leaf {given[0][0]} of the flattened arguments) "
+                             f"is read here as it was given, on {given[0][1]!r}: place it on "
+                             f"{computed[0]!r}, where it is read "
+                             f"(a label of a pipeline: dist.shard_dataloader(..., meshes=[first "
+                             f"stage's mesh, last stage's mesh]) puts labels on the last)")
                 raise MeshMismatchError(
                     f"values on {fixed[0]!r} and on {fixed[1]!r} meet in `{eqn.primitive.name}`: "
                     f"an operation runs on one mesh — move one of them first with "
@@ -313,7 +327,7 @@ def _cut(closed: Any, in_meshes: list) -> Cut:
                     f"a parameter that layers of two stages share, such as tied input and output "
                     f"embeddings, needs a copy on each mesh: dist.reshard(param, mesh, "
                     f"placements) where it is read — its gradient goes back and is summed — or "
-                    f"keep those layers in one stage)",
+                    f"keep those layers in one stage){label}",
                     where=source_line(eqn.source_info))
             placed = [mesh_of[v] for v in ins if mesh_of[v] is not None]
             mesh = fixed[0] if fixed else (placed[0] if placed else None)
