@@ -273,18 +273,40 @@ def transpose(self: DistTensor, *axes: Any) -> DistTensor:
     return run(("transpose", perm), lambda: lambda x: jnp.transpose(x, perm), self)
 
 
-def _index_entries(key: Any) -> list:
+def _is_mask(k: Any) -> bool:
+    return isinstance(k, (DistTensor, jax.Array, np.ndarray)) and k.dtype == np.bool_
+
+
+def _index_entries(shape: tuple[int, ...], key: Any) -> list:
     # A boolean mask is concrete here (eager), so it becomes integer arrays as numpy does; the
     # result's shape then depends on the mask's values, which a traced program could not know.
+    # It must have the shape of the dims it indexes, as numpy and jax require (its nonzero
+    # indices would otherwise pick other elements, silently).
+    entries = [np.asarray(k) if isinstance(k, list) else k
+               for k in (key if isinstance(key, tuple) else (key,))]
+
+    def width(k) -> int:  # the dims an entry indexes
+        if k is None or k is Ellipsis or isinstance(k, (bool, np.bool_)):
+            return 0
+        return np.ndim(k) if _is_mask(k) else 1
+
+    rest = len(shape) - sum(map(width, entries))
     out: list = []
-    for k in (key if isinstance(key, tuple) else (key,)):
-        if isinstance(k, list):
+    dim = 0
+    for k in entries:
+        if k is Ellipsis:
+            dim += max(rest, 0)
+        if _is_mask(k):
             k = np.asarray(k)
-        if isinstance(k, (DistTensor, jax.Array, np.ndarray)) and k.dtype == np.bool_:
-            k = np.asarray(k)
+            if k.ndim and tuple(k.shape) != tuple(shape[dim:dim + k.ndim]):
+                raise OperandIndexError(
+                    f"DistTensor index: a boolean mask of shape {list(k.shape)} indexes dims "
+                    f"{list(range(dim, dim + k.ndim))} of a tensor of shape {list(shape)}, whose "
+                    f"sizes are {list(shape[dim:dim + k.ndim])}: give a mask of those sizes")
             out.extend(np.nonzero(k) if k.ndim else [bool(k)])
         else:
             out.append(k)
+        dim += width(k)
     return out
 
 
@@ -292,7 +314,7 @@ def _index_spec(shape: tuple[int, ...], key: Any) -> tuple[tuple, list]:
     """`key` as (static spec, index arrays): the spec keys the program, the arrays are operands."""
     spec: list = []
     arrays: list = []
-    for k in _index_entries(key):
+    for k in _index_entries(shape, key):
         if k is None or k is Ellipsis or isinstance(k, (bool, np.bool_)):
             spec.append(k if k is None or k is Ellipsis else bool(k))
         elif isinstance(k, slice):

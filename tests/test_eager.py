@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import autoshard as dist
 from autoshard import eager
+from autoshard.errors import OperandIndexError
 from autoshard.testing import make_tensor
 
 R, S, P = dist.Replicate, dist.Shard, dist.Partial
@@ -195,6 +196,52 @@ def test_indexing_and_slicing(a):
     rows = list(a)
     assert len(rows) == 8
     check(rows[5], A[5])
+
+
+_ROWS, _COLS = np.arange(8) % 3 == 0, np.arange(32) % 5 == 1
+
+
+@pytest.mark.parametrize("key", [
+    np.s_[_ROWS], np.s_[:, _ROWS], np.s_[..., _COLS], np.s_[1, _ROWS], np.s_[:, _ROWS, 4:],
+    np.s_[np.arange(4) > 1], np.s_[None, :, _ROWS], np.s_[np.ones((4, 8), bool)],
+    np.s_[:, np.eye(8, 32, dtype=bool)]], ids=[
+    "rows of dim 0", "dim 1", "... dim 2", "int then mask", "mask then slice", "dim 0 (4)",
+    "new axis first", "2-d over dims 0-1", "2-d over dims 1-2"])
+def test_boolean_masks_of_the_indexed_dims_read_and_write_like_numpy(key):
+    x3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
+    try:
+        want = x3[key]
+    except IndexError:
+        want = None
+    x = dist.shard_tensor(x3, MESH24, [S(1), S(2)])
+    if want is None:  # (numpy refuses: a mask of other sizes than its dims)
+        with pytest.raises(IndexError, match="boolean mask of shape"):
+            x[key]
+        return
+    check(x[key], want)
+    written = x3.copy()
+    written[key] = -1.0
+    x[key] = -1.0
+    check(x, written)
+
+
+@pytest.mark.parametrize("key", [
+    np.s_[np.array([True, False])], np.s_[np.ones((2, 2), bool)], np.s_[:, np.ones(4, bool)],
+    np.s_[..., np.ones(8, bool)], np.s_[0, np.ones((8, 8), bool)]], ids=[
+    "short dim 0", "2-d of other sizes", "dim 1 too short", "last dim too short",
+    "2-d past an int"])
+def test_a_boolean_mask_of_other_sizes_than_its_dims_is_an_index_error(key):
+    """numpy and jax refuse a mask that does not match the dims it indexes; its nonzero
+    indices picked (and wrote) other elements, silently."""
+    x3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
+    with pytest.raises(IndexError):
+        x3[key]
+    x = dist.shard_tensor(x3, MESH24, [S(1), S(2)])
+    with pytest.raises(OperandIndexError, match=r"boolean mask of shape .* indexes dims"):
+        x[key]
+    with pytest.raises(OperandIndexError, match=r"boolean mask of shape"):
+        x[key] = -1.0
+    check(x, x3)  # nothing written
 
 
 X3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
