@@ -163,7 +163,8 @@ def test_identity_reshard_is_free():
     mesh = dist.ProcessMesh(*MESHES["2x4"])
     x = dist.shard_tensor(_value(), mesh, ["S(0)", "S(1)"])
     assert dist.plan_reshard(x, mesh, ["S(0)", "S(1)"]).steps == ()
-    assert dist.reshard(x, mesh, ["S(0)", "S(1)"]) is x
+    y = dist.reshard(x, mesh, ["S(0)", "S(1)"])
+    assert y.physical is x.physical  # the same buffers, nothing moved (a tensor of its own)
 
 
 def test_co_shard_orders():
@@ -372,3 +373,22 @@ def test_an_offloaded_tensor_moves_between_meshes_and_stays_offloaded(dst_ids):
                        ["S(1)", "R"])
     assert out.memory_kind == "pinned_host" and out.mesh == dst
     np.testing.assert_array_equal(out.numpy(), value)
+
+
+@pytest.mark.parametrize("placements", [["S(0)", "R"], ["R", "S(1)"], ["P", "R"]])
+def test_a_reshard_that_moves_nothing_is_a_tensor_of_its_own(placements):
+    """reshard / shard_tensor to the placements a tensor has moves nothing, and gives a tensor
+    of its own: writing into it (`u[idx] = v`) leaves the original as it was (it was the same
+    object: the write changed both)."""
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["x", "y"])
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    for make in (lambda t: dist.reshard(t, mesh, placements),
+                 lambda t: dist.shard_tensor(t, mesh, placements)):
+        t = dist.shard_tensor(x, mesh, placements)
+        u = make(t)
+        assert u is not t and u.placements == t.placements
+        np.testing.assert_array_equal(u.numpy(), x)
+        u[0] = -1.0
+        np.testing.assert_array_equal(t.numpy(), x)
+        np.testing.assert_array_equal(u.numpy()[0], -1.0)
+        np.testing.assert_array_equal(u.numpy()[1:], x[1:])

@@ -99,7 +99,10 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | s
                            f"call's result instead, or stop donating it")
     plan = plan_reshard(x, mesh, placements, cost_model=cost_model)
     if not plan.steps and plan.src_mesh == plan.dst_mesh:
-        return x
+        # nothing moves, but the result is a tensor of its own (as Paddle's reshard returns):
+        # `y[idx] = v` on it must not write into `x`; the storage is shared (jax arrays are
+        # immutable, and item assignment gives a tensor new storage)
+        return DistTensor(x.physical, x.mesh, x.layout, x.shape)
     return make_dtensor(execute(plan, x.physical), mesh, plan.dst, x.shape)
 
 
