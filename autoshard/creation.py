@@ -12,7 +12,7 @@ import numpy as np
 from .compiler.dtypes import cost_dtype, dtype_name
 from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
-from .layout import Layout, block_bounds, layout_from_placements
+from .layout import Layout, block_bounds, check_partial_dtype, layout_from_placements
 from .mesh import ProcessMesh, as_process_mesh, one_device_per_process, spans_every_process
 from .physical import HOST_MEMORY_KINDS, device_put, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
@@ -53,6 +53,7 @@ def _add_partial(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> 
     base = make_dtensor(value, mesh, layout.without_partial(), shape)
     if not layout.partial:
         return base
+    check_partial_dtype(layout, value.dtype, _describe(shape, value.dtype))
     if is_uneven(layout, mesh, shape):  # the partial steps work on even blocks
         from .reshard.api import reshard
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .errors import PlacementError, ShardingError
 from .mesh import ProcessMesh
@@ -221,5 +221,19 @@ def partial_axes_in_mesh_order(layout: Layout, mesh: ProcessMesh) -> tuple[str, 
     return tuple(a for a in mesh.dim_names if a in partial)
 
 
-__all__ = ["Layout", "layout_from_placements", "block_bounds",
+def check_partial_dtype(layout: "Layout", dtype: Any, what: str) -> None:
+    """A Partial(max) / Partial(min) of complex numbers is an error: they have no order (XLA
+    has no max-reduction of them, and would fail deep in its runtime)."""
+    from jax import numpy as jnp
+
+    kinds = {t for t in layout.partial_map.values() if t in (ReduceType.MAX, ReduceType.MIN)}
+    if kinds and jnp.issubdtype(dtype, jnp.complexfloating):
+        kind = sorted(t.value for t in kinds)[0]
+        raise PlacementError(
+            f"{what} is complex, placed Partial({kind}): complex "
+            f"numbers have no order to take a {kind} by — place it Partial(sum) / "
+            f"Partial(avg), or Replicate / Shard")
+
+
+__all__ = ["check_partial_dtype", "Layout", "layout_from_placements", "block_bounds",
            "partial_index", "partial_axes_in_mesh_order"]

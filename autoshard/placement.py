@@ -178,11 +178,14 @@ def mean_of_parts(x, n: int, total, wide):
     dtype is, and without the sum overflowing the dtype (jax's pmean of uint8 parts 200 and
     100 gives 8 and 36): the parts' quotients by n and their remainders (in `wide`) summed
     apart."""
-    if not np.issubdtype(x.dtype, np.integer):
+    # (jax's issubdtype: ml_dtypes' int4 / uint4 are integers too, which numpy's does not know)
+    from jax import numpy as jnp
+
+    if not jnp.issubdtype(x.dtype, jnp.integer):
         return (total(x) / n).astype(x.dtype)
     rest = total((x % n).astype(wide))
     mean = total(x // n) + (rest // n).astype(x.dtype)
-    if np.issubdtype(x.dtype, np.signedinteger):  # floor → toward zero
+    if jnp.issubdtype(x.dtype, jnp.signedinteger):  # floor → toward zero
         mean = mean + ((mean < 0) & (rest % n != 0)).astype(x.dtype)
     return mean
 

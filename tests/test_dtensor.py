@@ -276,3 +276,35 @@ def test_tree_map_to_descriptions_and_host_values(placements):
     names = jax.tree.map(lambda x: "w", {"w": t})
     assert isinstance(names["w"], dist.DistTensor) and "dtype=?" in repr(names["w"])
     assert jax.tree.structure(names) == jax.tree.structure({"w": t})
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_a_complex_tensor_placed_partial_max_or_min_is_a_placement_error(kind):
+    """Complex numbers have no order: Partial(max) / Partial(min) of them is refused where it
+    is asked for (it was accepted, then failed deep in XLA's runtime when read: 'Unsupported
+    reduction computation'); Partial(sum) / (avg) of them are values as usual."""
+    mesh = dist.ProcessMesh(list(range(8)), dim_names=["x"])
+    x = np.array([1 + 2j, 3 - 1j], np.complex64)
+    with pytest.raises(dist.PlacementError, match=rf"complex64\[2\] is complex, placed "
+                                                  rf"Partial\({kind}\): complex numbers have no "
+                                                  rf"order"):
+        dist.shard_tensor(x, mesh, [dist.Partial(kind)])
+    t = dist.shard_tensor(x, mesh, [dist.Replicate()])
+    with pytest.raises(dist.PlacementError, match=rf"placed Partial\({kind}\)"):
+        dist.reshard(t, mesh, [dist.Partial(kind)])
+    for ok in ("sum", "avg"):
+        np.testing.assert_allclose(dist.shard_tensor(x, mesh, [dist.Partial(ok)]).numpy(), x)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int8", "uint8"])
+def test_a_partial_avg_of_narrow_integers_is_their_value(dtype):
+    """Partial(avg) of ml_dtypes' int4 / uint4 parts is exact as of numpy's integers (the
+    parts were summed in int4 before dividing, wrapping around: -3 read back as -1)."""
+    import jax.numpy as jnp
+
+    mesh = dist.ProcessMesh(list(range(8)), dim_names=["x"])
+    low, high = (-8, 7) if dtype.startswith("int") and "4" in dtype else (
+        (0, 15) if dtype == "uint4" else ((-128, 127) if dtype == "int8" else (0, 255)))
+    x = np.arange(low, high + 1).astype(jnp.dtype(dtype))
+    t = dist.shard_tensor(x, mesh, [dist.Partial("avg")])
+    np.testing.assert_array_equal(np.asarray(t.numpy()).astype(np.int32), x.astype(np.int32))

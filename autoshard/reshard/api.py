@@ -11,7 +11,7 @@ from ..compiler.dtypes import cost_dtype, dtype_name
 from ..cost_model import CostModel, check_cost_model, default_cost_model
 from ..dtensor import DistTensor, make_dtensor
 from ..errors import PlacementTypeError, ReshardError
-from ..layout import Layout, layout_from_placements
+from ..layout import Layout, check_partial_dtype, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..placement import Placement
 from ..uneven import even_part, is_key, key_partial_error
@@ -58,6 +58,7 @@ def plan_reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placemen
     check_cost_model(cost_model, "dist.plan_reshard")
     mesh = as_process_mesh(mesh)
     dst = layout_from_placements(placements, mesh, x.shape, what=f"the tensor {_describe(x)}")
+    check_partial_dtype(dst, x.dtype, f"the tensor {_describe(x)}")
     return plan_layouts(x.shape, cost_dtype(x.dtype), x.mesh, x.layout, mesh, dst,
                         cost_model or default_cost_model())
 
