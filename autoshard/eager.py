@@ -310,7 +310,7 @@ def _index_entries(shape: tuple[int, ...], key: Any) -> list:
     return out
 
 
-def _index_spec(shape: tuple[int, ...], key: Any) -> tuple[tuple, list]:
+def _index_spec(shape: tuple[int, ...], key: Any, check: bool = True) -> tuple[tuple, list]:
     """`key` as (static spec, index arrays): the spec keys the program, the arrays are operands."""
     spec: list = []
     arrays: list = []
@@ -329,7 +329,8 @@ def _index_spec(shape: tuple[int, ...], key: Any) -> tuple[tuple, list]:
         else:
             raise OperandIndexError(f"DistTensor index {k!r:.60}: only integers, slices (`:`), ellipsis "
                              f"(`...`), None and integer or boolean arrays are valid indices")
-    _check_bounds(shape, spec, arrays)
+    if check:
+        _check_bounds(shape, spec, arrays)
     return _progression_as_slice(shape, spec, arrays)
 
 
@@ -389,7 +390,9 @@ class _AtIndexer:
         self._x = x
 
     def __getitem__(self, key: Any) -> "_AtUpdate":
-        return _AtUpdate(self._x, *_index_spec(self._x.shape, key))
+        # the bounds are checked when the mode is known: jax's modes ("fill", "drop", "clip")
+        # say what an out-of-range index does; without one it is an IndexError, as numpy's
+        return _AtUpdate(self._x, *_index_spec(self._x.shape, key, check=False))
 
 
 class _AtUpdate:
@@ -398,15 +401,22 @@ class _AtUpdate:
     def __init__(self, x: DistTensor, static: tuple, arrays: list) -> None:
         self._x, self._static, self._arrays = x, static, arrays
 
-    def get(self, *, mode: str | None = None) -> DistTensor:
+    def _checked(self, mode: str | None) -> None:
+        if mode is None:
+            _check_bounds(self._x.shape, list(self._static), self._arrays)
+
+    def get(self, *, mode: str | None = None, fill_value: Any = None) -> DistTensor:
+        self._checked(mode)
         static = self._static
 
         def make() -> Callable[..., Any]:
-            return lambda x, *idx: x.at[_index(static, iter(idx))].get(mode=mode)
+            return lambda x, *idx: x.at[_index(static, iter(idx))].get(mode=mode,
+                                                                      fill_value=fill_value)
 
-        return run(("at_get", static, mode), make, self._x, *self._arrays)
+        return run(("at_get", static, mode, fill_value), make, self._x, *self._arrays)
 
     def _update(self, op: str, value: Any, mode: str | None) -> DistTensor:
+        self._checked(mode)
         parsed = _operand(value)
         if parsed is None:
             raise OperandTypeError(f"x.at[...].{op}() takes an array, a DistTensor or a scalar, not "

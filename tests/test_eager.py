@@ -244,6 +244,30 @@ def test_a_boolean_mask_of_other_sizes_than_its_dims_is_an_index_error(key):
     check(x, x3)  # nothing written
 
 
+@pytest.mark.parametrize("idx", [[1, 9], [0, 16], [-20, 3], [15, 16, 17], [2, 4, 6]],
+                         ids=["one past", "progression past", "below", "tail past", "inside"])
+@pytest.mark.parametrize("placements", [[S(0)], [R()]])
+def test_at_with_jaxs_modes_treats_out_of_range_indices_as_jax_does(idx, placements):
+    """x.at[idx].get(mode="fill", fill_value=...), .get(mode="clip"), .set(v, mode="drop" /
+    "clip") equal jax's for indices past either end (an out-of-range index was refused before
+    the mode was read); without a mode such an index is an IndexError, as numpy's."""
+    x = np.arange(16, dtype=np.float32)
+    t = dist.shard_tensor(x, MESH8, placements)
+    idx = np.array(idx)
+    j = jnp.asarray(x)
+    check(t.at[idx].get(mode="fill", fill_value=-1.0), np.asarray(j.at[idx].get(
+        mode="fill", fill_value=-1.0)))
+    check(t.at[idx].get(mode="clip"), np.asarray(j.at[idx].get(mode="clip")))
+    for mode in ("drop", "clip"):
+        check(t.at[idx].set(-5.0, mode=mode), np.asarray(j.at[idx].set(-5.0, mode=mode)))
+        check(t.at[idx].add(2.0, mode=mode), np.asarray(j.at[idx].add(2.0, mode=mode)))
+    if ((idx < -16) | (idx >= 16)).any():
+        with pytest.raises(IndexError, match="out of bounds"):
+            t.at[idx].get()
+        with pytest.raises(IndexError, match="out of bounds"):
+            t.at[idx].set(0.0)
+
+
 X3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
 
 
