@@ -64,10 +64,17 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, DistTensor)) or hasattr(x, "aval")
 
 
-_REDUCE = {ReduceType.SUM: jnp.sum, ReduceType.MAX: jnp.max, ReduceType.MIN: jnp.min,
-           ReduceType.AVG: lambda y, axis: mean_of_parts(y, y.shape[axis],
-                                                         lambda p: jnp.sum(p, axis=axis),
-                                                         jnp.int32)}
+def _sum_of_parts(y, axis: int):
+    """The parts summed in their own dtype, as a reshard's psum sums them (jnp.sum would
+    promote uint8 to uint32); truth values: any part true, as a reshard reads their sum."""
+    if y.dtype == jnp.bool_:
+        return jnp.any(y, axis=axis)
+    return jnp.sum(y, axis=axis, dtype=y.dtype)
+
+
+_REDUCE = {ReduceType.SUM: _sum_of_parts, ReduceType.MAX: jnp.max, ReduceType.MIN: jnp.min,
+           ReduceType.AVG: lambda y, axis: _sum_of_parts(y, axis) if y.dtype == jnp.bool_
+           else mean_of_parts(y, y.shape[axis], lambda p: _sum_of_parts(p, axis), jnp.int32)}
 
 
 def local_map(func: Callable | None = None, out_placements: Sequence | None = None,

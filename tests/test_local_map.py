@@ -268,3 +268,27 @@ def test_a_local_map_called_on_blocks_is_a_typed_error():
         dist.jit(outer)(X)
     with pytest.raises(dist.LocalMapError, match="inside the function of another local_map"):
         outer(dist.shard_tensor(X, MESH, [S(0), S(1)]))
+
+
+@pytest.mark.parametrize("kind", ["sum", "avg"])
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int8", "bfloat16"])
+def test_partial_outputs_keep_their_dtype(kind, dtype):
+    """A local_map output placed Partial is its parts combined in their own dtype, as a
+    reshard combines them: truth values read as their `or`, uint8 parts sum in uint8 (they
+    came back as an int32 count and as uint32)."""
+    import jax.numpy as jnp
+
+    mesh = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["x", "y"])
+    x = np.array([0, 1, 100, 250]).astype(jnp.dtype("uint8" if dtype == "bool" else dtype))
+    t = dist.shard_tensor(x, mesh, ["R", "R"])
+    fn = (lambda v: v > 0) if dtype == "bool" else (lambda v: v)
+    out = dist.local_map(fn, out_placements=[[f"P({kind})", "R"]], process_mesh=mesh)(t)
+    parts = np.stack([np.asarray(fn(jnp.asarray(x)))] * 2)  # one part per device along "x"
+    if dtype == "bool":
+        want = parts.any(axis=0)
+    elif kind == "sum":
+        want = np.asarray(jnp.sum(jnp.asarray(parts), axis=0, dtype=parts.dtype))
+    else:
+        want = parts[0]  # the mean of equal parts
+    assert out.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(out.numpy()), want)
