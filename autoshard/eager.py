@@ -155,8 +155,28 @@ def _apply(name: str, f: Callable[..., Any], *operands: Any) -> Any:
         # float32): give it the dtype jnp would, here, so the program sees a plain array.
         target = jnp.result_type(*(np.dtype(v.dtype) if k is None else k
                                    for v, k in zip(values, kinds)))
-        values = [v if k is None else np.asarray(v, dtype=target) for v, k in zip(values, kinds)]
+        try:
+            values = [v if k is None else np.asarray(v, dtype=target)
+                      for v, k in zip(values, kinds)]
+        except OverflowError:
+            # a Python int outside the dtype's range (uint8 + 300, x < 1000): the program
+            # takes it as jnp does, weakly typed (it wraps, or compares by value), one
+            # program per such value
+            return _with_scalars(name, f, values, kinds)
     return run((name,), lambda: f, *values)
+
+
+def _with_scalars(name: str, f: Callable[..., Any], values: list, kinds: list) -> Any:
+    scalars = tuple((i, v) for i, (v, k) in enumerate(zip(values, kinds)) if k is not None)
+    arrays = [v for v, k in zip(values, kinds) if k is None]
+
+    def make() -> Callable[..., Any]:
+        def fn(*xs):
+            it, given = iter(xs), dict(scalars)
+            return f(*[given[i] if i in given else next(it) for i in range(len(values))])
+        return fn
+
+    return run((name, ("scalars", scalars)), make, *arrays)
 
 
 def _binary(name: str, f: Callable[..., Any]) -> tuple[Callable, Callable]:
@@ -422,7 +442,12 @@ class _AtUpdate:
             raise OperandTypeError(f"x.at[...].{op}() takes an array, a DistTensor or a scalar, not "
                             f"{type(value).__name__}")
         static, x = self._static, self._x
-        v = parsed[0] if parsed[1] is None else np.asarray(parsed[0], dtype=x.dtype)
+        v = parsed[0]
+        if parsed[1] is not None:
+            try:
+                v = np.asarray(v, dtype=x.dtype)
+            except OverflowError:  # a Python int past the dtype's range: it wraps, as in jnp
+                v = np.asarray(v).astype(x.dtype)
         if x.dtype == np.bool_ and op in ("add", "multiply"):
             # jax's scatter adds or multiplies no truth values; on them a sum is an `or` and
             # a product an `and`, which max and min compute (jax.jit gives the same values)

@@ -268,6 +268,29 @@ def test_at_with_jaxs_modes_treats_out_of_range_indices_as_jax_does(idx, placeme
             t.at[idx].set(0.0)
 
 
+@pytest.mark.parametrize("op", ["x + 300", "300 - x", "x < 1000", "x == -1", "x >= -5",
+                                "x * 1000", "x // 300"])
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_python_ints_past_a_small_dtypes_range_operate_as_in_jnp(op, dtype):
+    """uint8 + 300, x < 1000, x == -1: a Python int outside the dtype's range is taken as jnp
+    takes it, weakly typed — wrapping, or compared by value (it was numpy's bare
+    OverflowError); item assignment of one wraps as jnp's .at[].set does."""
+    x = np.arange(8).astype(dtype)
+    t = dist.shard_tensor(x, MESH8, [S(0)])
+    fn = eval(f"lambda x: {op}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (jax may warn of the wrap)
+        want = np.asarray(fn(jnp.asarray(x)))
+        got = fn(t)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got.numpy()), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t[0] = 300
+        want = np.asarray(jnp.asarray(x).at[0].set(300))
+    np.testing.assert_array_equal(np.asarray(t.numpy()), want)
+
+
 X3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
 
 
