@@ -224,3 +224,33 @@ def test_a_custom_jvp_whose_result_is_reshaped_differentiates_by_its_rule(where)
     autodiff = jax.grad(lambda v: jnp.sum(jnp.concatenate([v, jnp.pad(v, (1, 0))[:-1]]) ** 2
                                           * jnp.arange(32.0)))(x)
     np.testing.assert_allclose(want, 2 * autodiff, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placements,mesh", [([dist.Shard(0)], MESH8),
+                                             ([dist.Shard(0), dist.Shard(1)], MESH24)])
+def test_a_custom_vjp_with_optimize_remat_differentiated_inside_stays_split(placements, mesh):
+    """custom_vjp(..., optimize_remat=True) differentiated inside dist.jit: jax's `remat_opt`
+    (its forward of residuals and outputs) is partitioned by its body's rules — it ran
+    replicated with a FallbackWarning, its inputs gathered — and the gradient equals one
+    device, with its operand's placements."""
+    import warnings
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x) * x
+
+    f.defvjp(lambda x: (jnp.sin(x) * x, (jnp.sin(x), jnp.cos(x), x)),
+             lambda r, g: (g * (r[0] + r[2] * r[1]),), optimize_remat=True)
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 10
+
+    def loss(x):
+        return (f(x) ** 2).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        g = dist.jit(jax.grad(loss))(dist.shard_tensor(x, mesh, placements))
+        value, g2 = dist.jit(jax.value_and_grad(loss))(dist.shard_tensor(x, mesh, placements))
+    np.testing.assert_allclose(g.numpy(), jax.grad(loss)(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g2.numpy(), jax.grad(loss)(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(value.numpy()), float(loss(x)), rtol=1e-5)
+    assert g.placements == placements

@@ -287,6 +287,9 @@ _INLINE_JAXPR_PARAM = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
+    # custom_vjp(optimize_remat=True) differentiated: its forward (residuals and outputs) is
+    # the closed `fwd_jaxpr` of all its operands, constants first (jax evaluates it so)
+    "remat_opt": "fwd_jaxpr",
 }  # checkpoint / remat are kept: their bodies are partitioned and re-wrapped (control_flow.py)
 
 _CUSTOM_RULES = {"custom_jvp_call", "custom_vjp_call"}
