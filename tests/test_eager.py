@@ -291,6 +291,22 @@ def test_python_ints_past_a_small_dtypes_range_operate_as_in_jnp(op, dtype):
     np.testing.assert_array_equal(np.asarray(t.numpy()), want)
 
 
+@pytest.mark.parametrize("op", ["ravel", "reshape", "prod", "sum", "add", "T"])
+@pytest.mark.parametrize("mesh", [MESH8, dist.ProcessMesh([0, 1, 2], ["x"])], ids=["8", "3"])
+def test_ops_on_an_empty_split_tensor_give_jnps_results(op, mesh):
+    """A (0, 4) tensor split on its empty dim: ops whose plan would gather it give jnp's
+    results (XLA's verifier refused the all-gather of a zero-sized dim, inside jax)."""
+    x = np.zeros((0, 4), np.float32)
+    t = dist.shard_tensor(x, mesh, [S(0)])
+    fn = {"ravel": lambda v: v.ravel(), "reshape": lambda v: v.reshape(-1),
+          "prod": lambda v: v.prod(), "sum": lambda v: v.sum(axis=0),
+          "add": lambda v: v + v.sum(axis=0), "T": lambda v: v.T}[op]
+    want = np.asarray(fn(jnp.asarray(x)))
+    got = fn(t)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got.numpy()), want)
+
+
 X3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
 
 

@@ -191,6 +191,13 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         if rp is None:
             return env[v]
         key = (v, rp.dst)
+        if 0 in v.aval.shape and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
+            # an empty array holds nothing to move (the plan lists no collective, and XLA's
+            # verifier refuses an all-gather of a zero-sized dim): its block in the target
+            # layout, made in place
+            if key not in moved:
+                moved[key] = jnp.zeros(rp.dst.local_shape(v.shape, sizes), v.dtype)
+            return moved[key]
         own = plan.layouts[v]
         start = outline.reshard_start(v, rp, moved, own)
         if start == outline.HAVE_TARGET:
@@ -283,7 +290,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             for i, rp in plan.eqns[j].reshards:
                 v = program.eqns[j].inputs[i]
                 step = combine.gather_step(v, rp, plan.layouts.get(v))
-                if (step is None or (v, rp.dst) in moved or v not in env
+                if (step is None or (v, rp.dst) in moved or v not in env or 0 in v.aval.shape
                         or used_until(v, rp.dst) >= end):
                     continue
                 first = (_STEPS, v, rp.src, step)
