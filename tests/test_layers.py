@@ -948,3 +948,48 @@ def test_context_parallel_needs_a_sep_dim_and_a_known_backend():
             "parallelize_plan": {"attn.sdpa": dist.ContextParallel("all2all")}}})
     with pytest.raises(ParallelizeError, match="backends are 'p2p'"):
         dist.ContextParallel("ring")
+
+
+def test_ulysses_with_fewer_key_value_heads_than_mp_times_sep_says_what_to_write():
+    """ContextParallel('all2all') on a (dp, sep, mp) mesh with grouped-query attention whose
+    k / v have 2 heads, mp x sep = 4: Ulysses cannot split 2 heads over 4 devices — a
+    ParallelizeError naming the layer, the heads and the repeat to write (it was a KeyError
+    deep in the reshard planner)."""
+    H, NH, KVH, HD = 16, 4, 2, 4
+
+    class SDPA(nnx.Module):
+        def __call__(self, q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(32, H, rngs=rngs)
+            self.q_proj = nnx.Linear(H, NH * HD, use_bias=False, rngs=rngs)
+            self.k_proj = nnx.Linear(H, KVH * HD, use_bias=False, rngs=rngs)
+            self.v_proj = nnx.Linear(H, KVH * HD, use_bias=False, rngs=rngs)
+            self.o_proj = nnx.Linear(NH * HD, H, use_bias=False, rngs=rngs)
+            self.sdpa = SDPA()
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            b, s, _ = x.shape
+            q = self.q_proj(x).reshape(b, s, NH, HD)
+            k = self.k_proj(x).reshape(b, s, KVH, HD)
+            v = self.v_proj(x).reshape(b, s, KVH, HD)
+            return self.o_proj(self.sdpa(q, k, v).reshape(b, s, NH * HD))
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), dim_names=["dp", "sep", "mp"])
+    config = {"cp_config": {"parallelize_plan": {"": dist.PrepareContextParallel("all2all"),
+                                                 "sdpa": dist.ContextParallel("all2all")}},
+              "mp_config": {"parallelize_plan": {"q_proj": ColWiseParallel(),
+                                                 "k_proj": ColWiseParallel(),
+                                                 "v_proj": ColWiseParallel(),
+                                                 "o_proj": RowWiseParallel()}}}
+    model, opt = parallelize(Model(nnx.Rngs(0)), optax.sgd(0.1), mesh=mesh, config=config)
+    m = dist.to_static(model, None, lambda o, y: jnp.mean((o - y) ** 2), opt)
+    ids = np.zeros((4, 16), np.int32)
+    with pytest.raises(ParallelizeError, match=r"ContextParallel\(backend='all2all'\) on layer "
+                                               r"'sdpa': Ulysses splits the heads .* over 'mp' "
+                                               r"and 'sep' \(4 devices\).* has 2 heads: give it "
+                                               r"a multiple of 4 .*jnp.repeat\(k, 2, axis=2\)"):
+        m(ids, np.zeros((4, 16, H), np.float32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import inspect
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -426,6 +427,15 @@ def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any)
         _hint_placements(config, x, split), mesh, tuple(x.shape),
         what=f"the activations of layer {path!r} ({kind}: a [batch, seq, ...] tensor)")
     if heads_over_mp and sep_dim == 2:
+        n = mesh.get_dim_size(mp) * mesh.get_dim_size(CP_DIM)
+        if x.shape[2] % n:
+            # (grouped-query attention: fewer key / value heads than query heads)
+            raise ParallelizeError(
+                f"{kind} on layer {path!r}: Ulysses splits the heads (dim 2) of q, k and v "
+                f"over {mp!r} and {CP_DIM!r} ({n} devices), but an argument of shape "
+                f"{list(x.shape)} has {x.shape[2]} heads: give it a multiple of {n} (repeat "
+                f"the key / value heads before the call, jnp.repeat(k, {n // math.gcd(n, x.shape[2])}, "
+                f"axis=2)), or use ContextParallel('p2p')")
         # Ulysses inside tensor parallelism: each mp device's heads (Megatron's blocks) are
         # split again over sep — mp the outer split — so the all-to-alls stay within sep
         # (in mesh order, a sep-major split would reorder the heads across mp as well)
