@@ -421,6 +421,43 @@ def test_linen_attention_params_are_split_by_heads_too():
     assert placed["params"]["conv"]["kernel"].placements == [R, S(1)]
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("names", [("q_proj", "k_proj", "v_proj", "o_proj"),
+                                   ("query", "key", "value", "out")], ids=["paddle", "flax"])
+def test_linen_attention_projections_by_paddle_names_or_without_bias_are_split_by_heads(
+        names, bias):
+    """linen DenseGeneral projections named as PaddleNLP names them (q_proj ... o_proj), or
+    without biases: q / k / v split on the heads, the output projection on its input heads
+    (o_proj was split on head_dim, and bias-free q / k / v on head_dim: attention's scores then
+    had to be re-laid out); the forward needs one all-reduce and equals one device."""
+    heads, head_dim, d = 4, 4, 16
+
+    class Attn(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            q, k, v = (linen.DenseGeneral((heads, head_dim), use_bias=bias, name=n)(x)
+                       for n in names[:3])
+            w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0, -1)
+            return linen.DenseGeneral(d, axis=(-2, -1), use_bias=bias, name=names[3])(
+                jnp.einsum("bhqk,bkhd->bqhd", w, v))
+
+    attn = Attn()
+    x = np.random.default_rng(2).normal(size=(4, 6, d)).astype("float32")
+    variables = attn.init(jax.random.key(0), x)
+    plan = {f"params.{n}": ColWiseParallel() for n in names[:3]}
+    plan[f"params.{names[3]}"] = RowWiseParallel()
+    placed = parallelize(variables, mesh=MESH, config=_mp(plan))
+    p = placed["params"]
+    for n in names[:3]:
+        assert p[n]["kernel"].placements == [R, S(1)], n
+    assert p[names[3]]["kernel"].placements == [R, S(0)]
+    f = dist.jit(lambda v, x: attn.apply(v, x))
+    xd = dist.shard_tensor(x, MESH, [S(0), R])
+    np.testing.assert_allclose(f(placed, xd).numpy(), np.asarray(attn.apply(variables, x)),
+                               rtol=1e-5, atol=1e-6)
+    assert collectives(f.lower(placed, xd).compile().as_text()) == ["all-reduce"]
+
+
 class ScannedMLPs(nnx.Module):
     """Three MLPs stacked (params with a leading layer dim) by nnx.vmap, run by nnx.scan."""
 

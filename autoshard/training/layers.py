@@ -880,6 +880,9 @@ def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
     return ParallelConfig(mesh, dp, mp, level)
 
 
+_QKV_NAMES = (frozenset({"query", "key", "value"}), frozenset({"q_proj", "k_proj", "v_proj"}))
+
+
 def _features(modules: Mapping[str, Any], path: str, ndim: int) -> tuple | None:
     """(first input-feature dim, first output-feature dim) of parameter `path` (of `ndim`
     dims) of a linear layer (kernel: batch dims, input features, output features; bias: batch
@@ -893,6 +896,14 @@ def _features(modules: Mapping[str, Any], path: str, ndim: int) -> tuple | None:
     if isinstance(module, Mapping):  # a linen params dict: the bias says where outputs start
         kernel, bias = (tuple(np.shape(module.get(k))) if k in module else None
                         for k in ("kernel", "bias"))
+        # an attention block's projections, by flax's names or PaddleNLP's
+        owner = modules.get(_parent(_parent(path)))
+        siblings = set(owner) if isinstance(owner, Mapping) else set()
+        qkv = next((names for names in _QKV_NAMES if names <= siblings), None)
+        if kernel is not None and bias is None and qkv is not None and len(kernel) == 3:
+            # no bias to tell: q / k / v (in, heads, head_dim), the output (heads, head_dim, out)
+            layer = _parent(path).rpartition(".")[2]
+            return {"kernel": (0, 1) if layer in qkv else (0, 2)}.get(name)
         if kernel is None or bias is None or not bias or len(bias) >= len(kernel):
             return None
         # `stack` leading dims shared by kernel and bias: layers stacked by nn.scan / nn.vmap
@@ -903,9 +914,7 @@ def _features(modules: Mapping[str, Any], path: str, ndim: int) -> tuple | None:
         outputs = len(kernel) - len(bias) + stack
         # inputs start at 0 only for attention's output projection (its siblings are query,
         # key, value): a 1-d conv kernel (width, in, out) has the same shape
-        owner = modules.get(_parent(_parent(path)))
-        attention = isinstance(owner, Mapping) and {"query", "key", "value"} <= set(owner)
-        inputs = stack if attention else (len(kernel) - 2 if not stack else outputs - 1)
+        inputs = stack if qkv is not None else (len(kernel) - 2 if not stack else outputs - 1)
         return {"kernel": (inputs, outputs), "bias": (None, stack)}.get(name)
     nnx = _nnx()
     if isinstance(module, nnx.LinearGeneral):
