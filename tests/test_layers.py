@@ -458,6 +458,35 @@ def test_linen_attention_projections_by_paddle_names_or_without_bias_are_split_b
     assert collectives(f.lower(placed, xd).compile().as_text()) == ["all-reduce"]
 
 
+def test_a_paddle_weight_pattern_reaches_every_flax_name_it_may_be():
+    """'*.weight' written for Paddle reaches the Linear kernels and the Embed table it names
+    there (it was translated to the first flax name that matched, 'kernel': the embedding was
+    left replicated, silently); training equals one device."""
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.up_proj = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.up_proj(x)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed_tokens = nnx.Embed(32, 16, rngs=rngs)
+            self.layer = Layer(rngs)
+
+        def __call__(self, ids):
+            return self.layer(self.embed_tokens(ids))
+
+    model = parallelize(Model(nnx.Rngs(0)), mesh=MESH, config=_mp({"*.weight": ColWiseParallel()}))
+    assert model.embed_tokens.embedding.get_value().placements == [R, S(1)]
+    assert model.layer.up_proj.kernel.get_value().placements == [R, S(1)]
+    ids = np.arange(8, dtype=np.int32).reshape(2, 4)
+    graphdef, state = nnx.split(model)
+    out = dist.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, ids)
+    np.testing.assert_allclose(out.numpy(), np.asarray(Model(nnx.Rngs(0))(ids)), rtol=1e-5,
+                               atol=1e-6)
+
+
 class ScannedMLPs(nnx.Module):
     """Three MLPs stacked (params with a leading layer dim) by nnx.vmap, run by nnx.scan."""
 

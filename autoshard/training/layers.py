@@ -810,9 +810,9 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
             # without the 'params' collection its paths start with
             pattern = "params." + pattern
             hit_modules = [m for m in modules if fnmatchcase(m, pattern)]
-        pattern = _flax_name(pattern, shapes)
+        names = _flax_names(pattern, shapes)
         if plan.places_params:
-            hits = {p for p in shapes if fnmatchcase(p, pattern)}
+            hits = {p for p in shapes if any(fnmatchcase(p, n) for n in names)}
             hits |= {p for p in shapes if _parent(p) in hit_modules}
             for p in sorted(hits):
                 if p in targets.params and targets.params[p][1] != plan:
@@ -842,17 +842,16 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
 _PADDLE_PARAM_NAMES = {"weight": ("kernel", "embedding", "scale")}
 
 
-def _flax_name(pattern: str, shapes: Mapping[str, tuple]) -> str:
-    """`pattern` with a Paddle parameter name that matches nothing replaced by the flax name
-    that matches (unchanged otherwise: the error then names the original)."""
+def _flax_names(pattern: str, shapes: Mapping[str, tuple]) -> tuple[str, ...]:
+    """`pattern`, with a Paddle parameter name that matches nothing as every flax name it may
+    be ('*.weight': the Linear kernels and the Embed tables and the norms' scales it reaches);
+    unchanged otherwise (the error then names the original)."""
     head, dot, last = pattern.rpartition(".")
     if last not in _PADDLE_PARAM_NAMES or any(fnmatchcase(p, pattern) for p in shapes):
-        return pattern
-    for name in _PADDLE_PARAM_NAMES[last]:
-        candidate = f"{head}{dot}{name}"
-        if any(fnmatchcase(p, candidate) for p in shapes):
-            return candidate
-    return pattern
+        return (pattern,)
+    found = tuple(f"{head}{dot}{name}" for name in _PADDLE_PARAM_NAMES[last]
+                  if any(fnmatchcase(p, f"{head}{dot}{name}") for p in shapes))
+    return found or (pattern,)
 
 
 def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
