@@ -419,6 +419,10 @@ def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any)
     if not isinstance(x, jax.core.Tracer) or not x.ndim:
         return x  # a placement hint means something only while dist.jit traces
     mesh = config.mesh
+    if x.ndim <= sep_dim or x.shape[sep_dim] < mesh.get_dim_size(CP_DIM):
+        # not a [batch, seq, heads, head_dim] tensor the dim splits: an attention mask's
+        # size-1 head dim ([batch, 1, seq, seq]), a bias — left where the program puts it
+        return x
     mp = config.mp_dim
     heads_over_mp = (mp not in (CP_DIM, config.dp_dim) and x.ndim >= 3
                      and x.shape[2] % mesh.get_dim_size(mp) == 0)
