@@ -93,10 +93,17 @@ def shift_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, dim, shif
             rows = end - first
             to = "" if len(need) == n else f" to block{'s' if len(need) > 1 else ''} " + \
                 ",".join(map(str, need))
+            # where the rows come from, as the receivers see it: a token shift's previous
+            # block is "1 block before", not "n - 1 blocks after (cyclic)"
+            if all(i - (n - hop) >= 0 for i in need):
+                source = f"{n - hop} block{'' if n - hop == 1 else 's'} before"
+            elif all(i + hop < n for i in need):
+                source = f"{hop} block{'' if hop == 1 else 's'} after"
+            else:
+                source = f"{hop} block{'' if hop == 1 else 's'} after (cyclic)"
             out.append(("collective-permute",
                         f"ppermute({','.join(axes)}) {rows} row{'' if rows == 1 else 's'} of dim "
-                        f"{dim} from {hop} block{'' if hop == 1 else 's'} after (cyclic){to}",
-                        axes, rows * row, 0))
+                        f"{dim} from {source}{to}", axes, rows * row, 0))
     return out
 
 

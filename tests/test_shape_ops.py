@@ -197,6 +197,26 @@ def test_a_roll_by_one_row_sends_one_row():
     assert "1 row of dim 0" in c.step and c.where and "test_shape_ops.py" in c.where.line
 
 
+@pytest.mark.parametrize("fn,source,pairs", [
+    (lambda x: jnp.pad(x[:-1], ((1, 0), (0, 0))), "from 1 block before to blocks 1,2,3",
+     "{0,1},{1,2},{2,3}"),
+    (lambda x: jnp.pad(x[1:], ((0, 1), (0, 0))), "from 1 block after to blocks 0,1,2",
+     "{1,0},{2,1},{3,2}"),
+    (lambda x: jnp.roll(x, 1, axis=0), "from 3 blocks after (cyclic)", None),
+], ids=["token shift", "shift back", "roll"])
+def test_a_shift_says_which_block_its_rows_come_from(fn, source, pairs):
+    """The plan's words for a shift's collective-permute match the compiled sends: a token
+    shift reads the block before (it was described as '3 blocks after (cyclic)')."""
+    x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    dx = dist.shard_tensor(x, dist.ProcessMesh([0, 1, 2, 3], ["sp"]), [S(0)])
+    g = dist.jit(fn)
+    np.testing.assert_array_equal(g(dx).numpy(), np.asarray(fn(jnp.asarray(x))))
+    (c,) = g.plan(dx).collectives
+    assert source in c.step, c.step
+    if pairs is not None:
+        assert f"source_target_pairs={{{pairs}}}" in g.lower(dx).compile().as_text()
+
+
 def test_token_shift_model_over_a_split_sequence():
     """An RWKV-style token shift (each position mixes in the previous one) in a flax nnx
     model, tokens split over mp and the batch over dp: the loss and gradients equal one
