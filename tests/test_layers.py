@@ -525,6 +525,45 @@ def test_context_parallel_attention_with_a_mask_argument_equals_one_device():
                                float(loss(Model(nnx.Rngs(0))(ids), labels)), rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["p2p", "all2all"])
+def test_context_parallel_over_a_sequence_sep_does_not_divide_equals_one_device(backend):
+    """10 tokens over sep = 4: the attention's arguments are computed with the sequence whole,
+    with the UnevenShardingWarning dist.shard_tensor gives (p2p died with a KeyError in the
+    reshard planner); the loss equals one device."""
+    H, NH, HD = 16, 4, 4
+
+    class SDPA(nnx.Module):
+        def __call__(self, q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(32, H, rngs=rngs)
+            self.qkv = nnx.Linear(H, 3 * H, use_bias=False, rngs=rngs)
+            self.sdpa = SDPA()
+            self.head = nnx.Linear(H, 32, use_bias=False, rngs=rngs)
+
+        def __call__(self, ids):
+            b, s = ids.shape
+            q, k, v = jnp.split(self.qkv(self.embed(ids)).reshape(b, s, 3 * NH, HD), 3, axis=2)
+            return self.head(self.sdpa(q, k, v).reshape(b, s, H))
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "sep"])
+    config = {"cp_config": {"parallelize_plan": {"": dist.PrepareContextParallel(backend),
+                                                 "sdpa": dist.ContextParallel(backend)}}}
+    model = parallelize(Model(nnx.Rngs(0)), mesh=mesh, config=config)
+
+    def loss(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    m = dist.to_static(model, None, loss, optax.sgd(0.1))
+    rng = np.random.default_rng(0)
+    ids, labels = (rng.integers(0, 32, (4, 10)).astype(np.int32) for _ in range(2))
+    with pytest.warns(dist.UnevenShardingWarning):
+        value = float(m(ids, labels).numpy())
+    np.testing.assert_allclose(value, float(loss(Model(nnx.Rngs(0))(ids), labels)), rtol=1e-5)
+
+
 class ScannedMLPs(nnx.Module):
     """Three MLPs stacked (params with a leading layer dim) by nnx.vmap, run by nnx.scan."""
 

@@ -447,8 +447,13 @@ def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any)
         dims[sep_dim] = (mp, CP_DIM)
         layout = Layout(tuple(dims), layout.partial)
     from ..compiler.trace import bind_hint
+    from ..uneven import even_part
 
-    return bind_hint(x, mesh, layout, False)
+    even = even_part(layout, mesh, tuple(x.shape))
+    if even is not layout:  # programs compute on even layouts only, as dist.shard_tensor's
+        warn_uneven(layout, mesh, tuple(x.shape), f"{kind} on layer {path!r}",
+                    "is computed with that dim whole")
+    return bind_hint(x, mesh, even, False)
 
 
 def _on_all(hook: Callable) -> Callable:
