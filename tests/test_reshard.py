@@ -392,3 +392,16 @@ def test_a_reshard_that_moves_nothing_is_a_tensor_of_its_own(placements):
         np.testing.assert_array_equal(t.numpy(), x)
         np.testing.assert_array_equal(u.numpy()[0], -1.0)
         np.testing.assert_array_equal(u.numpy()[1:], x[1:])
+
+
+def test_a_layout_no_step_reaches_is_a_reshard_error_not_a_key_error():
+    """The planner's search asked for a layout whose split the devices do not divide (2 rows
+    over 4): a ReshardError saying so (it was a bare KeyError from inside the search)."""
+    from autoshard.cost_model import default_cost_model
+    from autoshard.layout import Layout
+    from autoshard.reshard.planner import plan_on_mesh
+
+    mesh = dist.ProcessMesh([0, 1, 2, 3], ["x"])
+    with pytest.raises(dist.ReshardError, match=r"no reshard reaches .* for shape \[2, 4\]"):
+        plan_on_mesh(mesh, Layout(((), ())), Layout((("x",), ())), (2, 4), "float32",
+                     default_cost_model())

@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from ..cost_model import CostModel
+from ..errors import ReshardError
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
@@ -184,6 +185,12 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
                 best[nxt] = total
                 back[nxt] = (layout, PlannedStep(step, mesh, layout, nxt, int(round(wire)), seconds))
                 heapq.heappush(heap, (total, next(counter), nxt))
+    if dst not in back:
+        # (callers ask for layouts the shape divides: one that does not is a bug of the caller)
+        raise ReshardError(
+            f"no reshard reaches {dst.describe(mesh)} from {src.describe(mesh)} for shape "
+            f"{list(shape)} on {mesh!r}: a dim split over devices that do not divide it is "
+            f"computed whole (dist.shard_tensor / dist.reshard do so, with a warning)")
     steps = []
     node = dst
     while node != src:
