@@ -126,11 +126,15 @@ def once_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, **params):
     axes = _spread(sizes)
     if not axes:
         return []
+    n = math.prod(sizes[a] for a in axes)
     out = []
     for a in out_avals:
         wire, parts = _wire(a.dtype)
+        # what each device sends, as the planner counts an all-reduce (a ring's 2 (n - 1) / n
+        # of the buffer), not the buffer itself
+        nbytes = 2 * math.prod(a.shape) * wire.itemsize * (n - 1) // n
         out += [("all-reduce", f"psum({','.join(axes)}) the callback's result from device 0",
-                 axes, math.prod(a.shape) * wire.itemsize)] * parts
+                 axes, nbytes)] * parts
     return out
 
 

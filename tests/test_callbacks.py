@@ -99,7 +99,7 @@ def test_pure_and_io_callbacks_run_once_on_the_global_value(kind, placements):
     with a -0.0 and an integer output — reaches every device by one planned all-reduce."""
     from jax.experimental import io_callback
 
-    from autoshard.hlo import count_collectives
+    from autoshard.hlo import collective_wire_bytes, count_collectives
 
     calls = []
 
@@ -132,8 +132,11 @@ def test_pure_and_io_callbacks_run_once_on_the_global_value(kind, placements):
     # the operand is gathered for the host function (as jax.jit's maximal sharding gathers it)
     gathers = [c for c in plan.collectives if c.kind == "all-gather"]
     assert len(gathers) == len(plan.collectives) - 2
-    assert count_collectives(f.lower(x).compile().as_text()) == \
-        Counter(c.kind for c in plan.collectives)
+    hlo_text = f.lower(x).compile().as_text()
+    assert count_collectives(hlo_text) == Counter(c.kind for c in plan.collectives)
+    # each device's bytes as the planner counts every all-reduce (they were the buffer's)
+    assert sum(c.bytes_per_device for c in plan.collectives if c.kind == "all-reduce") == \
+        collective_wire_bytes(hlo_text)["all-reduce"]
 
 
 def test_an_io_callback_in_a_scan_body_runs_once_per_iteration():
