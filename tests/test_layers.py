@@ -487,54 +487,21 @@ def test_a_paddle_weight_pattern_reaches_every_flax_name_it_may_be():
                                atol=1e-6)
 
 
-def test_context_parallel_attention_with_a_mask_argument_equals_one_device():
-    """ContextParallel('p2p') on sdpa(q, k, v, mask) with jax's [batch, 1, seq, seq] mask: the
-    mask's size-1 dim is not split over sep (it was, and the step died with a KeyError in the
-    reshard planner); the loss equals one device."""
-    H, NH, HD, T = 16, 4, 4, 16
-
-    class SDPA(nnx.Module):
-        def __call__(self, q, k, v, mask):
-            return jax.nn.dot_product_attention(q, k, v, mask=mask)
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(32, H, rngs=rngs)
-            self.qkv = nnx.Linear(H, 3 * H, use_bias=False, rngs=rngs)
-            self.sdpa = SDPA()
-            self.head = nnx.Linear(H, 32, use_bias=False, rngs=rngs)
-
-        def __call__(self, ids):
-            b, s = ids.shape
-            q, k, v = jnp.split(self.qkv(self.embed(ids)).reshape(b, s, 3 * NH, HD), 3, axis=2)
-            mask = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, 1, s, s))
-            return self.head(self.sdpa(q, k, v, mask).reshape(b, s, H))
-
-    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "sep"])
-    config = {"cp_config": {"parallelize_plan": {"": dist.PrepareContextParallel("p2p"),
-                                                 "sdpa": dist.ContextParallel("p2p")}}}
-    model = parallelize(Model(nnx.Rngs(0)), mesh=mesh, config=config)
-
-    def loss(logits, y):
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    m = dist.to_static(model, None, loss, optax.sgd(0.1))
-    rng = np.random.default_rng(0)
-    ids, labels = (rng.integers(0, 32, (4, T)).astype(np.int32) for _ in range(2))
-    np.testing.assert_allclose(float(m(ids, labels).numpy()),
-                               float(loss(Model(nnx.Rngs(0))(ids), labels)), rtol=1e-5)
-
-
-@pytest.mark.parametrize("backend", ["p2p", "all2all"])
-def test_context_parallel_over_a_sequence_sep_does_not_divide_equals_one_device(backend):
-    """10 tokens over sep = 4: the attention's arguments are computed with the sequence whole,
-    with the UnevenShardingWarning dist.shard_tensor gives (p2p died with a KeyError in the
-    reshard planner); the loss equals one device."""
+@pytest.mark.parametrize("backend,tokens,masked", [("p2p", 16, True), ("p2p", 10, False),
+                                                   ("all2all", 10, False)],
+                         ids=["p2p mask argument", "p2p 10 tokens", "all2all 10 tokens"])
+def test_context_parallel_of_masks_and_uneven_sequences_equals_one_device(backend, tokens,
+                                                                        masked):
+    """ContextParallel on sdpa(q, k, v, mask) with jax's [batch, 1, seq, seq] mask: the mask's
+    size-1 dim is not split over sep; 10 tokens over sep = 4: the attention's arguments are
+    computed with the sequence whole, with the UnevenShardingWarning dist.shard_tensor gives
+    (p2p died with a KeyError in the reshard planner in both); the loss equals one device."""
     H, NH, HD = 16, 4, 4
 
     class SDPA(nnx.Module):
-        def __call__(self, q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        def __call__(self, q, k, v, *mask):
+            return jax.nn.dot_product_attention(q, k, v, mask=mask[0] if mask else None,
+                                                is_causal=not mask)
 
     class Model(nnx.Module):
         def __init__(self, rngs):
@@ -546,7 +513,9 @@ def test_context_parallel_over_a_sequence_sep_does_not_divide_equals_one_device(
         def __call__(self, ids):
             b, s = ids.shape
             q, k, v = jnp.split(self.qkv(self.embed(ids)).reshape(b, s, 3 * NH, HD), 3, axis=2)
-            return self.head(self.sdpa(q, k, v).reshape(b, s, H))
+            mask = (jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, 1, s, s)),) \
+                if masked else ()
+            return self.head(self.sdpa(q, k, v, *mask).reshape(b, s, H))
 
     mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "sep"])
     config = {"cp_config": {"parallelize_plan": {"": dist.PrepareContextParallel(backend),
@@ -558,9 +527,12 @@ def test_context_parallel_over_a_sequence_sep_does_not_divide_equals_one_device(
 
     m = dist.to_static(model, None, loss, optax.sgd(0.1))
     rng = np.random.default_rng(0)
-    ids, labels = (rng.integers(0, 32, (4, 10)).astype(np.int32) for _ in range(2))
-    with pytest.warns(dist.UnevenShardingWarning):
+    ids, labels = (rng.integers(0, 32, (4, tokens)).astype(np.int32) for _ in range(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         value = float(m(ids, labels).numpy())
+    uneven = [w for w in caught if w.category is dist.UnevenShardingWarning]
+    assert bool(uneven) == (tokens % 4 != 0)
     np.testing.assert_allclose(value, float(loss(Model(nnx.Rngs(0))(ids), labels)), rtol=1e-5)
 
 
