@@ -397,13 +397,15 @@ def _late_as_read(jaxpr, parts: list, stage_of: dict, mesh_of: dict, free: dict)
             given.update(e.outvars)
     if not stage_eqn:
         return parts, stage_of
-    readers: dict = {}  # Var -> the stages of the equations reading it
+    readers: dict = {}  # Var -> {stage: how many of its equations read it}
     for k, part in enumerate(parts):
         for e in part.eqns:
             for v in e.invars:
                 if _is_var(v):
-                    readers.setdefault(v, set()).add(k)
+                    count = readers.setdefault(v, {})
+                    count[k] = count.get(k, 0) + 1
     returned = {v for v in jaxpr.outvars if _is_var(v)}
+    moved: dict = {}  # id(eqn) -> the stage it moves to
     for e in reversed(jaxpr.eqns):  # readers first: a chain moves together
         k = stage_eqn.get(id(e))
         if k is None or any(v in returned for v in e.outvars):
@@ -414,15 +416,25 @@ def _late_as_read(jaxpr, parts: list, stage_of: dict, mesh_of: dict, free: dict)
         to = max(j for j in range(k, first + 1) if parts[j].mesh == parts[k].mesh)
         if to == k:
             continue
-        parts[k].eqns = [q for q in parts[k].eqns if q is not e]
-        parts[to].eqns.append(e)
+        moved[id(e)] = to
         for v in e.outvars:
             stage_of[v] = to
         for v in e.invars:
             if _is_var(v) and v in readers:
-                readers[v].add(to)
-                if not any(q is not e and v in q.invars for q in parts[k].eqns):
-                    readers[v].discard(k)
+                count = readers[v]
+                count[to] = count.get(to, 0) + 1
+                count[k] -= 1
+                if not count[k]:
+                    del count[k]
+    if moved:
+        arriving = [[] for _ in parts]
+        for k, part in enumerate(parts):
+            stay = []
+            for e in part.eqns:
+                (arriving[moved[id(e)]] if id(e) in moved else stay).append(e)
+            part.eqns = stay
+        for part, more in zip(parts, arriving):
+            part.eqns.extend(more)  # (a stage's equations are put in program order later)
     kept = [k for k, p in enumerate(parts) if p.eqns]
     if len(kept) < len(parts):
         renumber = {k: n for n, k in enumerate(kept)}

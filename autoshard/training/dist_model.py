@@ -541,19 +541,17 @@ class DistModel:
         the batch is split over (where each device's gradient is a part of the sum), so they
         are reduced once per k steps, over those dims only."""
         stage = self.optimizer.stage if self.optimizer is not None else 0
-        # the dims the batch is split over, by name on each mesh it lives on (a model on two
-        # meshes reads its inputs on the first and its labels on the last)
-        split = {(x.mesh, k) for x in batch if _is_dt(x) for k, q in enumerate(x.placements)
-                 if not isinstance(q, Replicate)}
-        names = {m.dim_names[k] for m, k in split}
+        # the mesh dims the batch is split over, by name: a model on two meshes reads its
+        # inputs on the first and its labels on the last
+        split = {x.mesh.dim_names[k] for x in batch if _is_dt(x)
+                 for k, q in enumerate(x.placements) if not isinstance(q, Replicate)}
         out = []
         for p in jax.tree.leaves(self.params, is_leaf=_is_dt):
             if stage >= 2:
                 out.append(self.optimizer.state_placements(p))
             else:
-                out.append([Partial() if ((p.mesh, k) in split or name in names)
-                            and isinstance(q, Replicate) else q
-                            for k, (q, name) in enumerate(zip(p.placements, p.mesh.dim_names))])
+                out.append([Partial() if name in split and isinstance(q, Replicate) else q
+                            for q, name in zip(p.placements, p.mesh.dim_names)])
         return out
 
     def _program(self, name: str, args: tuple):

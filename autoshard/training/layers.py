@@ -19,7 +19,7 @@ from ..errors import AutoshardError
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..placement import Placement, Replicate, Shard
-from ..uneven import is_uneven, warn_uneven
+from ..uneven import even_part, is_uneven, warn_uneven
 from . import annotations
 from .pipeline_split import definition_order, module_stages, move_inputs, stage_starts
 
@@ -447,7 +447,6 @@ def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any)
         dims[sep_dim] = (mp, CP_DIM)
         layout = Layout(tuple(dims), layout.partial)
     from ..compiler.trace import bind_hint
-    from ..uneven import even_part
 
     even = even_part(layout, mesh, tuple(x.shape))
     if even is not layout:  # programs compute on even layouts only, as dist.shard_tensor's
