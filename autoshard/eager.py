@@ -302,7 +302,8 @@ def _index_entries(shape: tuple[int, ...], key: Any) -> list:
     # result's shape then depends on the mask's values, which a traced program could not know.
     # It must have the shape of the dims it indexes, as numpy and jax require (its nonzero
     # indices would otherwise pick other elements, silently).
-    entries = [np.asarray(k) if isinstance(k, list) else k
+    # an empty list is an empty integer index, as numpy reads it (np.asarray makes it float)
+    entries = [(np.asarray(k) if k else np.zeros(0, np.intp)) if isinstance(k, list) else k
                for k in (key if isinstance(key, tuple) else (key,))]
 
     def width(k) -> int:  # the dims an entry indexes

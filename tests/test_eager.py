@@ -225,6 +225,17 @@ def test_boolean_masks_of_the_indexed_dims_read_and_write_like_numpy(key):
     check(x, written)
 
 
+@pytest.mark.parametrize("key", [np.s_[[]], np.s_[:, []], np.s_[..., []], np.s_[[], 1]],
+                         ids=["dim 0", "dim 1", "last dim", "then an int"])
+def test_an_empty_list_index_is_an_empty_integer_index_as_in_numpy(key):
+    """numpy reads `[]` as an integer index array of no elements (not a float array)."""
+    x3 = np.arange(4 * 8 * 32, dtype=np.float32).reshape(4, 8, 32)
+    x = dist.shard_tensor(x3, MESH24, [S(1), S(2)])
+    check(x[key], x3[key])
+    x[key] = -1.0
+    check(x, x3)  # nothing written
+
+
 @pytest.mark.parametrize("key", [
     np.s_[np.array([True, False])], np.s_[np.ones((2, 2), bool)], np.s_[:, np.ones(4, bool)],
     np.s_[..., np.ones(8, bool)], np.s_[0, np.ones((8, 8), bool)]], ids=[
