@@ -349,6 +349,14 @@ def test_parallelize_errors_name_the_parameter():
                             "mp_config": {"parallelize_plan": {"up": ColWiseParallel()}}})
     with pytest.raises(ParallelizeError, match="'mlp.up' matches no layer or parameter.*'down'"):
         run({"mlp.up": ColWiseParallel()})
+    class Outer(nnx.Module):  # 'mlp' is a layer that holds layers, no parameters
+        def __init__(self, rngs):
+            self.mlp = MLP(rngs)
+
+    with pytest.raises(ParallelizeError, match=r"'mlp' matches the layer\(s\) \['mlp'\], which "
+                       r"hold no parameters of their own.*'mlp.down'"):
+        parallelize(Outer(nnx.Rngs(0)), mesh=MESH,
+                    config={"mp_config": {"parallelize_plan": {"mlp": ColWiseParallel()}}})
     with pytest.raises(ParallelizeError, match="'up.kernel' gets ColWiseParallel.*RowWiseParallel"):
         run({"up": ColWiseParallel(), "*.kernel": RowWiseParallel()})
     with pytest.raises(ParallelizeError, match=r"pp_config'\] takes 'split_spec'"):

@@ -836,6 +836,17 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
             hits = set(hit_modules)
             for m in hit_modules:
                 targets.hooks.setdefault(m, []).append(plan)
+        if not hits and hit_modules:
+            subs = sorted(p for p in shapes if any(p.startswith(m + ".") for m in hit_modules))
+            inner = sorted({_parent(p)[len(m) + 1:] for p in subs for m in hit_modules
+                            if p.startswith(m + ".")} - {""})
+            raise ParallelizeError(
+                f"parallelize_plan pattern {pattern!r} matches the layer(s) "
+                f"{hit_modules[:4]}{' ...' if len(hit_modules) > 4 else ''}, which hold no "
+                f"parameters of their own, so {plan!r} has nothing to split: name the layers "
+                f"inside that hold them"
+                + (f", e.g. {pattern + '.' + inner[0]!r} (its sub-layers: {inner[:6]})"
+                   if inner else ""))
         if not hits:
             kind = "layer or parameter" if plan.places_params else "layer"
             raise ParallelizeError(
