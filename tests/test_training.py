@@ -233,6 +233,13 @@ def test_gradient_merge_reduces_once_per_k_steps(stage):
         np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
     accumulate = _hlo(m, "accumulate", batches[0])
     merge = _hlo(m, "merge", batches[0])
+    # the summary lists both steps of the cycle, each with the collectives its HLO has
+    summary = m.summary(*batches[0]).splitlines()
+    for line, hlo, word in ((summary[1], accumulate, "accumulating step (3 of every 4)"),
+                            (summary[2], merge, "merging step (1 of every 4)")):
+        assert line.startswith(f"per {word}: "), summary
+        listed = line.split(": ", 1)[1].split("; ")[0].split(", ")
+        assert Counter({k: int(n) for n, k in (c.split(" ", 1) for c in listed)}) == hlo, line
     acc = m.program_args("accumulate", *batches[0])[0]["acc"]
     acc_bytes = sum(int(np.prod(a.local_shape)) * 4 for a in acc.values())
     full_bytes = sum(v.size * 4 for v in weights.values())

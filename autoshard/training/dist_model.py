@@ -791,9 +791,17 @@ class DistModel:
                 f"stage {k} on devices {plan.mesh.process_ids}: {counts(plan)}; "
                 f"{format_bytes(plan.total_bytes)} sent per device" for k, plan in enumerate(plans)])
         memory = f.lower(*args).compile().memory_analysis()
+        steps = [f"per step: {counts(plans[0])}; {format_bytes(plans[0].total_bytes)} sent per "
+                 f"device"]
+        if self.k_steps > 1:  # a cycle is k - 1 accumulating steps, then the merging one
+            acc = self._program("accumulate", self.program_args("accumulate", *batch))
+            acc_plan = acc.stage_plans(*self.program_args("accumulate", *batch))[0]
+            steps = [f"per accumulating step ({self.k_steps - 1} of every {self.k_steps}): "
+                     f"{counts(acc_plan)}; {format_bytes(acc_plan.total_bytes)} sent per device",
+                     f"per merging step (1 of every {self.k_steps}): {counts(plans[0])}; "
+                     f"{format_bytes(plans[0].total_bytes)} sent per device"]
         return "\n".join([
-            head, f"per step: {counts(plans[0])}; {format_bytes(plans[0].total_bytes)} sent per "
-                  f"device",
+            head, *steps,
             f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
             f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
             f"{format_bytes(memory.output_size_in_bytes)}"])
