@@ -116,6 +116,56 @@ def test_shard_layer_nnx_megatron_trains_like_one_device():
     assert plan.inputs[4].dims[0] == ("dp",)
 
 
+def _megatron_returned(name, layer, mesh):  # linen's form: {param name: placements}
+    if name == "up":
+        return {"kernel": [R, S(1)], "bias": [R, S(0)]}
+    if name == "down":  # or a DistTensor
+        return {"kernel": dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(0)])}
+    return None
+
+
+def _megatron_assigned(name, layer, mesh):  # Paddle's `layer.weight = dist.shard_tensor(...)`
+    if name == "up":
+        layer.kernel = dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(1)])
+        layer.bias = dist.shard_tensor(layer.bias.get_value(), mesh, [R, S(0)])
+    elif name == "down":
+        layer.kernel = dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(0)])
+
+
+@pytest.mark.parametrize("shard_fn", [_megatron_returned, _megatron_assigned],
+                         ids=["returns placements", "assigns a DistTensor"])
+def test_shard_layer_nnx_takes_the_shard_fn_forms_of_linen_and_paddle(shard_fn):
+    """Both land in the layer's nnx.Params (an optimizer finds parameters by them); they
+    were ignored (params left replicated, silently) / left a bare attribute that broke the
+    step's write-back."""
+    model = MLP(nnx.Rngs(0))
+    kernel = model.up.kernel
+    shard_layer(model, MESH, shard_fn)
+    assert model.up.kernel is kernel and isinstance(model.down.kernel, nnx.Param)
+    assert _placements(model) == MEGATRON
+    _assert_same_training(model, *_data())
+    # to_static writes the step's params back into the same Params
+    x, y = _data()
+    dm = dist.to_static(model, None, lambda out, t: jnp.mean((out - t) ** 2), optax.sgd(0.1))
+    dm(x, y)
+    assert model.up.kernel is kernel and kernel.get_value().placements == [R, S(1)]
+
+
+def test_shard_layer_shard_fn_errors_say_what_to_write():
+    with pytest.raises(ParallelizeError, match=r"shard_fn\(name, sublayer, mesh\).*'two'.*"
+                       r"def shard_fn\(name, layer, mesh\)"):
+        def two(name, layer):
+            pass
+        shard_layer(MLP(nnx.Rngs(0)), MESH, two)
+    with pytest.raises(ParallelizeError, match=r"returned key 'weight'.*\['bias', 'kernel'\]"):
+        shard_layer(MLP(nnx.Rngs(0)), MESH,
+                    lambda name, layer, mesh: {"weight": [R, S(1)]} if name == "up" else None)
+    with pytest.raises(ParallelizeError, match=r"returned list: return None"):
+        shard_layer(MLP(nnx.Rngs(0)), MESH, lambda name, layer, mesh: [R, S(1)])
+    with pytest.raises(ParallelizeError, match=r"shard_fn\(name, sublayer, mesh\)"):
+        shard_layer({"params": {"w": np.ones((8, 8), np.float32)}}, MESH, lambda name, t: None)
+
+
 def test_shard_layer_output_fn_and_shared_modules_called_once():
     class Tied(nnx.Module):
         def __init__(self, rngs):

@@ -115,7 +115,10 @@ def shard_layer(layer: Any, process_mesh: ProcessMesh, shard_fn: Callable | None
     dotted attribute path ("up", "layers.0.attn"); it shards a parameter by assigning a
     DistTensor, e.g. `sublayer.kernel.set_value(dist.shard_tensor(sublayer.kernel.get_value(),
     mesh, [dist.Replicate(), dist.Shard(1)]))` or `.value = ...` (not `kernel[...] = ...`,
-    which copies the values into the old array). Every nnx.Param it leaves alone is placed as
+    which copies the values into the old array), by assigning the attribute as Paddle does
+    (`sublayer.kernel = dist.shard_tensor(...)`: the DistTensor goes into the Param it
+    replaced), or by returning {param name: DistTensor or placements} for the sublayer's own
+    params (linen's form). Every nnx.Param it leaves alone is placed as
     flax annotates it (`nnx.with_partitioning`, or sharded on the mesh by flax under
     jax.set_mesh; names are mesh dims, after flax's logical axis rules), else replicated.
     `input_fn(inputs, mesh)` gets the tuple of positional arguments of each call and returns
@@ -188,10 +191,50 @@ def _on_mesh(value: Any, mesh: ProcessMesh, path: str,
     return shard_tensor(value, mesh, placements or [Replicate()] * mesh.ndim)
 
 
+def _call_shard_fn(shard_fn: Callable, name: str, layer: Any, mesh: ProcessMesh) -> Any:
+    """`shard_fn(name, layer, mesh)`, its arity checked first (a TypeError raised inside it
+    is the user's own and goes through as it is)."""
+    try:
+        inspect.signature(shard_fn).bind(name, layer, mesh)
+    except TypeError as e:
+        raise ParallelizeError(
+            f"shard_layer calls shard_fn as shard_fn(name, sublayer, mesh), but "
+            f"{getattr(shard_fn, '__name__', shard_fn)!r:.60} does not take those three "
+            f"arguments ({e}): write def shard_fn(name, layer, mesh)") from None
+    except ValueError:
+        pass  # a builtin without a signature: call it and see
+    return shard_fn(name, layer, mesh)
+
+
 def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None:
     if shard_fn is not None:
+        nnx = _nnx()
         for name, module in _nnx_modules(model).items():
-            shard_fn(name, module, mesh)
+            own = {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+            wanted = _call_shard_fn(shard_fn, name, module, mesh)
+            for key, param in own.items():
+                now = getattr(module, key, None)
+                if now is not param and isinstance(now, DistTensor):
+                    # Paddle's `layer.weight = dist.shard_tensor(layer.weight, ...)`: the
+                    # DistTensor goes into the Param it replaced (an optimizer and nnx.state
+                    # find parameters by their Param; a tied one stays tied)
+                    param.set_value(_on_mesh(now, mesh, (f"{name}.{key}" if name else key)))
+                    setattr(module, key, param)
+            if wanted is None:
+                continue
+            if not isinstance(wanted, Mapping):
+                raise ParallelizeError(
+                    f"shard_fn({name!r}, ...) returned {type(wanted).__name__}: return None "
+                    f"(after setting the layer's params) or a dict {{param name: DistTensor "
+                    f"or placements}} of the layer's own params {sorted(own)}")
+            for key, target in wanted.items():
+                if key not in own:
+                    raise ParallelizeError(
+                        f"shard_fn({name!r}, ...) returned key {key!r}, but the params of "
+                        f"layer {name or 'the root'!r} are {sorted(own)}: return only those; a "
+                        f"sub-layer's params are placed by the shard_fn call for that sub-layer")
+                where = (f"{name}.{key}" if name else key)
+                own[key].set_value(_place_leaf(target, own[key].get_value(), mesh, where))
     for path, param in _nnx_params(model).items():
         param.set_value(_placed(param, mesh, path))
 
@@ -205,7 +248,7 @@ def _placed(param: Any, mesh: ProcessMesh, path: str) -> DistTensor:
 def _shard_tree(tree: Mapping, mesh: ProcessMesh, shard_fn: Callable | None,
                 path: tuple[str, ...]) -> Mapping:
     name = _dotted(path)
-    wanted = (shard_fn(name, tree, mesh) if shard_fn is not None else None) or {}
+    wanted = (_call_shard_fn(shard_fn, name, tree, mesh) if shard_fn is not None else None) or {}
     if not isinstance(wanted, Mapping):
         raise ParallelizeError(f"shard_fn({name!r}, ...) returned {type(wanted).__name__}: return "
                                f"None or a dict {{key: DistTensor or placements}}")
