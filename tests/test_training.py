@@ -622,6 +622,13 @@ def test_strategy_sections_and_errors():
     with pytest.raises(dist.DistModelError, match=r"returned an array of shape \(\d+, 8\).*"
                                                   r"reduce it in loss_fn"):
         m(*_batches(n=1)[0])
+    # what is not one floating-point number: the loss alone, said (jax's and Python's errors)
+    for loss_fn, match in [(lambda out, y: (mse(out, y), out), "returned a tuple.*loss alone"),
+                           (lambda out, y: {"loss": mse(out, y)}, "returned a dict"),
+                           (lambda out, y: 0, "returned a value of dtype int32, which has no gradient")]:
+        with pytest.raises(dist.DistModelError, match=match):
+            dist.to_static(_model("dp", weights)[1], None, loss_fn, optax.sgd(0.1))(
+                *_batches(n=1)[0])
     x, y = _batches(n=1)[0]
     with pytest.raises(dist.DistModelError, match=r"apply\(params, \*inputs\) cannot take the "
                                                   r"batch's 2 input\(s\).*but the last \(the label\)"):

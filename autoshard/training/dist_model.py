@@ -471,8 +471,19 @@ class DistModel:
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         out, state = self._forward(mode, params, state, inputs)
         loss = self._loss_fn(out, *labels)
+        name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
+        if isinstance(loss, (tuple, list, dict)) or not hasattr(loss, "dtype") and not \
+                isinstance(loss, (int, float)):
+            raise DistModelError(
+                f"to_static: loss_fn {name} returned a {type(loss).__name__}; the step "
+                f"differentiates one number, so return the loss alone (as Paddle's loss_fn "
+                f"does); to see other values, compute them from .predict()'s output")
+        loss = jnp.asarray(loss)
+        if mode == "train" and not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise DistModelError(
+                f"to_static: loss_fn {name} returned a value of dtype {loss.dtype}, which has no "
+                f"gradient: return a floating-point loss (e.g. jnp.mean(...) of floats)")
         if mode == "train" and np.shape(loss) != ():
-            name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
             raise DistModelError(
                 f"to_static: loss_fn {name} returned an array of shape {tuple(np.shape(loss))}; "
                 f"training differentiates one number: reduce it in loss_fn (e.g. "
