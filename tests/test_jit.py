@@ -833,6 +833,26 @@ def test_jax_jit_in_and_out_shardings_carry_over():
         dist.jit(f, in_shardings=P("dp"))(x, w)
 
 
+@pytest.mark.parametrize("arg", ["numpy", "jax.Array", "DistTensor"])
+def test_in_shardings_that_do_not_divide_an_array_split_it_unevenly(arg):
+    """A sharding the mesh does not divide places the argument as shard_tensor does (jax's
+    device_put raised its IndivisibleError for an array, not for a DistTensor); a spec of more
+    dims than the argument is a PlacementError naming it."""
+    jm = MESH24.to_jax()
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(6, 8)).astype(np.float32)
+    given = {"numpy": w, "jax.Array": jnp.asarray(w),
+             "DistTensor": dist.shard_tensor(w, MESH24, [dist.Replicate(), dist.Replicate()])}[arg]
+    f = dist.jit(lambda a, b: a @ b, in_shardings=(None, NamedSharding(jm, P("mp", None))))
+    with pytest.warns(dist.UnevenShardingWarning, match="dim 0 of size 6"):
+        out = f(x, given)
+    np.testing.assert_allclose(out.numpy(), x @ w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(dist.PlacementError, match=r"argument leaf 1 is P\('mp', None, None\), of "
+                       r"3 dims, but the argument has 2 \(shape \[6, 8\]\)"):
+        dist.jit(lambda a, b: a @ b, in_shardings=(None, NamedSharding(jm, P("mp", None, None))))(
+            x, given)
+
+
 def test_out_placements_prefix_through_a_registered_dataclass():
     """out_placements matched through a pytree node that is neither dict nor sequence (a
     registered dataclass, a flax State) by jax's own prefix matching."""

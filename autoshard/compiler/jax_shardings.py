@@ -2,8 +2,9 @@
 by changing the decorator's name.
 
 `in_shardings` places the arguments before the call (a pytree prefix of the positional
-arguments, as jax.jit takes it: one sharding for all, None for "as they come"): an array is put
-on the sharding with `jax.device_put`, a DistTensor laid out otherwise is resharded to it. The
+arguments, as jax.jit takes it: one sharding for all, None for "as they come"): an array is
+placed as `shard_tensor` places it (a dim the mesh does not divide split unevenly, as
+everywhere in autoshard), a DistTensor laid out otherwise is resharded to it. The
 plan then starts from those layouts, as from any placed input. `out_shardings` becomes
 `out_placements` (a pytree prefix of the result). Leaves are NamedShardings, or bare
 PartitionSpecs under `jax.set_mesh(mesh)` as jax.jit reads them.
@@ -13,11 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src.tree_util import broadcast_prefix  # jax.jit's own prefix matching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..dtensor import DistTensor
-from ..errors import PlacementTypeError
+from ..errors import PlacementError, PlacementTypeError
 from ..mesh import as_process_mesh
 from ..physical import host_memory, layout_of_spec
 
@@ -46,7 +48,7 @@ def _placements(s: NamedSharding) -> list:
 
 def place_arguments(in_shardings: Any, args: tuple) -> tuple:
     """`args` laid out as `in_shardings` (a pytree prefix of the tuple of arguments) says."""
-    from ..creation import offload
+    from ..creation import offload, shard_tensor
     from ..reshard.api import reshard
 
     spec = in_shardings
@@ -67,13 +69,19 @@ def place_arguments(in_shardings: Any, args: tuple) -> tuple:
         s = _named(s, f"in_shardings for argument leaf {k}")
         if s is None:
             placed.append(x)
-        elif isinstance(x, DistTensor):
-            target = _placements(s)
-            mesh = as_process_mesh(s.mesh)
+            continue
+        if len(s.spec) > np.ndim(x):
+            raise PlacementError(
+                f"in_shardings for argument leaf {k} is {s.spec}, of {len(s.spec)} dims, but "
+                f"the argument has {np.ndim(x)} (shape {list(np.shape(x))}): give a spec of at "
+                f"most {np.ndim(x)} entries")
+        target = _placements(s)
+        mesh = as_process_mesh(s.mesh)
+        if isinstance(x, DistTensor):
             x = x if (x.mesh, x.placements) == (mesh, target) else reshard(x, mesh, target)
-            placed.append(offload(x, host_memory(s)) if host_memory(s) else x)
-        else:
-            placed.append(jax.device_put(x, s))
+        else:  # as shard_tensor places it: also where the mesh does not divide a dim
+            x = shard_tensor(x, mesh, target)
+        placed.append(offload(x, host_memory(s)) if host_memory(s) else x)
     return tuple(jax.tree.unflatten(tree, placed))
 
 
