@@ -1,5 +1,6 @@
 """to_static + shard_optimizer + Strategy: every parallel strategy trains like one device, with
 the collectives and memory each promises."""
+import copy
 import warnings
 from collections import Counter
 
@@ -607,6 +608,17 @@ def test_strategy_sections_and_errors():
         dist.Strategy({"recompute": {"enable": True, "policy": "no_such"}})
     with pytest.raises(dist.StrategyError, match="takes a dict of sections"):
         dist.Strategy(["sharding"])
+    # reading a section or setting that does not exist (Paddle code reads the section first:
+    # strategy.pipline.enable = True): a StrategyError that is still an AttributeError
+    for read, match in [(lambda: s.pipline, r"no section 'pipline' \(did you mean 'pipeline'\?\)"),
+                        (lambda: s.fused_passes, r"no section 'fused_passes'; its sections are"),
+                        (lambda: s.sharding.enabel, r"strategy.sharding has no setting 'enabel' "
+                                                    r"\(did you mean 'enable'\?\)")]:
+        with pytest.raises(dist.StrategyError, match=match) as info:
+            read()
+        assert isinstance(info.value, AttributeError)
+    assert not hasattr(s, "pipline") and getattr(s.amp, "nothing", 3) == 3
+    assert copy.deepcopy(s).to_dict() == s.to_dict()
     weights = _weights()
     for config, match in [({"enable": True, "stage": 1, "degree": 3},
                            r"degree = 3, but the optimizer states are split over mesh dim 'dp' "

@@ -13,6 +13,18 @@ class StrategyError(AutoshardError, ValueError):
     """A strategy setting that does not exist or has a value it cannot take."""
 
 
+class StrategyAttributeError(StrategyError, AttributeError):
+    """A strategy section or setting read that does not exist (`strategy.pipline.enable`):
+    also an AttributeError, so hasattr / getattr with a default keep working."""
+
+
+def _closest(key: str, names) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(key, list(names), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
 _SECTIONS: dict[str, dict[str, Any]] = {
     "sharding": {"enable": False, "stage": 1, "mesh_dim": None, "degree": None,
                  "offload": False},
@@ -53,12 +65,18 @@ class _Section:
         values = object.__getattribute__(self, "_values")
         if key in values:
             return values[key]
-        raise AttributeError(key)
+        if key.startswith("__"):  # copy / pickle probing for hooks
+            raise AttributeError(key)
+        name = object.__getattribute__(self, "_name")
+        raise StrategyAttributeError(
+            f"strategy.{name} has no setting {key!r}{_closest(key, values)}; its settings are "
+            f"{sorted(values)}")
 
     def __setattr__(self, key: str, value: Any) -> None:
         name = self._name
         if key not in _SECTIONS[name]:
-            raise StrategyError(f"strategy.{name} has no setting {key!r}; its settings are "
+            raise StrategyError(f"strategy.{name} has no setting {key!r}"
+                                f"{_closest(key, _SECTIONS[name])}; its settings are "
                                 f"{sorted(_SECTIONS[name])}")
         if (name, key) == ("amp", "level") and isinstance(value, str):
             value = value.lower()  # Paddle's docs write both "O2" and "o2"
@@ -136,11 +154,19 @@ class Strategy:
                 raise StrategyError(f"strategy section {name!r} must be a dict, got {section!r}")
             object.__setattr__(self, name, _Section(name, section))
 
+    def __getattr__(self, key: str) -> Any:  # only for names that are not sections
+        if key.startswith("__"):
+            raise AttributeError(key)
+        raise StrategyAttributeError(
+            f"strategy has no section {key!r}{_closest(key, _SECTIONS)}; its sections are "
+            f"{sorted(_SECTIONS)} (Paddle's other sections have no counterpart in autoshard)")
+
     def __setattr__(self, key: str, value: Any) -> None:
         if key in _SECTIONS and isinstance(value, dict):
             value = _Section(key, value)
         if key not in _SECTIONS:
-            raise StrategyError(f"unknown strategy section {key!r}; the sections are {sorted(_SECTIONS)}")
+            raise StrategyError(f"unknown strategy section {key!r}{_closest(key, _SECTIONS)}; the "
+                                f"sections are {sorted(_SECTIONS)}")
         if not (isinstance(value, _Section) and value._name == key):
             raise StrategyError(f"strategy.{key} must be a dict of its settings, e.g. "
                                 f"strategy.{key} = {{'enable': True}}, got {value!r:.60} (or set "
@@ -154,4 +180,4 @@ class Strategy:
         return "Strategy(" + ", ".join(repr(getattr(self, n)) for n in _SECTIONS) + ")"
 
 
-__all__ = ["Strategy", "StrategyError"]
+__all__ = ["Strategy", "StrategyError", "StrategyAttributeError"]
