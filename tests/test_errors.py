@@ -102,6 +102,26 @@ def test_a_static_argument_number_past_the_parameters_and_a_non_array_result():
         np.full((8, 4), 3, np.float32))
 
 
+def test_python_control_flow_on_a_traced_argument_names_the_users_function_and_argument():
+    """jax's own error (its type kept, as jax.jit raises it), naming the function and the
+    argument as jax.jit does, not dist.jit's flat wrapper (`flat at jit.py`, `flat_args[1]`)."""
+    import jax
+
+    x = dist.shard_tensor(np.ones((8, 4), np.float32), MESH, [dist.Shard(0), dist.Replicate()])
+
+    def step(params, flag):
+        return params["w"] * 2 if flag else params["w"]
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        dist.jit(step)({"w": x}, True)
+    msg = str(info.value)
+    assert "the function step at " + __file__ in msg and "the argument flag." in msg, msg
+    assert "static_argnames" in msg and "jit.py" not in msg and "flat" not in msg
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"argument params\['w'\]"):
+        dist.jit(lambda params: params["w"] if params["w"].sum() > 0 else 0)({"w": x})
+    assert dist.jit(step, static_argnames="flag")({"w": x}, True).shape == (8, 4)
+
+
 def test_a_donated_tensor_read_again_or_passed_twice_is_an_error_not_a_crash():
     x = np.ones((8, 4), np.float32)
     f = dist.jit(lambda a: a * 2.0, donate_argnums=0)

@@ -5,6 +5,7 @@ import copy
 import difflib
 import functools
 import inspect
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -385,9 +386,47 @@ class DistributedFunction:
         _TRACING.depth += 1
         try:
             closed = jax.make_jaxpr(flat)(*avals)
+        except jax.errors.JAXTypeError as e:  # a Python `if` on a traced value, and its kin
+            self._name_the_user_function(e, tree, static)
+            raise
         finally:
             _TRACING.depth -= 1
         return closed, out_tree_box[0]
+
+    def _name_the_user_function(self, error: Exception, tree, static) -> None:
+        """jax's tracing error, naming the user's function and argument where it named our
+        flat wrapper (`flat at jit.py:N`, `flat_args[1]`), with dist.jit's static_argnames."""
+        if not error.args or not isinstance(error.args[0], str):
+            return
+        text = error.args[0]
+        fn = inspect.unwrap(self._fn)
+        code = getattr(fn, "__code__", None)
+        where = f"{self.__name__} at {code.co_filename}:{code.co_firstlineno}" if code \
+            else self.__name__
+        text = re.sub(r"the function flat at \S+:\d+", f"the function {where}", text)
+        try:
+            names = self._leaf_names(tree, static)
+            params = list(inspect.signature(self._fn).parameters)
+        except (TypeError, ValueError):
+            names, params = [], []
+
+        def leaf(m: re.Match) -> str:
+            k = int(m.group(1))
+            if k >= len(names):
+                return m.group(0)
+            name = names[k]
+            head = re.match(r"argument (\d+)(.*)", name)
+            if head and int(head.group(1)) < len(params):
+                return params[int(head.group(1))] + head.group(2)
+            return name.removeprefix("argument ")
+
+        text, n = re.subn(r"flat_args\[(\d+)\]", leaf, text)
+        if n:
+            text += (f"\n(dist.jit traces {self.__name__} on abstract values, as jax.jit does: "
+                     f"a Python value that decides control flow is passed as static, "
+                     f"dist.jit({self.__name__}, static_argnames=[...]), or the branch "
+                     f"written with jnp.where / jax.lax.cond)")
+        error.args = (text, *error.args[1:])
 
     def _mesh(self, program, described, closed=None) -> ProcessMesh:
         seen: list[tuple[ProcessMesh, str]] = []
