@@ -218,6 +218,13 @@ def test_out_placements_as_a_pytree_prefix_of_the_result(spec, asked):
                                "one array: give one placements list"),
     ([{"b": None, "w": {"x": None}}, None], "out_placements[0]['w'] is a dict of 1 entries "
                                             "where the result is one array"),
+    # a list of the right length whose entries are not placements: said for the entry
+    ([None, [dist.Shard, R]], "out_placements[1][0] is the class dist.Shard, not a placement: "
+                              "write dist.Shard(0)"),
+    ([None, ["dp", None]], "out_placements[1][0] is 'dp', not a placement: out_placements name "
+                           "one placement per mesh dim"),
+    ([None, [R, None]], "out_placements[1][1] is None, not a placement"),
+    ("kepp", "out_placements is the string 'kepp' (did you mean 'keep'?)"),
 ])
 def test_out_placements_that_do_not_match_the_result_say_where(spec, says):
     params = {"w": np.ones((4, 8), np.float32), "b": np.ones(8, np.float32)}

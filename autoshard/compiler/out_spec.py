@@ -8,13 +8,13 @@ Shard(0)]`) or None stands for every output beneath it. Lists and tuples match e
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 from jax._src.tree_util import broadcast_prefix  # not in jax.tree_util's public names
 
-from ..errors import PlacementTypeError
-from ..placement import Placement
+from ..errors import PlacementError, PlacementTypeError
+from ..placement import Placement, parse_placement
 from .plan import KEEP
 
 
@@ -33,9 +33,35 @@ def _covers(x: Any) -> bool:
     return x is None or _is_keep(x) or is_placements(x)
 
 
+def _check_entries(spec: Sequence, where: str) -> None:
+    """Why a list standing for one output is not a placements list, said for its entry."""
+    for k, p in enumerate(spec):
+        if isinstance(p, type) and issubclass(p, Placement):
+            raise PlacementTypeError(
+                f"{where}[{k}] is the class dist.{p.__name__}, not a placement: write "
+                f"dist.{p.__name__}({'0' if p.__name__ == 'Shard' else ''})")
+        if p is None or isinstance(p, str):
+            if isinstance(p, str):
+                try:
+                    parse_placement(p)
+                    continue
+                except PlacementError:
+                    pass
+            raise PlacementTypeError(
+                f"{where}[{k}] is {p!r}, not a placement: out_placements name one placement "
+                f"per mesh dim, as shard_tensor does (dist.Shard(0), dist.Replicate(), 'S(0)', "
+                f"'R'); a spec of mesh dim names per tensor dim, as jax's P('dp', None), is "
+                f"written out_shardings=NamedSharding(mesh.to_jax(), P('dp', None))")
+
+
 def per_output(spec: Any, out_tree: Any, n: int) -> list:
     """One entry (None, KEEP or a placements list) per flat output of a result shaped
     `out_tree` (a PyTreeDef, None if unknown) with `n` leaves."""
+    if isinstance(spec, str) and not _is_keep(spec):
+        near = " (did you mean 'keep'?)" if spec.lower().startswith("k") else ""
+        raise PlacementTypeError(
+            f"out_placements is the string {spec!r}{near}: give 'keep' to leave Partial "
+            f"outputs unreduced, or placements lists (e.g. [dist.Shard(0), dist.Replicate()])")
     if _covers(spec):
         return [spec] * n
     flat = isinstance(spec, (list, tuple)) and len(spec) == n and all(_covers(s) for s in spec)
@@ -75,6 +101,8 @@ def _match(spec: Any, node: Any, found: list, where: str) -> None:
             _match(s, x, found, f"{where}[{k}]")
         return
     if isinstance(node, int):  # one output (its flat index): jax's message would say "int"
+        if isinstance(spec, (list, tuple)):
+            _check_entries(spec, where)
         shape = (f"a {type(spec).__name__} of {len(spec)} entries"
                  if isinstance(spec, (list, tuple, dict)) else repr(spec))
         raise PlacementTypeError(
