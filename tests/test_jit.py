@@ -840,6 +840,26 @@ def test_jax_jit_in_and_out_shardings_carry_over():
         dist.jit(f, in_shardings=P("dp"))(x, w)
 
 
+def test_out_shardings_name_the_mesh_as_jax_jit_reads_them():
+    """With no placed input, out_shardings' mesh is the program's (jax.jit's reading: it
+    found no mesh); on another mesh than the inputs' it is a MeshMismatchError naming both
+    (its placements were read against the inputs' mesh: "got 1 placements for a 2-d mesh")."""
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    q = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("q",))
+    out = dist.jit(lambda a: a * 2, out_shardings=NamedSharding(q, P("q")))(x)
+    assert out.mesh == dist.ProcessMesh([0, 1, 2, 3], ["q"]) and out.placements == [S(0)]
+    np.testing.assert_array_equal(out.numpy(), x * 2)
+    with jax.set_mesh(q):
+        out = dist.jit(lambda a: a * 2, out_shardings=P(None, "q"))(x.T)
+    assert out.placements == [S(1)]
+    np.testing.assert_array_equal(out.numpy(), x.T * 2)
+    placed = dist.shard_tensor(x, MESH24, [S(0), R])
+    with pytest.raises(dist.MeshMismatchError, match=r"out_shardings of <lambda> names "
+                       r"ProcessMesh\(\[0, 1, 2, 3\], dim_names=\['q'\]\), but the program runs on "
+                       r"ProcessMesh\(\[\[0, 1, 2, 3\], \[4, 5, 6, 7\]\]"):
+        dist.jit(lambda a: a * 2, out_shardings=NamedSharding(q, P("q")))(placed)
+
+
 @pytest.mark.parametrize("arg", ["numpy", "jax.Array", "DistTensor"])
 def test_in_shardings_that_do_not_divide_an_array_split_it_unevenly(arg):
     """A sharding the mesh does not divide places the argument as shard_tensor does (jax's

@@ -19,7 +19,7 @@ from jax._src.tree_util import broadcast_prefix  # jax.jit's own prefix matching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..dtensor import DistTensor
-from ..errors import PlacementError, PlacementTypeError
+from ..errors import MeshMismatchError, PlacementError, PlacementTypeError
 from ..mesh import as_process_mesh
 from ..physical import host_memory, layout_of_spec
 
@@ -92,6 +92,24 @@ def as_out_placements(out_shardings: Any) -> Any:
         out_shardings, is_leaf=_is_sharding)
 
 
+def out_meshes(out_shardings: Any) -> list:
+    """The meshes `out_shardings` names (bare PartitionSpecs: jax.set_mesh's)."""
+    return [as_process_mesh(_named(s, "out_shardings").mesh)
+            for s in jax.tree.leaves(out_shardings, is_leaf=_is_sharding) if s is not None]
+
+
+def check_out_mesh(out_shardings: Any, mesh, name: str) -> None:
+    """Every NamedSharding of `out_shardings` on the program's mesh (jax.jit refuses devices
+    that differ too); its placements would otherwise be read against another mesh's dims."""
+    for other in out_meshes(out_shardings):
+        if other != mesh:
+            raise MeshMismatchError(
+                f"out_shardings of {name} names {other!r}, but the program "
+                f"runs on {mesh!r} (its inputs' mesh): give NamedShardings on that mesh "
+                f"(NamedSharding(mesh.to_jax(), spec)), or move the result after the call "
+                f"with dist.reshard(out, other_mesh, placements)")
+
+
 def as_out_memory_kinds(out_shardings: Any) -> Any:
     """The host memory kinds `out_shardings` asks for (dist.jit's out_memory_kinds): None if
     none, one kind if every sharding names the same, else one entry per sharding leaf."""
@@ -102,4 +120,5 @@ def as_out_memory_kinds(out_shardings: Any) -> Any:
     return kinds[0] if len(set(kinds)) == 1 else kinds
 
 
-__all__ = ["place_arguments", "as_out_placements", "as_out_memory_kinds"]
+__all__ = ["place_arguments", "as_out_placements", "as_out_memory_kinds", "check_out_mesh",
+           "out_meshes"]

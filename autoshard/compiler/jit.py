@@ -448,6 +448,9 @@ class DistributedFunction:
             # an annotation inside a loop, cond or checkpoint body (a local_map there) names it
             seen.extend((m, "an annotation inside a control-flow body")
                         for m in meshes_named(closed, []))
+        if not seen and self._out_shardings is not None:  # jax.jit's: results placed there
+            seen.extend((m, "out_shardings")
+                        for m in jax_shardings.out_meshes(self._out_shardings))
         if not seen:
             raise MeshMismatchError(
                 "dist.jit found no mesh: no argument is a DistTensor or a sharded jax.Array and "
@@ -494,6 +497,8 @@ class DistributedFunction:
             if d.mesh is not None and d.mesh != mesh:
                 raise MeshMismatchError(f"inputs are on different meshes: {d.mesh!r} and {mesh!r}")
         cost_model = self._cost_model or default_cost_model()
+        if self._out_shardings is not None:
+            jax_shardings.check_out_mesh(self._out_shardings, mesh, self.__name__)
         targets = self._out_targets(program, mesh, out_tree)
         if reduced:
             targets = [None if isinstance(t, str) and t == KEEP else t for t in targets]
