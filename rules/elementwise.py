@@ -134,13 +134,22 @@ def _exact_cast(src, dst) -> bool:
     return b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
 
 
+def _carries_sums(src, dst) -> bool:
+    """A pending sum of type `src` may be added up after a cast to `dst`: the cast is exact and
+    keeps the range, so the sum overflows where one device's would (float16's parts added in
+    float32 never reach inf where one device's float16 sum does — loss scaling skips its steps
+    by that; bfloat16 has float32's range, and its sum added in float32 only rounds less)."""
+    return _exact_cast(src, dst) and jax.numpy.finfo(src).maxexp == jax.numpy.finfo(dst).maxexp
+
+
 def _convert_sharding(in_avals, out_avals, **params):
     # A cast between float and complex types keeps sums unless it rounds (the partial sums
-    # would be rounded before they are added, where one device rounds the whole sum once);
+    # would be rounded before they are added, where one device rounds the whole sum once) or
+    # widens the range (`_carries_sums`);
     # maxima pass between real floats, rounding included (it is monotone; complex numbers
     # have no order: a pending max cast to complex could never be reduced); a cast to or from
     # integers keeps neither.
-    sums = _is_float(in_avals[0]) and _is_float(out_avals[0]) and _exact_cast(
+    sums = _is_float(in_avals[0]) and _is_float(out_avals[0]) and _carries_sums(
         in_avals[0].dtype, out_avals[0].dtype)
     maxima = all(jax.dtypes.issubdtype(a.dtype, np.floating) for a in (in_avals[0], out_avals[0]))
     return elementwise_sharding((ALL if sums else NONE, ALL if maxima else NONE, None,

@@ -270,5 +270,29 @@ def test_a_pending_sum_is_reduced_before_a_cast_that_rounds(to):
     assert [c.kind for c in narrow.plan(da, db).collectives] == ["all-reduce"]
     hlo = narrow.lower(da, db).compile().as_text()
     assert collective_bytes(hlo) == {"all-reduce": 8 * 16 * 4}  # of float32
-    wide = dist.jit(lambda a, b: (a.astype(to) @ b.astype(to)).astype(F32), out_placements="keep")
-    assert wide(da, db).placements[1].is_partial()  # still pending after the widening cast
+    widen = lambda a, b: (a.astype(to) @ b.astype(to)).astype(F32)  # noqa: E731
+    wide = dist.jit(widen, out_placements="keep")
+    if to == jnp.bfloat16:  # float32's range: still pending after the widening cast
+        assert wide(da, db).placements[1].is_partial()
+    else:  # float16's parts added in float32 would not overflow where one device's sum does
+        assert not wide(da, db).placements[1].is_partial()
+        hlo = wide.lower(da, db).compile().as_text()
+        assert collective_bytes(hlo) == {"all-reduce": 8 * 16 * 2}  # of float16
+
+
+@pytest.mark.parametrize("k_steps", [1, 2])
+def test_a_float16_sum_that_overflows_on_one_device_overflows_split(k_steps):
+    """The parts of a float16 matmul over a split dim fit float16 where their sum does not:
+    one device's result is inf (its loss scaling skips the step), so the sum is reduced in
+    float16, before the cast to float32 that would let it through finite — also when a
+    gradient merge accumulates the cast gradients over micro-steps."""
+    a = np.full((8, 4), 100.0, np.float32)
+    b = np.full((8, 4), 100.0, np.float32)  # a.T @ b: 8 * 1e4 = 80000 > float16's 65504
+    step = lambda a, b: (a.astype(jnp.float16).T @ b.astype(jnp.float16)).astype(F32)  # noqa: E731
+    da = dist.shard_tensor(a, MESH24, [S(0), R()])
+    db = dist.shard_tensor(b, MESH24, [S(0), R()])
+    acc = lambda a, b: sum(step(a[k::k_steps], b[k::k_steps]) for k in range(k_steps))  # noqa: E731
+    want = np.asarray(jax.jit(acc)(a, b))
+    got = dist.jit(acc)(da, db).numpy()
+    assert np.isinf(want).all() == (k_steps == 1)
+    np.testing.assert_array_equal(got, want)
