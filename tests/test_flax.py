@@ -144,6 +144,13 @@ def test_dist_jit_takes_nnx_modules_as_nnx_jit_does(donate):
     # traced once: the BatchNorm statistics and the Rngs entered the first step as plain arrays
     # and come back placed as that program placed them, which it takes as they are
     assert traces == [0, 1, 1] and sum(f.trace_count for f in step._graph_inner.values()) == 1
+    # the Rngs keys came back as jax keys (a DistTensor of keys cannot draw outside
+    # dist.jit): the model still runs eagerly in train mode, drawing the masks one device does
+    keys = [k for k in jax.tree.leaves(nnx.state(model), is_leaf=_is_dt)
+            if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)]
+    assert keys and all(isinstance(k, jax.Array) for k in keys)
+    np.testing.assert_allclose(np.asarray(model(dx)), np.asarray(ref(x)),
+                               rtol=1e-4, atol=1e-6)
     # plan / lower take the same arguments; the HLO has the collectives planned
     planned = Counter(c.kind for c in step.plan(model, opt, dx, y).collectives)
     assert planned["all-reduce"] >= 2  # the MLP's forward over mp, the gradients over dp

@@ -137,8 +137,23 @@ def write_back(lifted: Lifted, result: tuple) -> Any:
     # The program's own reshard (`_keep_placements`) restores each leaf's placements, except
     # where a dim does not divide: an uneven dim is computed whole and handed back so; the
     # same reshard after the call splits it again (a local slice; a no-op for the others)
-    _nnx().update(lifted.nodes, _keep_placements(new_state, lifted.args[0].keep))
+    _nnx().update(lifted.nodes, _as_jax_keys(_keep_placements(new_state, lifted.args[0].keep)))
     return out
+
+
+def _as_jax_keys(state: Any) -> Any:
+    """Typed PRNG keys as jax.Arrays (what nnx.Rngs holds): jax takes keys only so, and a
+    DistTensor of them could not draw outside dist.jit (an eager dropout call, the next
+    layer built from the same Rngs). Keys are a few words: gathered whole, as to_static's
+    write-back does."""
+    from ..creation import unshard_dtensor
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, DistTensor) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return unshard_dtensor(x)
+        return x
+
+    return jax.tree.map(plain, state, is_leaf=lambda v: isinstance(v, DistTensor))
 
 
 def _inner(dfn, donated: bool):
