@@ -297,3 +297,91 @@ def test_a_zero_size_leaf_is_named_before_anything_is_written(tmp_path):
                                               r"\(shape \(0, 4\)\).*drop it"):
         save_state_dict({"w": np.ones(3), "opt": {"e": empty}}, tmp_path / "c")
     assert not os.path.exists(tmp_path / "c")
+
+
+# -- numbers, odd names and failed saves ------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["int32", "jax int32", "DistTensor int32", "uint32", "int"])
+@pytest.mark.parametrize("value", [7, -3, 2**31 - 1, 2**40 + 5, np.uint64(2**64 - 1)],
+                         ids=["7", "-3", "int32 max", "2**40+5", "uint64 max"])
+def test_a_saved_number_loads_exactly_or_is_an_error_never_wrapped(tmp_path, value, target):
+    """A number saves at its own width (a Python int as int64) and loads into any integer
+    target it fits; one it does not fit is a CheckpointError (the cast wrapped 2**40 + 5 into
+    int32 as 5, silently)."""
+    save_state_dict({"n": value}, tmp_path / "c")
+    make = {"int32": lambda: np.int32(0), "jax int32": lambda: jnp.zeros((), jnp.int32),
+            "DistTensor int32": lambda: dist.shard_tensor(np.int32(0), MESH4, [R]),
+            "uint32": lambda: np.uint32(0), "int": lambda: 0}[target]
+    bits = "uint" if target == "uint32" else "int"
+    fits = target == "int" or np.iinfo(f"{bits}32").min <= int(value) <= np.iinfo(f"{bits}32").max
+    if not fits:
+        with pytest.raises(CheckpointError, match=r"'n' is .* which the target's u?int32 cannot "
+                                                  r"hold: make the target a wider type"):
+            load_state_dict({"n": make()}, tmp_path / "c")
+        return
+    got = load_state_dict({"n": make()}, tmp_path / "c")["n"]
+    assert int(np.asarray(got)) == int(value)
+    if target != "int":
+        assert np.asarray(got).dtype == np.dtype(f"{bits}32")
+
+
+def test_numbers_a_checkpoint_cannot_hold_are_named_before_anything_is_written(tmp_path):
+    with pytest.raises(CheckpointError, match=r"the Python int 9223372036854775808 lies outside "
+                                              r"int64"):
+        save_state_dict({"n": 2**63}, tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"cannot save 'q': orbax's storage .* no uint4 "
+                                              r"type; save x.astype\(jnp.uint8\)"):
+        save_state_dict({"q": jnp.zeros(4, jnp.uint4)}, tmp_path / "c")
+    assert not os.path.exists(tmp_path / "c")
+    # a numpy bool scalar (np.all(...)) saves as the other numpy scalars do
+    save_state_dict({"done": np.all(INTS > -2**31), "n": np.float32(2.5)}, tmp_path / "c")
+    got = load_state_dict({"done": np.False_, "n": np.float32(0)}, tmp_path / "c")
+    assert got["done"] is np.True_ and got["n"] == np.float32(2.5)
+
+
+@pytest.mark.parametrize("name", ["ckpt-dp[2x4]", "run[1]", "step*", "a?b"])
+def test_a_directory_name_with_glob_characters_saves_and_loads(tmp_path, name):
+    """orbax's commit reads the name as a glob pattern: `[2x4]` wrote a checkpoint that did
+    not load ("not a complete checkpoint"); it is now written under another name and moved."""
+    save_state_dict({"w": dist.shard_tensor(FLOATS, MESH, [S0, S1])}, tmp_path / name)
+    save_state_dict({"w": dist.shard_tensor(FLOATS + 1, MESH, [S0, S1])}, tmp_path / name)
+    got = load_state_dict({"w": zeros_like_on(FLOATS, MESH4, [S1])}, tmp_path / name)["w"]
+    assert_bits_equal(got.numpy(), FLOATS + 1)
+    assert sorted(os.listdir(tmp_path)) == [name]  # no staging directory left behind
+
+
+@pytest.mark.parametrize("fails", ["before writing", "while committing"])
+def test_a_failed_save_keeps_the_checkpoint_it_would_have_replaced(tmp_path, monkeypatch, fails):
+    """A save writes beside the checkpoint and replaces it once complete: with orbax's `force`
+    the old one was deleted first, so a failed save (a full disk, a killed commit) lost both."""
+    import orbax.checkpoint as ocp
+
+    save_state_dict({"w": INTS}, tmp_path / "latest")
+
+    close = ocp.AsyncCheckpointer.close
+
+    def broken(self, *args, **kwargs):
+        if fails == "while committing":  # the background write ends, then reports a failure
+            close(self)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ocp.AsyncCheckpointer, "save" if fails == "before writing" else "close",
+                        broken)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_state_dict({"w": INTS + 1}, tmp_path / "latest")
+    monkeypatch.undo()
+    wait_for_saves()
+    assert_bits_equal(load_state_dict({"w": np.zeros_like(INTS)}, tmp_path / "latest")["w"], INTS)
+    save_state_dict({"w": INTS + 2}, tmp_path / "latest")  # and the next save goes through
+    assert_bits_equal(load_state_dict({"w": np.zeros_like(INTS)}, tmp_path / "latest")["w"],
+                      INTS + 2)
+
+
+def test_entries_named_like_a_models_run_state_are_checked_in_a_users_own_dict(tmp_path):
+    """DistModel's gm.* / amp.* entries may be absent from a checkpoint (one saved without
+    gradient merge); a user's own {"gm": generator, "dm": discriminator} was skipped by that
+    prefix, silently, leaving the generator at its initial values."""
+    save_state_dict({"dm": {"w": INTS}}, tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"'gm.w' is not in checkpoint"):
+        load_state_dict({"gm": {"w": np.zeros_like(INTS)}, "dm": {"w": np.zeros_like(INTS)}},
+                        tmp_path / "c")

@@ -345,6 +345,29 @@ def test_to_static_arguments_of_the_wrong_kind(call, error, match):
     _raises(error, match, call)
 
 
+def test_set_state_dict_refuses_values_the_model_cannot_hold_and_clashing_names():
+    """numpy's cast set adam's count from 2**32 + 10 to 10 (its bias correction restarted) and
+    from 2.7 to 2, silently; two params both named 'param.a.b' lost one from the state dict."""
+    import optax
+
+    params = {"w": dist.shard_tensor(np.ones((8, 4), np.float32), MESH, ["R", "R"])}
+    dm = dist.to_static((_apply, params), None, _mse, optax.adam(0.1))
+    count = next(k for k in dm.state_dict() if k.endswith("count"))
+    for value in (np.int64(2**32 + 10), 2.7, float("nan"), None, "3"):
+        _raises(dist.DistModelError, rf"set_state_dict: '{count}' is .* which int32 cannot hold "
+                                     rf"exactly", lambda: dm.set_state_dict({count: value}))
+    for value in (5, np.int64(6), 7.0):
+        dm.set_state_dict({count: value})
+        assert int(dm.state_dict()[count].numpy()) == int(value)
+    w = np.ones((8, 4), np.float32)
+    clash = {"a": {"b": dist.shard_tensor(w, MESH, ["R", "R"])},
+             "a.b": dist.shard_tensor(w, MESH, ["R", "R"])}
+    model = dist.to_static((lambda p, x: x @ p["a"]["b"] + x @ p["a.b"], clash), None, _mse,
+                           optax.sgd(0.1))
+    _raises(dist.DistModelError, r"both named 'param.a.b' in the state dict.*rename the key",
+            model.state_dict)
+
+
 def test_to_static_takes_a_strategy_dict_and_trains_as_with_a_strategy():
     losses = []
     for strategy in ({"gradient_merge": {"enable": True, "k_steps": 2}},

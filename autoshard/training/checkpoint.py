@@ -5,10 +5,12 @@ from __future__ import annotations
 import atexit
 import difflib
 import os
+import re
+import shutil
 import sys
 import threading
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
@@ -23,6 +25,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh, one_device_per_process, spans_every_process
 from ..reshard.api import reshard, to_even
 from ..uneven import even_part, is_key
+from .model_state import exact_cast
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -41,6 +44,8 @@ class CheckpointError(AutoshardError, ValueError):
 
 
 _SCALARS = (bool, int, float, np.bool_, np.number)
+_UNWRITABLE = ("uint4", "uint2")  # dtypes tensorstore refuses (int4 / int2 it writes)
+_INT64 = (-2 ** 63, 2 ** 63 - 1)
 _KINDS = (np.bool_, np.integer, np.floating, np.complexfloating)
 
 
@@ -103,6 +108,11 @@ def _to_saveable(key: str, x: Any) -> Any:
             f"cannot save {key!r}: it has zero size (shape {tuple(x.shape)}), and orbax writes "
             f"no zero-size arrays; it holds no values, so drop it from the state dict (and "
             f"from the target when loading)")
+    if isinstance(x, (DistTensor, jax.Array, np.ndarray)) and \
+            getattr(x.dtype, "name", "") in _UNWRITABLE:
+        raise CheckpointError(
+            f"cannot save {key!r}: orbax's storage (tensorstore) has no {x.dtype.name} type; "
+            f"save x.astype(jnp.uint8) and cast the loaded value back")
     if isinstance(x, DistTensor):
         # Partial reduced; a dim stored padded (uneven.py) written whole, without the padding.
         # Shard placements stay, so orbax writes each block once, from the device that holds it.
@@ -120,6 +130,13 @@ def _to_saveable(key: str, x: Any) -> Any:
         return np.asarray(x)  # orbax writes a process's own jax.Array in one process only
     if isinstance(x, (jax.Array, np.ndarray)) and x.dtype != object:
         return x
+    if isinstance(x, np.bool_):  # orbax has no handler for numpy's bool scalar: as Python's
+        return bool(x)
+    if isinstance(x, int) and not isinstance(x, bool) and not _INT64[0] <= x <= _INT64[1]:
+        raise CheckpointError(
+            f"cannot save {key!r}: the Python int {x} lies outside int64, the widest integer a "
+            f"checkpoint holds; save it as a string elsewhere, or as a float if exactness "
+            f"does not matter")
     if isinstance(x, _SCALARS):
         return x
     raise CheckpointError(
@@ -143,12 +160,42 @@ def _is_checkpoint_dir(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("_CHECKPOINT_METADATA", "_METADATA"))
 
 
+def _staging_path(path: str) -> str:
+    """Where a save is written before it replaces `path`: a sibling whose name has none of
+    the glob characters orbax's commit would read as a pattern (`ckpt-dp[2x4]`)."""
+    parent, name = os.path.split(path)
+    return os.path.join(parent, "." + re.sub(r"[][*?{}]", "_", name) + ".autoshard-saving")
+
+
+_SWAPS = [0]  # saves put in place, in this process: every process counts the same (one barrier each)
+
+
+def _put_in_place(staging: str, path: str) -> None:
+    """The complete checkpoint at `staging` becomes `path`; the one there before is removed
+    only now (orbax's own `force` removed it before writing: a failed save lost both)."""
+    ocp = _orbax()
+    if jax.process_index() == 0:
+        old = staging + "-old"
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(staging, path)
+        if os.path.exists(old):
+            shutil.rmtree(old)
+    _SWAPS[0] += 1
+    if jax.process_count() > 1:  # no process reads `path` before it is in place
+        ocp.multihost.sync_global_processes(f"autoshard_checkpoint_in_place_{_SWAPS[0]}")
+
+
 class SaveHandle:
     """A save in progress or done; `wait()` blocks until the checkpoint is complete on disk."""
 
-    def __init__(self, checkpointer: ocp.AsyncCheckpointer | None, path: str):
+    def __init__(self, checkpointer: ocp.AsyncCheckpointer | None, path: str,
+                 staging: str | None = None):
         self._checkpointer = checkpointer
         self.path = path
+        self._staging = staging
 
     def done(self) -> bool:
         """True once wait() has returned (the checkpoint is then complete)."""
@@ -163,8 +210,12 @@ class SaveHandle:
         try:
             checkpointer.close()  # waits for the background commit, then frees its threads
         except Exception as exc:
-            raise CheckpointError(f"writing the checkpoint {self.path} failed: {exc}; it is "
-                                  f"incomplete, save it again") from exc
+            kept = (f"; the checkpoint there before is kept" if os.path.exists(self.path)
+                    else "")
+            raise CheckpointError(f"writing the checkpoint {self.path} failed: {exc}{kept}; "
+                                  f"save it again") from exc
+        if self._staging is not None:
+            _put_in_place(self._staging, self.path)
 
     def __repr__(self) -> str:
         return f"SaveHandle({self.path!r}, done={self.done()})"
@@ -240,12 +291,19 @@ def save_state_dict(state_dict: Any, path: str | os.PathLike, *,
         _check_same_everywhere(flat)
     ocp = _orbax()
     checkpointer = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
+    # written beside `path` and moved there once complete: `force` clears only the staging
+    # directory (a crashed save's), never the checkpoint a failed save would replace
+    staging = _staging_path(path)
     try:
-        checkpointer.save(path, args=ocp.args.PyTreeSave(flat), force=True)
+        checkpointer.save(staging, args=ocp.args.PyTreeSave(flat), force=True)
     except Exception as exc:
-        checkpointer.close()
-        raise CheckpointError(f"saving the state dict to {path} failed: {exc}") from exc
-    handle = SaveHandle(checkpointer, path)
+        try:
+            checkpointer.close()
+        except Exception:
+            pass  # the save's own error says what went wrong
+        raise CheckpointError(f"saving the state dict to {path} failed: "
+                              f"{str(exc).splitlines()[0][:300]}") from exc
+    handle = SaveHandle(checkpointer, path, staging)
     _PENDING.append(handle)
     if not async_save:
         handle.wait()
@@ -321,10 +379,36 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
             f"{key!r} is {saved_dtype.name} in checkpoint {path}, but the target is "
             f"{dtype.name}: loading must be exact, so make the target {saved_dtype.name} (and "
             f"cast after loading if needed)")
+    if loose and dtype != saved_dtype and np.issubdtype(saved_dtype, np.integer):
+        # read as saved, then checked to fit (`_fitted`): a cast on read would wrap 2**40 + 5
+        # into int32 as 5, silently
+        # (as numpy: a jax array of int64 is int32 without jax_enable_x64)
+        return np.zeros(shape, saved_dtype), ocp.RestoreArgs(restore_type=np.ndarray,
+                                                             dtype=saved_dtype)
     if sharding is None:
         return target, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
     return (jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
             ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype))
+
+
+def _fitted(key: str, target: Any, value: Any, path: str) -> Any:
+    """A saved integer number read in its own width (`_restore_spec`), in the target's dtype
+    when it fits there (a Python int target holds any), else a CheckpointError."""
+    if isinstance(target, (bool, int, float)) or is_key(target) or _is_prng_key(target):
+        return value
+    want = np.dtype(target.dtype)
+    if np.dtype(value.dtype) == want:
+        return value
+    cast = exact_cast(np.asarray(value), want)
+    if cast is None:
+        raise CheckpointError(
+            f"{key!r} is {np.asarray(value)!r:.60} in checkpoint {path}, which the target's "
+            f"{want.name} cannot hold: make the target a wider type (e.g. "
+            f"{'uint64' if np.asarray(value).min() >= 0 else 'int64'})")
+    if isinstance(target, DistTensor):  # where _rebuild expects it read
+        mesh, layout = _read_place(target)
+        return jax.device_put(cast, physical_sharding(layout, mesh))
+    return jax.device_put(cast, target.sharding) if isinstance(target, jax.Array) else cast
 
 
 def _read_place(target: DistTensor) -> tuple[ProcessMesh, Layout]:
@@ -385,6 +469,16 @@ def _reads(read: Callable[[list[str]], Any], key: str) -> bool:
 
 # a to_static model's gradient-merge cycle and float16 loss scaler (dist_model.py's state dict)
 _RUN_STATE = ("gm.", "amp.")
+_MODEL_GROUPS = ("param", "state", "opt", "amp", "gm")  # DistModel.state_dict's name groups
+
+
+def _is_model_state(state_dict: Any) -> bool:
+    """A DistModel's state dict (flat, every name in one of its groups): only there are
+    gm.* / amp.* the run state a checkpoint may lack — a user's own {"gm": generator, ...}
+    is checked entry by entry as any other."""
+    return isinstance(state_dict, Mapping) and all(
+        isinstance(k, str) and k.split(".", 1)[0] in _MODEL_GROUPS and not isinstance(v, Mapping)
+        for k, v in state_dict.items())
 
 
 def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
@@ -407,7 +501,7 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     # has no gm.* / amp.* entries: a model that merges loads it between cycles, its own (zero)
     # gm.* entries kept as they are; one that scales starts from its fresh scaler.
     keep = {k for prefix in _RUN_STATE if not any(n.startswith(prefix) for n in saved)
-            for k in keys if k.startswith(prefix)}
+            for k in keys if k.startswith(prefix)} if _is_model_state(state_dict) else set()
     for key, target in zip(keys, targets):
         if key in keep:
             continue
@@ -418,6 +512,9 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
                 f"{near}): rename the target entry or drop it from the state dict")
         items[key], args[key] = _restore_spec(key, target, saved[key], path)
     restored = _restore(path, items, args) if items else {}
+    for key, target in zip(keys, targets):
+        if key in restored:
+            restored[key] = _fitted(key, target, restored[key], path)
     result = jax.tree_util.tree_unflatten(
         treedef, [t if k in keep else _rebuild(t, restored[k]) for k, t in zip(keys, targets)])
     _fill_in_place(state_dict, result)

@@ -34,8 +34,10 @@ from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..physical import mesh_sharding
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
+from ..uneven import is_key
 from .amp import LossScaler, all_finite, autocast, cast_floating, keep_if, o1_primitives
-from .model_state import DistModelError, flatten_dict, sibling_param, split_model, unflatten_dict
+from .model_state import (DistModelError, exact_cast, flatten_dict, sibling_param, split_model,
+                          unflatten_dict)
 from .optimizer import (ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3,
                         place_params, shard_optimizer)
 from .layers import shard_layer
@@ -936,7 +938,13 @@ def _load_group(prefix: str, tree: Any, state_dict: dict[str, Any]) -> Any:
                 value = reshard(value, leaf.mesh, leaf.placements)
                 value = value if value.dtype == leaf.dtype else value.astype(leaf.dtype)
             else:
-                value = shard_tensor(np.asarray(value, leaf.dtype), leaf.mesh, leaf.placements)
+                cast = np.asarray(value) if is_key(leaf) else exact_cast(value, leaf.dtype)
+                if cast is None:
+                    raise DistModelError(
+                        f"set_state_dict: {name!r} is {value!r:.60}, which {leaf.dtype} cannot "
+                        f"hold exactly (the model's value is {leaf.dtype}): give a value in "
+                        f"its range{', a whole number' if np.issubdtype(leaf.dtype, np.integer) else ''}")
+                value = shard_tensor(cast, leaf.mesh, leaf.placements)
         new.append(value)
     return jax.tree.unflatten(treedef, new)
 
@@ -945,6 +953,11 @@ def _flat(prefix: str, tree: Any) -> dict[str, Any]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_dt)[0]:
         name = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        if f"{prefix}.{name}" in out:  # one name for two leaves: a state dict would lose one
+            raise DistModelError(
+                f"two entries of the model's {prefix} tree are both named {prefix + '.' + name!r} in "
+                f"the state dict (a key containing '.' clashes with a nested path, "
+                f"{jax.tree_util.keystr(path)}): rename the key")
         out[f"{prefix}.{name}"] = leaf
     return out
 

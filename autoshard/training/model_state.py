@@ -33,6 +33,26 @@ class DistModelError(AutoshardError, ValueError):
 
 
 
+def exact_cast(value: Any, dtype: Any) -> np.ndarray | None:
+    """`value` (a number or host array) as `dtype` when every element keeps its value there
+    (an integer in range, a float that is a whole number for an integer dtype), else None:
+    numpy's cast would wrap 2**32 + 10 to 10 in int32, or cut 2.7 to 2, silently."""
+    x = np.asarray(value)
+    dtype = np.dtype(dtype)
+    if x.dtype == object or not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
+        return None
+    if not np.issubdtype(dtype, np.integer) or x.size == 0:
+        return x.astype(dtype)
+    if np.issubdtype(x.dtype, np.complexfloating):
+        return None
+    if np.issubdtype(x.dtype, np.floating) and not (np.isfinite(x).all() and (x == np.round(x)).all()):
+        return None
+    info = np.iinfo(dtype)
+    # compared as Python ints: numpy's mixed int64 / uint64 comparisons go through float64
+    low, high = (int(v) for v in (x.min(), x.max()))
+    return x.astype(dtype) if info.min <= low and high <= info.max else None
+
+
 def _is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
