@@ -302,18 +302,22 @@ def test_python_ints_past_a_small_dtypes_range_operate_as_in_jnp(op, dtype):
     np.testing.assert_array_equal(np.asarray(t.numpy()), want)
 
 
-@pytest.mark.parametrize("op", ["ravel", "reshape", "prod", "sum", "add", "T"])
+@pytest.mark.parametrize("op", ["ravel", "reshape", "prod", "sum", "add", "T", "v.T @ v",
+                                "sums of two"])
 @pytest.mark.parametrize("mesh", [MESH8, dist.ProcessMesh([0, 1, 2], ["x"])], ids=["8", "3"])
 def test_ops_on_an_empty_split_tensor_give_jnps_results(op, mesh):
     """A (0, 4) tensor split on its empty dim: ops whose plan would gather it give jnp's
-    results (XLA's verifier refused the all-gather of a zero-sized dim, inside jax)."""
+    results (XLA's verifier refused the all-gather of a zero-sized dim, inside jax), and so do
+    programs whose every operand is empty (`v.T @ v`: two empty inputs; `e.sum() * (e + 1)
+    .sum()`: an input and an empty constant — XLA's Shardy verifier refused the shard_map)."""
     x = np.zeros((0, 4), np.float32)
     t = dist.shard_tensor(x, mesh, [S(0)])
     fn = {"ravel": lambda v: v.ravel(), "reshape": lambda v: v.reshape(-1),
           "prod": lambda v: v.prod(), "sum": lambda v: v.sum(axis=0),
-          "add": lambda v: v + v.sum(axis=0), "T": lambda v: v.T}[op]
+          "add": lambda v: v + v.sum(axis=0), "T": lambda v: v.T, "v.T @ v": lambda v: v.T @ v,
+          "sums of two": lambda v: v.sum() * (v + 1).sum()}[op]
     want = np.asarray(fn(jnp.asarray(x)))
-    got = fn(t)
+    got = dist.jit(fn)(t) if op == "sums of two" else fn(t)
     assert got.shape == want.shape
     np.testing.assert_array_equal(np.asarray(got.numpy()), want)
 

@@ -525,10 +525,8 @@ class DistributedFunction:
                                             eager=self._always_dist)
         ins = [L if s is None else s for L, s in zip(plan.inputs, stored_in)]
         outs = [L if s is None else s for L, s in zip(plan.outputs, stored_out)]
-        mapped = jax.shard_map(local, mesh=plan.mesh.to_jax(),
-                               in_specs=tuple(physical_spec(L, plan.mesh) for L in ins),
-                               out_specs=[physical_spec(L, plan.mesh) for L in outs],
-                               check_vma=True)
+        mapped = _shard_mapped(local, plan.mesh, tuple(physical_spec(L, plan.mesh) for L in ins),
+                               [physical_spec(L, plan.mesh) for L in outs])
         mapped = _with_memory_kinds(mapped, mesh, ins, outs, [d.memory for d in described],
                                     self._out_kinds(len(outs)))
         if plan.refinement is None:
@@ -932,6 +930,40 @@ def _check_memory_kinds(kinds: Any) -> Any:
     if isinstance(kinds, str):
         return None if kinds == "device" else kinds
     return [None if k == "device" else k for k in flat]
+
+
+def _shard_mapped(local: Callable, mesh: ProcessMesh, in_specs: tuple, out_specs: list):
+    """`local` under jax.shard_map, its empty inputs made inside rather than passed in: XLA's
+    Shardy verifier refuses a manual computation whose operands are all empty ("expected at
+    least one operand ... produced by a GlobalToLocalShape"), and an empty block holds
+    nothing to pass."""
+    jmesh = mesh.to_jax()
+
+    def call(*xs):
+        empty = {k for k, x in enumerate(xs) if 0 in np.shape(x) and not is_extended(x.dtype)}
+        if not empty:
+            return jax.shard_map(local, mesh=jmesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=True)(*xs)
+        kept = [k for k in range(len(xs)) if k not in empty]
+
+        def block(k: int):
+            axes = [a for entry in in_specs[k] if entry is not None
+                    for a in ((entry,) if isinstance(entry, str) else entry)]
+            shape = list(np.shape(xs[k]))
+            for d, entry in enumerate(in_specs[k]):
+                for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+                    shape[d] //= mesh.get_dim_size(a)
+            z = jax.numpy.zeros(shape, xs[k].dtype)
+            return jax.lax.pcast(z, tuple(axes), to="varying") if axes else z
+
+        def body(*given):
+            full = dict(zip(kept, given))
+            return local(*[full[k] if k in full else block(k) for k in range(len(xs))])
+
+        return jax.shard_map(body, mesh=jmesh, in_specs=tuple(in_specs[k] for k in kept),
+                             out_specs=out_specs, check_vma=True)(*[xs[k] for k in kept])
+
+    return call
 
 
 def _with_memory_kinds(mapped: Callable, mesh: ProcessMesh, ins: list, outs: list,

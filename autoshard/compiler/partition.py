@@ -140,6 +140,10 @@ def _device_const(c, scalars: dict):
     """Program constant `c` as a jax array; equal scalars (one per literal in the user's
     program) are put on the device once. A scalar enters the traced program as a literal of
     its value, whichever array object holds it, so sharing one changes nothing there."""
+    if 0 in c.aval.shape and not jax.dtypes.issubdtype(c.dtype, jax.dtypes.extended):
+        # made in the program: an empty array captured as a constant would be an operand of
+        # the shard_map, which XLA refuses when all its operands are empty
+        return jnp.zeros(c.aval.shape, c.dtype)
     key = outline.const_key(c)
     if key is not c:  # a scalar: one device array per value
         if key not in scalars:
