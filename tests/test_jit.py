@@ -581,6 +581,31 @@ def test_collectives_no_equation_of_the_user_made_name_the_calling_line():
         assert "jit.py:" not in str(plan).replace("test_jit.py:", ""), str(plan)
 
 
+def test_collectives_of_a_library_update_name_the_users_call_not_the_librarys_file():
+    """A to_static step's optimizer update has no frame of the user's (to_static's own step
+    calls optax): its gradient reductions after a scanned model named optax's `update.py:42`,
+    a file the user never wrote; now the user's line that ran the step."""
+    import inspect
+
+    import optax
+
+    rng = np.random.default_rng(0)
+    w = {"w": dist.shard_tensor((rng.normal(size=(3, 16, 16)) * 0.2).astype(np.float32),
+                                MESH24, [dist.Replicate(), dist.Shard(2)])}
+
+    def apply(p, x):  # three layers as a scan: the gradients are reduced after the loop
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+
+    m = dist.to_static((apply, w), None, lambda o, y: jnp.mean((o - y) ** 2), optax.sgd(0.1))
+    x, y = (rng.normal(size=(8, 16)).astype(np.float32) for _ in range(2))
+    here = inspect.currentframe().f_lineno
+    m(x, y)
+    plan = m.programs()["train"].plan(*m.program_args("train", x, y))
+    dp = [c for c in plan.collectives if c.axes == ("dp",)]
+    assert dp and all(c.source.startswith("test_jit.py:") for c in plan.collectives), str(plan)
+    assert any(c.source == f"test_jit.py:{here + 1}" for c in dp), str(plan)
+
+
 # -- composition: dist.jit inside dist.jit, closed-over DistTensors, outer transformations -----
 
 def _split_inputs():

@@ -171,7 +171,11 @@ class Where:
     @property
     def line(self) -> str | None:
         if self._info is not None or self._outer is not None:
-            self._line = source_line(self._info) or (self._outer.line if self._outer else None)
+            # the user's frame, else the enclosing call's line, else the library feature
+            # that bound it (optax's update inside to_static's step: named by its package)
+            self._line = (source_line(self._info, feature=False)
+                          or (self._outer.line if self._outer else None)
+                          or source_line(self._info))
             self._info = self._outer = None
         return self._line
 
@@ -331,29 +335,30 @@ _PLUMBING = (os.path.join(_PKG, "compiler") + os.sep, os.path.join(_PKG, "creati
 _LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
-def source_line(source_info) -> str | None:
+def source_line(source_info, feature: bool = True) -> str | None:
     """`file:line` of the user's code that produced an equation.
 
     Frames inside installed libraries (optax, flax) and autoshard itself are skipped, so an
     optimizer update is attributed to the user's line that called it; with no such frame, the
-    innermost library frame outside autoshard's compiler, else None. Walks the raw frames (what `source_info_util.user_frames`
+    innermost library frame outside autoshard's compiler (with `feature`), else None. Walks the raw frames (what `source_info_util.user_frames`
     filters) and resolves the line of the chosen frame only: this runs once per equation.
     """
     if not source_info or not source_info.traceback:
         return None
-    feature = None
+    found = None
     for code, lasti in zip(*source_info.traceback.raw_frames()):
         if not source_info_util.is_user_filename(code.co_filename):
             continue  # jax's own frames
         if not _library_file(code.co_filename):
             return _frame_line(code, lasti)
-        if feature is None and not code.co_filename.startswith(_PLUMBING):
-            feature = (code, lasti)
-    # no user frame (a rule autoshard's own custom_vjp binds while jax differentiates): the
-    # feature that bound it (ring_attention.py, associative_scan.py), never the binding
-    # plumbing (dist.jit(jnp.tanh)'s equations see only compiler/jit.py: None, and the
-    # caller's `outer` line is read instead)
-    return None if feature is None else _frame_line(*feature)
+        if found is None and not code.co_filename.startswith(_PLUMBING):
+            found = (code, lasti)
+    # no user frame (a rule autoshard's own custom_vjp binds while jax differentiates, optax's
+    # update inside to_static's step): with `feature`, the library frame that bound it by its
+    # package path (autoshard/ring_attention.py, optax/_src/update.py) — Where reads the
+    # caller's `outer` line before it — never the binding plumbing (dist.jit(jnp.tanh)'s
+    # equations see only compiler/jit.py: None)
+    return None if found is None or not feature else _frame_line(*found, qualified=True)
 
 
 _LIBRARY_FILES: dict[str, bool] = {}
@@ -369,16 +374,30 @@ def _library_file(file_name: str) -> bool:
     return known
 
 
-def _frame_line(code, lasti: int) -> str:
-    """`file:line` of one raw frame (memoised: a layer's equations come from the same lines)."""
-    line = _FRAME_LINES.get((code, lasti))
+def _frame_line(code, lasti: int, qualified: bool = False) -> str:
+    """`file:line` of one raw frame (memoised: a layer's equations come from the same lines);
+    `qualified`: a library's file by its package path (optax/_src/update.py), not its name."""
+    line = _FRAME_LINES.get((code, lasti, qualified))
     if line is None:
         frame = source_info_util.raw_frame_to_frame(code, lasti)
-        line = f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+        name = os.path.basename(frame.file_name)
+        if qualified:
+            name = _package_path(frame.file_name)
+        line = f"{name}:{frame.start_line}"
         if len(_FRAME_LINES) >= 65536:
             _FRAME_LINES.clear()
-        _FRAME_LINES[(code, lasti)] = line
+        _FRAME_LINES[(code, lasti, qualified)] = line
     return line
+
+
+def _package_path(file_name: str) -> str:
+    """An installed library's (or autoshard's) file from its package's folder on."""
+    for marker in _LIBRARY_MARKERS:
+        if marker in file_name:
+            return file_name.rsplit(marker, 1)[1]
+    if file_name.startswith(_PKG):
+        return os.path.relpath(file_name, os.path.dirname(_PKG))
+    return os.path.basename(file_name)
 
 
 def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
