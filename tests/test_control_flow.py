@@ -472,6 +472,25 @@ def test_an_unrolled_scan_plans_its_bodys_collectives_once_per_copy(length, unro
     assert len(inside) == copies and f"copy {copies} of {copies} unrolled" in inside[-1].reason
 
 
+@pytest.mark.parametrize("length,unroll", [(5, 1), (5, 2), (4, 4), (6, 3)])
+def test_collectives_per_call_count_each_iteration_of_a_scan(length, unroll):
+    """The plan lists a loop body's collectives once per copy, as the compiled program holds
+    them; per call (what a step sends: DistModel.summary, explain's "per call") they run once
+    per iteration — as many as the same scan unrolled whole lists."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(6, 16, 16)).astype(np.float32) * 0.3
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    dw = dist.shard_tensor(w, MESH, ["R", "S(1)"])
+    dx = dist.shard_tensor(x, MESH, ["S(0)", "R"])
+    looped = dist.jit(lambda w, x: _unrolled_scan(w, x, length, unroll)).plan(dw, dx)
+    whole = dist.jit(lambda w, x: _unrolled_scan(w, x, length, True)).plan(dw, dx)
+    assert looped.collective_counts(per_call=True) == whole.collective_counts()
+    assert looped.bytes_per_call() == whole.total_bytes and looped.runs_known
+    if unroll == 1:
+        assert looped.collective_counts() != whole.collective_counts()
+        assert "per call: " in str(looped)
+
+
 def test_a_split_scan_unrolled_plans_its_share_of_the_copies():
     """A map whose rows are split runs length / n iterations per device: unrolled by 2, each
     device's loop holds 2 copies of the body's collectives."""

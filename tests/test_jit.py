@@ -604,6 +604,11 @@ def test_collectives_of_a_library_update_name_the_users_call_not_the_librarys_fi
     dp = [c for c in plan.collectives if c.axes == ("dp",)]
     assert dp and all(c.source.startswith("test_jit.py:") for c in plan.collectives), str(plan)
     assert any(c.source == f"test_jit.py:{here + 1}" for c in dp), str(plan)
+    # the summary's "per step" counts the scanned layers' collectives once per layer
+    per_step = plan.collective_counts(per_call=True)
+    assert per_step != plan.collective_counts()
+    listed = m.summary(x, y).splitlines()[1].split(": ", 1)[1].split("; ")[0].split(", ")
+    assert {k: int(n) for n, k in (c.split(" ", 1) for c in listed)} == per_step
 
 
 # -- composition: dist.jit inside dist.jit, closed-over DistTensors, outer transformations -----

@@ -425,6 +425,20 @@ def body_copies(e, required: list[Layout], sizes: dict) -> int:
     return unrolled_copies(e.params["length"] // n, e.params["unroll"])
 
 
+def copy_runs(e, required: list[Layout], sizes: dict) -> list[int]:
+    """How often one run of `e` runs each of the `body_copies` copies of its body: a scan's
+    loop copies once per trip, the copies after the loop once (a split scan counting its
+    share of the iterations); 1 for the other higher-order primitives."""
+    if e.name != "scan":
+        return [1]
+    n = math.prod(sizes[a] for a in _split_axes(e, required))
+    iterations = e.params["length"] // n
+    per_trip, trips, remainder = _unrolled(iterations, e.params["unroll"])
+    if per_trip == 1:
+        return [iterations] if iterations else []
+    return [trips] * (per_trip if trips else 0) + [1] * remainder
+
+
 def last_copy_straight(e, required: list[Layout]) -> bool:
     """Whether a scan's last iteration runs as straight-line code after its loop (jax's
     lowering: the iterations an `unroll` leaves over, or all of them when it covers the

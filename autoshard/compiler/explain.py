@@ -42,6 +42,11 @@ def explain_text(plan) -> str:
                      f"at {c.source or '(output)'}: {c.reason}")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) or "none"
     lines.append(f"total: {counts}; {format_bytes(plan.total_bytes)} per device")
+    per_call = plan.collective_counts(per_call=True)
+    if per_call != plan.collective_counts():  # a loop body's collectives run once per iteration
+        runs = ", ".join(f"{n} {k}" for k, n in sorted(per_call.items()))
+        lines.append(f"per call: {runs}; {format_bytes(plan.bytes_per_call())} per device"
+                     + ("" if plan.runs_known else " (a while loop's body counted once)"))
     if plan.fallbacks:
         lines.append("replicated for lack of a rule: " +
                      ", ".join(f"{n} at {s}" for n, s in plan.fallbacks))

@@ -22,7 +22,8 @@ from ..reshard.planner import ReshardPlan
 from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
-from .control_flow import (HIGHER_ORDER, body_copies, last_copy_straight, plan_higher_order,
+from .control_flow import (HIGHER_ORDER, body_copies, copy_runs, last_copy_straight,
+                           plan_higher_order,
                            platform_branch, shared_operands)
 from .dtypes import cost_dtype
 from .factors import Serves
@@ -65,6 +66,10 @@ class PlannedCollective:
     # (named in the body's program, so the name may also be a top-level value's) — passes that
     # rewrite top-level moves by value name leave these alone
     nested: bool = field(default=False, compare=False, repr=False)
+    # how often one call of the program runs it: a scan body's once per iteration of its
+    # copy, None inside a while loop (its trip count is a value); the plan lists it once, as
+    # the compiled program's text does
+    runs: int | None = field(default=1, compare=False, repr=False)
 
     @property
     def source(self) -> str | None:
@@ -135,11 +140,25 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(c.bytes_per_device for c in self.collectives)
 
-    def collective_counts(self) -> dict[str, int]:
+    def collective_counts(self, per_call: bool = False) -> dict[str, int]:
+        """Collectives by kind: as the program lists them (a loop body's once, as the
+        compiled HLO text has them), or with `per_call` as often as one call runs them (a
+        scan body's once per iteration; a while loop's body, whose trip count is a value,
+        counted once: `runs_known` says whether every count is exact)."""
         counts: dict[str, int] = {}
         for c in self.collectives:
-            counts[c.kind] = counts.get(c.kind, 0) + 1
+            n = (c.runs or 1) if per_call else 1
+            counts[c.kind] = counts.get(c.kind, 0) + n
         return counts
+
+    def bytes_per_call(self) -> int:
+        """Bytes each device sends in one call (`collective_counts(per_call=True)`)."""
+        return sum(c.bytes_per_device * (c.runs or 1) for c in self.collectives)
+
+    @property
+    def runs_known(self) -> bool:
+        """Whether every collective's runs per call is known (none inside a while loop)."""
+        return all(c.runs is not None for c in self.collectives)
 
     def layout_of(self, value: Value) -> Layout:
         return self.layouts[value]
@@ -482,6 +501,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             # as often in the plan as in the compiled program: once per copy of the body
             # (a loop's body once, an unrolled scan's each copy), not once per iteration
             copies = body_copies(e, required, mesh.axis_sizes)
+            each = copy_runs(e, required, mesh.axis_sizes)  # runs per call of each copy
             # a scan whose last copy runs after its loop: its moves for a final carry nobody
             # reads are dead code there, which XLA drops (the reverse scan of jnp.polyval's
             # gradient)
@@ -502,11 +522,13 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     if shared is not None and outer and shared[0] in outer:
                         shared = (outer[shared[0]], *shared[1:])
                     for i in range(copies - (c.consumer in dead)):
+                        runs = (None if c.runs is None or name == "while"
+                                else c.runs * each[i])
                         unrolled = f", copy {i + 1} of {copies} unrolled" if copies > 1 else ""
                         collectives.append(replace(  # (copies are other collectives: `_once`)
                             c, reason=f"{c.reason} (inside {strategy}{unrolled})",
                             shared=shared if i == 0 or shared is None else (shared, i),
-                            nested=True))
+                            nested=True, runs=runs))
                 fallbacks.extend(sub.fallbacks)
         else:
             sig = facts.signatures[e.index]

@@ -796,23 +796,28 @@ class DistModel:
         plans = f.stage_plans(*args)
 
         def counts(plan) -> str:
-            return ", ".join(f"{n} {k}" for k, n in sorted(plan.collective_counts().items())) \
-                or "no collectives"
+            # as often as one step runs them (a scanned layer's once per layer)
+            text = ", ".join(f"{n} {k}" for k, n in
+                             sorted(plan.collective_counts(per_call=True).items()))
+            return (text or "no collectives") + ("" if plan.runs_known else
+                                                 " (a while loop's body counted once)")
+
+        def sent(plan) -> str:
+            return f"{format_bytes(plan.bytes_per_call())} sent per device"
 
         if len(plans) > 1:  # a model whose forward moves to other meshes: a program per stage
             return "\n".join([head] + [
-                f"stage {k} on devices {plan.mesh.process_ids}: {counts(plan)}; "
-                f"{format_bytes(plan.total_bytes)} sent per device" for k, plan in enumerate(plans)])
+                f"stage {k} on devices {plan.mesh.process_ids}: {counts(plan)}; {sent(plan)}"
+                for k, plan in enumerate(plans)])
         memory = f.lower(*args).compile().memory_analysis()
-        steps = [f"per step: {counts(plans[0])}; {format_bytes(plans[0].total_bytes)} sent per "
-                 f"device"]
+        steps = [f"per step: {counts(plans[0])}; {sent(plans[0])}"]
         if self.k_steps > 1:  # a cycle is k - 1 accumulating steps, then the merging one
             acc = self._program("accumulate", self.program_args("accumulate", *batch))
             acc_plan = acc.stage_plans(*self.program_args("accumulate", *batch))[0]
             steps = [f"per accumulating step ({self.k_steps - 1} of every {self.k_steps}): "
-                     f"{counts(acc_plan)}; {format_bytes(acc_plan.total_bytes)} sent per device",
+                     f"{counts(acc_plan)}; {sent(acc_plan)}",
                      f"per merging step (1 of every {self.k_steps}): {counts(plans[0])}; "
-                     f"{format_bytes(plans[0].total_bytes)} sent per device"]
+                     f"{sent(plans[0])}"]
         return "\n".join([
             head, *steps,
             f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
