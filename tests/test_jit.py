@@ -174,6 +174,36 @@ def test_hints_reshard_and_out_placements():
     assert hlo_counts(g, xs) == planned(g, xs) == Counter({"all-to-all": 1})
 
 
+@pytest.mark.parametrize("form", ["assigned", "unread (seed 4.1)"])
+def test_an_annotation_whose_result_is_unread_marks_its_tensor_as_paddle_does(form):
+    """Paddle's static form `dist.shard_tensor(x, mesh, [Shard(0)])` with the result unused
+    (seed §4.1, line for line) marks x: the step splits the batch as with `x = ...` (it was
+    dead code: the whole step ran replicated, silently)."""
+    rng = np.random.default_rng(0)
+    mesh = dist.ProcessMesh([0, 1, 2, 3], ["x"])
+    w0, w1 = rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(32, 16)).astype(np.float32)
+    x = rng.normal(size=(4, 8, 16)).astype(np.float32)
+
+    def loss(p, x):
+        if form == "assigned":
+            x = dist.shard_tensor(x, mesh, [dist.Shard(0)])
+        else:
+            dist.shard_tensor(x, mesh, [dist.Shard(0)])
+        return jnp.mean(jnp.matmul(jnp.matmul(x, p["w0"]), p["w1"]))
+
+    params = {k: dist.shard_tensor(v, mesh, [dist.Replicate()]) for k, v in
+              (("w0", w0), ("w1", w1))}
+    f = dist.jit(jax.value_and_grad(loss))
+    (value, grads) = f(params, x)
+    want, want_grads = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(x @ p["w0"] @ p["w1"])))(
+        {"w0": w0, "w1": w1}, x)
+    np.testing.assert_allclose(value.numpy(), want, rtol=1e-5)
+    for k in want_grads:
+        np.testing.assert_allclose(grads[k].numpy(), want_grads[k], rtol=1e-4, atol=1e-5)
+    assert f.plan(params, x).inputs[-1].dims[0] == ("x",)  # the batch arrives split
+    assert hlo_counts(f, params, x) == planned(f, params, x) == Counter({"all-reduce": 3})
+
+
 R, S = dist.Replicate(), dist.Shard
 
 OUT_SPECS = [  # (out_placements, the placements asked of w, b, loss; None: the plan's choice)

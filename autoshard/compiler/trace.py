@@ -490,6 +490,36 @@ def _kind(p) -> str:
 
 
 @gc_paused
+def _hints_in_place(jaxpr: Any) -> Any:
+    """`dist.shard_tensor(x, mesh, placements)` whose result is never read (Paddle's static
+    form: the call marks `x`, as seed §4.1 writes it) annotates `x` for what reads it after:
+    those readers read the annotated value. Dead code otherwise, the annotation was dropped
+    and the step ran replicated, silently. (A dist.reshard's result is a new tensor in Paddle
+    too: an unread one stays dead.) In the traced function itself, where the seeds write it;
+    inside a jax.checkpoint or loop body the result must be assigned."""
+    hints = [k for k, e in enumerate(jaxpr.eqns) if e.primitive is hint_p
+             and not e.params["force"] and isinstance(e.invars[0], jex_core.Var)]
+    if not hints:  # (the common case: one pass, no sets)
+        return jaxpr
+    used = {id(v) for e in jaxpr.eqns for v in e.invars if isinstance(v, jex_core.Var)}
+    used |= {id(v) for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    unread = {k for k in hints if id(jaxpr.eqns[k].outvars[0]) not in used}
+    if not unread:
+        return jaxpr
+    renamed: dict = {}  # input of an unread annotation -> the annotated value
+    eqns = []
+    for k, e in enumerate(jaxpr.eqns):
+        if renamed and any(id(v) in renamed for v in e.invars if isinstance(v, jex_core.Var)):
+            e = e.replace(invars=[renamed.get(id(v), v) if isinstance(v, jex_core.Var) else v
+                                  for v in e.invars])
+        eqns.append(e)
+        if k in unread:
+            renamed[id(jaxpr.eqns[k].invars[0])] = e.outvars[0]
+    outvars = [renamed.get(id(v), v) if isinstance(v, jex_core.Var) else v
+               for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
 def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls.
 
@@ -738,7 +768,8 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     # Dead code out first, into every body (a user's shard_map included): what XLA would drop
     # must not be planned, or the plan lists collectives the compiled program never runs (the
     # unused primal output of a differentiated local_map). Every input is kept.
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    jaxpr, _ = pe.dce_jaxpr(_hints_in_place(closed.jaxpr),
+                            [True] * len(closed.jaxpr.outvars), instantiate=True)
     inputs = [fresh(v.aval) for v in jaxpr.invars]
     outputs = walk(jaxpr, closed.consts, inputs, called)
     if empty_at:
