@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -94,9 +95,17 @@ def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | 
 
     The logical value is `data` for every placement: a Partial placement stores it so that the
     reduction over the mesh dim gives `data` back (sum: one device holds it, the rest zeros).
-    `stop_gradient` and `place` are accepted for Paddle compatibility and ignored.
+    `stop_gradient` and `place` are accepted for Paddle compatibility and ignored. A flax nnx
+    Param (or other Variable) gives a Variable of its kind holding the DistTensor, as Paddle
+    gives a parameter for a parameter.
     """
     mesh = as_process_mesh(mesh)
+    variable = _nnx_variable(data)
+    if variable is not None:
+        # Paddle returns a parameter for a parameter (`layer.weight = dist.shard_tensor(
+        # layer.weight, ...)`): an nnx Param (or other Variable) of the same kind holding the
+        # DistTensor — a bare DistTensor assigned there is no parameter to flax, not trained
+        return variable.replace(shard_tensor(variable.get_value(), mesh, placements, dtype))
     if isinstance(data, DistTensor):
         from .reshard.api import reshard
 
@@ -112,6 +121,12 @@ def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | 
     stored = pad_global(arr, layout, mesh, shape, jnp if isinstance(arr, jax.Array) else np)
     value = device_put(stored, physical_sharding(layout.without_partial(), mesh))
     return _add_partial(value, mesh, layout, shape)
+
+
+def _nnx_variable(x: Any) -> Any:
+    """`x` if it is a flax nnx Variable (flax is not imported for the question), else None."""
+    nnx = sys.modules.get("flax.nnx")
+    return x if nnx is not None and isinstance(x, nnx.Variable) else None
 
 
 def dtensor_from_fn(fn: Callable[..., Any], mesh: ProcessMesh,

@@ -132,16 +132,24 @@ def _megatron_assigned(name, layer, mesh):  # Paddle's `layer.weight = dist.shar
         layer.kernel = dist.shard_tensor(layer.kernel.get_value(), mesh, [R, S(0)])
 
 
-@pytest.mark.parametrize("shard_fn", [_megatron_returned, _megatron_assigned],
-                         ids=["returns placements", "assigns a DistTensor"])
+def _megatron_paddle(name, layer, mesh):  # Paddle's docstring: shard_tensor of the Param itself
+    if name == "up":
+        layer.kernel = dist.shard_tensor(layer.kernel, mesh, [R, S(1)], stop_gradient=False)
+        layer.bias = dist.shard_tensor(layer.bias, mesh, [R, S(0)])
+    elif name == "down":
+        layer.kernel = dist.shard_tensor(layer.kernel, mesh, [R, S(0)])
+
+
+@pytest.mark.parametrize("shard_fn", [_megatron_returned, _megatron_assigned, _megatron_paddle],
+                         ids=["returns placements", "assigns a DistTensor", "assigns a Param"])
 def test_shard_layer_nnx_takes_the_shard_fn_forms_of_linen_and_paddle(shard_fn):
-    """Both land in the layer's nnx.Params (an optimizer finds parameters by them); they
+    """Each lands in an nnx.Param of the layer (an optimizer finds parameters by them); they
     were ignored (params left replicated, silently) / left a bare attribute that broke the
-    step's write-back."""
+    step's write-back (shard_tensor of a Param now gives a Param, as Paddle's a parameter)."""
     model = MLP(nnx.Rngs(0))
-    kernel = model.up.kernel
     shard_layer(model, MESH, shard_fn)
-    assert model.up.kernel is kernel and isinstance(model.down.kernel, nnx.Param)
+    kernel = model.up.kernel
+    assert isinstance(kernel, nnx.Param) and isinstance(model.down.kernel, nnx.Param)
     assert _placements(model) == MEGATRON
     _assert_same_training(model, *_data())
     # to_static writes the step's params back into the same Params
@@ -149,6 +157,21 @@ def test_shard_layer_nnx_takes_the_shard_fn_forms_of_linen_and_paddle(shard_fn):
     dm = dist.to_static(model, None, lambda out, t: jnp.mean((out - t) ** 2), optax.sgd(0.1))
     dm(x, y)
     assert model.up.kernel is kernel and kernel.get_value().placements == [R, S(1)]
+
+
+def test_shard_tensor_of_a_param_gives_a_param_as_paddles_gives_a_parameter():
+    """`layer.weight = dist.shard_tensor(layer.weight, mesh, [Shard(1)])` outside shard_layer
+    (Paddle's to_static docstring): a bare DistTensor there was no parameter to flax — the
+    step failed in its write-back, and the kernel would not have been trained."""
+    model = MLP(nnx.Rngs(0))
+    param = dist.shard_tensor(model.up.kernel, MESH, [R, S(1)])
+    assert type(param) is nnx.Param and param.get_value().placements == [R, S(1)]
+    model.up.kernel = param
+    model.down.kernel = dist.shard_tensor(model.down.kernel, MESH, [R, S(0)])
+    model.up.bias = dist.shard_tensor(model.up.bias, MESH, [R, S(0)])
+    model.down.bias = dist.shard_tensor(model.down.bias, MESH, [R, R])
+    assert _placements(model) == MEGATRON
+    _assert_same_training(model, *_data())
 
 
 def test_shard_layer_shard_fn_errors_say_what_to_write():
