@@ -506,6 +506,15 @@ def test_predict_eval_and_state_dict_round_trip():
         fresh.set_state_dict({"param.W0": sd["param.w0"]})
     with pytest.warns(UserWarning, match=r"1 of 2 keys name nothing.*'model.w1'.*skipped"):
         fresh.set_state_dict({"param.w0": sd["param.w0"], "model.w1": sd["param.w1"]})
+    # as Paddle's DistModel, one built without an optimizer starts in eval mode, one without a
+    # loss either in predict mode (it started in train: "train mode needs an optimizer")
+    weights = {k: v.numpy() for k, v in m.params.items()}
+    evaluator = dist.to_static(_model("dp", weights)[1], None, mse)
+    assert evaluator.mode == "eval"
+    np.testing.assert_allclose(evaluator(x, y).numpy(), mse(apply(weights, x), y), rtol=1e-5)
+    predictor = dist.to_static(_model("dp", weights)[1])
+    assert predictor.mode == "predict"
+    np.testing.assert_allclose(predictor(x).numpy(), apply(weights, x), rtol=1e-5)
 
 
 class _TwoInputs:

@@ -191,7 +191,10 @@ class DistModel:
             self.k_steps = accumulate
         self._micro = 0
         self._acc = None
-        self._mode = "train"
+        # Paddle's DistModel starts where it can run: train with an optimizer, eval with only a
+        # loss, predict with neither
+        self._mode = ("train" if self.optimizer is not None else
+                      "eval" if self._loss_fn is not None else "predict")
         self._programs: dict[str, Any] = {}
         self._pipeline = self._pipeline_runner()
 
