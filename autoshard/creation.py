@@ -14,6 +14,7 @@ from .compiler.dtypes import cost_dtype, dtype_name
 from .dtensor import DistTensor, make_dtensor
 from .errors import LocalDataError, PlacementTypeError, ReshardError
 from .layout import Layout, block_bounds, check_partial_dtype, layout_from_placements
+from .paddle_names import paddle_names
 from .mesh import ProcessMesh, as_process_mesh, one_device_per_process, spans_every_process
 from .physical import HOST_MEMORY_KINDS, device_put, physical_shape, physical_sharding
 from .placement import Placement, Replicate, Shard, normalize_placements
@@ -90,7 +91,7 @@ def annotate(x, mesh: ProcessMesh, placements, *, force: bool):
 
 
 def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | str], dtype=None,
-                 *, stop_gradient: bool | None = None, place: Any = None) -> DistTensor:
+                 place: Any = None, stop_gradient: bool | None = None) -> DistTensor:
     """Place `data` (numpy, jax.Array, scalar or list) on `mesh` as `placements` describe.
 
     The logical value is `data` for every placement: a Partial placement stores it so that the
@@ -288,6 +289,7 @@ def _padded(b: Any, local: Sequence[int]) -> Any:
     return jnp.pad(b, widths)
 
 
+@paddle_names(dist_tensor="x")
 def dtensor_to_local(x: DistTensor, mesh: ProcessMesh | None = None,
                      placements: Sequence[Placement | str] | None = None) -> list:
     """Each device's block of `x`, one per device in mesh order (row-major over mesh
@@ -346,6 +348,7 @@ def offload(tree: Any, memory_kind: str = "pinned_host") -> Any:
     return jax.tree.map(move, tree, is_leaf=lambda x: isinstance(x, DistTensor))
 
 
+@paddle_names(dist_tensor="x")
 def unshard_dtensor(x: DistTensor) -> jax.Array:
     """The logical value of `x` as a jax.Array replicated over its mesh."""
     if not isinstance(x, DistTensor):

@@ -67,7 +67,19 @@ def _device_table(ids: tuple[int, ...]) -> dict | None:
 class ProcessMesh:
     """A named N-d arrangement of devices (Paddle's `ProcessMesh`)."""
 
-    def __init__(self, mesh: Any, dim_names: Sequence[str] | None = None):
+    def __init__(self, mesh: Any = None, dim_names: Sequence[str] | None = None,
+                 shape: Sequence[int] | None = None, process_ids: Sequence[int] | None = None):
+        if mesh is None and process_ids is not None:  # Paddle's ProcessMesh(shape=, process_ids=)
+            flat = _to_id_array(process_ids).reshape(-1)
+            size = int(np.prod(shape)) if shape is not None else flat.size
+            if shape is not None and size != flat.size:
+                raise MeshError(f"ProcessMesh(shape={list(shape)}, process_ids=...): the shape "
+                                f"holds {size} devices but {flat.size} process ids are given")
+            mesh = flat.reshape(list(shape) if shape is not None else [flat.size]).tolist()
+        elif mesh is None or shape is not None or process_ids is not None:
+            raise MeshError("ProcessMesh takes the device ids as a nested list (ProcessMesh([[0, 1], "
+                            "[2, 3]], dim_names=['dp', 'mp'])), or Paddle's shape= with "
+                            "process_ids= (and no mesh)")
         ids = _to_id_array(mesh)
         if dim_names is None:
             dim_names = [f"d{i}" for i in range(ids.ndim)]

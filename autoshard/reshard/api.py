@@ -13,6 +13,7 @@ from ..dtensor import DistTensor, make_dtensor
 from ..errors import PlacementTypeError, ReshardError
 from ..layout import Layout, check_partial_dtype, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
+from ..paddle_names import paddle_names
 from ..placement import Placement
 from ..uneven import even_part, is_key, key_partial_error
 from .execute import execute
@@ -74,6 +75,7 @@ def to_even(x: DistTensor, *, reduce_partial: bool = False) -> DistTensor:
     return make_dtensor(execute(plan, x.physical), x.mesh, even, x.shape)
 
 
+@paddle_names(dist_tensor="x")
 def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement | str], *,
             cost_model: CostModel | None = None) -> DistTensor:
     """Move `x` to (mesh, placements): collectives on one mesh, device copies across meshes.

@@ -16,6 +16,7 @@ from ..dtensor import DistTensor, make_dtensor
 from ..errors import AutoshardError, ShardingError
 from ..layout import Layout
 from ..mesh import ProcessMesh, as_process_mesh
+from ..paddle_names import paddle_names
 from ..physical import physical_sharding
 from ..reshard import reshard
 from ..uneven import is_key
@@ -372,6 +373,7 @@ def _in_order_of(original: Any, placed: Any) -> Any:
     return placed
 
 
+@paddle_names(dataloader="loader")
 def shard_dataloader(loader: Any, meshes: ProcessMesh | Sequence[ProcessMesh],
                      input_keys: InputKeys = None, shard_dims: ShardDims = None,
                      is_dataset_splitted: bool = False) -> ShardDataloader:

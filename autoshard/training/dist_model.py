@@ -31,6 +31,7 @@ from ..compiler.jit import jit
 from ..creation import shard_tensor
 from ..dtensor import DistTensor, is_dist_tensor as _is_dt
 from ..mesh import ProcessMesh, as_process_mesh, get_mesh
+from ..paddle_names import paddle_names
 from ..physical import mesh_sharding
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
@@ -975,6 +976,7 @@ def _unflatten_like(tree: Any, leaves: list) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
+@paddle_names(layer="model", loss="loss_fn")
 def to_static(model: Any, loader: Any = None, loss_fn: Callable | None = None,
               optimizer: Any = None, strategy: Strategy | dict | None = None) -> DistModel:
     """Paddle's dist.to_static: compile the whole training step of `model` across its mesh.

@@ -22,6 +22,7 @@ import optax
 from ..dtensor import DistTensor, is_dist_tensor as _is_dt
 from ..errors import AutoshardError
 from ..mesh import ProcessMesh
+from ..paddle_names import paddle_names
 from ..placement import Placement, Replicate, Shard
 
 
@@ -66,6 +67,7 @@ class _Stage:
 
 
 class ShardingStage1(_Stage):
+    @paddle_names(sharding_mesh_dim="mesh_dim")
     def __init__(self, mesh_dim: str | int | None = None, mesh: ProcessMesh | None = None):
         if isinstance(mesh_dim, ProcessMesh):  # Paddle's older ShardingStage1(mesh) spelling
             mesh_dim, mesh = None, mesh_dim
@@ -73,6 +75,7 @@ class ShardingStage1(_Stage):
 
 
 class ShardingStage2(_Stage):
+    @paddle_names(sharding_mesh_dim="mesh_dim")
     def __init__(self, mesh_dim: str | int | None = None, mesh: ProcessMesh | None = None):
         if isinstance(mesh_dim, ProcessMesh):
             mesh_dim, mesh = None, mesh_dim
@@ -80,6 +83,7 @@ class ShardingStage2(_Stage):
 
 
 class ShardingStage3(_Stage):
+    @paddle_names(sharding_mesh_dim="mesh_dim")
     def __init__(self, mesh_dim: str | int | None = None, mesh: ProcessMesh | None = None):
         if isinstance(mesh_dim, ProcessMesh):
             mesh_dim, mesh = None, mesh_dim
