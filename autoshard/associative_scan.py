@@ -46,6 +46,14 @@ def _totals_placements(placements, axis: int, ndim: int) -> list:
             for p in placements]
 
 
+def _placed_whole(scan: Callable, leaves: list, mesh, placements: list) -> list:
+    """`scan` of the arrays annotated with `placements` on `mesh`, its results too."""
+    from .creation import shard_tensor
+
+    xs = [shard_tensor(x, mesh, placements) for x in leaves]
+    return [shard_tensor(y, mesh, placements) for y in scan(*xs)]
+
+
 def _scan_blocked(fn: Callable, leaves: list, tree: Any, axis: int, reverse: bool, n: int,
                   hint: Callable | None = None) -> list:
     """`hint(x, i)`: leaf i's block totals (or their shifted running totals) placed whole."""
@@ -158,8 +166,9 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
         def associative_scan(*xs):
             return jax.tree.leaves(lax.associative_scan(
                 fn, jax.tree.unflatten(tree, list(xs)), reverse=reverse, axis=axis))
-        if not placed:
-            return jax.tree.unflatten(tree, associative_scan(*leaves))
+        if not placed:  # traced: the placements are hints, as in the blocked path
+            return jax.tree.unflatten(tree, _placed_whole(associative_scan, leaves, mesh,
+                                                          placements))
         from .compiler.jit import jit
 
         return jax.tree.unflatten(tree, jit(
@@ -169,7 +178,14 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
                               f"divide into {n} blocks (one per device it is split over): pad "
                               f"the sequence to a multiple of {n}")
     if n == 1:
-        return lax.associative_scan(fn, elems, reverse=reverse, axis=axis)
+        if placements is None or placed:
+            return lax.associative_scan(fn, elems, reverse=reverse, axis=axis)
+        # the scanned axis whole on every device: a scan of the blocks as they are, the
+        # placements kept as hints (the inputs may arrive unplaced: they name the mesh)
+        return jax.tree.unflatten(tree, _placed_whole(
+            lambda *xs: jax.tree.leaves(lax.associative_scan(
+                fn, jax.tree.unflatten(tree, list(xs)), reverse=reverse, axis=axis)),
+            leaves, mesh, placements))
     if placements is None:
         return jax.tree.unflatten(tree, _scan_blocked(fn, leaves, tree, axis, reverse, n))
     from .creation import shard_tensor

@@ -2,6 +2,7 @@
 over a sequence split across devices equals jax.lax.associative_scan on one device, forward
 and gradients, both directions, on 1-d, 2-d and 3-d meshes — moving only the block totals,
 a small fraction of what the plan of jax's whole-axis scan moves."""
+import warnings
 from collections import Counter
 
 import jax
@@ -138,3 +139,21 @@ def test_a_sequence_its_devices_do_not_divide_is_scanned_whole_with_a_warning():
         got = inside(da, db)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g.numpy(), e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length,placements", [(64, [S(0), R]), (10, [S(0), S(1)])],
+                         ids=["scanned axis whole", "scanned axis uneven"])
+def test_placements_inside_dist_jit_annotate_a_scan_of_the_whole_axis(length, placements):
+    """With the scanned axis not split (or split unevenly: computed whole, as the README
+    says), placements= and mesh= still annotate the arrays: unplaced inputs then take the
+    placements (they were dropped: "dist.jit found no mesh")."""
+    mesh = MESHES["dp×sep"][0]
+    a, b = (x[:, :length] for x in _ab())
+    f = dist.jit(lambda a, b: dist.associative_scan(linear_recurrence, (a, b), axis=1,
+                                                    placements=placements, mesh=mesh))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+        got = f(a, b)
+    for g, w in zip(got, jax.lax.associative_scan(linear_recurrence, (a, b), axis=1)):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6)
+    assert f.plan(a, b).inputs[0].dims[0] == ("dp",)  # the batch split, as the placements say
