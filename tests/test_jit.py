@@ -398,6 +398,14 @@ def _doubling_primitive(name: str):
      r"rule raised IndexError: list index out of range\); it runs replicated"),
     (lambda ins, outs, **p: None, dist.FallbackWarning,
      r"its SPMD rule does not describe it \(the rule returned None\)"),
+    # an OpSharding that does not fit the equation: was an IndexError deep in the planner
+    (lambda ins, outs, **p: __import__("autoshard.compiler.factors", fromlist=["einsum"]).einsum(
+        "ij,ij->ij", [ins[0].shape] * 2, [outs[0].shape]), dist.PlacementTypeError,
+     r"'my_rule_p' \(at test_jit.py:\d+\) returned an OpSharding that does not fit the "
+     r"equation: it describes 2 operands, the equation has 1"),
+    (lambda ins, outs, **p: __import__("autoshard.compiler.factors", fromlist=["einsum"]).einsum(
+        "i->i", [(8,)], [(8,)]), dist.PlacementTypeError,
+     r"does not fit the equation: operand 0 has 2 dims, the rule gives 1"),
 ])
 def test_a_broken_user_rule_is_named_and_a_declining_one_says_so(rule, error, match):
     """A rule answering other than an OpSharding or None, or failing other than as rules

@@ -84,7 +84,36 @@ def _call_rule(rule, eqn: Eqn, in_avals: list, out_avals: list, registry) -> OpS
             f"describe")
     if opsh is None:
         registry.declined[eqn.primitive] = "returned None"
+        return opsh
+    problem = _misfit(opsh, in_avals, out_avals)
+    if problem is not None:
+        raise PlacementTypeError(
+            f"the SPMD rule registered for '{eqn.primitive.name}' (at {eqn.source or '?'}) "
+            f"returned an OpSharding that does not fit the equation: {problem} (operands "
+            f"{[tuple(a.shape) for a in in_avals]}, results {[tuple(a.shape) for a in out_avals]})"
+            f": describe every operand and result, one factor per dim")
     return opsh
+
+
+def _misfit(opsh: OpSharding, in_avals: list, out_avals: list) -> str | None:
+    """What in `opsh` does not fit the equation's operands and results, or None: their
+    counts, one entry per dim, factors that exist. (One factor may span dims of other
+    extents — a concatenated dim, a padded one, a pooling window's — so sizes are not
+    compared: the validator checks what a rule means.)"""
+    for what, dims, avals in (("operands", opsh.operands, in_avals),
+                              ("results", opsh.results, out_avals)):
+        if len(dims) != len(avals):
+            return f"it describes {len(dims)} {what}, the equation has {len(avals)}"
+    for what, dims, avals in (("operand", opsh.operands, in_avals),
+                              ("result", opsh.results, out_avals)):
+        for k, (d, a) in enumerate(zip(dims, avals)):
+            if len(d) != len(a.shape):
+                return f"{what} {k} has {len(a.shape)} dims, the rule gives {len(d)}"
+            for f in d:
+                for g in (f if type(f) is tuple else (f,)):
+                    if g is not None and not 0 <= g < len(opsh.factors):
+                        return f"{what} {k} names factor {g}, there are {len(opsh.factors)}"
+    return None
 
 
 def rule_sharding(eqn: Eqn, registry):
