@@ -120,13 +120,15 @@ def default_cost_model() -> CostModel:
 
 
 def set_default_cost_model(model: CostModel) -> None:
-    """Replace the process-wide cost model (plans are cached per model, so no stale plans)."""
+    """Replace the process-wide cost model: dist.jit functions planned with the old one plan
+    again on their next call (those given their own cost_model= keep it)."""
     global _default
-    if not isinstance(model, CostModel):
-        from .errors import PlacementTypeError
+    if model is None:
+        from .errors import CostModelError
 
-        raise PlacementTypeError(f"expected a dist.CostModel, got {type(model).__name__}")
-    _default = model
+        raise CostModelError("set_default_cost_model(None): give a dist.CostModel (the "
+                             "built-in default is dist.CostModel())")
+    _default = check_cost_model(model, "set_default_cost_model")
 
 
 __all__ = ["CostModel", "default_cost_model", "set_default_cost_model"]

@@ -428,3 +428,53 @@ def test_unflattening_a_batch_smaller_than_the_axis_does_not_move_it_onto_the_fe
     assert plan.total_bytes <= x.nbytes * 7 // 8, plan.collectives  # one gather of the rows
     assert count_collectives(f.lower(xd, wd).compile().as_text()) == \
         Counter(c.kind for c in plan.collectives)
+
+
+@pytest.mark.parametrize("model", [
+    dict(default_bandwidth=1e-300), dict(default_bandwidth=5e-324),
+    dict(default_latency=1e308, default_bandwidth=1e-308)],
+    ids=["tiny bandwidth", "subnormal bandwidth", "huge latency"])
+def test_a_cost_model_whose_costs_overflow_still_plans_right(model):
+    """A cost model changes the plan, never whether the program runs: costs that overflow to
+    inf left the reshard planner with no path ("no reshard reaches ... a dim split over
+    devices that do not divide it")."""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    xd = dist.shard_tensor(x, MESH, [S(0), S(1)])
+    cm = dist.CostModel(**model)
+    np.testing.assert_array_equal(dist.jit(lambda a: jnp.sum(a, 0), cost_model=cm)(xd).numpy(),
+                                  x.sum(0))
+    np.testing.assert_array_equal(dist.reshard(xd, MESH, [R(), R()], cost_model=cm).numpy(), x)
+
+
+def test_set_default_cost_model_reaches_functions_planned_before():
+    """A dist.jit function without its own cost_model plans again under a new default (it
+    kept its first plan); one given cost_model= keeps it."""
+    rng = np.random.default_rng(0)
+    w0, w1, x, y = (rng.normal(size=s).astype(np.float32)
+                    for s in [(16, 32), (32, 16), (8, 16), (8, 16)])
+
+    def step(w0, w1, x, y):
+        def loss(w0, w1):
+            return jnp.mean((jax.nn.gelu(x @ w0) @ w1 - y) ** 2)
+        value, (g0, g1) = jax.value_and_grad(loss, argnums=(0, 1))(w0, w1)
+        return w0 - 0.1 * g0, w1 - 0.1 * g1, value
+
+    args = (dist.shard_tensor(w0, MESH, [S(1), S(0)]),
+            dist.shard_tensor(w1, MESH, [dist.Partial(), S(1)]),
+            dist.shard_tensor(x, MESH, [S(1), S(0)]),
+            dist.shard_tensor(y, MESH, [R(), dist.Partial("avg")]))
+    f, g = dist.jit(step), dist.jit(step, cost_model=dist.CostModel())
+    before, kept = f.plan(*args).total_bytes, g.plan(*args).total_bytes
+    old = dist.default_cost_model()
+    try:  # links free of bandwidth, each collective costly: fewer, bigger collectives
+        dist.set_default_cost_model(dist.CostModel(default_bandwidth=float("inf"),
+                                                   default_latency=1e-3))
+        fresh = dist.jit(step).plan(*args).total_bytes
+        assert fresh != before and f.plan(*args).total_bytes == fresh
+        assert g.plan(*args).total_bytes == kept
+        for got, want in zip(f(*args), jax.jit(step)(w0, w1, x, y)):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    finally:
+        dist.set_default_cost_model(old)
+    with pytest.raises(dist.CostModelError, match=r"set_default_cost_model: cost_model=\{'dp': 1\}"):
+        dist.set_default_cost_model({"dp": 1})

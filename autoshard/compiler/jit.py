@@ -219,6 +219,9 @@ class DistributedFunction:
         self._static_names = static_names
         self._by_static_kwargs: dict = {}
         self._cache: dict = {}
+        # the default cost model the cached programs were planned with (without cost_model=):
+        # set_default_cost_model makes them stale
+        self._planned_with: CostModel | None = None
         self._unagreed: set = set()  # keys compiled by plan/explain/lower, not yet called
         self.trace_count = 0
         # eager operators (eager.py) hand DistTensors back even under an outer jax trace: the
@@ -317,6 +320,9 @@ class DistributedFunction:
             hash(key)
         except TypeError as exc:
             raise PlacementTypeError(f"dist.jit: static arguments must be hashable ({exc})") from None
+        if self._cost_model is None and self._planned_with is not default_cost_model():
+            self._cache.clear()  # planned with another default cost model: plan again
+            self._planned_with = default_cost_model()
         entry = self._cache.get(key)
         if entry is None:
             if jax.process_count() > 1:

@@ -181,7 +181,10 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
             seconds = (cost_model.collective(step.axes, wire) if step.is_collective
                        else cost_model.local(out_bytes))
             total = cost + seconds
-            if total < best.get(nxt, math.inf) - 1e-18:
+            # a first path to a layout is taken even at an infinite cost (a cost model of
+            # bandwidths so small that seconds overflow): the plan, not whether one exists
+            known = best.get(nxt)
+            if known is None or total < known - 1e-18:
                 best[nxt] = total
                 back[nxt] = (layout, PlannedStep(step, mesh, layout, nxt, int(round(wire)), seconds))
                 heapq.heappush(heap, (total, next(counter), nxt))
