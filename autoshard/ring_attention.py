@@ -272,6 +272,9 @@ def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
         raise LocalMapError(f"zigzag_indices: n={n!r} must be the number of devices the "
                             f"sequence is split over, a positive int")
+    if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
+        raise LocalMapError(f"zigzag_indices: seq_len={seq_len!r} must be the sequence length, "
+                            f"a positive int")
     if seq_len % (2 * n):
         raise LocalMapError(f"zigzag_indices: the sequence length {seq_len} must divide into "
                             f"2 × {n} chunks")

@@ -241,6 +241,9 @@ def test_ring_attention_errors_name_what_to_change():
     for n in (0, -2, 2.0):  # was a ZeroDivisionError, or indices for "-2 devices"
         with pytest.raises(dist.LocalMapError, match="a positive int"):
             dist.zigzag_indices(16, n)
+    for length in (16.0, -16, 0):  # were float indices numpy refused, or an empty order
+        with pytest.raises(dist.LocalMapError, match=r"seq_len=.* a positive int"):
+            dist.zigzag_indices(length, 4)
     with pytest.raises(dist.LocalMapError, match="multiple of k's"):
         kv = dist.shard_tensor(np.zeros((4, 32, 3, 8), np.float32), mesh, placements)
         dist.ring_attention(q, kv, kv)
