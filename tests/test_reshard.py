@@ -273,6 +273,14 @@ def test_a_mean_of_integer_parts_does_not_overflow_their_dtype(dtype):
     hlo = f.lower(x).compile().as_text()
     assert count_collectives(hlo) == Counter(c.kind for c in f.plan(x).collectives)
     assert len(f.plan(x).collectives) == 2
+    # and plan_reshard lists what the eager move runs: the remainders' collective, its bytes
+    for dst in (["R", "R"], ["S(0)", "R"]):
+        rp = dist.plan_reshard(x, mesh, dst)
+        moved = dist.jit(lambda t: dist.reshard(t, mesh, dst))
+        hlo = moved.lower(x).compile().as_text()
+        assert Counter(rp.collectives) == count_collectives(hlo) == Counter(
+            c.kind for c in moved.plan(x).collectives)
+        assert rp.total_bytes == moved.plan(x).total_bytes and "int32 remainders" in str(rp)
 
 
 @pytest.mark.parametrize("src,dst", [(["S(0)", "R"], ["R", "R"]), (["P(sum)", "S(1)"], ["R", "S(0)"]),

@@ -19,7 +19,6 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
-from ..reshard.steps import remainder_sum
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
 from .control_flow import (HIGHER_ORDER, body_copies, copy_runs, last_copy_straight,
@@ -432,11 +431,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
                     repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note,
                     shared=prefix))
-                if remainder_sum(s.step, value.aval.dtype):
+                if s.remainder_bytes:
                     collectives.append(replace(
                         collectives[-1], step=f"{s.step} (the remainders, int32)",
-                        bytes_per_device=s.bytes_per_device * 4 // value.aval.dtype.itemsize,
-                        shared=prefix + ("remainders",)))
+                        bytes_per_device=s.remainder_bytes, shared=prefix + ("remainders",)))
 
     comm_of: dict = {}  # primitive -> its rule's `comm` (None: it adds no collectives)
     read: list = []  # the values some equation or the outputs read, made when first asked

@@ -22,7 +22,7 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType
 from .steps import (AllGather, AllReduce, AllToAll, GatherUneven, LocalSlice, MakePartial,
-                    ReduceScatter, ShardToPartial, SplitUneven, Step)
+                    ReduceScatter, ShardToPartial, SplitUneven, Step, remainder_sum)
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,20 @@ class PlannedStep:
     after: Layout
     bytes_per_device: int
     seconds: float
+    # the second all-reduce of an integer mean: the remainders of the parts, summed in int32
+    # (`steps.remainder_sum`); 0 for every other step
+    remainder_bytes: int = 0
 
     @property
     def kind(self) -> str:
         return self.step.kind
+
+    @property
+    def collectives(self) -> list[str]:
+        """The HLO ops this step runs (none for a local step)."""
+        if not self.step.hlo:
+            return []
+        return [self.step.hlo] * (2 if self.remainder_bytes else 1)
 
     @property
     def before_mesh(self) -> ProcessMesh:
@@ -46,8 +56,11 @@ class PlannedStep:
         return getattr(self.step, "src_mesh", self.mesh)
 
     def __str__(self) -> str:
+        extra = (f" + {format_bytes(self.remainder_bytes)}/device of int32 remainders (a "
+                 f"second {self.step.hlo})" if self.remainder_bytes else "")
         return (f"{str(self.step):<34} {self.before.describe(self.before_mesh)} → "
-                f"{self.after.describe(self.mesh)}  {format_bytes(self.bytes_per_device)}/device")
+                f"{self.after.describe(self.mesh)}  {format_bytes(self.bytes_per_device)}/device"
+                + extra)
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,7 @@ class ReshardPlan:
     @property
     def total_bytes(self) -> int:
         """Bytes each device sends, summed over the steps (the largest sender of each step)."""
-        return sum(s.bytes_per_device for s in self.steps)
+        return sum(s.bytes_per_device + s.remainder_bytes for s in self.steps)
 
     @property
     def seconds(self) -> float:
@@ -74,7 +87,7 @@ class ReshardPlan:
     @property
     def collectives(self) -> list[str]:
         """HLO op names of the planned collectives, in order."""
-        return [s.step.hlo for s in self.steps if s.step.hlo]
+        return [op for s in self.steps for op in s.collectives]
 
     @property
     def cross_mesh(self) -> bool:
@@ -180,13 +193,18 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
             wire = step.wire_bytes(in_bytes, out_bytes, sizes)
             seconds = (cost_model.collective(step.axes, wire) if step.is_collective
                        else cost_model.local(out_bytes))
+            remainders = 0
+            if integer and remainder_sum(step, dtype):  # int32 remainders summed apart
+                remainders = int(round(wire)) * 4 // itemsize
+                seconds += cost_model.collective(step.axes, remainders)
             total = cost + seconds
             # a first path to a layout is taken even at an infinite cost (a cost model of
             # bandwidths so small that seconds overflow): the plan, not whether one exists
             known = best.get(nxt)
             if known is None or total < known - 1e-18:
                 best[nxt] = total
-                back[nxt] = (layout, PlannedStep(step, mesh, layout, nxt, int(round(wire)), seconds))
+                back[nxt] = (layout, PlannedStep(step, mesh, layout, nxt, int(round(wire)), seconds,
+                                                 remainders))
                 heapq.heappush(heap, (total, next(counter), nxt))
     if dst not in back:
         # (callers ask for layouts the shape divides: one that does not is a bug of the caller)
