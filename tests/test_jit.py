@@ -498,6 +498,24 @@ def test_explain_renders_for_notebooks():
     assert "<table>" in html and "all-reduce" in html and "dot_general" in html
 
 
+def test_explains_equation_table_lists_a_copy_read_twice_once():
+    """A layer norm's centred value is reduced once and read by two equations: the table named
+    psum(mp) at both rows (the collectives list and the HLO have one)."""
+    x = dist.shard_tensor(np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32),
+                          MESH24, [dist.Shard(0), dist.Shard(1)])
+
+    def norm(x):
+        c = x - x.mean(-1, keepdims=True)
+        return c * jax.lax.rsqrt((c ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    f = dist.jit(norm)
+    table = str(f.explain(x)).split("collectives:")[0]
+    planned = [c for c in f.plan(x).collectives if c.kind == "all-reduce"]
+    hlo = count_collectives(f.lower(x).compile().as_text())
+    assert table.count("psum(mp)") == len(planned) == hlo["all-reduce"], table
+    assert "(same copy as #" in table
+
+
 def test_conflicting_contracting_shardings_are_decided_by_cost_deterministically():
     # lhs contracts over 'dp', rhs over 'mp': JAX's explicit mode stops here; we choose.
     A = np.arange(64, dtype=np.float32).reshape(8, 8) / 10

@@ -9,13 +9,24 @@ from ..reshard.planner import format_bytes
 def _rows(plan):
     mesh = plan.mesh
     rows = []
+    made: dict = {}  # (value, layout) -> the equation whose row lists the move that made it
     for ep in plan.eqns:
         moved = bool(ep.reshards) or ep.fallback or any(L.partial for L in ep.results)
         if not moved:
             continue
         ins = ", ".join(L.describe(mesh) for L in ep.operands)
         outs = ", ".join(L.describe(mesh) for L in ep.results)
-        comm = "; ".join(str(s.step) for _, rp in ep.reshards for s in rp.steps) or "-"
+        steps = []
+        for i, rp in ep.reshards:
+            # a value moved the same way twice is moved once (its copy read again): the
+            # second reader's row says so, or the table would count its collectives twice
+            key = (plan.program.eqns[ep.index].inputs[i], rp.dst)
+            if key in made and rp.steps:
+                steps.append(f"(same copy as #{made[key]})")
+                continue
+            made.setdefault(key, ep.index)
+            steps.extend(str(s.step) for s in rp.steps)
+        comm = "; ".join(steps) or "-"
         rows.append((str(ep.index), ep.primitive, ep.source or "?", f"{ins} → {outs}", ep.strategy, comm))
     return rows
 
