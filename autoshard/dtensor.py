@@ -373,6 +373,21 @@ class DistTensor:
     def process_mesh(self) -> ProcessMesh:  # Paddle's name
         return self._mesh
 
+    def is_dist(self) -> bool:
+        """Paddle's query: a DistTensor is distributed."""
+        return True
+
+    def _local_value(self) -> jax.Array:
+        """Paddle's name for this rank's block: the block of this process's first device in
+        the mesh (one device per process, as Paddle runs, makes it that process's own);
+        `.local(device_id)` reads any other."""
+        mine = {d.id for d in jax.local_devices()}
+        for device_id in self._mesh.process_ids:
+            if self._mesh.device_for(device_id).id in mine:
+                return self.local(device_id)
+        raise DeviceNotFoundError(f"this process holds no device of {self._mesh!r}: its blocks "
+                                  f"live in the processes that do")
+
     @property
     def layout(self) -> Layout:
         return self._layout

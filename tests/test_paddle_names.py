@@ -38,3 +38,12 @@ def test_meshes_stages_loaders_and_to_static_take_paddles_keywords():
     for x, y in loader:
         np.testing.assert_allclose(model(x, y).numpy(), np.mean((X @ np.eye(8, 4) - X[:, :4]) ** 2),
                                    rtol=1e-6)
+
+
+def test_disttensor_answers_paddles_queries():
+    mesh = dist.ProcessMesh([[3, 1], [0, 2]], ["a", "b"])  # device 3 holds block (0, 0)
+    t = dist.shard_tensor(X[:4, :4], mesh, [S(0), S(1)])
+    assert t.is_dist() and t.process_mesh == mesh
+    # this rank's block: the process's first device in the mesh (device 3, listed first)
+    np.testing.assert_array_equal(np.asarray(t._local_value()), X[:2, :2])
+    np.testing.assert_array_equal(np.asarray(t._local_value()), np.asarray(t.local(3)))
