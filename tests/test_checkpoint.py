@@ -385,3 +385,16 @@ def test_entries_named_like_a_models_run_state_are_checked_in_a_users_own_dict(t
     with pytest.raises(CheckpointError, match=r"'gm.w' is not in checkpoint"):
         load_state_dict({"gm": {"w": np.zeros_like(INTS)}, "dm": {"w": np.zeros_like(INTS)}},
                         tmp_path / "c")
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["jax keys", "DistTensor of keys"])
+def test_keys_of_another_prng_implementation_are_named_as_such(tmp_path, placed):
+    """rbg keys are 4 words, threefry's 2: loading one into the other named the shapes of the
+    key data ([6, 4] against [6, 2]), not the implementations."""
+    save_state_dict({"k": jax.random.split(jax.random.key(0, impl="rbg"), 8)}, tmp_path / "c")
+    target = jax.random.split(jax.random.key(1), 8)
+    if placed:
+        target = dist.shard_tensor(target, MESH4, [S0])
+    with pytest.raises(CheckpointError, match=r"'k' holds PRNG keys of 4 words each .* target's "
+                                              r"are 2 words \(threefry2x32\): .*impl='rbg'"):
+        load_state_dict({"k": target}, tmp_path / "c")

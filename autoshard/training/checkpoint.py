@@ -368,6 +368,15 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
         raise CheckpointError(f"{key!r} in checkpoint {path} is a subtree, not one array: this "
                               f"checkpoint was not written by save_state_dict")
     saved_shape, saved_dtype = tuple(saved.shape), np.dtype(saved.dtype)
+    keys = (isinstance(target, DistTensor) and is_key(target)) or _is_prng_key(target)
+    if keys and shape != saved_shape and shape[:-1] == saved_shape[:-1]:
+        # keys are saved as their key data: another width is another PRNG implementation
+        impl = jax.random.key_impl(target.physical if isinstance(target, DistTensor) else target)
+        raise CheckpointError(
+            f"{key!r} holds PRNG keys of {saved_shape[-1]} words each in checkpoint {path}, "
+            f"but the target's are {shape[-1]} words ({impl}): "
+            f"the keys were made by another implementation; make the target with that one, "
+            f"e.g. jax.random.key(0, impl='rbg') for 4 words, 'threefry2x32' for 2")
     if shape != saved_shape:
         raise CheckpointError(
             f"{key!r} has global shape {list(saved_shape)} in checkpoint {path}, but the target "
