@@ -994,7 +994,7 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (), out_placements: Any = None,
         cost_model: CostModel | None = None, static_argnames: Sequence[str] = (),
         in_shardings: Any = None, out_shardings: Any = None,
-        donate_argnames: Sequence[str] = (), out_memory_kinds: Any = None):
+        donate_argnames: Sequence[str] = (), out_memory_kinds: Any = None, **unknown: Any):
     """Partition `fn` across the mesh of its DistTensor inputs (usable as a decorator).
 
     Inside, `dist.shard_tensor(x, mesh, placements)` fixes x's placement (a hint) and
@@ -1014,6 +1014,8 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
     `out_memory_kinds` ("pinned_host" for every output, or one entry per output leaf, None
     for device memory) sends outputs back to host memory.
     """
+    if unknown:
+        raise _unknown_option(sorted(unknown)[0])
     if fn is None:
         return functools.partial(jit, static_argnums=static_argnums, donate_argnums=donate_argnums,
                                  out_placements=out_placements, cost_model=cost_model,
@@ -1025,6 +1027,23 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
                                static_argnames=static_argnames, in_shardings=in_shardings,
                                out_shardings=out_shardings, donate_argnames=donate_argnames,
                                out_memory_kinds=out_memory_kinds)
+
+
+_OPTIONS = ("static_argnums", "donate_argnums", "out_placements", "cost_model",
+            "static_argnames", "in_shardings", "out_shardings", "donate_argnames",
+            "out_memory_kinds")
+
+
+def _unknown_option(name: str) -> SignatureError:
+    """The error for a keyword dist.jit does not take, saying what to write instead."""
+    if name == "in_placements":
+        hint = ("in_placements is local_map's: dist.jit places the inputs as their DistTensors "
+                "are placed, as in_shardings= says (jax.jit's), or by dist.shard_tensor inside "
+                "the function")
+    else:
+        near = difflib.get_close_matches(name, _OPTIONS, n=1)
+        hint = (f"did you mean {near[0]!r}? " if near else "") + f"its options are {list(_OPTIONS)}"
+    return SignatureError(f"dist.jit takes no option {name!r}: {hint}")
 
 
 __all__ = ["jit", "DistributedFunction"]
