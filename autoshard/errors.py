@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -46,6 +47,14 @@ def user_frame(skip_libraries: bool = False) -> tuple[str, int] | None:
             fallback = fallback or (name, frame.f_lineno)
         frame = frame.f_back
     return fallback
+
+
+def did_you_mean(name: Any, names: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the closest of `names` to a misspelt `name`, else ""."""
+    import difflib
+
+    near = difflib.get_close_matches(name, list(names), n=1) if isinstance(name, str) else []
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def user_source_line() -> str | None:

@@ -179,7 +179,7 @@ def test_a_cost_model_that_is_not_one_is_an_error_where_it_is_given(call, match)
     (lambda: dist.jit(lambda a: a, in_placements=[["R"]]), dist.SignatureError,
      r"dist.jit takes no option 'in_placements': in_placements is local_map's.*in_shardings="),
     (lambda: dist.jit(out_placement="keep"), dist.SignatureError,
-     r"no option 'out_placement': did you mean 'out_placements'\?"),
+     r"no option 'out_placement' \(did you mean 'out_placements'\?\)"),
     (lambda: dist.jit(lambda a: a, static_argnums="a"), dist.SignatureError,
      r"take argument numbers, got 'a': name it with static_argnames='a'"),
     (lambda: dist.jit(lambda a: a, donate_argnums=1.0), dist.SignatureError,

@@ -406,29 +406,13 @@ def _unrolled(length: int, unroll: int | bool) -> tuple[int, int, int]:
     return unroll, trips, remainder
 
 
-def unrolled_copies(length: int, unroll: int | bool) -> int:
-    """How many copies of a scan's body its compiled program holds: `unroll` in the loop's
-    body and the iterations left over after it."""
-    per_trip, trips, remainder = _unrolled(length, unroll)
-    if per_trip == 1:
-        return 1 if length else 0
-    return (per_trip if trips else 0) + remainder
-
-
-def body_copies(e, required: list[Layout], sizes: dict) -> int:
-    """How many times each of `e`'s sub-plans' collectives appear in the compiled program:
-    once per copy of a scan's body (an unrolled scan repeats them; a split scan runs its
-    share of the iterations), else once."""
-    if e.name != "scan":
-        return 1
-    n = math.prod(sizes[a] for a in _split_axes(e, required))
-    return unrolled_copies(e.params["length"] // n, e.params["unroll"])
-
-
 def copy_runs(e, required: list[Layout], sizes: dict) -> list[int]:
-    """How often one run of `e` runs each of the `body_copies` copies of its body: a scan's
-    loop copies once per trip, the copies after the loop once (a split scan counting its
-    share of the iterations); 1 for the other higher-order primitives."""
+    """One entry per copy of `e`'s body in the compiled program (each of its sub-plans'
+    collectives appears once per copy: an unrolled scan repeats them, a split scan runs its
+    share of the iterations), saying how often one run of `e` runs that copy: a scan's loop
+    copies once per trip, the copies after the loop once; [1] for the other higher-order
+    primitives. jax lowers `scan(unroll=k)` with k copies in the loop and the iterations left
+    over after it (every copy, when unrolled whole)."""
     if e.name != "scan":
         return [1]
     n = math.prod(sizes[a] for a in _split_axes(e, required))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import inspect
 import re
@@ -18,7 +17,7 @@ from jax._src.interpreters import ad
 from ..cost_model import CostModel, check_cost_model, default_cost_model
 from ..hashing import hash_once
 from ..dtensor import DistTensor, partial_gradient_error
-from ..errors import MeshMismatchError, PlacementTypeError, SignatureError
+from ..errors import MeshMismatchError, PlacementTypeError, SignatureError, did_you_mean
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import (HOST_MEMORY_KINDS, device_put, host_memory, layout_of_spec,
@@ -906,11 +905,10 @@ def _argnums_and_names(fn: Callable, argnums: Any, argnames: Any
         known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
         unknown = sorted(names - known)
         if unknown:  # as jax.jit: a name the function does not take would be ignored silently
-            hint = difflib.get_close_matches(unknown[0], sorted(known), n=1)
             raise SignatureError(
                 f"dist.jit({name}): {unknown[0]!r} is named static (or donated), but {name} "
                 f"takes no keyword argument of that name (it takes {sorted(known)})"
-                + (f": did you mean {hint[0]!r}?" if hint else ""))
+                + did_you_mean(unknown[0], sorted(known)))
     nums = {i % len(positional) if i < 0 else i for i in nums}  # -1: the last, as jax.jit
     by_name = {p.name: i for i, p in enumerate(positional) if p.kind == p.POSITIONAL_OR_KEYWORD}
     nums |= {by_name[n] for n in names if n in by_name}
@@ -952,13 +950,12 @@ def _shard_mapped(local: Callable, mesh: ProcessMesh, in_specs: tuple, out_specs
                                  check_vma=True)(*xs)
         kept = [k for k in range(len(xs)) if k not in empty]
 
-        def block(k: int):
-            axes = [a for entry in in_specs[k] if entry is not None
-                    for a in ((entry,) if isinstance(entry, str) else entry)]
-            shape = list(np.shape(xs[k]))
+        def block(k: int):  # the empty input's local block, varying as its spec says
+            shape, axes = list(np.shape(xs[k])), []
             for d, entry in enumerate(in_specs[k]):
                 for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
                     shape[d] //= mesh.get_dim_size(a)
+                    axes.append(a)
             z = jax.numpy.zeros(shape, xs[k].dtype)
             return jax.lax.pcast(z, tuple(axes), to="varying") if axes else z
 
@@ -1029,21 +1026,17 @@ def jit(fn: Callable | None = None, *, static_argnums: Sequence[int] = (),
                                out_memory_kinds=out_memory_kinds)
 
 
-_OPTIONS = ("static_argnums", "donate_argnums", "out_placements", "cost_model",
-            "static_argnames", "in_shardings", "out_shardings", "donate_argnames",
-            "out_memory_kinds")
-
-
 def _unknown_option(name: str) -> SignatureError:
     """The error for a keyword dist.jit does not take, saying what to write instead."""
+    options = [p.name for p in inspect.signature(jit).parameters.values()
+               if p.kind is p.KEYWORD_ONLY]
     if name == "in_placements":
-        hint = ("in_placements is local_map's: dist.jit places the inputs as their DistTensors "
-                "are placed, as in_shardings= says (jax.jit's), or by dist.shard_tensor inside "
-                "the function")
+        hint = (": in_placements is local_map's: dist.jit places the inputs as their "
+                "DistTensors are placed, as in_shardings= says (jax.jit's), or by "
+                "dist.shard_tensor inside the function")
     else:
-        near = difflib.get_close_matches(name, _OPTIONS, n=1)
-        hint = (f"did you mean {near[0]!r}? " if near else "") + f"its options are {list(_OPTIONS)}"
-    return SignatureError(f"dist.jit takes no option {name!r}: {hint}")
+        hint = f"{did_you_mean(name, options)}: its options are {options}"
+    return SignatureError(f"dist.jit takes no option {name!r}{hint}")
 
 
 __all__ = ["jit", "DistributedFunction"]

@@ -21,8 +21,7 @@ from ..reshard.api import plan_layouts
 from ..reshard.planner import ReshardPlan
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
-from .control_flow import (HIGHER_ORDER, body_copies, copy_runs, last_copy_straight,
-                           plan_higher_order,
+from .control_flow import (HIGHER_ORDER, copy_runs, last_copy_straight, plan_higher_order,
                            platform_branch, shared_operands)
 from .dtypes import cost_dtype
 from .factors import Serves
@@ -498,8 +497,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             considered, seconds = 1, 0.0
             # as often in the plan as in the compiled program: once per copy of the body
             # (a loop's body once, an unrolled scan's each copy), not once per iteration
-            copies = body_copies(e, required, mesh.axis_sizes)
-            each = copy_runs(e, required, mesh.axis_sizes)  # runs per call of each copy
+            each = copy_runs(e, required, mesh.axis_sizes)  # and how often a call runs each
+            copies = len(each)
             # a scan whose last copy runs after its loop: its moves for a final carry nobody
             # reads are dead code there, which XLA drops (the reverse scan of jnp.polyval's
             # gradient)

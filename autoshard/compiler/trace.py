@@ -173,9 +173,9 @@ class Where:
         if self._info is not None or self._outer is not None:
             # the user's frame, else the enclosing call's line, else the library feature
             # that bound it (optax's update inside to_static's step: named by its package)
-            self._line = (source_line(self._info, feature=False)
-                          or (self._outer.line if self._outer else None)
-                          or source_line(self._info))
+            user, feature = _user_and_feature(self._info)
+            self._line = (user or (self._outer.line if self._outer else None)
+                          or (_frame_line(*feature, qualified=True) if feature else None))
             self._info = self._outer = None
         return self._line
 
@@ -335,30 +335,36 @@ _PLUMBING = (os.path.join(_PKG, "compiler") + os.sep, os.path.join(_PKG, "creati
 _LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
-def source_line(source_info, feature: bool = True) -> str | None:
+def source_line(source_info) -> str | None:
     """`file:line` of the user's code that produced an equation.
 
     Frames inside installed libraries (optax, flax) and autoshard itself are skipped, so an
     optimizer update is attributed to the user's line that called it; with no such frame, the
-    innermost library frame outside autoshard's compiler (with `feature`), else None. Walks the raw frames (what `source_info_util.user_frames`
+    innermost library frame outside autoshard's compiler, by its package path, else None."""
+    user, feature = _user_and_feature(source_info)
+    return user or (_frame_line(*feature, qualified=True) if feature else None)
+
+
+def _user_and_feature(source_info) -> tuple[str | None, tuple | None]:
+    """(the user's `file:line`, None if no frame is the user's; the innermost library frame
+    outside the binding plumbing). Walks the raw frames (what `source_info_util.user_frames`
     filters) and resolves the line of the chosen frame only: this runs once per equation.
-    """
+
+    No user frame: a rule autoshard's own custom_vjp binds while jax differentiates, optax's
+    update inside to_static's step — the feature that bound it (autoshard/ring_attention.py,
+    optax/_src/update.py; Where reads the caller's `outer` line before it), never the
+    plumbing (dist.jit(jnp.tanh)'s equations see only compiler/jit.py)."""
     if not source_info or not source_info.traceback:
-        return None
+        return None, None
     found = None
     for code, lasti in zip(*source_info.traceback.raw_frames()):
         if not source_info_util.is_user_filename(code.co_filename):
             continue  # jax's own frames
         if not _library_file(code.co_filename):
-            return _frame_line(code, lasti)
+            return _frame_line(code, lasti), found
         if found is None and not code.co_filename.startswith(_PLUMBING):
             found = (code, lasti)
-    # no user frame (a rule autoshard's own custom_vjp binds while jax differentiates, optax's
-    # update inside to_static's step): with `feature`, the library frame that bound it by its
-    # package path (autoshard/ring_attention.py, optax/_src/update.py) — Where reads the
-    # caller's `outer` line before it — never the binding plumbing (dist.jit(jnp.tanh)'s
-    # equations see only compiler/jit.py: None)
-    return None if found is None or not feature else _frame_line(*found, qualified=True)
+    return None, found
 
 
 _LIBRARY_FILES: dict[str, bool] = {}
@@ -380,9 +386,7 @@ def _frame_line(code, lasti: int, qualified: bool = False) -> str:
     line = _FRAME_LINES.get((code, lasti, qualified))
     if line is None:
         frame = source_info_util.raw_frame_to_frame(code, lasti)
-        name = os.path.basename(frame.file_name)
-        if qualified:
-            name = _package_path(frame.file_name)
+        name = _package_path(frame.file_name) if qualified else os.path.basename(frame.file_name)
         line = f"{name}:{frame.start_line}"
         if len(_FRAME_LINES) >= 65536:
             _FRAME_LINES.clear()
@@ -489,7 +493,6 @@ def _kind(p) -> str:
     return _SIMPLIFIABLE if p in _SIMPLIFIABLE_PRIMITIVES else _PLAIN
 
 
-@gc_paused
 def _hints_in_place(jaxpr: Any) -> Any:
     """`dist.shard_tensor(x, mesh, placements)` whose result is never read (Paddle's static
     form: the call marks `x`, as seed §4.1 writes it) annotates `x` for what reads it after:
@@ -520,6 +523,7 @@ def _hints_in_place(jaxpr: Any) -> Any:
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
+@gc_paused
 def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
     """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls.
 

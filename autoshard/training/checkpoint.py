@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import itertools
 import os
 import re
 import shutil
@@ -167,13 +168,13 @@ def _staging_path(path: str) -> str:
     return os.path.join(parent, "." + re.sub(r"[][*?{}]", "_", name) + ".autoshard-saving")
 
 
-_SWAPS = [0]  # saves put in place, in this process: every process counts the same (one barrier each)
+# saves put in place by this process: every process counts alike, naming one barrier per save
+_SWAPS = itertools.count(1)
 
 
 def _put_in_place(staging: str, path: str) -> None:
     """The complete checkpoint at `staging` becomes `path`; the one there before is removed
     only now (orbax's own `force` removed it before writing: a failed save lost both)."""
-    ocp = _orbax()
     if jax.process_index() == 0:
         old = staging + "-old"
         if os.path.exists(old):
@@ -183,9 +184,9 @@ def _put_in_place(staging: str, path: str) -> None:
         os.rename(staging, path)
         if os.path.exists(old):
             shutil.rmtree(old)
-    _SWAPS[0] += 1
+    swap = next(_SWAPS)
     if jax.process_count() > 1:  # no process reads `path` before it is in place
-        ocp.multihost.sync_global_processes(f"autoshard_checkpoint_in_place_{_SWAPS[0]}")
+        _orbax().multihost.sync_global_processes(f"autoshard_checkpoint_in_place_{swap}")
 
 
 class SaveHandle:
@@ -390,8 +391,7 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
             f"cast after loading if needed)")
     if loose and dtype != saved_dtype and np.issubdtype(saved_dtype, np.integer):
         # read as saved, then checked to fit (`_fitted`): a cast on read would wrap 2**40 + 5
-        # into int32 as 5, silently
-        # (as numpy: a jax array of int64 is int32 without jax_enable_x64)
+        # into int32 as 5, silently; read as numpy (a jax int64 is int32 without x64)
         return np.zeros(shape, saved_dtype), ocp.RestoreArgs(restore_type=np.ndarray,
                                                              dtype=saved_dtype)
     if sharding is None:

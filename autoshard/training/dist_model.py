@@ -16,7 +16,6 @@ and made Partial again by the first program a restored model runs, which continu
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ import optax
 from ..compiler.jit import jit
 from ..creation import shard_tensor
 from ..dtensor import DistTensor, is_dist_tensor as _is_dt
+from ..errors import did_you_mean
 from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..paddle_names import paddle_names
 from ..physical import mesh_sharding
@@ -478,8 +478,7 @@ class DistModel:
         out, state = self._forward(mode, params, state, inputs)
         loss = self._loss_fn(out, *labels)
         name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
-        if isinstance(loss, (tuple, list, dict)) or not hasattr(loss, "dtype") and not \
-                isinstance(loss, (int, float)):
+        if not (hasattr(loss, "dtype") or isinstance(loss, (int, float))):  # a tuple, a dict
             raise DistModelError(
                 f"to_static: loss_fn {name} returned a {type(loss).__name__}; the step "
                 f"differentiates one number, so return the loss alone (as Paddle's loss_fn "
@@ -590,11 +589,9 @@ class DistModel:
     def program_args(self, name: str, *batch: Any) -> tuple:
         """The arguments program `name` is called with for this batch (for .plan / .lower)."""
         if not (isinstance(name, str) and name in _PROGRAMS):
-            near = difflib.get_close_matches(name, list(_PROGRAMS), n=1) \
-                if isinstance(name, str) else []
             raise DistModelError(
                 f"program_args({name!r}): there is no program {name!r}"
-                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + did_you_mean(name, _PROGRAMS)
                 + f"; the programs are {list(_PROGRAMS)} (train, or accumulate and merge with "
                   f"gradient merge; eval; predict)")
         batch = self._batch(batch)
@@ -914,9 +911,7 @@ class DistModel:
         known = [n for prefix, _, tree in trees if tree is not None for n in _flat(prefix, tree)]
         unknown = sorted(set(state_dict) - set(known))
         if unknown:  # a typo, or another model's names: say so rather than load nothing
-            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            text = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
-                             for k, h in hints.items())
+            text = ", ".join(f"{k!r}{did_you_mean(k, known)}" for k in unknown)
             message = (f"set_state_dict: {len(unknown)} of {len(state_dict)} keys name nothing in "
                        f"this model: {text}; its keys are those of model.state_dict(), e.g. "
                        f"{known[:3]}")

@@ -212,13 +212,14 @@ def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None
         for name, module in _nnx_modules(model).items():
             own = {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
             wanted = _call_shard_fn(shard_fn, name, module, mesh)
+            path = {key: f"{name}.{key}" if name else key for key in own}
             for key, param in own.items():
                 now = getattr(module, key, None)
                 if now is not param and isinstance(now, DistTensor):
-                    # Paddle's `layer.weight = dist.shard_tensor(layer.weight, ...)`: the
-                    # DistTensor goes into the Param it replaced (an optimizer and nnx.state
-                    # find parameters by their Param; a tied one stays tied)
-                    param.set_value(_on_mesh(now, mesh, (f"{name}.{key}" if name else key)))
+                    # Paddle's `layer.weight = dist.shard_tensor(layer.weight.get_value(), ...)`:
+                    # the DistTensor goes into the Param it replaced (an optimizer and
+                    # nnx.state find parameters by their Param; a tied one stays tied)
+                    param.set_value(_on_mesh(now, mesh, path[key]))
                     setattr(module, key, param)
             if wanted is None:
                 continue
@@ -233,8 +234,7 @@ def _shard_nnx(model: Any, mesh: ProcessMesh, shard_fn: Callable | None) -> None
                         f"shard_fn({name!r}, ...) returned key {key!r}, but the params of "
                         f"layer {name or 'the root'!r} are {sorted(own)}: return only those; a "
                         f"sub-layer's params are placed by the shard_fn call for that sub-layer")
-                where = (f"{name}.{key}" if name else key)
-                own[key].set_value(_place_leaf(target, own[key].get_value(), mesh, where))
+                own[key].set_value(_place_leaf(target, own[key].get_value(), mesh, path[key]))
     for path, param in _nnx_params(model).items():
         param.set_value(_placed(param, mesh, path))
 

@@ -6,7 +6,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import AutoshardError
+from ..errors import AutoshardError, did_you_mean
 
 
 class StrategyError(AutoshardError, ValueError):
@@ -16,13 +16,6 @@ class StrategyError(AutoshardError, ValueError):
 class StrategyAttributeError(StrategyError, AttributeError):
     """A strategy section or setting read that does not exist (`strategy.pipline.enable`):
     also an AttributeError, so hasattr / getattr with a default keep working."""
-
-
-def _closest(key: str, names) -> str:
-    import difflib
-
-    near = difflib.get_close_matches(key, list(names), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 _SECTIONS: dict[str, dict[str, Any]] = {
@@ -69,14 +62,14 @@ class _Section:
             raise AttributeError(key)
         name = object.__getattribute__(self, "_name")
         raise StrategyAttributeError(
-            f"strategy.{name} has no setting {key!r}{_closest(key, values)}; its settings are "
+            f"strategy.{name} has no setting {key!r}{did_you_mean(key, values)}; its settings are "
             f"{sorted(values)}")
 
     def __setattr__(self, key: str, value: Any) -> None:
         name = self._name
         if key not in _SECTIONS[name]:
             raise StrategyError(f"strategy.{name} has no setting {key!r}"
-                                f"{_closest(key, _SECTIONS[name])}; its settings are "
+                                f"{did_you_mean(key, _SECTIONS[name])}; its settings are "
                                 f"{sorted(_SECTIONS[name])}")
         if (name, key) == ("amp", "level") and isinstance(value, str):
             value = value.lower()  # Paddle's docs write both "O2" and "o2"
@@ -158,14 +151,14 @@ class Strategy:
         if key.startswith("__"):
             raise AttributeError(key)
         raise StrategyAttributeError(
-            f"strategy has no section {key!r}{_closest(key, _SECTIONS)}; its sections are "
+            f"strategy has no section {key!r}{did_you_mean(key, _SECTIONS)}; its sections are "
             f"{sorted(_SECTIONS)} (Paddle's other sections have no counterpart in autoshard)")
 
     def __setattr__(self, key: str, value: Any) -> None:
         if key in _SECTIONS and isinstance(value, dict):
             value = _Section(key, value)
         if key not in _SECTIONS:
-            raise StrategyError(f"unknown strategy section {key!r}{_closest(key, _SECTIONS)}; the "
+            raise StrategyError(f"unknown strategy section {key!r}{did_you_mean(key, _SECTIONS)}; the "
                                 f"sections are {sorted(_SECTIONS)}")
         if not (isinstance(value, _Section) and value._name == key):
             raise StrategyError(f"strategy.{key} must be a dict of its settings, e.g. "
