@@ -27,7 +27,7 @@ from .custom_rules import run_region
 from .gc_pause import gc_paused
 from . import combine, late_fill, outline
 from .plan import Plan
-from .replay import Replayer
+from .replay import Replayer, literal
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
 
@@ -147,7 +147,9 @@ def _device_const(c, scalars: dict):
     key = outline.const_key(c)
     if key is not c:  # a scalar: one device array per value
         if key not in scalars:
-            scalars[key] = jnp.asarray(np.asarray(c.const), dtype=c.dtype)
+            value = np.asarray(c.const)
+            x = literal(value) if value.dtype == c.dtype else None
+            scalars[key] = jnp.asarray(value, dtype=c.dtype) if x is None else x
         return scalars[key]
     return c.const if isinstance(c.const, jax.Array) else jnp.asarray(np.asarray(c.const),
                                                                       dtype=c.dtype)
@@ -234,9 +236,10 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
 
     def run_eqns(env: dict, moved: dict, start: int, stop: int, *, inside: bool = False,
                  calls: dict | None = None) -> None:
-        # equal equations (every layer of a model) are lowered once, then replayed; one
-        # replayer per trace, so that nothing of a finished trace is kept alive
-        replayer = Replayer()
+        # equal equations (every layer of a model) are lowered once, then replayed — also
+        # into the traces of outlined blocks and custom rules' bodies made during this call of
+        # `run`; one replayer per call, so that nothing of a finished trace is kept alive
+        replayer = replayers[-1] if replayers else Replayer()
         instances = {}
         if calls is not None:  # the top level of a trace: repeated blocks become calls
             if not blocks:
@@ -382,13 +385,19 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         run_eqns(env, {}, region.start, region.stop, inside=True)
         return [env[v] for v in region.outputs]
 
+    replayers: list[Replayer] = []  # the replayer of the call of `run` under way
+
     @gc_paused
     def run(*local_inputs):
         env = _Scope()
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if (L.partial and physical) else x
         moved: dict = {}
-        run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
+        replayers.append(Replayer())
+        try:
+            run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
+        finally:
+            replayers.pop()
         reshards = dict(plan.output_reshards)
         results = []
         for k, (v, L) in enumerate(zip(program.outputs, plan.outputs)):
