@@ -41,7 +41,9 @@ def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
             p = j - s
             if p >= min_len:
                 tried += 1
-                if j + p <= n and h[s:j] == h[j:j + p]:
+                # (the ends first: most candidates differ there, and the slices copy p items)
+                if (j + p <= n and h[j - 1] == h[j + p - 1] and h[s + p // 2] == h[j + p // 2]
+                        and h[s:j] == h[j:j + p]):
                     period = p
                     break
             j = nxt[j]
