@@ -69,6 +69,9 @@ class RuleRegistry:
         # The rules' answers per equation shape (autoshard.compiler.propagate.rule_signature):
         # rules are pure, so only a change of rule makes an answer stale.
         self.memo: dict = {}
+        # counts changes of rule: what was made from the rules before (the lowerings replay.py
+        # keeps across programs) names the generation it was made with
+        self.generation = 0
         # primitive -> what its rule last raised for an instance it did not describe (the
         # fallback warning says it: the rule is there, it declined)
         self.declined: dict = {}
@@ -86,6 +89,7 @@ class RuleRegistry:
         _check_rule(primitive, rule)
         self._rules[primitive] = rule
         self.memo.clear()
+        self.generation += 1
 
     def register_table(self, table: dict[Any, Rule]) -> None:
         for primitive, rule in table.items():

@@ -6,6 +6,7 @@ require the two jaxprs to be identical, equation for equation, on models whose l
 (unrolled, scanned, rematerialised GPT steps with dropout and vocab-parallel embedding).
 """
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -65,6 +66,7 @@ def test_outlined_blocks_replay_what_other_traces_recorded(monkeypatch):
     """A lowering recorded in one trace is emitted into the traces of outlined blocks too: the
     program binds about as many equations with its layers outlined as with them inline (each
     block's trace used to bind its equations afresh: 266 against 171 on this model)."""
+    monkeypatch.setattr(replay, "SHARED", False)  # each program lowers its own
     step, _, args = gpt.workload(MESH, 3, "unrolled", optax.sgd(0.1))
     bound = {}
     for outlined in (False, True):
@@ -74,3 +76,50 @@ def test_outlined_blocks_replay_what_other_traces_recorded(monkeypatch):
         bound[outlined] = replay.STATS["bound"] - before
     assert "name=block" in program  # the layers were outlined
     assert bound[True] <= 1.05 * bound[False], bound
+
+
+def test_a_second_program_replays_the_first_ones_lowerings():
+    """Lowerings are kept across programs: a fresh dist.jit of the same step lowers (almost)
+    nothing again — only its outlined blocks' calls, numbered per program — and is the program
+    lowered afresh."""
+    step, _, args = gpt.workload(MESH, 2, "unrolled", optax.sgd(0.1))
+    replay.clear_shared()
+    before = replay.STATS["bound"]
+    cold = _local_program(step, args)
+    cold_bound = replay.STATS["bound"] - before
+    before = replay.STATS["bound"]
+    warm = _local_program(step, args)
+    assert replay.STATS["bound"] - before <= 0.05 * cold_bound, (cold_bound, replay.STATS)
+    assert warm == cold
+
+
+@pytest.mark.parametrize("order", [(2, 4), (4, 2)])
+def test_shared_lowerings_are_kept_apart_per_mesh(order):
+    """An iota split over a mesh axis has no operands: its lowering depends on the axis's size
+    alone (the local block is n / size long); a lowering is kept under the mesh it was made
+    for. Values equal one device on meshes of either size, in either order."""
+    def f(x):
+        return x * jnp.arange(16, dtype=jnp.float32)[:, None] + 1.0
+
+    x = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+    for n in order:
+        mesh = dist.ProcessMesh(list(range(n)), ["x"])
+        out = dist.jit(f)(dist.shard_tensor(x, mesh, [dist.Shard(0)]))
+        assert out.placements == [dist.Shard(0)]
+        np.testing.assert_array_equal(out.numpy(), np.asarray(f(x)))
+
+
+def test_a_rule_registered_again_is_lowered_anew():
+    """Registering a rule for a primitive again drops what was lowered with the old one."""
+    from jax.extend import core as jex_core
+
+    from autoshard.compiler.factors import einsum
+
+    p = jex_core.Primitive("replay_scaled")
+    p.def_abstract_eval(lambda a: a)
+    rule = lambda ins, outs, **params: einsum("ij->ij", [ins[0].shape], [outs[0].shape])  # noqa: E731
+    xs = dist.shard_tensor(np.ones((8, 4), np.float32), MESH, [dist.Shard(0), dist.Replicate()])
+    for factor in (2.0, 3.0, 2.0):
+        dist.register_rule(p, rule, lambda ctx, x, factor=factor, **params: [x * factor])
+        out = dist.jit(lambda a: p.bind(a))(xs)
+        np.testing.assert_array_equal(out.numpy(), np.full((8, 4), factor))

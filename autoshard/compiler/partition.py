@@ -267,7 +267,8 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             if ep.reshards and late_fill.wanted(program, e, ep):
                 ins[0] = late_fill.zeros_after(ins[0], ins[2])
             outs = replayer.run(key_of(k), ins,
-                                functools.partial(_bind, e, ep, ins, registry, sizes, ambient))
+                                functools.partial(_bind, e, ep, ins, registry, sizes, ambient),
+                                shared=True)
             env.update(zip(e.outputs, outs))
             k += 1
 
@@ -393,7 +394,9 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if (L.partial and physical) else x
         moved: dict = {}
-        replayers.append(Replayer())
+        # what a lowering reads besides its equation's key and operands (`_bind`)
+        replayers.append(Replayer((registry, registry.generation, tuple(sizes.items()),
+                                   ambient)))
         try:
             run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
         finally:

@@ -11,9 +11,20 @@ This reads jax's tracing internals (`DynamicJaxprTrace.emit_eqn`, the frame's eq
 Whatever does not look as expected — another kind of trace, an equation with effects (other
 than naming a mesh axis), inputs that are not tracers of the current trace — is not recorded,
 and that equation is bound as before: replay only ever skips work, it never decides anything.
+
+Lowerings are also kept across partitioned programs (`SHARED`): a lowering is a pure function
+of its key (primitive, params, global types, layouts), the local operand types, the mesh's axis
+sizes, the rule registry's contents and jax's tracing configuration, so a second program in the
+process with equal equations — the eval step beside the train step, another pipeline stage,
+to_static's other modes, a fresh dist.jit of the same model — emits them without lowering them
+again. Only templates that read nothing of the trace that recorded them but their operands and
+literals are shared, and none whose equations carry Python callables in their params (a custom
+derivative's rule closes over its lowering's state).
 """
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 from typing import Any, Callable
 
@@ -35,17 +46,22 @@ try:  # what Primitive.bind does to a numpy operand before staging it
     from jax._src import source_info_util as _source_info
 except ImportError:  # another jax: scalars go through jnp.asarray
     _canonical = None
+try:  # jax's own caches of traced work key on this (x64, threefry, the abstract mesh, ...)
+    from jax._src.config import trace_context as _trace_context
+except ImportError:  # another jax: nothing is shared between programs
+    _trace_context = None
 
 
 class _Template:
-    """`portable`: its equations read nothing of the trace that recorded them but their
-    operands and literals, so they may be emitted into another trace (an outlined block's, a
-    custom rule's body) of the same program."""
+    """`trace` None: its equations read nothing of the trace that recorded them but their
+    operands and literals, so they may be emitted into any trace (an outlined block's, a custom
+    rule's body, another program's); else only into `trace`. `shareable`: none of its
+    equations' params holds a Python callable (kept to the program that made it)."""
 
-    __slots__ = ("trace", "steps", "outs", "portable")
+    __slots__ = ("trace", "steps", "outs", "shareable")
 
-    def __init__(self, trace, steps, outs, portable):
-        self.trace, self.steps, self.outs, self.portable = trace, steps, outs, portable
+    def __init__(self, trace, steps, outs, shareable):
+        self.trace, self.steps, self.outs, self.shareable = trace, steps, outs, shareable
 
 
 def _axis_effects_only(effects) -> bool:
@@ -57,8 +73,26 @@ def _axis_effects_only(effects) -> bool:
 def _ref(var_pos: dict, tracer) -> tuple:
     ref = var_pos.get(id(tracer.val))
     if ref is None:
-        ref = (_LIT if isinstance(tracer.val, jcore.Literal) else _FIXED, tracer)
+        if isinstance(tracer.val, jcore.Literal):  # kept as data: no tracer of a done trace
+            ref = (_LIT, tracer.aval, tracer.val, tracer._line_info)
+        else:
+            ref = (_FIXED, tracer)
     return ref
+
+
+_CALLABLE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+def _holds_callable(params: dict) -> bool:
+    """A param that is a Python function (a custom derivative's rule, a thunk), or holds one
+    one level down: the equation may depend on state its lowering closed over."""
+    for v in params.values():
+        if isinstance(v, _CALLABLE) or type(v).__name__ == "WrappedFun":
+            return True
+        if isinstance(v, (tuple, list)) and any(
+                isinstance(x, _CALLABLE) or type(x).__name__ == "WrappedFun" for x in v):
+            return True
+    return False
 
 
 def _record(trace, entries: list, ins: list, outs: list) -> _Template | None:
@@ -85,12 +119,12 @@ def _record(trace, entries: list, ins: list, outs: list) -> _Template | None:
         out_refs.append(_ref(var_pos, o))
     portable = not any(r[0] == _FIXED for step in steps for r in step[0]) \
         and not any(r[0] == _FIXED for r in out_refs)
-    return _Template(trace, steps, out_refs, portable)
+    shareable = portable and not any(_holds_callable(step[3]) for step in steps)
+    return _Template(None if portable else trace, steps, out_refs, shareable)
 
 
 def _replay(t: _Template, ins: list, trace) -> list:
     made: list[list] = []
-    here = trace is t.trace
 
     def get(r):
         kind = r[0]
@@ -98,10 +132,9 @@ def _replay(t: _Template, ins: list, trace) -> list:
             return ins[r[1]]
         if kind == _MADE:
             return made[r[1]][r[2]]
-        if here:
+        if kind == _FIXED:
             return r[1]
-        lit = r[1]  # a literal of the recording trace, made again in this one
-        return pe.DynamicJaxprTracer(trace, lit.aval, lit.val, lit._line_info)
+        return pe.DynamicJaxprTracer(trace, r[1], r[2], r[3])  # a literal, made in this trace
 
     emit = trace.emit_eqn
     for refs, out_avals, primitive, params, effects, source, ctx in t.steps:
@@ -136,23 +169,43 @@ def _literal_value(lit) -> tuple | None:
 
 
 ENABLED = True  # off: every equation is bound afresh (the tests compare both programs)
+SHARED = True   # off: lowerings are kept for one call of a partitioned function only
 STATS = {"replayed": 0, "bound": 0}  # equations re-emitted / bound, over the process
+
+_SHARED_TEMPLATES: dict = {}  # (context, jax's tracing context, name stack, key) -> _Template
+_MAX_SHARED = 16384  # past this the table starts over (old entries only miss, never lie)
+
+
+def clear_shared() -> None:
+    """Forget the lowerings kept across programs (a rule was registered or replaced)."""
+    _SHARED_TEMPLATES.clear()
 
 
 class Replayer:
-    """Per trace of a partitioned program: records each distinct lowering once, replays the
-    rest."""
+    """Per call of a partitioned function: records each distinct lowering once, replays the
+    rest. `context`: what its lowerings read besides a key and the operands (the mesh's axis
+    sizes, the rule registry, ...); given, lowerings of keys marked `shared` are kept for
+    other programs with the same context too."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: Any = None) -> None:
         self._templates: dict = {}
+        self._context = context
+
+    def _shared_key(self, full: tuple):
+        if not SHARED or self._context is None or _trace_context is None:
+            return None
+        # the name stack: the emitted equations carry it into the HLO's op names
+        return (self._context, _trace_context(), _source_info.current_name_stack(), full)
 
     def run(self, key: Any, ins: list, bind: Callable[[], list], *,
-            by_value: bool = True) -> list:
+            by_value: bool = True, shared: bool = False) -> list:
         """`bind()` the equation the first time its `key` is seen (with these operand types);
         re-emit what it emitted every later time. `key` None: always bind.
 
         `by_value` False: `bind` emits the same equations whatever the values of literal
         operands (a jitted call, traced on abstract types), so they are not part of the key.
+        `shared`: the key says everything the lowering depends on besides the operands and
+        this replayer's context, in any program (not a number of this program's).
         """
         trace = jcore.trace_ctx.trace
         if key is None or not (_SUPPORTED and ENABLED) or type(trace) is not pe.DynamicJaxprTrace:
@@ -175,14 +228,23 @@ class Replayer:
         t = self._templates.get(full, self)
         if t is None:  # recorded before and found not replayable
             return _bound(bind)
-        if t is not self and (t.trace is trace or t.portable):
+        gkey = None
+        if t is self and shared:
+            gkey = self._shared_key(full)
+            if gkey is not None:
+                t = _SHARED_TEMPLATES.get(gkey, self)
+        if t is not self and (t.trace is None or t.trace is trace):
             STATS["replayed"] += 1
             return _replay(t, ins, trace)
         frame = trace.frame
         start = len(frame.tracing_eqns)
         outs = _bound(bind)
-        self._templates[full] = _record(trace, frame.tracing_eqns[start:], ins, outs)
+        t = self._templates[full] = _record(trace, frame.tracing_eqns[start:], ins, outs)
+        if gkey is not None and t is not None and t.shareable:
+            if len(_SHARED_TEMPLATES) >= _MAX_SHARED:
+                _SHARED_TEMPLATES.clear()
+            _SHARED_TEMPLATES[gkey] = t
         return outs
 
 
-__all__ = ["Replayer"]
+__all__ = ["Replayer", "literal", "clear_shared", "ENABLED", "SHARED", "STATS"]
