@@ -177,7 +177,8 @@ _MAX_SHARED = 16384  # past this the table starts over (old entries only miss, n
 
 
 def clear_shared() -> None:
-    """Forget the lowerings kept across programs (a rule was registered or replaced)."""
+    """Forget the lowerings kept across programs (the benchmark times a first compile so;
+    a rule registered again needs nothing: the registry's generation is part of the key)."""
     _SHARED_TEMPLATES.clear()
 
 
@@ -233,6 +234,8 @@ class Replayer:
             gkey = self._shared_key(full)
             if gkey is not None:
                 t = _SHARED_TEMPLATES.get(gkey, self)
+                if t is not self:
+                    self._templates[full] = t
         if t is not self and (t.trace is None or t.trace is trace):
             STATS["replayed"] += 1
             return _replay(t, ins, trace)
