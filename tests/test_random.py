@@ -277,3 +277,28 @@ def test_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, mesh
     assert out.placements == x.placements  # the keys' dim split as it was, added dims whole
     assert not g.plan(x).collectives
     assert not count_collectives(g.lower(x).compile().as_text())
+
+
+@pytest.mark.parametrize("same_function", [True, False], ids=["one dist.jit", "fresh dist.jit"])
+def test_draws_follow_jax_threefry_partitionable_when_it_changes(same_function):
+    """With jax_threefry_partitionable off each device draws the whole array (no index split);
+    the rules read the flag, so an answer kept from a program planned with it on (the rule
+    memo, dist.jit's program cache) must not serve one planned with it off — that bound a
+    (16, 8) draw where the (4, 8) block was expected, a TypeError inside jax."""
+    mesh = MESHES["8"]
+    x = np.arange(32 * 8, dtype=np.float32).reshape(32, 8)
+    dx = dist.shard_tensor(x, mesh, [dist.Shard(0)])
+
+    def f(a):
+        return dropout(a, jax.random.key(3))
+
+    g = dist.jit(f)
+    before = jax.config.jax_threefry_partitionable
+    try:
+        for flag in (True, False, True):
+            jax.config.update("jax_threefry_partitionable", flag)
+            out = (g if same_function else dist.jit(f))(dx)
+            np.testing.assert_allclose(out.numpy(), np.asarray(jax.jit(f)(x)), rtol=1e-6,
+                                       atol=1e-6)
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)

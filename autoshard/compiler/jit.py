@@ -32,6 +32,7 @@ from .gc_pause import gc_paused
 from . import out_spec
 from .partition import local_function
 from .plan import KEEP, Plan, PlannedCollective, make_plan
+from .propagate import jax_config_key
 from .refine import refined_plan
 from . import constraints, graph_nodes, jax_shardings
 from .trace import build_program, hint_p
@@ -315,7 +316,9 @@ class DistributedFunction:
             raise _not_an_array_error(self.__name__, path, bad.value, len(args),
                                       self._static) from None
         try:
-            key = (tree, static, described, reduced)
+            # jax's configuration too: a rule's answer may depend on it (random draws split
+            # only with jax_threefry_partitionable on), and jax traces again when it changes
+            key = (tree, static, described, reduced, jax_config_key())
             hash(key)
         except TypeError as exc:
             raise PlacementTypeError(f"dist.jit: static arguments must be hashable ({exc})") from None
@@ -344,7 +347,7 @@ class DistributedFunction:
         from ..agreement import check_call_signature
 
         self._unagreed.discard(key)
-        tree, static, described, reduced = key
+        tree, static, described, reduced, _ = key
         try:
             names = self._leaf_names(tree, static)
         except Exception:  # a tree of another shape (a lifted module's): name the flat inputs
@@ -357,9 +360,9 @@ class DistributedFunction:
         optimizer count, an nnx Rngs key), when each of them now arrives as a DistTensor laid
         out as that program placed it on entry: a train loop hands a step's outputs back to
         the next. Same program, same physical inputs — no second trace and compile."""
-        tree, static, described, reduced = key
-        for (t, s, seen, r), entry in self._cache.items():
-            if (t, s, r) != (tree, static, reduced) or not isinstance(entry, _Compiled):
+        tree, static, described, reduced, config = key
+        for (t, s, seen, r, c), entry in self._cache.items():
+            if (t, s, r, c) != (tree, static, reduced, config) or not isinstance(entry, _Compiled):
                 continue
             if all(new == old or (old.mesh is None and new.mesh == entry.plan.user_mesh
                                   and new.layout == L and (new.shape, new.dtype) ==

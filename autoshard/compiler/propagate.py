@@ -15,6 +15,8 @@ preferences as the look-ahead.
 from __future__ import annotations
 
 from collections import deque
+
+import jax
 from typing import NamedTuple
 
 from ..cost_model import CostModel
@@ -29,13 +31,21 @@ from .trace import Eqn, Program, hint_p
 _UNSET = object()
 _MAX_MEMO = 65536  # distinct equation shapes remembered per registry before starting over
 
+try:  # jax's configuration as its own caches of traced work key on it
+    from jax._src.config import trace_context as jax_config_key
+except ImportError:  # another jax: the one setting a rule reads (rules/random.py)
+    def jax_config_key():
+        return jax.config.jax_threefry_partitionable
+
 
 def rule_signature(eqn: Eqn, registry) -> Signature | None:
     """The rule's description of `eqn` with its avals (None: no rule, it runs replicated).
 
-    Computed once per equation and registry; and since a rule is a pure function of avals and
-    params, equal equations (every layer of a model) share the answer through the registry's
-    memo (which registering a rule clears).
+    Computed once per equation and registry; and since a rule is a pure function of avals,
+    params and jax's configuration (the random rules split draws only with
+    jax_threefry_partitionable on), equal equations (every layer of a model, the next program
+    under the same configuration) share the answer through the registry's memo (which
+    registering a rule clears).
     """
     cached = eqn.sharding_cache.get(id(registry), _UNSET)
     if cached is not _UNSET:
@@ -44,7 +54,8 @@ def rule_signature(eqn: Eqn, registry) -> Signature | None:
     out_avals = [v.aval for v in eqn.outputs]
     key = None
     if eqn.params_key is not None:
-        key = (eqn.primitive, tuple(in_avals), tuple(out_avals), eqn.params_key)
+        key = (eqn.primitive, tuple(in_avals), tuple(out_avals), eqn.params_key,
+               jax_config_key())
     result = registry.memo.get(key, _UNSET) if key is not None else _UNSET
     if result is _UNSET:
         result = None
@@ -357,4 +368,4 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     return pref
 
 
-__all__ = ["propagate", "eqn_facts", "EqnFacts", "rule_sharding", "rule_signature"]
+__all__ = ["propagate", "eqn_facts", "EqnFacts", "rule_sharding", "rule_signature", "jax_config_key"]
