@@ -164,6 +164,28 @@ def test_partial_stays_pending_through_linear_ops_op_by_op():
     check(cc, (A @ B) ** 2, rtol=1e-5)
 
 
+MESH2 = dist.ProcessMesh([0, 1], ["x"])
+_BOOL_PARTS = [np.array([True, False, True, True]), np.array([True, True, False, True])]
+_INT_PARTS = [np.array([1, 0, 3, -1], np.int32), np.array([0, 1, 0, 0], np.int32)]
+
+
+@pytest.mark.parametrize("parts, reduce, ops", [
+    # a bool's pending "sum" is an or of its parts: no linear step may run on the parts
+    (_BOOL_PARTS, "sum", [lambda t: t @ np.arange(1.0, 5.0, dtype=np.float32),
+                          lambda t: t.astype(np.float32) * 2.0, lambda t: t.sum()]),
+    # an integer's pending mean is truncated: (p0 + p1) // 2 * 2 is not (2 p0 + 2 p1) // 2
+    (_INT_PARTS, "avg", [lambda t: t * 2, lambda t: t + t, lambda t: t - np.arange(4, dtype=np.int32),
+                         lambda t: t.sum(), lambda t: t @ np.arange(1, 5, dtype=np.int32)]),
+], ids=["bool sum", "int mean"])
+@pytest.mark.parametrize("where", ["eager", "dist.jit"])
+def test_pending_or_and_truncated_mean_are_reduced_before_linear_steps(parts, reduce, ops, where):
+    t = dist.dtensor_from_local(parts, MESH2, [dist.Partial(reduce)])
+    value = jnp.asarray(t.numpy())  # the tensor's value: the or / the truncated mean
+    for op in ops:
+        got = op(t) if where == "eager" else dist.jit(op)(t)
+        np.testing.assert_array_equal(got.numpy(), np.asarray(op(value)))
+
+
 # -- indexing, shapes, reductions, casts --------------------------------------------------------
 
 @pytest.fixture(params=[CASES[1], CASES[5]], ids=[IDS[1], IDS[5]])

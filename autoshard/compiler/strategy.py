@@ -17,6 +17,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
 
+import jax
+import numpy as np
+
 from ..cost_model import CostModel
 from ..errors import PlacementError
 from ..layout import Layout
@@ -114,8 +117,19 @@ def layouts(opsh: OpSharding, s: Strategy, in_shapes: Sequence[tuple[int, ...]],
     return ins, outs
 
 
+def _is_linear(t: ReduceType, dtype) -> bool:
+    """A pending sum or mean of `dtype` passes a linear step as one: not a bool's (its parts'
+    "sum" is their or), nor an integer's mean (truncated: (p0 + p1) // 2 * 2 is not
+    (2 * p0 + 2 * p1) // 2)."""
+    if dtype is None or t not in (ReduceType.SUM, ReduceType.AVG):
+        return True
+    if t is ReduceType.SUM:
+        return dtype != np.bool_
+    return jax.dtypes.issubdtype(dtype, np.inexact)
+
+
 def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
-               may_pass: bool = True, sizes=None):
+               may_pass: bool = True, sizes=None, dtype=None):
     assign, partial = [], []
     for d, axes in enumerate(layout.dims):
         f = groups[d] if d < len(groups) else None
@@ -124,6 +138,8 @@ def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
         assign.extend(_assigned(f, axes, opsh, sizes))
     if operand is not None and may_pass:
         for a, t in layout.partial:
+            if not _is_linear(t, dtype):
+                continue
             mode = opsh.partial_mode(t)
             if mode == ALL:
                 partial.append((a, t, ALL_OPERANDS))
@@ -214,21 +230,25 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                preferred: Sequence[Layout | None],
                single_use: Sequence[bool] | None = None,
                available: Sequence[frozenset] = (), unreducing: bool = False,
-               sizes=None, scattering: bool = False) -> list[Strategy]:
+               sizes=None, scattering: bool = False,
+               dtypes: Sequence | None = None) -> list[Strategy]:
     """`single_use[i]`: operand i has no other consumer, so its Partial may flow through here.
     `available[i]`: layouts operand i was already moved to: each also seeds a strategy.
+    `dtypes[i]`: operand i's dtype (a bool's or an integer mean's Partial never flows).
 
     A Partial with several consumers is reduced once, where it is first needed, and every
     consumer reads the reduced value — else each branch would reduce its own view of it.
     `sizes` (the mesh's axis sizes) place the axes of a compound dim on its pieces.
     """
     single_use = single_use if single_use is not None else [True] * len(actual)
-    operand_seeds = {i: _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes)
+    dtypes = dtypes if dtypes is not None else [None] * len(actual)
+    operand_seeds = {i: _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes,
+                                   dtypes[i])
                      for i, L in enumerate(actual) if L is not None}
     seeds = list(operand_seeds.values())
     seeds += [_seed_from(opsh.results[j], L, opsh, None, sizes=sizes)
               for j, L in enumerate(preferred) if L is not None]
-    extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes))
+    extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes, dtypes[i]))
              for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
     moving = [m for i, L in enumerate(actual) if L is not None
@@ -485,7 +505,7 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
     best: Choice | None = None
     best_nested = 0
     cands = candidates(opsh, actual, preferred, single_use, available, unreducing, sizes,
-                       scattering)
+                       scattering, [a.dtype for a in in_avals])
     for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
         cost = 0.0
