@@ -121,8 +121,11 @@ def elementwise_sharding(algebra):
         terms = [LETTERS[:r] if len(a.shape) == r else "" for a in in_avals]
         if any(len(a.shape) not in (0, r) for a in in_avals):
             return None
+        # an integer quotient truncates: (p0 + p1) // 2 is not p0 // 2 + p1 // 2
+        lin = NONE if algebra is _DIV and not jax.dtypes.issubdtype(out.dtype, np.inexact) \
+            else linear
         return einsum(",".join(terms) + "->" + LETTERS[:r], [a.shape for a in in_avals],
-                      [out.shape], linear=linear, monotone=monotone,
+                      [out.shape], linear=lin, monotone=monotone,
                       partial_operands=partial_operands, monotone_types=monotone_types)
 
     return rule

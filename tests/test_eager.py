@@ -186,6 +186,21 @@ def test_pending_or_and_truncated_mean_are_reduced_before_linear_steps(parts, re
         np.testing.assert_array_equal(got.numpy(), np.asarray(op(value)))
 
 
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32])
+@pytest.mark.parametrize("where", ["eager", "dist.jit"])
+def test_integer_division_of_a_pending_sum_divides_the_sum(dtype, where):
+    """An integer quotient truncates: (p0 + p1) // 2 is not p0 // 2 + p1 // 2 — the sum is
+    reduced first (a split sum's // 2, and mean(dtype=int), were computed per part)."""
+    x = np.array([[1, 3], [0, 0], [1, 3], [0, 0]], dtype)  # each half sums to [1, 3]
+    t = dist.shard_tensor(x, MESH2, [dist.Shard(0)])
+    ops = [lambda a: a.sum(axis=0) // 2, lambda a: a.mean(axis=0, dtype=dtype)]
+    if where == "dist.jit":  # (jax.lax functions take no DistTensor eagerly)
+        ops.append(lambda a: jax.lax.div(a.sum(axis=0), dtype(4)))
+    for op in ops:
+        got = op(t) if where == "eager" else dist.jit(op)(t)
+        np.testing.assert_array_equal(got.numpy(), np.asarray(op(jnp.asarray(x))))
+
+
 # -- indexing, shapes, reductions, casts --------------------------------------------------------
 
 @pytest.fixture(params=[CASES[1], CASES[5]], ids=[IDS[1], IDS[5]])
