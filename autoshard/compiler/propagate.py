@@ -15,9 +15,9 @@ preferences as the look-ahead.
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import jax
-from typing import NamedTuple
 
 from ..cost_model import CostModel
 from ..errors import PlacementError, PlacementTypeError
