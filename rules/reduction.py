@@ -21,7 +21,7 @@ KINDS = {
 }
 
 
-def reduction_sharding(kind):
+def reduction_sharding(kind, bitwise: bool = False):
     reduce_type, linear, monotone = kind
 
     def rule(in_avals, out_avals, *, axes, **params):
@@ -32,6 +32,8 @@ def reduction_sharding(kind):
         # jax.jit of the same split fails alike): their reduced dims stay whole
         whole = reduce_type is None or (reduce_type in (ReduceType.MAX, ReduceType.MIN)
                                         and np.issubdtype(in_avals[0].dtype, np.complexfloating))
+        # and / or of integers are bitwise: min / max across devices equal them for bools only
+        whole = whole or (bitwise and in_avals[0].dtype != np.bool_)
         replicate = "".join(term[d] for d in axes) if whole else ""
         # reduce_max keeps a P(max) (max of maxima) but not a P(min); reduce_min the reverse
         keeps = (reduce_type,) if reduce_type in (ReduceType.MAX, ReduceType.MIN) else ()
@@ -75,7 +77,8 @@ def _over_positions(reduce_p):
     return Rule(rule, lower)
 
 
-TABLE = {p: Rule(reduction_sharding(k)) for p, k in KINDS.items()}
+TABLE = {p: Rule(reduction_sharding(k, p in (lax.reduce_and_p, lax.reduce_or_p)))
+         for p, k in KINDS.items()}
 TABLE[lax.reduce_p] = Rule(reduce_sharding)
 TABLE.update({lax.psum_p: _over_positions(lax.reduce_sum_p),
               lax.pmax_p: _over_positions(lax.reduce_max_p),

@@ -862,3 +862,23 @@ def test_an_op_its_operands_do_not_fit_names_them_and_the_line(op, kind, match):
     with pytest.raises(dist.OperandError, match=match) as info:
         op()
     assert isinstance(info.value, kind) and "test_eager.py:" in str(info.value), str(info.value)
+
+
+MESH4 = dist.ProcessMesh([0, 1, 2, 3], ["x"])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.bool_])
+@pytest.mark.parametrize("reduce", [jax.lax.reduce_and, jax.lax.reduce_or], ids=["and", "or"])
+def test_bitwise_and_or_reductions_over_a_split_dim(dtype, reduce):
+    """and / or of integers are bitwise: across devices they are not the min / max of the
+    devices' results (that holds for bools only: an int32 and gave 1 where one device gives 0);
+    and the rows a nearly whole slice leaves out are masked with every bit set before an and
+    (they were set to 1, and 6 & 1 is 0)."""
+    rng = np.random.default_rng(0)
+    x = (rng.integers(0, 16, (2, 8)) | 6).astype(dtype)  # every value has the bits of 6
+    if dtype == np.bool_:
+        x = rng.integers(0, 2, (2, 8)).astype(bool)
+    t = dist.shard_tensor(x, MESH4, [dist.Shard(1)])
+    for op in (lambda a: reduce(a, (1,)), lambda a: reduce(a[:, :-1], (1,)),
+               lambda a: reduce(a[:, 1:], (1,))):
+        np.testing.assert_array_equal(dist.jit(op)(t).numpy(), np.asarray(op(jnp.asarray(x))))

@@ -36,7 +36,8 @@ _IDENTITY: dict = {
     "reduce_min": highest,
     "reduce_prod": lambda dtype: np.ones((), dtype),
     "reduce_or": lambda dtype: np.zeros((), dtype),
-    "reduce_and": lambda dtype: np.ones((), dtype),
+    # every bit set: and's identity for integers (1 only for bools)
+    "reduce_and": lambda dtype: np.array(True if dtype == np.bool_ else -1).astype(dtype),
 }
 
 
