@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from jax import lax
 
-from autoshard.compiler.factors import LETTERS, ONE, einsum
+from autoshard.compiler.factors import LETTERS, NONE, ONE, einsum
 from autoshard.compiler.partition import match_vma
 
+from .elementwise import carries_sums
 from .halo import SLIDE, Halo, fetch, halo, sends
 from .registry import Rule
 
@@ -77,9 +78,11 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
     if batch_group_count != 1:
         replicate += out_f + batch
     spec = f"{''.join(lterm)},{''.join(rterm)}->{''.join(oterm)}"
-    # linear in each operand, as a matmul: one Partial(sum) operand passes through
+    # linear in each operand, as a matmul: one Partial(sum) operand passes through (in a type
+    # the sum carries to: rules/dot.py)
+    linear = ONE if all(carries_sums(a.dtype, out_avals[0].dtype) for a in in_avals) else NONE
     return einsum(spec, [lhs.shape, rhs.shape], [out_avals[0].shape], replicate=replicate,
-                  linear=ONE)
+                  linear=linear)
 
 
 def _split_halos(ctx, lhs, rhs, params):

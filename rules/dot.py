@@ -6,9 +6,10 @@ import numpy as np
 from jax import lax
 from jax._src.lax.lax import ragged_dot_general_p
 
-from autoshard.compiler.factors import LETTERS, ONE, einsum
+from autoshard.compiler.factors import LETTERS, NONE, ONE, einsum
 from autoshard.compiler.partition import match_vma
 
+from .elementwise import carries_sums
 from .registry import Rule
 
 
@@ -30,8 +31,10 @@ def dot_general_sharding(in_avals, out_avals, *, dimension_numbers, **params):
                 term[d] = ch = next(letters)
                 out.append(ch)
     spec = f"{''.join(lterm)},{''.join(rterm)}->{''.join(out)}"
-    # Linear in each operand: one Partial(sum) operand passes through a matmul.
-    return einsum(spec, [lhs.shape, rhs.shape], [out_avals[0].shape], linear=ONE)
+    # Linear in each operand: one Partial(sum) operand passes through a matmul — unless it
+    # computes in a type the sum does not carry to (preferred_element_type widening int8)
+    linear = ONE if all(carries_sums(a.dtype, out_avals[0].dtype) for a in in_avals) else NONE
+    return einsum(spec, [lhs.shape, rhs.shape], [out_avals[0].shape], linear=linear)
 
 
 def ragged_dot_sharding(in_avals, out_avals, *, ragged_dot_dimension_numbers, group_offset,

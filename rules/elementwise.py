@@ -145,6 +145,16 @@ def _carries_sums(src, dst) -> bool:
     return _exact_cast(src, dst) and jax.numpy.finfo(src).maxexp == jax.numpy.finfo(dst).maxexp
 
 
+def carries_sums(src, dst) -> bool:
+    """A pending sum of dtype `src` may pass a step that computes in `dst` (a cast, a matmul's
+    preferred_element_type): the same type, or floats by `_carries_sums`. A wider integer does
+    not: int8 parts of 100 and 100 sum to -56 on one device, to 200 widened first."""
+    if src == dst:
+        return True
+    return (jax.dtypes.issubdtype(src, np.floating) and jax.dtypes.issubdtype(dst, np.floating)
+            and _carries_sums(src, dst))
+
+
 def _convert_sharding(in_avals, out_avals, **params):
     # A cast between float and complex types keeps sums unless it rounds (the partial sums
     # would be rounded before they are added, where one device rounds the whole sum once) or

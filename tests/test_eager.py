@@ -882,3 +882,25 @@ def test_bitwise_and_or_reductions_over_a_split_dim(dtype, reduce):
     for op in (lambda a: reduce(a, (1,)), lambda a: reduce(a[:, :-1], (1,)),
                lambda a: reduce(a[:, 1:], (1,))):
         np.testing.assert_array_equal(dist.jit(op)(t).numpy(), np.asarray(op(jnp.asarray(x))))
+
+
+@pytest.mark.parametrize("dtype, acc", [(np.int8, np.int32), (np.uint8, np.float32),
+                                        (np.float16, np.float32)])
+def test_a_pending_sum_is_reduced_before_a_matmul_that_widens_it(dtype, acc):
+    """A matmul or convolution with a wider preferred_element_type casts its operands first:
+    a pending int8 sum of 100 and 100 is -56 on one device (float16's 40000 + 40000 is inf),
+    but its parts widened and multiplied apart summed to 200 (80000). The sum is reduced in
+    its own type first, as one device computes it."""
+    # parts whose sum wraps (int8 100 + 100, uint8 200 + 200) or overflows (float16)
+    part = np.full((4, 2), {np.int8: 100, np.uint8: 200, np.float16: 40000}[dtype], dtype)
+    t = dist.dtensor_from_local([part, part], MESH2, [dist.Partial()])
+    w = jnp.ones((2, 3), dtype)
+    kernel = jnp.ones((3, 2, 2), dtype)
+    ops = [lambda a: jax.lax.dot(a, w, preferred_element_type=acc),
+           lambda a: jnp.einsum("ij,jk->ik", a, w, preferred_element_type=acc),
+           lambda a: jax.lax.conv_general_dilated(
+               a[None], kernel, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
+               preferred_element_type=acc)]
+    for op in ops:
+        np.testing.assert_array_equal(dist.jit(op)(t).numpy(),
+                                      np.asarray(op(jnp.asarray(t.numpy()))))
