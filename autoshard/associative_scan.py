@@ -160,12 +160,13 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
     if n < 1:
         raise ScanBlocksError(f"dist.associative_scan: blocks={n}; pass a positive number of "
                               f"blocks (the devices axis {axis} is split over)")
+    def associative_scan(*xs):  # jax's scan of the whole axis, on the flat leaves
+        return jax.tree.leaves(lax.associative_scan(
+            fn, jax.tree.unflatten(tree, list(xs)), reverse=reverse, axis=axis))
+
     if length % n and placements is not None:
         # an uneven split is stored padded and computed whole, as everywhere (uneven.py: the
-        # program's UnevenShardingWarning names the dim): jax's scan of the whole axis
-        def associative_scan(*xs):
-            return jax.tree.leaves(lax.associative_scan(
-                fn, jax.tree.unflatten(tree, list(xs)), reverse=reverse, axis=axis))
+        # program's UnevenShardingWarning names the dim)
         if not placed:  # traced: the placements are hints, as in the blocked path
             return jax.tree.unflatten(tree, _placed_whole(associative_scan, leaves, mesh,
                                                           placements))
@@ -182,10 +183,8 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
             return lax.associative_scan(fn, elems, reverse=reverse, axis=axis)
         # the scanned axis whole on every device: a scan of the blocks as they are, the
         # placements kept as hints (the inputs may arrive unplaced: they name the mesh)
-        return jax.tree.unflatten(tree, _placed_whole(
-            lambda *xs: jax.tree.leaves(lax.associative_scan(
-                fn, jax.tree.unflatten(tree, list(xs)), reverse=reverse, axis=axis)),
-            leaves, mesh, placements))
+        return jax.tree.unflatten(tree, _placed_whole(associative_scan, leaves, mesh,
+                                                      placements))
     if placements is None:
         return jax.tree.unflatten(tree, _scan_blocked(fn, leaves, tree, axis, reverse, n))
     from .creation import shard_tensor

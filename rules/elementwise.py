@@ -108,10 +108,6 @@ def _mulhi_lower(ctx, x, y):
 PLAIN += [p for p in (getattr(lax, "one_minus_square_p", None),) if p is not None]
 
 
-def _is_float(aval) -> bool:
-    return jax.dtypes.issubdtype(aval.dtype, np.inexact)  # bfloat16 and float8 too
-
-
 def elementwise_sharding(algebra):
     linear, monotone, partial_operands, monotone_types = algebra
 
@@ -147,23 +143,23 @@ def _carries_sums(src, dst) -> bool:
 
 def carries_sums(src, dst) -> bool:
     """A pending sum of dtype `src` may pass a step that computes in `dst` (a cast, a matmul's
-    preferred_element_type): the same type, or floats by `_carries_sums`. A wider integer does
-    not: int8 parts of 100 and 100 sum to -56 on one device, to 200 widened first."""
+    preferred_element_type): the same type, or float / complex types by `_carries_sums`. A
+    wider integer does not: int8 parts of 100 and 100 sum to -56 on one device, to 200 widened
+    first."""
     if src == dst:
         return True
-    return (jax.dtypes.issubdtype(src, np.floating) and jax.dtypes.issubdtype(dst, np.floating)
+    return (jax.dtypes.issubdtype(src, np.inexact) and jax.dtypes.issubdtype(dst, np.inexact)
             and _carries_sums(src, dst))
 
 
 def _convert_sharding(in_avals, out_avals, **params):
     # A cast between float and complex types keeps sums unless it rounds (the partial sums
     # would be rounded before they are added, where one device rounds the whole sum once) or
-    # widens the range (`_carries_sums`);
+    # widens the range (`carries_sums`);
     # maxima pass between real floats, rounding included (it is monotone; complex numbers
     # have no order: a pending max cast to complex could never be reduced); a cast to or from
-    # integers keeps neither.
-    sums = _is_float(in_avals[0]) and _is_float(out_avals[0]) and _carries_sums(
-        in_avals[0].dtype, out_avals[0].dtype)
+    # integers keeps neither (a cast to its own type, a weak type's, keeps sums).
+    sums = carries_sums(in_avals[0].dtype, out_avals[0].dtype)
     maxima = all(jax.dtypes.issubdtype(a.dtype, np.floating) for a in (in_avals[0], out_avals[0]))
     return elementwise_sharding((ALL if sums else NONE, ALL if maxima else NONE, None,
                                  (_MAX, _MIN)))(in_avals, out_avals)

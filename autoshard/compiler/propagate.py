@@ -38,14 +38,15 @@ except ImportError:  # another jax: the one setting a rule reads (rules/random.p
         return jax.config.jax_threefry_partitionable
 
 
-def rule_signature(eqn: Eqn, registry) -> Signature | None:
+def rule_signature(eqn: Eqn, registry, config: object = _UNSET) -> Signature | None:
     """The rule's description of `eqn` with its avals (None: no rule, it runs replicated).
 
     Computed once per equation and registry; and since a rule is a pure function of avals,
     params and jax's configuration (the random rules split draws only with
     jax_threefry_partitionable on), equal equations (every layer of a model, the next program
     under the same configuration) share the answer through the registry's memo (which
-    registering a rule clears).
+    registering a rule clears). `config`: `jax_config_key()`, when the caller has it already
+    (one read per program, not per equation).
     """
     cached = eqn.sharding_cache.get(id(registry), _UNSET)
     if cached is not _UNSET:
@@ -55,7 +56,7 @@ def rule_signature(eqn: Eqn, registry) -> Signature | None:
     key = None
     if eqn.params_key is not None:
         key = (eqn.primitive, tuple(in_avals), tuple(out_avals), eqn.params_key,
-               jax_config_key())
+               jax_config_key() if config is _UNSET else config)
     result = registry.memo.get(key, _UNSET) if key is not None else _UNSET
     if result is _UNSET:
         result = None
@@ -173,9 +174,10 @@ class EqnFacts(NamedTuple):
 def eqn_facts(program: Program, registry) -> EqnFacts:
     uses = program.use_counts()
     eqns = program.eqns
+    config = jax_config_key()
     # list comprehensions inside tuple(): a generator per equation costs twice as much here
     return EqnFacts(
-        [None if e.primitive is hint_p else rule_signature(e, registry) for e in eqns],
+        [None if e.primitive is hint_p else rule_signature(e, registry, config) for e in eqns],
         [tuple([uses[v] <= 1 for v in e.inputs]) for e in eqns],
         [tuple([v.producer < 0 for v in e.inputs]) for e in eqns])  # an input or a constant
 
