@@ -80,8 +80,8 @@ def test_outlined_blocks_replay_what_other_traces_recorded(monkeypatch):
 
 def test_a_second_program_replays_the_first_ones_lowerings():
     """Lowerings are kept across programs: a fresh dist.jit of the same step lowers (almost)
-    nothing again — only its outlined blocks' calls, numbered per program — and is the program
-    lowered afresh."""
+    nothing again — its outlined blocks' calls are replayed too — and is the program lowered
+    afresh."""
     step, _, args = gpt.workload(MESH, 2, "unrolled", optax.sgd(0.1))
     replay.clear_shared()
     before = replay.STATS["bound"]
@@ -89,8 +89,52 @@ def test_a_second_program_replays_the_first_ones_lowerings():
     cold_bound = replay.STATS["bound"] - before
     before = replay.STATS["bound"]
     warm = _local_program(step, args)
-    assert replay.STATS["bound"] - before <= 0.05 * cold_bound, (cold_bound, replay.STATS)
+    # what is bound again: a pmax with a custom derivative, whose rule is a Python function
+    assert replay.STATS["bound"] - before <= 0.01 * cold_bound, (cold_bound, replay.STATS)
+    assert "name=block" in warm
     assert warm == cold
+
+
+def _stacked(x, w):
+    for _ in range(3):
+        x = x @ w
+        for _ in range(5):
+            x = jnp.tanh(x) * 0.5 + jnp.cos(x)
+    return x
+
+
+def _prefixed(x, w, v):
+    for _ in range(3):
+        for _ in range(5):
+            x = jnp.sin(x * v) + 1.0 - jnp.exp(x)
+    return _stacked(x, w)
+
+
+def test_a_block_from_another_program_is_named_as_this_one_numbers_it(monkeypatch):
+    """An outlined block is shared with any program that has the same block by value; there
+    it may be another block number (here the second repeated block where it was the first).
+    Its calls take this program's name for it: the program is the one lowered afresh, and its
+    values equal one device."""
+    x = np.linspace(-1, 1, 8 * 16, dtype=np.float32).reshape(8, 16)
+    w = np.linspace(-0.3, 0.3, 16 * 16, dtype=np.float32).reshape(16, 16)
+    v = np.cos(x)
+    dx = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
+    dw = dist.shard_tensor(w, MESH, [dist.Replicate(), dist.Shard(1)])
+    dv = dist.shard_tensor(v, MESH, [dist.Shard(0), dist.Replicate()])
+    replay.clear_shared()
+    first = _local_program(_stacked, (dx, dw))
+    before = replay.STATS["bound"]
+    shared = _local_program(_prefixed, (dx, dw, dv))
+    shared_bound = replay.STATS["bound"] - before
+    replay.clear_shared()
+    before = replay.STATS["bound"]
+    fresh = _local_program(_prefixed, (dx, dw, dv))
+    assert shared_bound < replay.STATS["bound"] - before  # the layers' block came from `first`
+    assert "name=block0" in first and "name=block1" in fresh
+    assert shared == fresh
+    got = dist.jit(_prefixed)(dx, dw, dv)
+    np.testing.assert_allclose(got.numpy(), np.asarray(jax.jit(_prefixed)(x, w, v)),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("order", [(2, 4), (4, 2)])

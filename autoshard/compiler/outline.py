@@ -42,6 +42,26 @@ class Instance:
     consts: list              # program constants read, in order of first use
     reshards: list            # (value, reshard plan) of outside operands resharded in the block
     escaping: list            # (position, output index) of results read after the block
+    identity: Any = None      # the signature by value, in any program (None: a block that
+    # reads an array constant, which is this program's own)
+
+
+class Identity:
+    """A block's signature by value: its equations' replay keys and operand layouts, its
+    wiring, constants by value, reshards and escaping results. Equal identities are the same
+    block in any program. The hash is taken once: the value holds a block's every key."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple) -> None:
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Identity and self._hash == other._hash
+                                 and self.value == other.value)
 
 
 def const_key(c) -> Any:
@@ -101,6 +121,10 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
     runs = find_runs(h)
     if not runs:
         return {}
+    by_id = [None] * len(ids)  # each equation number's value: (replay key, operand layouts)
+    keys = list(key_ids)
+    for (key_id, operand_layouts), i in ids.items():
+        by_id[i] = (keys[key_id], operand_layouts)
     last_use = {v: r[-1][0] for v, r in program.readers().items()}  # reads in program order
     for r in program.regions:
         for v in r.inputs:
@@ -114,14 +138,15 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
         for i in range(count):
             s = start + i * period
             found.append(_instance(program, plan, h, s, s + period, last_use, const_keys,
-                                   signatures))
+                                   signatures, by_id))
     counts: dict = {}
     for inst in found:
         counts[inst.signature] = counts.get(inst.signature, 0) + 1
     return {inst.start: inst for inst in found if counts[inst.signature] > 1}
 
 
-def _instance(program, plan, h, start, stop, last_use, const_keys, signatures) -> Instance:
+def _instance(program, plan, h, start, stop, last_use, const_keys, signatures,
+              by_id) -> Instance:
     # The block's identity: its equations (h), its wiring (which reads are one value), what
     # each value is (made here, a constant by its key, or read from outside), the reshards
     # planned at each operand and the results read after it. The wiring is the one the plan
@@ -154,9 +179,16 @@ def _instance(program, plan, h, start, stop, last_use, const_keys, signatures) -
                 moves.append((k - start, i, rp.src, rp.dst))
                 if inputs[i].producer < start:
                     reshards.append((inputs[i], rp))
-    sig = (tuple(h[start:stop]), wiring, tuple(kinds), tuple(moves), tuple(escaping))
-    return Instance(start, stop, signatures.setdefault(sig, len(signatures)), external,
-                    consts, reshards, escaping)
+    kinds, moves, escaping_key = tuple(kinds), tuple(moves), tuple(escaping)
+    sig = (tuple(h[start:stop]), wiring, kinds, moves, escaping_key)
+    found = signatures.get(sig)
+    if found is None:
+        identity = None
+        if all(k in (_MADE, _EXT) or type(k[1]) is tuple for k in kinds) and min(sig[0]) >= 0:
+            identity = Identity((tuple(by_id[x] for x in sig[0]), wiring, kinds, moves,
+                                 escaping_key))
+        found = signatures[sig] = (len(signatures), identity)
+    return Instance(start, stop, found[0], external, consts, reshards, escaping, found[1])
 
 
 # Where the copy an operand's reshard needs comes from, given the copies made so far. The same
@@ -187,5 +219,5 @@ def moved_inputs(inst: Instance, moved: dict, own: dict) -> tuple[tuple, list]:
     return state, passed_copies(inst, state)
 
 
-__all__ = ["Instance", "const_key", "find_instances", "reshard_start", "passed_copies",
+__all__ = ["Instance", "Identity", "const_key", "find_instances", "reshard_start", "passed_copies",
            "moved_inputs", "HAVE_TARGET", "FROM_COPY", "FROM_VALUE", "ENABLED"]

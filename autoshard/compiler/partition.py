@@ -228,7 +228,12 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             prefix += (planned.step,)
             y = moved.get(prefix)
             if y is None:
-                y = moved[prefix] = planned.step.run(x, sizes)
+                step = planned.step
+                # a step's local code reads nothing but its operand and the mesh's axis sizes
+                # (the replayer's context): every layer's equal step is emitted, not bound
+                y = moved[prefix] = replayers[-1].run(
+                    step, [x], lambda: [step.run(x, sizes)], shared=True)[0] \
+                    if replayers else step.run(x, sizes)
             x = y
         return x
 
@@ -328,29 +333,64 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         """One repeated block as a call of its jitted lowering (traced on its first call).
 
         Later calls replay the call equation the first one emitted (jax's dispatch of a jitted
-        call under tracing costs about as much as a few dozen equations)."""
+        call under tracing costs about as much as a few dozen equations) — in other programs
+        too, where the block is the same by value (`block_identity`)."""
         state, copy_keys = outline.moved_inputs(inst, moved, plan.layouts)
-        fn = calls.get((inst.signature, state))
-        if fn is None:
-            fn = calls[(inst.signature, state)] = block_function(inst, state)
         args = [env[v] for v in inst.external] + [moved[c] for c in copy_keys]
         n_ext = len(inst.external)
 
+        def function():
+            fn = calls.get((inst.signature, state))
+            if fn is None:
+                fn = calls[(inst.signature, state)] = block_function(inst, state)
+            return fn
+
         def bind() -> list:
-            outs, copies = fn.jitted(args[:n_ext], args[n_ext:])
+            outs, copies = function().jitted(args[:n_ext], args[n_ext:])
             return [*outs, *copies]
 
         # the call is traced on abstract types: a layer index passed in as a literal (its RNG
         # fold_in) does not make it another call
-        flat = replayer.run(("block", inst.signature, state), args, bind, by_value=False)
+        identity = block_identity(inst)
+        flat = replayer.run(("block", inst.signature if identity is None else identity, state),
+                            args, bind, by_value=False, shared=identity is not None,
+                            note=lambda: function().copies, name=f"block{inst.signature}")
         outs, copies = flat[:len(inst.escaping)], flat[len(inst.escaping):]
         eqns = program.eqns
         for (p, o), x in zip(inst.escaping, outs):
             env[eqns[inst.start + p].outputs[o]] = x
-        for (kind, ref, layout), x in zip(fn.copies, copies):
+        for (kind, ref, layout), x in zip(replayer.note, copies):
             v = (eqns[inst.start + ref[0]].outputs[ref[1]] if kind == "made"
                  else inst.external[ref] if kind == "ext" else inst.consts[ref])
             moved[(v, layout)] = x
+
+    identities: dict = {}  # signature -> block_identity
+
+    def block_identity(inst):
+        """What a block's lowering depends on, by value (None: kept to this program): its
+        signature by value, the reshard steps the cost model chose, and the program's facts
+        that shape its packed gathers (how far each copy it makes is read) and late zero
+        fills. Taken from the first instance, whose trace every instance calls here."""
+        found = identities.get(inst.signature, identities)
+        if found is not identities:
+            return found
+        identity = None
+        if inst.identity is not None:
+            facts: list = []
+            for k in range(inst.start, inst.stop):
+                ep = plan.eqns[k]
+                if not ep.reshards:
+                    continue
+                e = program.eqns[k]
+                for i, rp in ep.reshards:
+                    read = (min(used_until(e.inputs[i], rp.dst), inst.stop) - inst.start
+                            if packing else 0)
+                    facts.append((tuple(s.step for s in rp.steps), read))
+                if late_fill.wanted(program, e, ep):
+                    facts.append(k - inst.start)
+            identity = (inst.identity, tuple(facts), plan.cost_model, packing)
+        identities[inst.signature] = identity
+        return identity
 
     def block_function(t, state: tuple):
         """The jitted lowering of block `t` (the first of its kind) from reshard state `state`;

@@ -58,10 +58,11 @@ class _Template:
     rule's body, another program's); else only into `trace`. `shareable`: none of its
     equations' params holds a Python callable (kept to the program that made it)."""
 
-    __slots__ = ("trace", "steps", "outs", "shareable")
+    __slots__ = ("trace", "steps", "outs", "shareable", "note")
 
     def __init__(self, trace, steps, outs, shareable):
         self.trace, self.steps, self.outs, self.shareable = trace, steps, outs, shareable
+        self.note = None  # what the caller keeps with it (Replayer.run's `note`)
 
 
 def _axis_effects_only(effects) -> bool:
@@ -83,15 +84,22 @@ def _ref(var_pos: dict, tracer) -> tuple:
 _CALLABLE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
 
 
+def _is_callable(x) -> bool:
+    return isinstance(x, _CALLABLE) or type(x).__name__ == "WrappedFun"
+
+
 def _holds_callable(params: dict) -> bool:
     """A param that is a Python function (a custom derivative's rule, a thunk), or holds one
-    one level down: the equation may depend on state its lowering closed over."""
+    one level down or in the equations of a jaxpr it holds (an outlined block's call): the
+    equation may depend on state its lowering closed over."""
     for v in params.values():
-        if isinstance(v, _CALLABLE) or type(v).__name__ == "WrappedFun":
-            return True
-        if isinstance(v, (tuple, list)) and any(
-                isinstance(x, _CALLABLE) or type(x).__name__ == "WrappedFun" for x in v):
-            return True
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if _is_callable(x):
+                return True
+            if isinstance(x, jcore.ClosedJaxpr):
+                x = x.jaxpr
+            if isinstance(x, jcore.Jaxpr) and any(_holds_callable(e.params) for e in x.eqns):
+                return True
     return False
 
 
@@ -123,7 +131,7 @@ def _record(trace, entries: list, ins: list, outs: list) -> _Template | None:
     return _Template(None if portable else trace, steps, out_refs, shareable)
 
 
-def _replay(t: _Template, ins: list, trace) -> list:
+def _replay(t: _Template, ins: list, trace, name: str | None = None) -> list:
     made: list[list] = []
 
     def get(r):
@@ -138,6 +146,8 @@ def _replay(t: _Template, ins: list, trace) -> list:
 
     emit = trace.emit_eqn
     for refs, out_avals, primitive, params, effects, source, ctx in t.steps:
+        if name is not None and "name" in params:
+            params = {**params, "name": name}
         made.append(emit([get(r) for r in refs], out_avals, primitive, params, effects, source, ctx))
     return [get(r) for r in t.outs]
 
@@ -192,6 +202,12 @@ class Replayer:
     def __init__(self, context: Any = None) -> None:
         self._templates: dict = {}
         self._context = context
+        self.note: Any = None  # the `note` of the last run's lowering
+
+    def _bound(self, bind: Callable[[], list], note: Callable[[], Any] | None) -> list:
+        outs = _bound(bind)
+        self.note = None if note is None else note()
+        return outs
 
     def _shared_key(self, full: tuple):
         if not SHARED or self._context is None or _trace_context is None:
@@ -200,7 +216,8 @@ class Replayer:
         return (self._context, _trace_context(), _source_info.current_name_stack(), full)
 
     def run(self, key: Any, ins: list, bind: Callable[[], list], *,
-            by_value: bool = True, shared: bool = False) -> list:
+            by_value: bool = True, shared: bool = False, note: Callable[[], Any] | None = None,
+            name: str | None = None) -> list:
         """`bind()` the equation the first time its `key` is seen (with these operand types);
         re-emit what it emitted every later time. `key` None: always bind.
 
@@ -208,18 +225,21 @@ class Replayer:
         operands (a jitted call, traced on abstract types), so they are not part of the key.
         `shared`: the key says everything the lowering depends on besides the operands and
         this replayer's context, in any program (not a number of this program's).
+        `note()`: what the caller needs to know about the lowering, asked after binding it and
+        kept with it; `self.note` holds it after every run. `name`: the name a replayed call
+        equation (an outlined block's) takes, whichever program recorded it.
         """
         trace = jcore.trace_ctx.trace
         if key is None or not (_SUPPORTED and ENABLED) or type(trace) is not pe.DynamicJaxprTrace:
-            return _bound(bind)
+            return self._bound(bind, note)
         literals = []
         for x in ins:
             if type(x) is not pe.DynamicJaxprTracer or x._trace is not trace:
-                return _bound(bind)
+                return self._bound(bind, note)
             if not isinstance(x.val, jcore.Var):
                 value = _literal_value(x.val)
                 if value is None:
-                    return _bound(bind)
+                    return self._bound(bind, note)
                 if by_value:
                     literals.append(value)
         # the operand types (local shape, dtype, varying axes), which operands are one value,
@@ -229,7 +249,7 @@ class Replayer:
         full = (key, tuple(x.aval for x in ins), aliasing, tuple(literals))
         t = self._templates.get(full, self)
         if t is None:  # recorded before and found not replayable
-            return _bound(bind)
+            return self._bound(bind, note)
         gkey = None
         if t is self and shared:
             gkey = self._shared_key(full)
@@ -239,11 +259,14 @@ class Replayer:
                     self._templates[full] = t
         if t is not self and (t.trace is None or t.trace is trace):
             STATS["replayed"] += 1
-            return _replay(t, ins, trace)
+            self.note = t.note
+            return _replay(t, ins, trace, name)
         frame = trace.frame
         start = len(frame.tracing_eqns)
-        outs = _bound(bind)
+        outs = self._bound(bind, note)
         t = self._templates[full] = _record(trace, frame.tracing_eqns[start:], ins, outs)
+        if t is not None:
+            t.note = self.note
         if gkey is not None and t is not None and t.shareable:
             if len(_SHARED_TEMPLATES) >= _MAX_SHARED:
                 _SHARED_TEMPLATES.clear()
