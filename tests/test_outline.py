@@ -15,7 +15,7 @@ import pytest
 
 import autoshard as dist
 from autoshard.bench import gpt
-from autoshard.compiler import outline, partition
+from autoshard.compiler import outline, partition, replay
 from autoshard.hlo import collective_bytes, count_collectives
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
@@ -34,6 +34,7 @@ def _compiled(step, args, enabled: bool, monkeypatch):
             super().__init__(lambda *a: dispatched.append(a) or jitted(*a))
 
     monkeypatch.setattr(partition, "_BlockCall", Counted)
+    replay.clear_shared()  # blocks lowered by earlier programs would be replayed, not dispatched
     traced = entry.fn.trace(*inputs)
     body = traced.jaxpr.jaxpr.eqns[0].params["jaxpr"]  # the shard_map's local program
     blocks = [e for e in body.eqns
