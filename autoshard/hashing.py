@@ -15,3 +15,23 @@ def hash_once(obj: Any, fields: Callable[[], tuple]) -> int:
         h = hash(fields())
         object.__setattr__(obj, "_hash", h)
     return h
+
+
+class Hashed:
+    """A tuple key hashed once: the replay key of an equation (its avals and layouts) or a
+    block's identity (all of its equations' keys) is looked up many times per program."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple) -> None:
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Hashed and self._hash == other._hash
+                                 and self.value == other.value)
+
+    def __repr__(self) -> str:
+        return f"Hashed{self.value!r}"

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..hashing import Hashed
 from .repeats import find_runs
 
 ENABLED = True    # off: every equation is emitted inline (the tests compare both programs)
@@ -44,24 +45,6 @@ class Instance:
     escaping: list            # (position, output index) of results read after the block
     identity: Any = None      # the signature by value, in any program (None: a block that
     # reads an array constant, which is this program's own)
-
-
-class Identity:
-    """A block's signature by value: its equations' replay keys and operand layouts, its
-    wiring, constants by value, reshards and escaping results. Equal identities are the same
-    block in any program. The hash is taken once: the value holds a block's every key."""
-
-    __slots__ = ("value", "_hash")
-
-    def __init__(self, value: tuple) -> None:
-        self.value, self._hash = value, hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (type(other) is Identity and self._hash == other._hash
-                                 and self.value == other.value)
 
 
 def const_key(c) -> Any:
@@ -185,8 +168,8 @@ def _instance(program, plan, h, start, stop, last_use, const_keys, signatures,
     if found is None:
         identity = None
         if all(k in (_MADE, _EXT) or type(k[1]) is tuple for k in kinds) and min(sig[0]) >= 0:
-            identity = Identity((tuple(by_id[x] for x in sig[0]), wiring, kinds, moves,
-                                 escaping_key))
+            identity = Hashed((tuple(by_id[x] for x in sig[0]), wiring, kinds, moves,
+                               escaping_key))
         found = signatures[sig] = (len(signatures), identity)
     return Instance(start, stop, found[0], external, consts, reshards, escaping, found[1])
 
@@ -219,5 +202,5 @@ def moved_inputs(inst: Instance, moved: dict, own: dict) -> tuple[tuple, list]:
     return state, passed_copies(inst, state)
 
 
-__all__ = ["Instance", "Identity", "const_key", "find_instances", "reshard_start", "passed_copies",
+__all__ = ["Instance", "const_key", "find_instances", "reshard_start", "passed_copies",
            "moved_inputs", "HAVE_TARGET", "FROM_COPY", "FROM_VALUE", "ENABLED"]

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from ..cost_model import default_cost_model
+from ..hashing import Hashed
 from ..layout import Layout
 from ..reshard.api import plan_layouts
 from ..reshard.steps import varying_axes
@@ -132,8 +133,9 @@ def _replay_key(e, ep) -> tuple | None:
     """What `_bind` depends on besides its operands' types (None: always bind afresh)."""
     if e.params_key is None or ep.sub_plans or e.primitive is hint_p or e.name == SHARD_MAP:
         return None
-    return (e.primitive, e.params_key, tuple(v.aval for v in e.inputs),
-            tuple(v.aval for v in e.outputs), tuple(ep.required), tuple(ep.results), ep.fallback)
+    return Hashed((e.primitive, e.params_key, tuple(v.aval for v in e.inputs),
+                   tuple(v.aval for v in e.outputs), tuple(ep.required), tuple(ep.results),
+                   ep.fallback))
 
 
 def _device_const(c, scalars: dict):
