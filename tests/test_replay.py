@@ -167,3 +167,55 @@ def test_a_rule_registered_again_is_lowered_anew():
         dist.register_rule(p, rule, lambda ctx, x, factor=factor, **params: [x * factor])
         out = dist.jit(lambda a: p.bind(a))(xs)
         np.testing.assert_array_equal(out.numpy(), np.full((8, 4), factor))
+
+
+def _norm_layer(x, w, a, b):
+    h = jnp.tanh(x @ w)
+    h = h * jax.nn.sigmoid(h @ a)
+    m = h.mean(-1, keepdims=True)
+    h = (h - m) / jnp.sqrt(((h - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+    return x + (h @ b) * 0.5
+
+
+def _four_layers(read_after: bool):
+    """Four equal layers sharing `w`; `read_after`: the second layer's `a` is read again
+    after them (its gathered copy lives on, so that layer's gathers are not packed)."""
+    def f(x, w, *ab):
+        for i in range(4):
+            x = _norm_layer(x, w, ab[i], ab[4 + i])
+        return x, x @ (ab[1] if read_after else w)
+    return f
+
+
+def test_a_block_is_shared_only_with_the_facts_of_the_instance_traced(monkeypatch):
+    """The first layer gathers `w` and hands it on: the later layers are the same block called
+    from another reshard state, traced at the second layer. Whether that layer's gathered
+    weight is read after the block decides its packing, so a program that reads it and one
+    that does not have different blocks: the second program built after the first is the one
+    it is alone (it used to replay the first's block, with one all-gather more per layer)."""
+    from autoshard.hlo import count_collective_ops
+
+    mesh = dist.ProcessMesh(list(range(8)), ["x"])
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(16, 32)).astype(np.float32)] + [
+        (rng.normal(size=(32, 32)) * 0.2).astype(np.float32) for _ in range(9)]
+    args = [dist.shard_tensor(a, mesh, [dist.Shard(0)]) for a in arrays]
+
+    def build(f):
+        g = dist.jit(f)
+        entry, leaves = g._entry(args, {})
+        traced = entry.fn.trace(*g._physical_inputs(entry, leaves))
+        return str(traced.jaxpr), count_collective_ops(traced.lower().compile().as_text())
+
+    monkeypatch.setattr(replay, "SHARED", False)
+    alone = build(_four_layers(False))
+    monkeypatch.setattr(replay, "SHARED", True)
+    replay.clear_shared()
+    build(_four_layers(True))
+    after = build(_four_layers(False))
+    assert "name=block" in after[0]
+    assert after == alone
+    got = dist.jit(_four_layers(False))(*args)
+    want = jax.jit(_four_layers(False))(*arrays)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), np.asarray(w), rtol=2e-5, atol=2e-5)

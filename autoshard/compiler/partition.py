@@ -353,7 +353,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
 
         # the call is traced on abstract types: a layer index passed in as a literal (its RNG
         # fold_in) does not make it another call
-        identity = block_identity(inst)
+        identity = block_identity(inst, state)
         flat = replayer.run(("block", inst.signature if identity is None else identity, state),
                             args, bind, by_value=False, shared=identity is not None,
                             note=lambda: function().copies, name=f"block{inst.signature}")
@@ -366,14 +366,16 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                  else inst.external[ref] if kind == "ext" else inst.consts[ref])
             moved[(v, layout)] = x
 
-    identities: dict = {}  # signature -> block_identity
+    identities: dict = {}  # (signature, reshard state) -> block_identity
 
-    def block_identity(inst):
-        """What a block's lowering depends on, by value (None: kept to this program): its
-        signature by value, the reshard steps the cost model chose, and the program's facts
-        that shape its packed gathers (how far each copy it makes is read) and late zero
-        fills. Taken from the first instance, whose trace every instance calls here."""
-        found = identities.get(inst.signature, identities)
+    def block_identity(inst, state: tuple):
+        """What a block's lowering from reshard `state` depends on, by value (None: kept to
+        this program): its signature by value, the reshard steps the cost model chose, and the
+        program's facts that shape its packed gathers (how far each copy it makes is read) and
+        late zero fills — those of the first instance called from `state`, whose trace every
+        later one calls here (the copies a block makes are read after it by some instances
+        only: the facts of another instance could name another program's trace)."""
+        found = identities.get((inst.signature, state), identities)
         if found is not identities:
             return found
         identity = None
@@ -391,7 +393,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 if late_fill.wanted(program, e, ep):
                     facts.append(k - inst.start)
             identity = (inst.identity, tuple(facts), plan.cost_model, packing)
-        identities[inst.signature] = identity
+        identities[(inst.signature, state)] = identity
         return identity
 
     def block_function(t, state: tuple):
