@@ -426,6 +426,37 @@ def test_a_broken_user_rule_is_named_and_a_declining_one_says_so(rule, error, ma
             f(xs)
 
 
+@pytest.mark.parametrize("lower, match", [
+    (lambda ctx, x: x * 2.0, None),  # one bare block for a primitive of one result
+    (lambda ctx, x: [x * 2.0], None),
+    (lambda ctx, x: [x, x], r"the `lower` hook of the rule registered for 'my_lower_p' \(at "
+                            r"test_jit.py:\d+\) returned 2 result\(s\); my_lower_p has 1 "
+                            r"result\(s\): return a list of 1 local block"),
+    (lambda ctx, x: [x.sum(0)], r"returned result 0 as float32\[4\]; this device's block of "
+                                r"it is float32\[2, 4\] \(the global float32\[8, 4\]"),
+    (lambda ctx, x: [x.astype(np.int32)], r"returned result 0 as int32\[2, 4\]; this "
+                                          r"device's block of it is float32\[2, 4\]"),
+    (lambda ctx, x: 2.0, r"returned float; my_lower_p has 1 result"),
+])
+def test_a_user_rules_lower_hook_gives_the_local_blocks_or_is_named(lower, match):
+    """A `lower` hook returns the local block of each result (a bare block for a primitive of
+    one result is taken as it). Another count, shape or dtype is an error naming the primitive
+    and the user's line (was a shard_map out_specs ValueError or a dot_general TypeError deep
+    inside jax)."""
+    from autoshard.compiler.factors import einsum
+
+    p = _doubling_primitive("my_lower_p")
+    dist.register_rule(p, lambda ins, outs, **k: einsum("ij->ij", [ins[0].shape], [outs[0].shape]),
+                       lower)
+    xs = dist.shard_tensor(np.arange(32, dtype=np.float32).reshape(8, 4), MESH4, [dist.Shard(0)])
+    f = dist.jit(lambda a: p.bind(a) @ np.ones((4, 3), np.float32))
+    if match is None:
+        np.testing.assert_array_equal(f(xs).numpy(), (np.arange(32).reshape(8, 4) * 2.0) @ np.ones((4, 3)))
+    else:
+        with pytest.raises(dist.PlacementTypeError, match=match):
+            f(xs)
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 def _err(error, match, fn):

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from ..cost_model import default_cost_model
+from ..errors import PlacementTypeError
 from ..hashing import Hashed
 from ..layout import Layout
 from ..reshard.api import plan_layouts
@@ -118,9 +119,35 @@ def _bind(e, ep, ins: list, registry, sizes, ambient: frozenset = frozenset()) -
         ins = match_vma(ins)
     if rule is not None and rule.lower is not None:
         ctx = LowerContext(sizes, ep.required, ep.results, local_shapes)
-        return rule.lower(ctx, *ins, **e.params)
+        return _lowered(e, rule.lower(ctx, *ins, **e.params), local_shapes)
     outs = e.primitive.bind(*ins, **_localize(e.params, local_shapes))
     return outs if e.primitive.multiple_results else [outs]
+
+
+def _lowered(e, outs, local_shapes: list) -> list:
+    """A rule's `lower` hook's results, checked: one local block per result of the
+    primitive, each of the local shape and the dtype jax's own rule gives (a user's hook that
+    returns something else would otherwise fail deep inside jax, or compute a wrong program).
+    One bare array for a primitive of one result is taken as that result."""
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs] if len(e.outputs) == 1 and hasattr(outs, "shape") else outs
+    where = f" (at {e.source or '?'})"
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(e.outputs):
+        got = (f"{len(outs)} result(s)" if isinstance(outs, (list, tuple))
+               else f"{type(outs).__name__}")
+        raise PlacementTypeError(
+            f"the `lower` hook of the rule registered for {e.name!r}{where} returned {got}; "
+            f"{e.name} has {len(e.outputs)} result(s): return a list of {len(e.outputs)} local "
+            f"block(s), one per result")
+    for k, (x, v, shape) in enumerate(zip(outs, e.outputs, local_shapes)):
+        if tuple(getattr(x, "shape", ())) != tuple(shape) or getattr(x, "dtype", None) != v.dtype:
+            raise PlacementTypeError(
+                f"the `lower` hook of the rule registered for {e.name!r}{where} returned result "
+                f"{k} as {getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}; "
+                f"this device's block of it is {v.dtype}{list(shape)} (the global "
+                f"{v.dtype}{list(v.shape)} laid out as the rule's sharding says): compute the "
+                f"local block of each result")
+    return list(outs)
 
 
 @dataclass
