@@ -7,8 +7,8 @@ under shard_map); jax's lowering of it to StableHLO is the `lower_s` column, apa
 of the same step on the same machine, and `pass_per_trace` our pass time over it: seconds per
 10k equations vary with the machine's speed (2-3x between days on the shared machine these
 were measured on), the ratio to jax's own tracing much less. Partition is the best of
-three fresh dist.jit's, which reuse the lowerings the first made (compiler/replay.py keeps them
-for any program in the process); `partition_unshared_s` is the first, with none kept from
+three fresh dist.jit's, which reuse the lowerings and outlined blocks the first made
+(compiler/replay.py keeps them for any program in the process); `partition_unshared_s` is the first, with none kept from
 before — a model's first compile in a fresh process — and `s_per_10k_eqns_unshared` its
 seconds per 10k equations. `equations` counts the program
 the passes plan (duplicates merged, steps XLA's simplifier removes removed: ~10% fewer on the
