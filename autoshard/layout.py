@@ -109,7 +109,13 @@ class Layout:
         return None
 
     def local_shape(self, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
-        return tuple(s // math.prod(axis_sizes[a] for a in axes) for s, axes in zip(shape, self.dims))
+        # the devices per dim are kept for the last axis-size mapping asked with (a mesh's
+        # own, one object): the reshard search asks for thousands of local shapes per model
+        kept = self.__dict__.get("_devices")
+        if kept is None or kept[0] is not axis_sizes:
+            kept = (axis_sizes, tuple(math.prod(axis_sizes[a] for a in axes) for axes in self.dims))
+            object.__setattr__(self, "_devices", kept)
+        return tuple(s // n for s, n in zip(shape, kept[1]))
 
     def without_partial(self) -> "Layout":
         if not self.partial:

@@ -6,11 +6,13 @@ under shard_map); jax's lowering of it to StableHLO is the `lower_s` column, apa
 `s_per_10k_eqns_with_lower` counts it in (see `measure.py`). `trace_s` is jax's `make_jaxpr`
 of the same step on the same machine, and `pass_per_trace` our pass time over it: seconds per
 10k equations vary with the machine's speed (2-3x between days on the shared machine these
-were measured on), the ratio to jax's own tracing much less. Partition is the best of
-three fresh dist.jit's, which reuse the lowerings and outlined blocks the first made
-(compiler/replay.py keeps them for any program in the process); `partition_unshared_s` is the first, with none kept from
-before — a model's first compile in a fresh process — and `s_per_10k_eqns_unshared` its
-seconds per 10k equations. `equations` counts the program
+were measured on), the ratio to jax's own tracing much less. Plan and partition are each the
+best of three fresh dist.jit's, which reuse what the first left in the process's memos
+(strategy choices, rule answers, reshard plans; compiler/replay.py's lowerings and outlined
+blocks): a second model, or a re-made dist.jit, in the same process. `plan_first_s` and
+`partition_first_s` are the first of them with every such memo forgotten before
+(`measure.forget_memos`) — a model's first compile in a fresh process, jax's own caches
+aside — and `s_per_10k_eqns_first` their seconds per 10k equations. `equations` counts the program
 the passes plan (duplicates merged, steps XLA's simplifier removes removed: ~10% fewer on the
 GPT step), `traced_equations` the traced step they start from (calls inlined), each with its
 seconds per 10k.
@@ -52,7 +54,7 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
     rows += [measure(n, "scan") for n in scan]
     cols = ["workload", "equations", "traced_equations", "plan_s", "partition_s", "trace_s",
             "pass_per_trace", "lower_s", "s_per_10k_eqns", "s_per_10k_traced_eqns",
-            "marginal_s_per_10k_eqns", "partition_unshared_s", "s_per_10k_eqns_unshared",
+            "marginal_s_per_10k_eqns", "plan_first_s", "partition_first_s", "s_per_10k_eqns_first",
             "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes",
             "xla_bytes", "bytes_ratio", "collectives", "xla_collectives", "collective_ops",
             "xla_collective_ops"]

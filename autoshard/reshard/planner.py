@@ -120,10 +120,9 @@ def _local_bytes(layout: Layout, shape, sizes, itemsize: int) -> int:
     return math.prod(layout.local_shape(shape, sizes)) * itemsize
 
 
-def _candidate_steps(layout: Layout, target: Layout, ndim: int, axis_names,
+def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names,
                      integer: bool = False) -> Iterator[Step]:
     partial = layout.partial_map
-    wanted_partial = target.partial_map
     for d, axes in enumerate(layout.dims):
         for k in range(1, len(axes) + 1):
             yield AllGather(axes[len(axes) - k:], d)
@@ -156,27 +155,46 @@ def _candidate_steps(layout: Layout, target: Layout, ndim: int, axis_names,
                 yield MakePartial(a, wanted_partial[a])
 
 
+@functools.lru_cache(maxsize=65536)
+def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype: str,
+           mesh: ProcessMesh, cost_model: CostModel) -> tuple:
+    """Every step that may run on `layout`, as (layout after, step, wire bytes, seconds,
+    remainder bytes). A search to a target with partial axes `wanted_partial` expands a layout
+    the same way whatever the target's dims, and the searches of one model meet the same few
+    layouts of the same few shapes again and again: expanded once."""
+    sizes = mesh.axis_sizes
+    itemsize = np.dtype(dtype).itemsize
+    integer = np.issubdtype(np.dtype(dtype), np.integer)
+    in_bytes = _local_bytes(layout, shape, sizes, itemsize)
+    found = []
+    for step in _candidate_steps(layout, dict(wanted_partial), len(shape), mesh.dim_names,
+                                 integer):
+        nxt = step.after(layout, shape, sizes)
+        if nxt is None:
+            continue
+        out_bytes = _local_bytes(nxt, shape, sizes, itemsize)
+        wire = step.wire_bytes(in_bytes, out_bytes, sizes)
+        seconds = (cost_model.collective(step.axes, wire) if step.is_collective
+                   else cost_model.local(out_bytes))
+        remainders = 0
+        if integer and remainder_sum(step, dtype):  # int32 remainders summed apart
+            remainders = int(round(wire)) * 4 // itemsize
+            seconds += cost_model.collective(step.axes, remainders)
+        found.append((nxt, step, wire, seconds, remainders))
+    return tuple(found)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, ...],
                  dtype: str, cost_model: CostModel) -> tuple[PlannedStep, ...]:
     """Cheapest steps from `src` to `dst` on one mesh (Dijkstra over layouts)."""
     if src == dst:
         return ()
-    sizes = mesh.axis_sizes
-    itemsize = np.dtype(dtype).itemsize
-    integer = np.issubdtype(np.dtype(dtype), np.integer)
-    axis_names = mesh.dim_names
     counter = itertools.count()
     best: dict[Layout, float] = {src: 0.0}
     back: dict[Layout, tuple[Layout, PlannedStep]] = {}
     heap = [(0.0, next(counter), src)]
-    local_bytes: dict[Layout, int] = {}  # many steps lead to the same few layouts
-
-    def nbytes(layout: Layout) -> int:
-        n = local_bytes.get(layout)
-        if n is None:
-            n = local_bytes[layout] = _local_bytes(layout, shape, sizes, itemsize)
-        return n
+    wanted_partial = dst.partial
 
     while heap:
         cost, _, layout = heapq.heappop(heap)
@@ -184,19 +202,8 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
             break
         if cost > best.get(layout, math.inf):
             continue
-        in_bytes = nbytes(layout)
-        for step in _candidate_steps(layout, dst, len(shape), axis_names, integer):
-            nxt = step.after(layout, shape, sizes)
-            if nxt is None:
-                continue
-            out_bytes = nbytes(nxt)
-            wire = step.wire_bytes(in_bytes, out_bytes, sizes)
-            seconds = (cost_model.collective(step.axes, wire) if step.is_collective
-                       else cost_model.local(out_bytes))
-            remainders = 0
-            if integer and remainder_sum(step, dtype):  # int32 remainders summed apart
-                remainders = int(round(wire)) * 4 // itemsize
-                seconds += cost_model.collective(step.axes, remainders)
+        for nxt, step, wire, seconds, remainders in _moves(layout, wanted_partial, shape, dtype,
+                                                           mesh, cost_model):
             total = cost + seconds
             # a first path to a layout is taken even at an infinite cost (a cost model of
             # bandwidths so small that seconds overflow): the plan, not whether one exists
