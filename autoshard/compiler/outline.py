@@ -15,6 +15,11 @@ order of first use, so aliasing is kept), or from the same program constant; pla
 start from the same layouts; the same results are read after the block. Copies that reshards
 make are shared with the code around the block exactly as without outlining: copies made before
 the block are passed in, copies made inside are handed back.
+
+A block is also known by value (`Instance.identity`: its equations' replay keys, wiring,
+constants by value, reshards and escaping results; partition adds the program facts its
+lowering reads), so that another program with the same block — the next pipeline stage, a
+re-made dist.jit — calls the function this one traced (replay.py keeps it).
 """
 from __future__ import annotations
 

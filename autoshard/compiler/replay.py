@@ -19,7 +19,8 @@ process with equal equations — the eval step beside the train step, another pi
 to_static's other modes, a fresh dist.jit of the same model — emits them without lowering them
 again. Only templates that read nothing of the trace that recorded them but their operands and
 literals are shared, and none whose equations carry Python callables in their params (a custom
-derivative's rule closes over its lowering's state).
+derivative's rule closes over its lowering's state). An outlined block's call is one such
+template, under the block's identity by value (outline.py, partition.py).
 """
 from __future__ import annotations
 
