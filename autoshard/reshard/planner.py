@@ -155,7 +155,7 @@ def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names
                 yield MakePartial(a, wanted_partial[a])
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=8192)  # (a model of a few shapes meets ~700)
 def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype: str,
            mesh: ProcessMesh, cost_model: CostModel) -> tuple:
     """Every step that may run on `layout`, as (layout after, step, wire bytes, seconds,
