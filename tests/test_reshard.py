@@ -283,6 +283,35 @@ def test_a_mean_of_integer_parts_does_not_overflow_their_dtype(dtype):
         assert rp.total_bytes == moved.plan(x).total_bytes and "int32 remainders" in str(rp)
 
 
+@pytest.mark.parametrize("mesh_shape, src, dst", [
+    ((2, 2), ["P(avg)", "P(avg)"], ["R", "P(avg)"]),
+    ((2, 2), ["P(avg)", "P(avg)"], ["P(avg)", "R"]),
+    ((2, 2), ["P(avg)", "P(avg)"], ["S(0)", "P(avg)"]),
+    ((2, 2), ["P(avg)", "P(avg)"], ["P(avg)", "S(0)"]),
+    ((2, 2, 2), ["P(avg)", "P(avg)", "P(avg)"], ["R", "P(avg)", "R"]),
+    ((2, 2, 2), ["P(avg)", "P(avg)", "P(avg)"], ["P(avg)", "P(avg)", "S(0)"]),
+])
+def test_an_integer_mean_pending_over_several_axes_is_reduced_over_all_at_once(mesh_shape, src,
+                                                                                dst):
+    """A mean of integers truncates: the mean of some parts' means is not the mean of all
+    ((1 + 0) // 2 = 0 and (0 + 3) // 2 = 1 give 0, where (1 + 0 + 0 + 3) // 4 is 1). A target
+    that keeps some axes pending reduces over every axis and makes those pending again (the
+    planner offered a mean over the dropped axes alone: 0 read back), eagerly and in dist.jit."""
+    n = int(np.prod(mesh_shape))
+    mesh = dist.ProcessMesh(np.arange(n).reshape(mesh_shape).tolist(),
+                            ["a", "b", "c"][:len(mesh_shape)])
+    rng = np.random.default_rng(n + len(dst))
+    parts = [rng.integers(0, 7, size=(4, 2)).astype(np.int32) for _ in range(n)]
+    parts[0][0, 0], parts[1][0, 0], parts[2][0, 0], parts[3][0, 0] = 1, 0, 0, 3
+    x = dist.dtensor_from_local(parts, mesh, src)
+    want = np.sum(np.stack(parts), axis=0) // n  # nonnegative: truncation is the floor
+    np.testing.assert_array_equal(x.numpy(), want)
+    got = dist.reshard(x, mesh, dst)
+    assert [str(p) for p in got.placements] == dst
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(dist.jit(lambda t: t, out_placements=dst)(x).numpy(), want)
+
+
 @pytest.mark.parametrize("src,dst", [(["S(0)", "R"], ["R", "R"]), (["P(sum)", "S(1)"], ["R", "S(0)"]),
                                      (["R", "S(1)"], ["S(1)", "P(max)"])])
 def test_an_empty_tensor_reshards_without_moving_anything(src, dst):

@@ -131,7 +131,12 @@ def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names
         if a in partial:
             by_type.setdefault(partial[a], []).append(a)
     for reduce_type, axes in by_type.items():
-        for r in range(1, len(axes) + 1):
+        # an integer mean is truncated: the mean of a few parts' means is not the mean of all
+        # ((1 + 0) // 2 then (0 + 1) // 2 is 0 where (1 + 0 + 0 + 3) // 4 is 1), so an integer
+        # Partial(avg) is reduced over all its axes at once (a target that keeps some pending
+        # makes them Partial again after: exact, every device holding the mean)
+        fewest = len(axes) if integer and reduce_type is ReduceType.AVG else 1
+        for r in range(fewest, len(axes) + 1):
             for subset in itertools.combinations(axes, r):
                 yield AllReduce(subset, reduce_type)
             if reduce_type in (ReduceType.SUM, ReduceType.AVG):
