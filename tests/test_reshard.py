@@ -290,13 +290,19 @@ def test_a_mean_of_integer_parts_does_not_overflow_their_dtype(dtype):
     ((2, 2), ["P(avg)", "P(avg)"], ["P(avg)", "S(0)"]),
     ((2, 2, 2), ["P(avg)", "P(avg)", "P(avg)"], ["R", "P(avg)", "R"]),
     ((2, 2, 2), ["P(avg)", "P(avg)", "P(avg)"], ["P(avg)", "P(avg)", "S(0)"]),
+    # a pending sum beside the mean: summed first (a sum of truncated means is not the mean)
+    ((2, 2), ["P(sum)", "P(avg)"], ["P(sum)", "R"]),
+    ((2, 2), ["P(avg)", "P(sum)"], ["P(sum)", "R"]),
+    ((2, 2), ["P(sum)", "P(avg)"], ["R", "P(sum)"]),
+    ((2, 2, 2), ["P(sum)", "P(avg)", "P(avg)"], ["P(sum)", "R", "S(1)"]),
 ])
 def test_an_integer_mean_pending_over_several_axes_is_reduced_over_all_at_once(mesh_shape, src,
                                                                                 dst):
     """A mean of integers truncates: the mean of some parts' means is not the mean of all
-    ((1 + 0) // 2 = 0 and (0 + 3) // 2 = 1 give 0, where (1 + 0 + 0 + 3) // 4 is 1). A target
-    that keeps some axes pending reduces over every axis and makes those pending again (the
-    planner offered a mean over the dropped axes alone: 0 read back), eagerly and in dist.jit."""
+    ((1 + 0) // 2 = 0 and (0 + 3) // 2 = 1 give 0, where (1 + 0 + 0 + 3) // 4 is 1), nor is a
+    sum of means the mean of the sum. A target that keeps some axes pending reduces the sum,
+    then the mean over every axis, and makes those pending again (the planner offered a mean
+    over the dropped axes alone: 0 read back), eagerly and in dist.jit."""
     n = int(np.prod(mesh_shape))
     mesh = dist.ProcessMesh(np.arange(n).reshape(mesh_shape).tolist(),
                             ["a", "b", "c"][:len(mesh_shape)])
@@ -304,7 +310,8 @@ def test_an_integer_mean_pending_over_several_axes_is_reduced_over_all_at_once(m
     parts = [rng.integers(0, 7, size=(4, 2)).astype(np.int32) for _ in range(n)]
     parts[0][0, 0], parts[1][0, 0], parts[2][0, 0], parts[3][0, 0] = 1, 0, 0, 3
     x = dist.dtensor_from_local(parts, mesh, src)
-    want = np.sum(np.stack(parts), axis=0) // n  # nonnegative: truncation is the floor
+    averaged = int(np.prod([k for k, p in zip(mesh_shape, src) if p == "P(avg)"]))
+    want = np.sum(np.stack(parts), axis=0) // averaged  # nonnegative: truncation is the floor
     np.testing.assert_array_equal(x.numpy(), want)
     got = dist.reshard(x, mesh, dst)
     assert [str(p) for p in got.placements] == dst

@@ -132,10 +132,15 @@ def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names
             by_type.setdefault(partial[a], []).append(a)
     for reduce_type, axes in by_type.items():
         # an integer mean is truncated: the mean of a few parts' means is not the mean of all
-        # ((1 + 0) // 2 then (0 + 1) // 2 is 0 where (1 + 0 + 0 + 3) // 4 is 1), so an integer
-        # Partial(avg) is reduced over all its axes at once (a target that keeps some pending
-        # makes them Partial again after: exact, every device holding the mean)
-        fewest = len(axes) if integer and reduce_type is ReduceType.AVG else 1
+        # ((1 + 0) // 2 then (0 + 1) // 2 is 0 where (1 + 0 + 0 + 3) // 4 is 1), nor is a sum
+        # of means the mean of the sum, so an integer Partial(avg) is reduced over all its axes
+        # at once, after any pending sum (a target that keeps some pending makes them Partial
+        # again after: exact, every device holding the value)
+        fewest = 1
+        if integer and reduce_type is ReduceType.AVG:
+            if ReduceType.SUM in by_type:
+                continue
+            fewest = len(axes)
         for r in range(fewest, len(axes) + 1):
             for subset in itertools.combinations(axes, r):
                 yield AllReduce(subset, reduce_type)
