@@ -128,9 +128,19 @@ class Layout:
 
     # -- edits used by the planner -------------------------------------------------------
     def with_dim(self, d: int, axes: tuple[str, ...]) -> "Layout":
-        dims = list(self.dims)
-        dims[d] = axes
-        return Layout(tuple(dims), self.partial)
+        # kept per layout (interned: one object per value): the reshard search and the
+        # strategy chooser ask for the same few edits of the same few layouts again and again
+        edits = self.__dict__.get("_edits")
+        if edits is None:
+            edits = {}
+            object.__setattr__(self, "_edits", edits)
+        key = (d, tuple(axes))
+        found = edits.get(key)
+        if found is None:
+            dims = list(self.dims)
+            dims[d] = key[1]
+            found = edits[key] = Layout(tuple(dims), self.partial)
+        return found
 
     def with_partial(self, partial: Mapping[str, ReduceType]) -> "Layout":
         return Layout(self.dims, tuple(partial.items()))
