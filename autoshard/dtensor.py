@@ -99,13 +99,19 @@ def _logical(x: Any, mesh: ProcessMesh, layout: Layout, shape: tuple[int, ...], 
         kinds = dict(layout.partial)
         axes = partial_axes_in_mesh_order(layout, mesh)
         x = x.reshape(tuple(mesh.get_dim_size(a) for a in axes) + x.shape[1:])
-        reduce = {"max": xp.max, "min": xp.min, "sum": xp.sum,
-                  "avg": lambda v, axis: mean_of_parts(v, v.shape[axis],
-                                                       lambda p: xp.sum(p, axis=axis),
-                                                       np.int32 if xp is not np else np.int64)}
-        for a in axes:
-            # a sum of truth values or a mean of integers is read back in the tensor's dtype
-            x = reduce[kinds[a].value](x, axis=0).astype(x.dtype)
+        reduce = {"max": xp.max, "min": xp.min, "sum": xp.sum}
+        # sums (or max / min) first, one slot axis at a time, then every mean's slots at once:
+        # an integer mean truncates, so neither a mean of means nor a sum of means is the
+        # value (a sum of truth values, a mean of integers: read back in the tensor's dtype)
+        averaged = [i for i, a in enumerate(axes) if kinds[a].value == "avg"]
+        for i in reversed(range(len(axes))):
+            if i not in averaged:
+                x = reduce[kinds[axes[i]].value](x, axis=i).astype(x.dtype)
+        if averaged:  # the slot axes left, leading
+            n = math.prod(x.shape[:len(averaged)])
+            x = x.reshape((n,) + x.shape[len(averaged):])
+            x = mean_of_parts(x, n, lambda p: xp.sum(p, axis=0),
+                              np.int32 if xp is not np else np.int64).astype(x.dtype)
     if tuple(x.shape) != tuple(shape):
         x = x[tuple(slice(0, n) for n in shape)]
     return x

@@ -302,7 +302,8 @@ def test_an_integer_mean_pending_over_several_axes_is_reduced_over_all_at_once(m
     ((1 + 0) // 2 = 0 and (0 + 3) // 2 = 1 give 0, where (1 + 0 + 0 + 3) // 4 is 1), nor is a
     sum of means the mean of the sum. A target that keeps some axes pending reduces the sum,
     then the mean over every axis, and makes those pending again (the planner offered a mean
-    over the dropped axes alone: 0 read back), eagerly and in dist.jit."""
+    over the dropped axes alone: 0 read back), eagerly and in dist.jit; jax's view of it
+    (`jnp.asarray`) is the same value."""
     n = int(np.prod(mesh_shape))
     mesh = dist.ProcessMesh(np.arange(n).reshape(mesh_shape).tolist(),
                             ["a", "b", "c"][:len(mesh_shape)])
@@ -317,6 +318,9 @@ def test_an_integer_mean_pending_over_several_axes_is_reduced_over_all_at_once(m
     assert [str(p) for p in got.placements] == dst
     np.testing.assert_array_equal(got.numpy(), want)
     np.testing.assert_array_equal(dist.jit(lambda t: t, out_placements=dst)(x).numpy(), want)
+    # jax reads the same value (__jax_array__ reduced the slots one mesh axis at a time)
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(x)), want)
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate([x, x]))[:4], want)
 
 
 @pytest.mark.parametrize("src,dst", [(["S(0)", "R"], ["R", "R"]), (["P(sum)", "S(1)"], ["R", "S(0)"]),
