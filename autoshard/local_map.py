@@ -355,9 +355,17 @@ def _out_layout(placements: Sequence[Placement], mesh: ProcessMesh, local: tuple
             global_shape[p.get_dim() % len(local)] *= mesh.get_dim_size(name)
     layout = layout_from_placements(placements, mesh, tuple(global_shape),
                                     what=f"local_map output {k}")
-    if len({t for _, t in layout.partial}) > 1:
-        raise LocalMapError(f"local_map({_name(func)!r}): output {k} is Partial with two kinds "
-                            f"of reduction: one kind per output")
+    kinds = {t for _, t in layout.partial}
+    if len(kinds) > 1:
+        # (the slots of a local_map output are combined with one reduction; a reshard or a
+        # dist.jit output may mix sum and avg)
+        named = ", ".join(f"{a!r} {t.value}" for a, t in layout.partial)
+        raise LocalMapError(
+            f"local_map({_name(func)!r}): output {k} is pending more than one kind of "
+            f"reduction ({named}); a local_map output takes one kind: reduce one of them inside "
+            f"(jax.lax.psum / pmean over that mesh dim, and place it Replicate()), or return "
+            f"the parts of one kind (Partial() on every pending dim, each block divided by the "
+            f"device count of the mean's mesh dims), then dist.reshard the result")
     return layout
 
 

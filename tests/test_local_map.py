@@ -101,6 +101,11 @@ def test_local_map_errors_say_what_to_give():
     two = dist.local_map(lambda b: (b, b), out_placements=[[S(0), S(1)]])
     with pytest.raises(dist.LocalMapError, match="returns 2 arrays but out_placements has 1"):
         two(x)
+    mixed = dist.local_map(lambda b: b, out_placements=[["P(sum)", "P(avg)"]])
+    with pytest.raises(dist.LocalMapError, match=r"output 0 is pending more than one kind of "
+                       r"reduction \('dp' sum, 'mp' avg\); a local_map output takes one kind: "
+                       r"reduce one of them inside \(jax.lax.psum / pmean"):
+        mixed(x)
     traced = dist.local_map(lambda b: b, out_placements=[[S(0), S(1)]])
     with pytest.raises(dist.LocalMapError, match="inside dist.jit needs in_placements.*and "
                                                  "process_mesh"):
