@@ -261,8 +261,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 # a step's local code reads nothing but its operand and the mesh's axis sizes
                 # (the replayer's context): every layer's equal step is emitted, not bound
                 y = moved[prefix] = replayers[-1].run(
-                    step, [x], lambda: [step.run(x, sizes)], shared=True)[0] \
-                    if replayers else step.run(x, sizes)
+                    step, [x], lambda: [step.run(x, sizes)], shared=True)[0]
             x = y
         return x
 
@@ -470,13 +469,13 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                                    ambient)))
         try:
             run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
+            reshards = dict(plan.output_reshards)
+            results = []
+            for k, (v, L) in enumerate(zip(program.outputs, plan.outputs)):
+                x = get(env, moved, v, reshards.get(k))
+                results.append(x[None] if (L.partial and physical) else x)
         finally:
             replayers.pop()
-        reshards = dict(plan.output_reshards)
-        results = []
-        for k, (v, L) in enumerate(zip(program.outputs, plan.outputs)):
-            x = get(env, moved, v, reshards.get(k))
-            results.append(x[None] if (L.partial and physical) else x)
         return results
 
     return run
