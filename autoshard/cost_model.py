@@ -101,9 +101,17 @@ class CostModel:
     def collective(self, axes: Iterable[str], wire_bytes: float) -> float:
         """Seconds for one collective over `axes` in which each device sends `wire_bytes`."""
         axes = tuple(axes)
-        latency = max(self.axis_latency(a) for a in axes)
-        bandwidth = min(self.axis_bandwidth(a) for a in axes)
-        return latency + wire_bytes / bandwidth
+        # (alpha, beta) kept per group of axes: the reshard search prices thousands of steps
+        # over the same few groups (a model is immutable: its fields are its hash)
+        kept = self.__dict__.get("_groups")
+        if kept is None:
+            kept = {}
+            object.__setattr__(self, "_groups", kept)
+        found = kept.get(axes)
+        if found is None:
+            found = kept[axes] = (max(self.axis_latency(a) for a in axes),
+                                  min(self.axis_bandwidth(a) for a in axes))
+        return found[0] + wire_bytes / found[1]
 
     def local(self, touched_bytes: float) -> float:
         return touched_bytes / self.local_bandwidth

@@ -16,6 +16,7 @@ from autoshard.physical import physical_spec
 from autoshard.reshard.execute import compiled_hlo
 
 from autoshard.testing import logical_value, make_tensor
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 MESHES = {
     "8": ([0, 1, 2, 3, 4, 5, 6, 7], ["x"]),
@@ -453,3 +454,48 @@ def test_a_layout_no_step_reaches_is_a_reshard_error_not_a_key_error():
     with pytest.raises(dist.ReshardError, match=r"no reshard reaches .* for shape \[2, 4\]"):
         plan_on_mesh(mesh, Layout(((), ())), Layout((("x",), ())), (2, 4), "float32",
                      default_cost_model())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_search_expands_a_layout_alike_for_every_shape_that_divides_alike(data):
+    """The reshard search lists a layout's steps once per pattern of divisibility
+    (`planner._divisibility`: an evenly split dim by its gcd with the mesh size), not once per
+    shape: for any mesh, layout, shape (dims uneven or not) and target partial axes, the
+    steps and the layouts after them are those the shape itself gives."""
+    from autoshard.layout import Layout
+    from autoshard.placement import ReduceType
+    from autoshard.reshard import planner
+
+    shape_of_mesh = data.draw(st.sampled_from([(8,), (2, 4), (4, 2), (2, 2, 2), (2, 3), (3, 2, 2)]))
+    names = ["x", "y", "z"][:len(shape_of_mesh)]
+    mesh = dist.ProcessMesh(np.arange(np.prod(shape_of_mesh)).reshape(shape_of_mesh), names)
+    ndim = data.draw(st.integers(1, 3))
+    order = data.draw(st.permutations(names))
+    dims: list[tuple[str, ...]] = [() for _ in range(ndim)]
+    partial = []
+    kinds = list(ReduceType)
+    for a in order:
+        where = data.draw(st.integers(-1, ndim))
+        if where == ndim:
+            partial.append((a, data.draw(st.sampled_from(kinds))))
+        elif where >= 0:
+            dims[where] += (a,)
+    kinds_used = {t for _, t in partial}
+    if len(kinds_used - {ReduceType.SUM, ReduceType.AVG}) and len(kinds_used) > 1:
+        partial = [p for p in partial if p[1] is partial[0][1]]  # one nonlinear kind at most
+    layout = Layout(tuple(dims), tuple(partial))
+    shape = tuple(data.draw(st.sampled_from([0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 30, 48, 7, 5]))
+                  for _ in range(ndim))
+    wanted = tuple(data.draw(st.lists(st.tuples(st.sampled_from(names), st.sampled_from(kinds)),
+                                      max_size=2, unique_by=lambda p: p[0])))
+    integer = data.draw(st.booleans())
+    sizes = mesh.axis_sizes
+    direct = []
+    for step in planner._candidate_steps(layout, dict(wanted), ndim, mesh.dim_names, integer):
+        after = step.after(layout, shape, sizes)
+        if after is not None:
+            direct.append((step, after))
+    shared = planner._transitions(layout, wanted, planner._divisibility(layout, shape, mesh),
+                                  integer, mesh)
+    assert list(shared) == direct, (layout, shape)

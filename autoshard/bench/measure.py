@@ -116,6 +116,7 @@ def forget_memos() -> None:
     _registry().memo.clear()
     planner.plan_on_mesh.cache_clear()
     planner._moves.cache_clear()
+    planner._transitions.cache_clear()
     api.plan_layouts.cache_clear()
     replay.clear_shared()
 

@@ -165,6 +165,31 @@ def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names
                 yield MakePartial(a, wanted_partial[a])
 
 
+def _divisibility(layout: Layout, shape: tuple[int, ...], mesh: ProcessMesh) -> tuple[int, ...]:
+    """What a step's `after` reads of `shape` on `layout`: whether a dim's local size divides
+    by a group of mesh axes, the group always of axes not splitting that dim. Every such group
+    and the dim's own devices multiply to a divisor of the mesh's size, so an evenly split
+    dim's gcd with it answers alike; a dim split unevenly (floored local sizes) stays itself."""
+    sizes, devices = mesh.axis_sizes, mesh.size
+    return tuple(math.gcd(s, devices) if s % math.prod(sizes[a] for a in axes) == 0 else s
+                 for s, axes in zip(shape, layout.dims))
+
+
+@functools.lru_cache(maxsize=8192)
+def _transitions(layout: Layout, wanted_partial: tuple, divisible: tuple[int, ...],
+                 integer: bool, mesh: ProcessMesh) -> tuple:
+    """Every step that may run on `layout`, with the layout after it: a function of the
+    shape only through `_divisibility`, so the layers' many shapes of one rank share it."""
+    sizes = mesh.axis_sizes
+    found = []
+    for step in _candidate_steps(layout, dict(wanted_partial), len(divisible), mesh.dim_names,
+                                 integer):
+        nxt = step.after(layout, divisible, sizes)
+        if nxt is not None:
+            found.append((step, nxt))
+    return tuple(found)
+
+
 @functools.lru_cache(maxsize=8192)  # (a model of a few shapes meets ~700)
 def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype: str,
            mesh: ProcessMesh, cost_model: CostModel) -> tuple:
@@ -174,14 +199,11 @@ def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype:
     layouts of the same few shapes again and again: expanded once."""
     sizes = mesh.axis_sizes
     itemsize = np.dtype(dtype).itemsize
-    integer = np.issubdtype(np.dtype(dtype), np.integer)
+    integer = bool(np.issubdtype(np.dtype(dtype), np.integer))
     in_bytes = _local_bytes(layout, shape, sizes, itemsize)
     found = []
-    for step in _candidate_steps(layout, dict(wanted_partial), len(shape), mesh.dim_names,
-                                 integer):
-        nxt = step.after(layout, shape, sizes)
-        if nxt is None:
-            continue
+    for step, nxt in _transitions(layout, wanted_partial, _divisibility(layout, shape, mesh),
+                                  integer, mesh):
         out_bytes = _local_bytes(nxt, shape, sizes, itemsize)
         wire = step.wire_bytes(in_bytes, out_bytes, sizes)
         seconds = (cost_model.collective(step.axes, wire) if step.is_collective
