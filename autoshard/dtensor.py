@@ -18,7 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax._src.interpreters.batching import BatchTracer
 
-from .errors import DeviceNotFoundError, OperandTypeError, PlacementTypeError, user_frame
+from .errors import (DeviceNotFoundError, MeshMismatchError, OperandTypeError,
+                     PlacementTypeError, user_frame)
 from .layout import Layout, block_bounds, partial_axes_in_mesh_order
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
@@ -186,6 +187,45 @@ def _keys_in_jax_random_error(x: "DistTensor", name: str) -> OperandTypeError:
         f"jax.random.{name} of {where}: jax takes typed keys only as a jax.Array and does not "
         f"read a DistTensor's keys through __jax_array__ (it would take them for raw uint32 key "
         f"data): {instead}")
+
+
+# jnp's and jax.nn's own code: the frames that hold a function's operands as it converts them
+_JAX_FUNCTION_DIRS = tuple(os.sep + os.path.join("jax", "_src", d) + os.sep
+                           for d in ("numpy", "nn"))
+
+
+def _operand_on_other_devices(x: "DistTensor") -> "DistTensor | None":
+    """A DistTensor on other devices than `x`'s mesh that the jax function converting `x`
+    (jnp.add(a, b): each operand in turn, through __jax_array__) also takes: found among the
+    locals of jnp's / jax.nn's frames just above the conversion (not further: a jax.tree.map
+    of jnp.add holds every pair's tensors, each pair on its own mesh). jax would then stop on
+    its own device error, which names neither mesh. Not while dist.jit traces: it cuts a
+    program over two meshes."""
+    from .compiler.jit import _TRACING
+
+    if _TRACING.depth:
+        return None
+    devices = set(x._mesh.process_ids)
+    frame = sys._getframe(2)
+    while frame is not None and any(d in frame.f_code.co_filename for d in _JAX_FUNCTION_DIRS):
+        for value in frame.f_locals.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, DistTensor) and set(v._mesh.process_ids) != devices:
+                    return v
+        frame = frame.f_back
+    return None
+
+
+def _meshes_meet_error(x: "DistTensor", other: "DistTensor") -> MeshMismatchError:
+    def described(t: "DistTensor") -> str:
+        return (f"a DistTensor of shape {tuple(t._shape)} placed "
+                f"{t._layout.placements(t._mesh)} on {t._mesh!r}")
+
+    return MeshMismatchError(
+        f"a jax function (jnp.*, jax.nn.*) was called on {described(x)} and on "
+        f"{described(other)}: an operation runs on one mesh — move one onto the other's mesh "
+        f"first, e.g. jnp.add(a, b) as jnp.add(a, dist.reshard(b, a.process_mesh, "
+        f"a.placements))")
 
 
 class StorageViewWarning(UserWarning):
@@ -468,6 +508,9 @@ class DistTensor:
         DistTensor as a pytree (jax.nn.relu is a jax.jit)."""
         import jax.numpy as jnp
 
+        other = _operand_on_other_devices(self)
+        if other is not None:
+            raise _meshes_meet_error(self, other)
         return _logical(self._value, self._mesh, self._layout, self._shape, jnp)
 
     def __array__(self, dtype=None, copy=None):

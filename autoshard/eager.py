@@ -631,7 +631,10 @@ def _nonzero(self: DistTensor, *, size: int | None = None, fill_value: Any = Non
 
 
 def _round(self: DistTensor, ndigits: int | None = None) -> DistTensor:
-    return self.round(0 if ndigits is None else ndigits)
+    """Python's round(x) as jax's own round of an array runs it: round(x) is an integer, as
+    round(jnp.float32(2.5)) and round(np.float32(2.5)) are; round(x, 2) keeps the dtype."""
+    ndigits = None if ndigits is None else operator.index(ndigits)
+    return run(("__round__", ndigits), lambda: lambda x: round(x, ndigits), self)
 
 
 def _setitem(self: DistTensor, index: Any, value: Any) -> None:
@@ -683,6 +686,8 @@ def install(cls: type = DistTensor) -> None:
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
         __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
         __int__=_to_python(int), __complex__=_to_python(complex),
+        # a 0-d integer tensor is an index, as a jax array's is: range(round(x)), seq[x.argmax()]
+        __index__=_to_python(operator.index),
         # __eq__ is elementwise, which would make the class unhashable had it been defined in
         # the class body; DistTensors stay hashable by identity (dict keys, sets, `x in list`).
         __hash__=object.__hash__,

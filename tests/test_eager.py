@@ -1,4 +1,5 @@
 """Eager mode: DistTensor operators run op by op through the engine and equal numpy."""
+import operator
 import warnings
 
 import jax
@@ -560,6 +561,21 @@ def test_python_conversions():
     check(round(a.mean(), 2), np.round(A.mean(), 2))
 
 
+@pytest.mark.parametrize("placements", [[R()], [P()], ["P(max)"]], ids=["replicated", "pending sum",
+                                                                         "pending max"])
+@pytest.mark.parametrize("value", [np.float32(2.567), np.float32(-2.5), np.int32(7)],
+                         ids=["float", "half", "int"])
+@pytest.mark.parametrize("ndigits", [None, 0, 2])
+def test_round_of_a_0d_tensor_is_jaxs_round(placements, value, ndigits):
+    # Python's round(x) is an integer, as round() of a 0-d jax array (or a numpy scalar) is;
+    # it kept the float dtype. round(x, n) keeps the dtype, as jax's does.
+    x = dist.shard_tensor(value, MESH8, placements)
+    out, want = round(x, ndigits), round(jnp.asarray(value), ndigits)
+    assert isinstance(out, dist.DistTensor) and out.dtype == want.dtype, (out.dtype, want.dtype)
+    np.testing.assert_array_equal(out.numpy(), np.asarray(want))
+    if ndigits is None:  # an index, as the jax array's is
+        assert operator.index(out) == operator.index(want) == round(value)
+
 def test_numpy_functions_and_jax_array_properties():
     """np.sum(x) / np.mean(x) / np.argmax(x) call x.sum(axis, dtype, out): they run through
     the engine and keep placements; jax.Array's properties and methods a user reaches for."""
@@ -631,6 +647,40 @@ def test_operands_on_different_meshes_raise_mesh_mismatch():
     assert "test_eager.py:" in str(info.value)
     with pytest.raises(dist.MeshMismatchError):
         a[dist.shard_tensor(np.array([0, 1], np.int32), other, [R()])]
+
+
+@pytest.mark.parametrize("fn", [jnp.add, lambda a, b: jnp.where(a > 0, a, b),
+                                lambda a, b: jnp.matmul(a, b.mT),
+                                lambda a, b: jax.nn.dot_product_attention(a, a, b)
+                                ], ids=["jnp.add", "jnp.where", "jnp.matmul", "jax.nn"])
+def test_a_jax_function_of_operands_on_two_meshes_is_a_mesh_mismatch(fn):
+    # as `a + b` is: the operands reach jnp through __jax_array__ one by one, and jax's own
+    # "incompatible devices" ValueError named neither mesh
+    other = dist.ProcessMesh([0, 1, 2, 3], dim_names=["y"])
+    a = dist.shard_tensor(A[None, :, None], MESH8, [S(1)])
+    b = dist.shard_tensor(B[None, :, None], other, [S(1)])
+    with pytest.raises(dist.MeshMismatchError) as info:
+        fn(a, b)
+    text = str(info.value)
+    assert f"placed [S(1)] on {MESH8!r}" in text and f"on {other!r}" in text, text
+    assert "dist.reshard(b, a.process_mesh, a.placements)" in text and "test_eager.py:" in text
+    fixed = fn(a, dist.reshard(b, a.process_mesh, a.placements))
+    np.testing.assert_allclose(np.asarray(fixed), fn(A[None, :, None], B[None, :, None]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_jax_functions_of_tensors_on_one_device_set_or_mapped_per_mesh_run():
+    """Not a mismatch: two meshes of the same devices (jax takes both layouts), and a
+    jax.tree.map pairing tensors mesh by mesh (pipeline stages' params)."""
+    a = dist.shard_tensor(A, MESH24, [S(0), S(1)])
+    b = dist.shard_tensor(B, MESH8, [S(1)])
+    np.testing.assert_allclose(np.asarray(jnp.add(a, b)), A + B, rtol=1e-6)
+    stage1 = dist.ProcessMesh([4, 5, 6, 7], ["x"])
+    pairs = jax.tree.map(jnp.add, [a, dist.shard_tensor(A, stage1, [S(0)])],
+                         [b, dist.shard_tensor(B, stage1, [R()])],
+                         is_leaf=lambda t: isinstance(t, dist.DistTensor))
+    for out in pairs:
+        np.testing.assert_allclose(np.asarray(out), A + B, rtol=1e-6)
 
 
 def test_plans_and_warnings_point_at_the_users_line():

@@ -584,6 +584,41 @@ def test_dict_batches_follow_the_models_parameter_names():
     assert out.shape == (16, 8)
 
 
+@pytest.mark.parametrize("call", [lambda m, b: m([b["x"], b["gain"]], b["y"]),
+                                  lambda m, b: m((b["x"], b["gain"]), b["y"]),
+                                  lambda m, b: m([[b["x"], b["gain"]], b["y"]])],
+                         ids=["list", "tuple", "loader-batch"])
+def test_a_list_of_inputs_before_the_label_is_unpacked_into_the_models_inputs(call):
+    # Paddle's batch of a multi-input model, dist_model([x, gain], label): the model is called
+    # with x and gain (the list was one input, and the call a DistModelError)
+    weights, batches = _weights(), _dict_batches()
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["tp"][1][k]) for k, v in weights.items()}
+    m = dist.to_static((_TwoInputs.apply, params), None, mse, optax.sgd(0.1))
+    losses = [float(call(m, b).numpy()) for b in batches]
+    np.testing.assert_allclose(losses, _two_input_reference(weights, batches, optax.sgd(0.1)),
+                               rtol=1e-5)
+
+
+def test_a_model_of_one_pytree_input_takes_the_list_whole():
+    """apply(params, (x, gain)) takes one input: the pair stays a pair, each array placed on
+    its own (numpy failed stacking arrays of two shapes)."""
+    def apply_pair(p, pair):
+        x, gain = pair
+        return apply(p, x * gain[:, None])
+
+    weights, batches = _weights(), _dict_batches()
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["dp"][1][k]) for k, v in weights.items()}
+    m = dist.to_static((apply_pair, params), None, mse, optax.sgd(0.1))
+    losses = [float(m((b["x"], b["gain"][:, 0]), b["y"]).numpy()) for b in batches]
+    p, tx = jax.tree.map(jnp.asarray, weights), optax.sgd(0.1)
+    s, ref = tx.init(p), []
+    for b in batches:
+        value, g = jax.value_and_grad(
+            lambda p: mse(apply_pair(p, (b["x"], b["gain"][:, 0])), b["y"]))(p)
+        u, s = tx.update(g, s, p)
+        p, ref = optax.apply_updates(p, u), ref + [float(value)]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
 def test_to_static_with_shard_dataloader_seed_4_5():
     weights, batches = _weights(), _batches(n=4)
     mesh, model = _model("dp", weights)

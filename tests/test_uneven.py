@@ -158,6 +158,32 @@ def test_an_uneven_input_nothing_reads_is_not_gathered():
     assert not count_collectives(unused.lower(a, b).compile().as_text())
 
 
+@pytest.mark.parametrize("fn,out_placements,name,dim", [
+    (lambda a: jnp.sin(a), [["R", "S(0)"]], "its output", 0),  # 10 rows over mp (4)
+    (lambda a: (jnp.sin(a), {"w": a * 2.0}), [None, {"w": ["R", "S(1)"]}], "output[1]['w']", 1),
+], ids=["one-output", "a-pytree-leaf"])
+def test_an_uneven_out_placement_warns_once_naming_the_output_and_the_dim(
+        fn, out_placements, name, dim):
+    # as shard_tensor warns of a split its devices do not divide, so does a program asked for
+    # one (it said nothing); the dim is computed whole, each device keeping its block
+    a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])  # even: no input warns
+    f = dist.jit(fn, out_placements=out_placements)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(a)
+        again = f(a)  # the compiled program: no second warning
+    uneven = [w for w in caught if w.category is dist.UnevenShardingWarning]
+    assert len(uneven) == 1 and uneven[0].filename == __file__, [str(w.message) for w in caught]
+    text, size = str(uneven[0].message), X.shape[dim]
+    assert f"<lambda>: {name} placed " in text, text
+    assert f"dim {dim} of size {size} does not split evenly over mesh dim 'mp' (4)" in text, text
+    assert f"pad dim {dim} to {-(-size // 4) * 4}" in text, text
+    got = jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, dist.DistTensor))
+    want = jax.tree.leaves(fn(X))
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), v, rtol=1e-6)
+    _blocks_agree(got[-1], np.asarray(want[-1]))
+
 def test_uneven_hint_inside_dist_jit_computes_the_dim_whole():
     a = dist.shard_tensor(X, MESH24, ["S(0)", "R"])
 

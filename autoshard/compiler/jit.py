@@ -383,7 +383,7 @@ class DistributedFunction:
                 if not _is_array_like(x):
                     raise SignatureError(
                         f"{self.__name__} returned {type(x).__name__} {x!r:.40} at "
-                        f"{'output' + jax.tree_util.keystr(path) if path else 'its output'}: a "
+                        f"{_output_name(path)}: a "
                         f"partitioned function returns arrays (and pytrees of them); return "
                         f"the array, or compute a non-array result outside dist.jit")
             out_tree_box.append(out_tree)
@@ -530,7 +530,7 @@ class DistributedFunction:
         if any(stored_in) or any(stored_out):
             local = _with_uneven_boundaries(local, plan, described, stored_in, stored_out,
                                             self.__name__, self._leaf_names(tree, static),
-                                            eager=self._always_dist)
+                                            _output_names(out_tree), eager=self._always_dist)
         ins = [L if s is None else s for L, s in zip(plan.inputs, stored_in)]
         outs = [L if s is None else s for L, s in zip(plan.outputs, stored_out)]
         mapped = _shard_mapped(local, plan.mesh, tuple(physical_spec(L, plan.mesh) for L in ins),
@@ -780,11 +780,24 @@ def _stage_function(cut, part) -> Callable:
 _EAGER_WARNED: set = set()  # (layout, mesh, shape) an eager operator has warned about
 
 
+def _output_name(path: tuple) -> str:
+    """A flat output as the user would name it: `output[1]['w']`, or `its output` (one array)."""
+    return "output" + jax.tree_util.keystr(path) if path else "its output"
+
+
+def _output_names(out_tree) -> list[str]:
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves))))[0]
+    return [_output_name(path) for path, _ in paths]
+
+
 def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, stored_out,
-                            name: str, leaf_names: list[str], *, eager: bool = False) -> Callable:
+                            name: str, leaf_names: list[str], out_names: list[str], *,
+                            eager: bool = False) -> Callable:
     """`local` between the stored blocks of uneven inputs / outputs and their even parts (the
     reshard atoms of uneven dims); the entry gathers join the plan's collectives (the HLO has
-    them), with a warning each (eager operators: once per tensor layout, not per operator)."""
+    them), with a warning each (eager operators: once per tensor layout, not per operator),
+    as does each output asked for an uneven placement."""
     mesh, sizes = plan.mesh, plan.mesh.axis_sizes
     cost_model = plan.cost_model or default_cost_model()
 
@@ -819,6 +832,15 @@ def _with_uneven_boundaries(local: Callable, plan: Plan, described, stored_in, s
                     "is gathered whole along that mesh dim by every eager operator on it" if eager
                     else f"is gathered whole along that mesh dim when the program starts "
                          f"({sum(nbytes)} bytes per device per call)")
+
+    # an output's uneven dim is computed whole, as an input's is; one stored as an input is
+    # (a param updated by a train step, an eager operator's result) was warned about as that
+    stored = {(s, tuple(d.shape)) for s, d in zip(stored_in, described) if s is not None}
+    for s, v, out_name in zip(stored_out, plan.program.outputs, out_names):
+        if s is not None and not eager and (s, tuple(v.shape)) not in stored:
+            warn_uneven(s, mesh, v.shape, f"{name}: {out_name} placed {s.describe(mesh)}",
+                        "is computed whole along that mesh dim, then each device keeps its "
+                        "block")
 
     def moved(x, layout, planned):
         if planned is None:

@@ -644,6 +644,7 @@ class DistModel:
             batch = tuple(batch[0])
         if len(batch) == 1 and isinstance(batch[0], dict):
             batch = self._ordered(batch[0])
+        batch = self._unpacked_inputs(batch)
         out = []
         first, last = self._io_meshes
         for k, x in enumerate(batch):
@@ -654,12 +655,19 @@ class DistModel:
                 out.append(x)
                 continue
             mesh = last if label else first
-            dp = self._dp if self._dp in mesh.dim_names else mesh.dim_names[0]
-            if not _is_dt(x) and np.ndim(x) and np.shape(x)[0] % mesh.get_dim_size(dp) == 0:
-                placements = [Shard(0) if d == dp else Replicate() for d in mesh.dim_names]
-                x = shard_tensor(x, mesh, placements)
-            out.append(x)
+            # each array of a pytree element (a model's (x, mask) input) on its own: numpy would
+            # stack a list of arrays into one, or fail on arrays of different shapes
+            out.append(jax.tree.map(lambda a: self._split_over_dp(a, mesh), x, is_leaf=_is_dt))
         return tuple(out)
+
+    def _split_over_dp(self, x: Any, mesh: ProcessMesh) -> Any:
+        """An unplaced array split by its first dim over the mesh's data-parallel dim where
+        that divides it; anything else as it is."""
+        dp = self._dp if self._dp in mesh.dim_names else mesh.dim_names[0]
+        if not _is_dt(x) and np.ndim(x) and np.shape(x)[0] % mesh.get_dim_size(dp) == 0:
+            return shard_tensor(x, mesh, [Shard(0) if d == dp else Replicate()
+                                          for d in mesh.dim_names])
+        return x
 
     def _check_loss_args(self, batch: tuple) -> None:
         """loss_fn is called as loss_fn(output, label), the label being the batch's last
@@ -728,24 +736,57 @@ class DistModel:
             return keys
         return sorted(keys, key=names.index)
 
-    def _input_names(self) -> list:
-        """The model's positional parameter names (read once: every dict batch asks): an nnx
-        Module's __call__, a linen pair's module, an (apply_fn, params) pair's apply_fn after
-        its params argument."""
-        names = self.__dict__.get("_names")
-        if names is None:
+    def _unpacked_inputs(self, batch: tuple) -> tuple:
+        """Paddle's batch of a multi-input model, (inputs, label) with the inputs in a list —
+        dist_model([x1, x2], label), or a loader's [[x1, x2], label] — as (x1, x2, label): Paddle
+        feeds each element of the list as one input (also to a model with optional parameters
+        after its first, `forward(input_ids, attention_mask=None)`). A model whose call cannot
+        take them one by one (a single parameter: a pytree input) gets the list whole."""
+        if (self._mode == "predict" or len(batch) != 2
+                or not isinstance(batch[0], (list, tuple))):
+            return batch
+        inputs = tuple(batch[0])
+        if self._takes(len(inputs)) or not self._takes(1):
+            return inputs + batch[1:]
+        return batch
+
+    def _takes(self, n_inputs: int) -> bool:
+        """Whether the model's call binds n positional inputs (True when its signature cannot
+        be read: the call itself will say)."""
+        signature, params_first = self._call_signature()
+        if signature is None:
+            return True
+        try:
+            signature.bind(*([None] * (int(params_first) + n_inputs)))
+        except TypeError:
+            return False
+        return True
+
+    def _call_signature(self) -> tuple[inspect.Signature | None, bool]:
+        """The signature of what the model's inputs are passed to — an nnx Module's __call__, a
+        linen pair's module, an (apply_fn, params) pair's apply_fn — and whether the params come
+        first in it (read once: every batch asks)."""
+        found = self.__dict__.get("_signature")
+        if found is None:
             model = self._model
             fn = model[0] if isinstance(model, tuple) else model
             fn = fn if inspect.isfunction(fn) else getattr(fn, "__call__", None)
             try:
-                names = [n for n, p in inspect.signature(fn).parameters.items()
-                         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+                signature = inspect.signature(fn)
             except (TypeError, ValueError):
-                names = []
-            if isinstance(model, tuple) and inspect.isfunction(model[0]):
-                names = names[1:]  # apply_fn(params, *inputs)
-            self._names = names
-        return names
+                signature = None
+            found = self._signature = (signature, isinstance(model, tuple)
+                                       and inspect.isfunction(model[0]))
+        return found
+
+    def _input_names(self) -> list:
+        """The model's positional parameter names after its params, if it takes them first."""
+        signature, params_first = self._call_signature()
+        if signature is None:
+            return []
+        names = [n for n, p in signature.parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return names[1:] if params_first else names  # apply_fn(params, *inputs)
 
     # -- calls ----------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> DistTensor:
