@@ -254,3 +254,52 @@ def test_a_custom_vjp_with_optimize_remat_differentiated_inside_stays_split(plac
     np.testing.assert_allclose(g2.numpy(), jax.grad(loss)(x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(value.numpy()), float(loss(x)), rtol=1e-5)
     assert g.placements == placements
+
+
+@jax.custom_vjp
+def _matmul_by_rule(x, w):
+    return x @ w
+
+
+_matmul_by_rule.defvjp(lambda x, w: (x @ w, (x, w)),
+                       lambda res, g: (g @ res[1].T * 0.5, res[0].T @ g))  # (halved: by the rule)
+
+
+def _loss_of_a_moving_rule(x, w):
+    return jnp.sum(_matmul_by_rule(x, w) ** 2)
+
+
+MESH222 = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["a", "b", "c"])
+
+
+@pytest.mark.parametrize("how", ["grad", "vjp", "jit-of-grad"])
+@pytest.mark.parametrize("mesh,x_pl,w_pl", [
+    (MESH8, [dist.Shard(1)], [dist.Replicate()]),
+    (MESH24, [dist.Shard(0), dist.Shard(1)], [dist.Replicate(), dist.Replicate()]),
+    (MESH222, [dist.Replicate(), dist.Shard(1), dist.Replicate()],
+     [dist.Shard(1), dist.Replicate(), dist.Shard(0)]),
+], ids=["8:x-contracting", "2x4:x-rows-and-contracting", "2x2x2:w-split-both"])
+def test_a_custom_vjp_whose_body_moves_data_is_differentiated_from_outside(mesh, x_pl, w_pl, how):
+    """jax.grad taken outside dist.jit traces a custom_vjp's forward while differentiating the
+    partitioned program, after the call that partitioned it has returned: its body's moves (a
+    contraction over a split dim: an all-reduce) ran then without the call's replayer, an
+    IndexError (found by a probe). The gradient is the rule's, as on one device."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 8)).astype(np.float32)
+    xd, wd = dist.shard_tensor(x, mesh, x_pl), dist.shard_tensor(w, mesh, w_pl)
+    f = dist.jit(_loss_of_a_moving_rule)
+    expected = jax.grad(_loss_of_a_moving_rule, argnums=(0, 1))(x, w)
+    if how == "grad":
+        got = jax.grad(f, argnums=(0, 1))(xd, wd)
+    elif how == "vjp":
+        _, pull = jax.vjp(f, xd, wd)
+        got = pull(np.float32(1.0))
+    else:
+        grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+        got = grad(xd, wd)
+        hlo = grad.lower(xd, wd).compile().as_text()
+        assert "all-reduce" in hlo  # the contraction over a split dim, as planned
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(g.numpy() if hasattr(g, "numpy") else g), e,
+                                   rtol=1e-4, atol=1e-4)

@@ -288,7 +288,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             region = None if (inside and k == start) else regions.get(k)
             if region is not None:
                 outs = run_region(region, plan, registry, [env[v] for v in region.inputs],
-                                  functools.partial(run_region_body, env, region))
+                                  functools.partial(run_region_body, env, region, replayer))
                 env.update(zip(region.outputs, outs))
                 k = region.stop
                 continue
@@ -448,12 +448,19 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         call = _BlockCall(jax.jit(block))
         return call
 
-    def run_region_body(outer: dict, region, *xs) -> list:
+    def run_region_body(outer: dict, region, replayer: Replayer, *xs) -> list:
         # A region reads only its inputs and constants (trace.py keeps CSE inside it), so it
-        # runs in a scope of its own: under jax.custom_jvp / custom_vjp it may be traced apart.
+        # runs in a scope of its own: under jax.custom_jvp / custom_vjp it may be traced apart
+        # — also after `run` has returned (jax.grad taken outside dist.jit traces a custom_vjp's
+        # forward while differentiating the program), so under the replayer of the call that
+        # made it, this program's (its lowerings' context), not whichever call is under way
         env = _Scope()
         env.update(zip(region.inputs, xs))
-        run_eqns(env, {}, region.start, region.stop, inside=True)
+        replayers.append(replayer)
+        try:
+            run_eqns(env, {}, region.start, region.stop, inside=True)
+        finally:
+            replayers.pop()
         return [env[v] for v in region.outputs]
 
     replayers: list[Replayer] = []  # the replayer of the call of `run` under way
