@@ -240,12 +240,14 @@ def _not_storage(value: Any, aux: tuple, stored: tuple[int, ...]) -> Any:
     if stored != tuple(shape):
         filename, line = user_frame(skip_libraries=True) or ("<unknown>", 0)
         warnings.warn_explicit(
-            f"autoshard: a pytree function (jax.tree.map, an optax or flax init) called at "
+            f"autoshard: a pytree function (jax.tree.map, jax.lax.map / scan over a "
+            f"DistTensor, an optax or flax init) called at "
             f"{os.path.basename(filename)}:{line} was handed the stored array of a DistTensor "
             f"of shape {tuple(shape)} placed {layout.placements(mesh)} on mesh dims "
             f"{list(mesh.dim_names)} — shape {stored}, padded or with Partial slots — and made "
             f"a value of another shape from it, which may differ from one device's; run the "
-            f"function under dist.jit (e.g. dist.jit(tx.init)(params)) or use "
+            f"function under dist.jit (e.g. dist.jit(tx.init)(params), "
+            f"dist.jit(lambda x: jax.lax.map(f, x))(x)) or use "
             f"dist.shard_optimizer(tx).init(params), which see the logical shape",
             StorageViewWarning, filename, line)
     return value

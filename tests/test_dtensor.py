@@ -308,3 +308,21 @@ def test_a_partial_avg_of_narrow_integers_is_their_value(dtype):
     x = np.arange(low, high + 1).astype(jnp.dtype(dtype))
     t = dist.shard_tensor(x, mesh, [dist.Partial("avg")])
     np.testing.assert_array_equal(np.asarray(t.numpy()).astype(np.int32), x.astype(np.int32))
+
+
+def test_a_lax_map_over_an_unevenly_stored_tensor_is_named_and_dist_jit_maps_the_rows():
+    """jax.lax.map takes a DistTensor as a pytree: it maps the stored rows (12 over 8 devices:
+    16, padded). The warning names lax.map and says what to write; under dist.jit the map
+    runs over the logical rows, as on one device (found by a probe)."""
+    mesh = dist.ProcessMesh(list(range(8)), dim_names=["x"])
+    value = np.arange(12, dtype=np.float32) - 3
+    t = dist.shard_tensor(value, mesh, [dist.Shard(0)])
+    assert t.physical.shape == (16,)
+    with pytest.warns(dist.StorageViewWarning, match=r"jax\.lax\.map.*dist\.jit\(lambda x: "
+                                                     r"jax\.lax\.map\(f, x\)\)\(x\)"):
+        jax.lax.map(lambda r: r * 2, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+        got = dist.jit(lambda x: jax.lax.map(lambda r: r * 2, x))(t)
+    assert got.shape == (12,)
+    np.testing.assert_array_equal(np.asarray(got.numpy()), value * 2)
