@@ -172,6 +172,17 @@ def _example(ndim: int) -> str:
     return "[" + ", ".join(["dist.Shard(0)"] + ["dist.Replicate()"] * max(ndim - 1, 0)) + "]"
 
 
+def narrow_float(dtype) -> bool:
+    """A float type of less range than float32 (float16, the float8s): the sum of n parts of a
+    value past its largest / n overflows (float16 on 8 devices: past 8188), so a mean of its
+    parts is summed in float32 (`mean_of_parts`: twice the bytes of float16), and a block is
+    never scaled by n to make it a mean's part (`steps.ShardToPartial`)."""
+    from jax import numpy as jnp
+
+    return (jnp.issubdtype(dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.complexfloating)
+            and jnp.finfo(dtype).maxexp < np.finfo(np.float32).maxexp)  # (bfloat16: float32's)
+
+
 def mean_of_parts(x, n: int, total, wide):
     """The Partial(avg) value of `n` parts, given `total` (sums the parts: a psum, or a sum
     over a slot axis) — for integers exactly, truncated toward zero as a mean cast back to the
@@ -182,6 +193,8 @@ def mean_of_parts(x, n: int, total, wide):
     from jax import numpy as jnp
 
     if not jnp.issubdtype(x.dtype, jnp.integer):
+        if narrow_float(x.dtype):  # summed in float32, as jnp.mean sums them
+            return (total(x.astype(jnp.float32)) / n).astype(x.dtype)
         return (total(x) / n).astype(x.dtype)
     rest = total((x % n).astype(wide))
     mean = total(x // n) + (rest // n).astype(x.dtype)
@@ -190,5 +203,5 @@ def mean_of_parts(x, n: int, total, wide):
     return mean
 
 
-__all__ = ["mean_of_parts", "ReduceType", "Placement", "Replicate", "Shard", "Partial", "parse_placement",
+__all__ = ["mean_of_parts", "narrow_float", "ReduceType", "Placement", "Replicate", "Shard", "Partial", "parse_placement",
            "normalize_placements", "as_reduce_type", "placement_code"]

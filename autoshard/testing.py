@@ -15,7 +15,7 @@ from . import creation as _creation
 from .dtensor import DistTensor
 from .layout import block_bounds, layout_from_placements, partial_index
 from .mesh import ProcessMesh
-from .placement import ReduceType
+from .placement import ReduceType, narrow_float
 from .uneven import even_part
 
 
@@ -48,6 +48,8 @@ def logical_value(x: DistTensor) -> np.ndarray:
                 np.testing.assert_array_equal(d, datas[0], err_msg="replicas disagree")
             value = datas[0]
         elif kinds <= {ReduceType.SUM, ReduceType.AVG}:
+            if avg_div > 1 and narrow_float(stack.dtype):  # a mean's parts: summed in float32
+                stack = stack.astype(np.float32)
             value = stack.sum(0) / avg_div
         elif kinds == {ReduceType.MAX}:
             value = stack.max(0)

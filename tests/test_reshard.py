@@ -499,3 +499,36 @@ def test_the_search_expands_a_layout_alike_for_every_shape_that_divides_alike(da
     shared = planner._transitions(layout, wanted, planner._divisibility(layout, shape, mesh),
                                   integer, mesh)
     assert list(shared) == direct, (layout, shape)
+
+
+@pytest.mark.parametrize("mesh_shape, src, dst", [
+    ((8,), ["P(avg)"], ["R"]),
+    ((8,), ["P(avg)"], ["S(0)"]),
+    ((8,), ["R"], ["P(avg)"]),
+    ((8,), ["S(0)"], ["P(avg)"]),
+    ((2, 4), ["R", "P(avg)"], ["R", "R"]),
+    ((2, 4), ["P(avg)", "P(avg)"], ["S(1)", "R"]),
+    ((2, 4), ["S(0)", "R"], ["P(avg)", "S(0)"]),
+])
+@pytest.mark.parametrize("dtype", [np.float16, jnp.float8_e4m3fn])
+def test_a_float16_mean_of_parts_is_summed_without_overflowing(mesh_shape, src, dst, dtype):
+    """float16 parts of a mean are summed in float32, as jnp.mean sums them: summed in float16,
+    eight parts of 10,000 overflowed to inf before the division (a Partial(avg) read back, a
+    reshard to or from one), and a shard made a mean's part was first scaled by the device
+    count (found by a probe). The plan lists the float32 bytes the program moves."""
+    from autoshard.hlo import collective_wire_bytes
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(mesh_shape), ["x", "y"][:len(mesh_shape)])
+    big = 10000.0 if dtype == np.float16 else 400.0  # (float8_e4m3fn: largest 448)
+    value = (np.array([[big, -big, 1.0, 0.5] * 4] * 8, np.float32)).astype(dtype)
+    expected = np.asarray(value.astype(np.float32))
+    x = dist.shard_tensor(value, mesh, [dist.placement.parse_placement(p) for p in src])
+    np.testing.assert_array_equal(np.asarray(x.numpy()).astype(np.float32), expected)
+    plan, out = check_reshard(x, mesh, [dist.placement.parse_placement(p) for p in dst],
+                              expected.astype(dtype))
+    wire = sum(collective_wire_bytes(text).get("all-reduce", 0) +
+               collective_wire_bytes(text).get("reduce-scatter", 0)
+               for text in compiled_hlo(plan, x.physical))
+    planned = sum(s.bytes_per_device for s in plan.steps if s.step.kind in ("all_reduce",
+                                                                              "reduce_scatter"))
+    assert round(wire) == planned, str(plan)

@@ -20,9 +20,10 @@ from ..cost_model import CostModel
 from ..errors import ReshardError
 from ..layout import Layout
 from ..mesh import ProcessMesh
-from ..placement import ReduceType
+from ..placement import ReduceType, narrow_float
 from .steps import (AllGather, AllReduce, AllToAll, GatherUneven, LocalSlice, MakePartial,
-                    ReduceScatter, ShardToPartial, SplitUneven, Step, remainder_sum)
+                    ReduceScatter, ShardToPartial, SplitUneven, Step, remainder_sum,
+                    widened_mean)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,9 @@ def _local_bytes(layout: Layout, shape, sizes, itemsize: int) -> int:
 
 
 def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names,
-                     integer: bool = False) -> Iterator[Step]:
+                     integer: bool = False, narrow: bool = False) -> Iterator[Step]:
+    """`integer` / `narrow`: the values are integers / floats of less range than float32
+    (`placement.narrow_float`), whose means are reduced with care."""
     partial = layout.partial_map
     for d, axes in enumerate(layout.dims):
         for k in range(1, len(axes) + 1):
@@ -153,8 +156,9 @@ def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names
             for e in range(ndim):
                 yield AllToAll(axes[-1], d, e)
             if axes[-1] in wanted_partial and not (
-                    integer and wanted_partial[axes[-1]] is ReduceType.AVG):
-                # (a shard's mean over n parts is n times it on its owner: integers overflow)
+                    (integer or narrow) and wanted_partial[axes[-1]] is ReduceType.AVG):
+                # (a shard's mean over n parts is n times it on its owner: integers and
+                # float16 overflow)
                 yield ShardToPartial(axes[-1], d, wanted_partial[axes[-1]])
     used = layout.used_axes
     for a in axis_names:
@@ -177,13 +181,13 @@ def _divisibility(layout: Layout, shape: tuple[int, ...], mesh: ProcessMesh) -> 
 
 @functools.lru_cache(maxsize=8192)
 def _transitions(layout: Layout, wanted_partial: tuple, divisible: tuple[int, ...],
-                 integer: bool, mesh: ProcessMesh) -> tuple:
+                 integer: bool, mesh: ProcessMesh, narrow: bool = False) -> tuple:
     """Every step that may run on `layout`, with the layout after it: a function of the
     shape only through `_divisibility`, so the layers' many shapes of one rank share it."""
     sizes = mesh.axis_sizes
     found = []
     for step in _candidate_steps(layout, dict(wanted_partial), len(divisible), mesh.dim_names,
-                                 integer):
+                                 integer, narrow):
         nxt = step.after(layout, divisible, sizes)
         if nxt is not None:
             found.append((step, nxt))
@@ -200,12 +204,15 @@ def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype:
     sizes = mesh.axis_sizes
     itemsize = np.dtype(dtype).itemsize
     integer = bool(np.issubdtype(np.dtype(dtype), np.integer))
+    narrow = narrow_float(dtype)
     in_bytes = _local_bytes(layout, shape, sizes, itemsize)
     found = []
     for step, nxt in _transitions(layout, wanted_partial, _divisibility(layout, shape, mesh),
-                                  integer, mesh):
+                                  integer, mesh, narrow):
         out_bytes = _local_bytes(nxt, shape, sizes, itemsize)
         wire = step.wire_bytes(in_bytes, out_bytes, sizes)
+        if narrow and widened_mean(step, dtype):  # its parts summed in float32
+            wire = wire * 4 / itemsize
         seconds = (cost_model.collective(step.axes, wire) if step.is_collective
                    else cost_model.local(out_bytes))
         remainders = 0

@@ -19,7 +19,7 @@ from jax import lax
 
 from ..compiler.dtypes import highest, lowest
 from ..layout import Layout
-from ..placement import ReduceType, mean_of_parts
+from ..placement import ReduceType, mean_of_parts, narrow_float
 
 
 def _axis_arg(axes: tuple[str, ...]):
@@ -317,6 +317,13 @@ class ReduceScatter(Step):
         return f"{op}({','.join(self.reduced)}) dim {self.dim}"
 
 
+def widened_mean(step: Step, dtype) -> bool:
+    """Whether `step` on values of `dtype` sums its parts in float32: a mean of float16 (or
+    float8) parts (`placement.mean_of_parts`), its collective twice (or four times) the bytes."""
+    return (type(step) in (AllReduce, ReduceScatter) and step.reduce_type is ReduceType.AVG
+            and narrow_float(dtype))
+
+
 def remainder_sum(step: Step, dtype) -> bool:
     """Whether `step` on values of `dtype` runs a second collective: the mean of integer parts
     sums their remainders apart, in int32 (`mean_of_parts`)."""
@@ -465,5 +472,5 @@ class ShardToPartial(Step):
         return f"shard_to_partial({self.axis}, {self.reduce_type.value}) dim {self.dim}"
 
 
-__all__ = ["remainder_sum", "Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
+__all__ = ["remainder_sum", "widened_mean", "Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
            "MakePartial", "ShardToPartial"]
