@@ -49,6 +49,18 @@ def user_frame(skip_libraries: bool = False) -> tuple[str, int] | None:
     return fallback
 
 
+def user_line_of(exc: BaseException) -> str | None:
+    """`file:line` of the innermost frame of the user's code in `exc`'s traceback (where a
+    jax error raised inside a traced function was written)."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not _is_internal(name):
+            found = f"{os.path.basename(name)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
 def did_you_mean(name: Any, names: Iterable[str]) -> str:
     """" (did you mean 'x'?)" for the closest of `names` to a misspelt `name`, else ""."""
     import difflib

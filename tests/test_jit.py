@@ -1296,3 +1296,28 @@ def test_an_optimization_barrier_keeps_each_operand_as_it_lies(pa, pb, batched):
     assert not [c for c in plan.collectives if "optimization_barrier" in c.consumer], plan
     hlo = count_collectives(f.lower(A, B).compile().as_text())
     assert hlo == Counter(c.kind for c in plan.collectives), plan.collectives
+
+
+MESH8 = dist.ProcessMesh(list(range(8)), dim_names=["x"])
+
+
+def test_a_closed_over_dtensor_used_as_an_index_is_named_with_what_to_write():
+    """jax converts a DistTensor where jnp reads its operands (`a + t`), but not as an index:
+    `dist.jit(lambda w: w[ids])` with the ids closed over failed inside jax's indexing
+    ('Triggering __jax_array__() during abstractification'). It is an OperandTypeError naming
+    the line and what to write; both ways it suggests equal one device."""
+    ids_np = np.array([3, 1, 7, 0, 2, 2, 5, 9], np.int32)
+    table = np.arange(32, dtype=np.float32).reshape(16, 2)
+    ids = dist.shard_tensor(ids_np, MESH8, [dist.Shard(0)])
+    w = dist.shard_tensor(table, MESH8, [dist.Replicate()])
+    with pytest.raises(dist.OperandError, match=r"uses, at test_jit\.py:\d+, a DistTensor it "
+                                                   r"does not take as an argument.*w\[ids\].*"
+                                                   r"jnp\.asarray\(t\)") as info:
+        dist.jit(lambda w: w[ids])(w)
+    assert isinstance(info.value, TypeError)
+    as_argument = dist.jit(lambda w, i: w[i])
+    np.testing.assert_array_equal(as_argument(w, ids).numpy(), table[ids_np])
+    assert as_argument.plan(w, ids).inputs[1].dims == (("x",),)
+    converted = dist.jit(lambda w: w[jnp.asarray(ids)])
+    np.testing.assert_array_equal(converted(w).numpy(), table[ids_np])
+    assert [L.dims for L in converted.plan(w).inputs] == [((), ()), (("x",),)]  # ids: placed

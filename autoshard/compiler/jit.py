@@ -17,7 +17,8 @@ from jax._src.interpreters import ad
 from ..cost_model import CostModel, check_cost_model, default_cost_model
 from ..hashing import hash_once
 from ..dtensor import DistTensor, partial_gradient_error
-from ..errors import MeshMismatchError, PlacementTypeError, SignatureError, did_you_mean
+from ..errors import (MeshMismatchError, OperandTypeError, PlacementTypeError,
+                      SignatureError, did_you_mean, user_line_of)
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh
 from ..physical import (HOST_MEMORY_KINDS, device_put, host_memory, layout_of_spec,
@@ -397,6 +398,19 @@ class DistributedFunction:
         except jax.errors.JAXTypeError as e:  # a Python `if` on a traced value, and its kin
             self._name_the_user_function(e, tree, static)
             raise
+        except ValueError as e:
+            if "__jax_array__" not in str(e):
+                raise
+            # jax takes a DistTensor (an object with __jax_array__) where jnp converts its
+            # operands, but not as an index or a jax.lax operand: one the function reads
+            # without taking it as an argument (closed over, a global) ends there
+            raise OperandTypeError(
+                f"{self.__name__} uses, at {user_line_of(e) or '?'}, a DistTensor it does not "
+                f"take as an argument (closed over, or a global) where jax takes only its own "
+                f"arrays — an index (`w[ids]`) or a jax.lax operand: pass it to "
+                f"{self.__name__} as an argument (it is then placed and planned like the "
+                f"others), or write jnp.asarray(t) there (as jnp's functions read it: its "
+                f"global array, an input of the program laid out as stored)") from e
         finally:
             _TRACING.depth -= 1
         return closed, out_tree_box[0]
