@@ -11,8 +11,9 @@ best of three fresh dist.jit's, which reuse what the first left in the process's
 (strategy choices, rule answers, reshard plans; compiler/replay.py's lowerings and outlined
 blocks): a second model, or a re-made dist.jit, in the same process. `plan_first_s` and
 `partition_first_s` are the first of them with every such memo forgotten before
-(`measure.forget_memos`) — a model's first compile in a fresh process, jax's own caches
-aside — and `s_per_10k_eqns_first` their seconds per 10k equations. `equations` counts the program
+(`measure.forget_memos`) — a model's first compile in a process that has compiled something
+else before (`measure.warm_process`: what any first jax program pays is not ours) — and
+`s_per_10k_eqns_first` their seconds per 10k equations. `equations` counts the program
 the passes plan (duplicates merged, steps XLA's simplifier removes removed: ~10% fewer on the
 GPT step), `traced_equations` the traced step they start from (calls inlined), each with its
 seconds per 10k.
@@ -25,7 +26,7 @@ looks at compile-time scaling.
 from __future__ import annotations
 
 from .gpt_workloads import gpt_dp_tp
-from .measure import build, communication, pass_times
+from .measure import build, communication, pass_times, warm_process
 from .report import print_rows
 
 
@@ -43,6 +44,7 @@ def measure(layers: int, form: str) -> dict:
 
 
 def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[dict]:
+    warm_process()  # (the first row's first compile: our passes, not the process's start)
     rows = [measure(n, "unrolled") for n in sorted(layers)]
     # The cost of the equations a deeper model adds (slope between consecutive depths): what
     # "linear in layers" is about, without the fixed cost of a pass (jax's tracing of the
