@@ -82,7 +82,10 @@ def run_region(region: CustomRegion, plan, registry, xs: list, body: Callable) -
     diff_in = [i for i, a in enumerate(ins) if _inexact(a)]
     diff_out = [j for j, a in enumerate(outs) if _inexact(a)]
     call = _global_call(region)
-    if region.primitive.name in ("custom_jvp_call", "custom_linear_solve"):
+    if region.primitive.name == "custom_linear_solve":
+        return _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts,
+                              out_layouts, diff_in, diff_out)
+    if region.primitive.name == "custom_jvp_call":
         return _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
                             diff_in, diff_out)
     return _vjp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
@@ -121,6 +124,79 @@ def _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layo
               for j in range(len(outs))]
         return y, ty
 
+    return list(region_fn(*xs))
+
+
+def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
+                   diff_in, diff_out) -> list:
+    """A linear solve (lax.custom_linear_solve: jax.scipy.sparse.linalg.cg, gmres, ...) whose
+    derivative is its own: its tangent is another solve, an iterative one a while loop, which
+    jax cannot transpose for a gradient taken outside. So the tangent is a `linear_call` of the
+    tangents given (not the zero ones: a linear call's operands are all linear): the solve's
+    jvp planned and partitioned, and as its transpose the solve's vjp (jax's transpose of the
+    solve — a solve by the transposed operator — run forward), each made when first asked."""
+    from jax.custom_derivatives import SymbolicZero, linear_call
+
+    def zero(a):
+        return np.zeros(a.shape, a.dtype if _inexact(a) else jax.dtypes.float0)
+
+    planned: dict = {}  # (kind, the inputs with a tangent) -> its local function
+
+    def tangent_of(given: tuple) -> Callable:
+        def global_tangent(*args):
+            primals, t = list(args[:len(ins)]), iter(args[len(ins):])
+            tangents = [next(t) if i in given else zero(a) for i, a in enumerate(ins)]
+            _, ty = jax.jvp(call, primals, tangents)
+            return [ty[j] for j in diff_out]
+
+        def tangent(primals, tangents):
+            key = ("tangent", given)
+            if key not in planned:
+                planned[key] = _sub_plan(
+                    global_tangent, ins + [ins[i] for i in given], plan,
+                    in_layouts + [in_layouts[i] for i in given],
+                    [out_layouts[j] for j in diff_out], registry, pack=False)
+            return tuple(planned[key](*primals, *tangents))
+        return tangent
+
+    def transpose_of(given: tuple) -> Callable:
+        def global_vjp(*args):
+            primals, cts = list(args[:len(ins)]), iter(args[len(ins):])
+            _, pullback = jax.vjp(call, *primals)
+            grads = pullback([next(cts) if j in diff_out else
+                              np.zeros(a.shape, jax.dtypes.float0) for j, a in enumerate(outs)])
+            return [grads[i] for i in given]
+
+        def transpose(primals, cts):
+            key = ("transpose", given)
+            if key not in planned:
+                planned[key] = _sub_plan(
+                    global_vjp, ins + [outs[j] for j in diff_out], plan,
+                    in_layouts + [_cotangent_layout(out_layouts[j]) for j in diff_out],
+                    [_cotangent_layout(in_layouts[i]) for i in given], registry)
+            grads = planned[key](*primals, *cts)
+            return tuple(_match(grads, [primals[i] for i in given]))
+        return transpose
+
+    @jax.custom_jvp
+    def region_fn(*args):
+        return body(*args)
+
+    def region_jvp(primals, tangents):
+        y = list(body(*primals))
+        given = tuple(i for i in diff_in if not isinstance(tangents[i], SymbolicZero))
+        if given:
+            found = linear_call(tangent_of(given), transpose_of(given), tuple(primals),
+                                tuple(tangents[i] for i in given))
+            ty_given = iter(_match(list(found), [y[j] for j in diff_out]))
+        else:
+            ty_given = iter(SymbolicZero(jax.core.get_aval(y[j]).to_tangent_aval())
+                            for j in diff_out)
+        ty = [next(ty_given) if j in diff_out else
+              SymbolicZero(jax.core.get_aval(y[j]).to_tangent_aval()) for j in range(len(outs))]
+        return y, ty
+
+    region_fn.defjvp(region_jvp, symbolic_zeros=True)
     return list(region_fn(*xs))
 
 
