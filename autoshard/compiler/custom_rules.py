@@ -12,6 +12,13 @@ Tangent and cotangent layouts: a tangent is laid out as its primal. A cotangent 
 over Partial(sum) axes: every part of x = Σ xᵢ receives the whole cotangent, so those axes are
 replicated. A region whose boundary carries another Partial kind (max, min, avg) has no such
 simple cotangent; it runs unwrapped (its primal is differentiated, as before).
+
+A linear solve (custom_linear_solve: jnp.linalg.solve, jax.scipy.sparse.linalg.cg) is bound
+again as jax's own primitive on local blocks — its operator, solve and transposed solve
+partitioned — so jax's rules differentiate it to any order (`_solve_rebound`); where jax's
+typing of values that vary over mesh axes does not allow that, an iterative one's tangent is a
+linear call whose transpose is its vjp (first order, `_solve_wrapped`), a direct one is
+wrapped like a custom_jvp.
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from typing import Callable
 
 import jax
 import numpy as np
+from jax import lax
+from jax._src import core as jcore
 
 from ..layout import Layout
 from ..placement import ReduceType
@@ -61,8 +70,10 @@ def _sub_plan(fn: Callable, avals: list, plan, in_layouts: list[Layout], targets
     from .plan import make_plan
 
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-    sub = make_plan(build_program(closed), plan.mesh, in_layouts, targets, registry,
-                    plan.cost_model, top_level=False)
+    # (a rule's derivative may be differentiated again from outside, a Hessian: a solve in it
+    # keeps its own derivative, as at the top — inlined, it runs on stop_gradient'ed factors)
+    sub = make_plan(build_program(closed, inline_solves=False), plan.mesh, in_layouts, targets,
+                    registry, plan.cost_model, top_level=False)
     return local_function(sub, registry, physical=False, pack=pack)
 
 
@@ -83,9 +94,13 @@ def run_region(region: CustomRegion, plan, registry, xs: list, body: Callable) -
     diff_out = [j for j, a in enumerate(outs) if _inexact(a)]
     call = _global_call(region)
     if region.primitive.name == "custom_linear_solve":
-        return _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts,
-                              out_layouts, diff_in, diff_out)
-    if region.primitive.name == "custom_jvp_call":
+        rebound = _solve_rebound(region, plan, registry, xs, in_layouts, out_layouts)
+        if rebound is not None:
+            return rebound
+        if any(e.primitive is lax.while_p for e in plan.program.eqns[region.start:region.stop]):
+            return _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts,
+                                  out_layouts, diff_in, diff_out)
+    if region.primitive.name in ("custom_jvp_call", "custom_linear_solve"):
         return _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
                             diff_in, diff_out)
     return _vjp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
@@ -125,6 +140,54 @@ def _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layo
         return y, ty
 
     return list(region_fn(*xs))
+
+
+def _solve_rebound(region: CustomRegion, plan, registry, xs: list, in_layouts: list[Layout],
+                   out_layouts: list[Layout]) -> list | None:
+    """A linear solve (jnp.linalg.solve, jax.scipy.sparse.linalg.cg, ...) differentiated from
+    outside, bound again as jax's own custom_linear_solve on local blocks: its operator, solve
+    and transposed solve each planned on the region's layouts and partitioned, so that jax's
+    rules differentiate it — a tangent is a solve, a cotangent a transposed solve, to any order
+    (a Hessian through the solve; the inlined solve runs on stop_gradient'ed factors, and
+    transposing its loop or differentiating its transpose lost the matrix's part). None where
+    the right-hand side is Partial or laid out otherwise than the solution (the local blocks
+    of both must have one shape): the region is then wrapped instead."""
+    lengths, jaxprs = region.params["const_lengths"], region.params["jaxprs"]
+    n_consts = sum(lengths)
+    rhs_layouts = in_layouts[n_consts:]
+    if rhs_layouts != out_layouts or any(L.partial for L in rhs_layouts) or jaxprs.solve is None:
+        return None
+    # jax's rules need the operator's operands and the vectors to vary over the same mesh
+    # axes: its derivative of the operator's cast of an operand to varying (`pcast`) refuses a
+    # tangent typed varying already, its transpose a vector typed otherwise than the operator's
+    # result (an invariant identity's solve by split matrices: jnp.linalg.inv) — such a solve
+    # is wrapped instead (the solve's own constants, a tolerance, are not differentiated)
+    if len({frozenset(varying_axes(x)) for x in (*xs[:lengths.matvec], *xs[n_consts:])}) > 1:
+        return None
+    starts = np.cumsum([0, *lengths]).tolist()
+    const_vals = {name: (xs[a:b], region.inputs[a:b], in_layouts[a:b])
+                  for name, a, b in zip(lengths._fields, starts, starts[1:])}
+    rhs = tuple(xs[n_consts:])
+    vec_avals = [v.aval for v in region.outputs]
+    made: dict = {}
+
+    def local(name: str) -> Callable:
+        """The `name` jaxpr (its constants, then a vector) on local blocks, planned once."""
+        if name not in made:
+            closed = getattr(jaxprs, name)
+            consts, values, layouts = const_vals[name]
+            sub = _sub_plan(jcore.jaxpr_as_fun(closed), [v.aval for v in values] + vec_avals,
+                            plan, list(layouts) + rhs_layouts, rhs_layouts, registry)
+            made[name] = lambda *vec: tuple(_match(sub(*consts, *vec), rhs))
+        return made[name]
+
+    transpose = None
+    if jaxprs.transpose_solve is not None:
+        def transpose(_, v):
+            return local("transpose_solve")(*v)
+    return list(lax.custom_linear_solve(
+        lambda v: local("matvec")(*v), rhs, lambda _, v: local("solve")(*v),
+        transpose_solve=transpose))
 
 
 def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
