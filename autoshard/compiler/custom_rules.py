@@ -205,6 +205,11 @@ def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_la
 
     planned: dict = {}  # (kind, the inputs with a tangent) -> its local function
 
+    def once(key: tuple, make: Callable) -> Callable:  # (planned when first asked)
+        if key not in planned:
+            planned[key] = make()
+        return planned[key]
+
     def tangent_of(given: tuple) -> Callable:
         def global_tangent(*args):
             primals, t = list(args[:len(ins)]), iter(args[len(ins):])
@@ -213,13 +218,11 @@ def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_la
             return [ty[j] for j in diff_out]
 
         def tangent(primals, tangents):
-            key = ("tangent", given)
-            if key not in planned:
-                planned[key] = _sub_plan(
-                    global_tangent, ins + [ins[i] for i in given], plan,
-                    in_layouts + [in_layouts[i] for i in given],
-                    [out_layouts[j] for j in diff_out], registry, pack=False)
-            return tuple(planned[key](*primals, *tangents))
+            run = once(("tangent", given), lambda: _sub_plan(
+                global_tangent, ins + [ins[i] for i in given], plan,
+                in_layouts + [in_layouts[i] for i in given],
+                [out_layouts[j] for j in diff_out], registry, pack=False))
+            return tuple(run(*primals, *tangents))
         return tangent
 
     def transpose_of(given: tuple) -> Callable:
@@ -231,13 +234,11 @@ def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_la
             return [grads[i] for i in given]
 
         def transpose(primals, cts):
-            key = ("transpose", given)
-            if key not in planned:
-                planned[key] = _sub_plan(
-                    global_vjp, ins + [outs[j] for j in diff_out], plan,
-                    in_layouts + [_cotangent_layout(out_layouts[j]) for j in diff_out],
-                    [_cotangent_layout(in_layouts[i]) for i in given], registry)
-            grads = planned[key](*primals, *cts)
+            run = once(("transpose", given), lambda: _sub_plan(
+                global_vjp, ins + [outs[j] for j in diff_out], plan,
+                in_layouts + [_cotangent_layout(out_layouts[j]) for j in diff_out],
+                [_cotangent_layout(in_layouts[i]) for i in given], registry))
+            grads = run(*primals, *cts)
             return tuple(_match(grads, [primals[i] for i in given]))
         return transpose
 
