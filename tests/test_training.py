@@ -359,9 +359,15 @@ def test_a_checkpoint_taken_inside_a_gradient_merge_cycle_resumes_it(stage, tmp_
     np.testing.assert_array_equal(other.params["w0"].numpy(), weights["w0"])
 
 
-def test_a_checkpoint_saved_without_gradient_merge_loads_into_a_model_that_merges(tmp_path):
+@pytest.mark.parametrize("how", ["checkpoint", "in memory"])
+@pytest.mark.parametrize("pending", [0, 1], ids=["between-cycles", "mid-cycle"])
+def test_a_checkpoint_saved_without_gradient_merge_loads_into_a_model_that_merges(tmp_path,
+                                                                                 pending, how):
     """A pretrained checkpoint has no gm.* entries: a model with gradient merge loads it and
-    starts a new cycle (its own zero accumulator kept), training like one device from it."""
+    starts a new cycle, training like one device from it — also a model in the middle of a
+    cycle, whose pending micro-steps were taken with other weights (they were kept: its first
+    update mixed them in, a micro-step early; found by a probe), and from set_state_dict of
+    params alone."""
     weights, batches = _weights(), _batches(n=4)
     tx = optax.sgd(0.1)
     plain = dist.to_static(_model("dp", weights)[1], None, mse, tx)
@@ -369,10 +375,17 @@ def test_a_checkpoint_saved_without_gradient_merge_loads_into_a_model_that_merge
     strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True}})
     zeros = {k: np.zeros_like(v) for k, v in weights.items()}
     m = dist.to_static(_model("dp", zeros)[1], None, mse, tx, strategy)
-    target = m.state_dict()
-    dist.load_state_dict(target, str(tmp_path / "pretrained"))
-    assert int(target["gm.step"].numpy()) == 0
+    for x, y in _batches(n=pending, seed=7):
+        m(x, y)
+    if how == "checkpoint":
+        target = m.state_dict()
+        dist.load_state_dict(target, str(tmp_path / "pretrained"))
+        assert int(target["gm.step"].numpy()) == 0
+        assert all(not target[k].numpy().any() for k in target if k.startswith("gm.acc"))
+    else:
+        target = plain.state_dict("param")
     m.set_state_dict(target)
+    assert int(m.state_dict()["gm.step"].numpy()) == 0
     losses = [float(m(x, y).numpy()) for x, y in batches]
     ref_losses, ref_params = _reference(weights, batches, tx, k=4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
@@ -393,9 +406,14 @@ def test_a_checkpoint_saved_without_loss_scaling_loads_into_a_float16_model(tmp_
                                       "init_loss_scaling": 1024.0}})
     zeros = {k: np.zeros_like(v) for k, v in weights.items()}
     m = dist.to_static(_model("dp", zeros)[1], None, mse, tx, strategy)
-    target = m.state_dict()
-    fresh = {k: np.asarray(v.numpy()) for k, v in target.items() if k.startswith("amp.")}
+    fresh = {k: np.asarray(v.numpy()) for k, v in m.state_dict().items()
+             if k.startswith("amp.")}
     assert fresh and fresh["amp.scale"] == 1024.0
+    # a model whose scaler moved (overflowing steps halve the scale) starts from a fresh one
+    # too (its own was kept; found by a probe)
+    m.scaler_state = {**m.scaler_state, "scale": m.scaler_state["scale"] / 4}
+    target = m.state_dict()
+    assert float(target["amp.scale"].numpy()) == 256.0
     dist.load_state_dict(target, str(tmp_path / "float32"))
     m.set_state_dict(target)
     saved = plain.state_dict()

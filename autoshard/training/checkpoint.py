@@ -496,9 +496,10 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     Each target (a DistTensor on any mesh and placements, a jax.Array, numpy array or number)
     decides where its value goes; every device reads only its own block. Returns a new state
     dict of the same structure and also replaces the entries of the given dicts and lists in
-    place, as Paddle does. Checkpoint entries the target does not name are ignored; the
-    target's gradient-merge (gm.*) and loss-scaler (amp.*) entries are kept as they are when
-    the checkpoint has none.
+    place, as Paddle does. Checkpoint entries the target does not name are ignored; where the
+    checkpoint has no gradient-merge (gm.*) or loss-scaler (amp.*) entries, a DistModel's
+    state dict gets those of a new cycle and a fresh scaler (`DistModel.state_dict()`'s
+    `fresh_run_state`; another dict's are kept as they are).
     """
     path = _checkpoint_path(path, "load_state_dict")
     wait_for_saves()
@@ -507,8 +508,8 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     items: dict[str, Any] = {}
     args: dict[str, Any] = {}
     # A checkpoint saved without gradient merge or float16 loss scaling (a pretrained model's)
-    # has no gm.* / amp.* entries: a model that merges loads it between cycles, its own (zero)
-    # gm.* entries kept as they are; one that scales starts from its fresh scaler.
+    # has no gm.* / amp.* entries: a model that merges loads it into a new cycle, one that
+    # scales starts from a fresh scaler.
     keep = {k for prefix in _RUN_STATE if not any(n.startswith(prefix) for n in saved)
             for k in keys if k.startswith(prefix)} if _is_model_state(state_dict) else set()
     for key, target in zip(keys, targets):
@@ -524,8 +525,12 @@ def load_state_dict(state_dict: Any, path: str | os.PathLike) -> Any:
     for key, target in zip(keys, targets):
         if key in restored:
             restored[key] = _fitted(key, target, restored[key], path)
+    # a kept entry starts afresh: a new cycle (the target's pending micro-steps were taken
+    # with other weights), a fresh scaler — as the model itself makes them
+    fresh = (getattr(state_dict, "fresh_run_state", None) or dict)() if keep else {}
     result = jax.tree_util.tree_unflatten(
-        treedef, [t if k in keep else _rebuild(t, restored[k]) for k, t in zip(keys, targets)])
+        treedef, [fresh.get(k, t) if k in keep else _rebuild(t, restored[k])
+                  for k, t in zip(keys, targets)])
     _fill_in_place(state_dict, result)
     return result
 

@@ -934,12 +934,28 @@ class DistModel:
     def state_dict(self, mode: str = "all") -> dict[str, DistTensor]:
         if mode not in ("all", "param", "opt"):
             raise DistModelError(f"state_dict(mode={mode!r}): mode is 'all', 'param' or 'opt'")
-        out: dict[str, DistTensor] = {}
+        out = ModelStateDict()
         for prefix, attr, modes in self._GROUPS:
             tree = getattr(self, attr)
             if mode in modes and tree is not None:
                 out.update(_flat(prefix, tree))
+        out.fresh_run_state = self._fresh_run_state
         return out
+
+    def _fresh_run_state(self) -> dict[str, Any]:
+        """The gm.* / amp.* entries of a model between cycles with a fresh loss scaler: what
+        load_state_dict puts where a checkpoint has none (one saved without them)."""
+        fresh: dict[str, Any] = {}
+        if self.k_steps > 1 and self.optimizer is not None:
+            micro, acc = self._micro, self._acc
+            self._micro, self._acc = 0, None
+            try:
+                fresh.update(_flat("gm", self._merge_state))
+            finally:
+                self._micro, self._acc = micro, acc
+        if self._scaler is not None:
+            fresh.update(_flat("amp", jax.tree.map(self._replicated, self._scaler.init_state())))
+        return fresh
 
     def set_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
@@ -961,10 +977,33 @@ class DistModel:
             warnings.warn(message + " — they were skipped", UserWarning, stacklevel=2)
         if "gm.step" in state_dict and self.k_steps > 1:
             self._merge_step(state_dict["gm.step"])  # before anything is loaded
+        # a state without the run state (params and optimizer state only: one saved without
+        # gradient merge or loss scaling) starts a new cycle with a fresh scaler, as the
+        # model's pending micro-steps were taken with other weights
+        state_dict = {**self._fresh_run_state(), **state_dict} if not any(
+            k.startswith(_RUN_STATE) for k in state_dict) else state_dict
         for prefix, attr, tree in trees:
             if tree is not None:
                 setattr(self, attr, _load_group(prefix, tree, state_dict))
         self._parts.write_back(self.params, self.state)
+
+
+_RUN_STATE = ("gm.", "amp.")  # the names of a model's gradient-merge and loss-scaler state
+
+
+class ModelStateDict(dict):
+    """DistModel.state_dict()'s dict of name -> tensor; `fresh_run_state()` gives the gm.* /
+    amp.* entries of a new cycle and scaler, which load_state_dict puts where a checkpoint has
+    none. A pytree as a dict is (the same keys, in the same order)."""
+
+    fresh_run_state: Any = None
+
+
+jax.tree_util.register_pytree_with_keys(
+    ModelStateDict,
+    lambda d: ([(jax.tree_util.DictKey(k), d[k]) for k in sorted(d)], tuple(sorted(d))),
+    lambda keys, values: ModelStateDict(zip(keys, values)),
+    flatten_func=lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))))
 
 
 def _load_group(prefix: str, tree: Any, state_dict: dict[str, Any]) -> Any:
