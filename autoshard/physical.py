@@ -55,14 +55,16 @@ def layout_of_spec(spec, ndim: int) -> Layout:
                         for e in entries))
 
 
-def mesh_sharding(x) -> NamedSharding | None:
+def mesh_sharding(x, one_device: bool = False) -> NamedSharding | None:
     """The NamedSharding over several devices of a concrete jax.Array (None: anything else —
-    a tracer, a numpy array, an array on one device)."""
+    a tracer, a numpy array, an array on one device); with `one_device`, over a mesh of one
+    device too (a DistTensor's on a one-device ProcessMesh)."""
     import jax
 
     sharding = getattr(x, "sharding", None)
     if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-            and isinstance(sharding, NamedSharding) and sharding.mesh.size > 1):
+            and isinstance(sharding, NamedSharding)
+            and (sharding.mesh.size > 1 or one_device)):
         return sharding
     return None
 

@@ -1321,3 +1321,25 @@ def test_a_closed_over_dtensor_used_as_an_index_is_named_with_what_to_write():
     converted = dist.jit(lambda w: w[jnp.asarray(ids)])
     np.testing.assert_array_equal(converted(w).numpy(), table[ids_np])
     assert [L.dims for L in converted.plan(w).inputs] == [((), ()), (("x",),)]  # ids: placed
+
+
+@pytest.mark.parametrize("ids", [[6], [0, 1]], ids=["one-device", "two-devices"])
+def test_a_tensor_closed_over_on_a_mesh_of_one_device_is_an_input_there(ids):
+    """Inference on one device (MindSpore's 'a different device count'): a model placed on a
+    one-device mesh and closed over, `dist.jit(lambda x: model(x))`, runs there. A jax.Array on
+    one device was never hoisted, so the weight stayed a constant and dist.jit found no mesh
+    (a MeshMismatchError; found by a probe)."""
+    from flax import nnx
+
+    mesh = dist.ProcessMesh(ids, ["x"])
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
+    w = dist.shard_tensor(np.full((4, 4), 2.0, np.float32), mesh, [dist.Replicate()])
+    f = dist.jit(lambda x: x @ w)
+    np.testing.assert_allclose(f(x).numpy(), x @ np.full((4, 4), 2.0, np.float32), rtol=1e-6)
+    plan = f.plan(x)
+    assert plan.mesh == mesh and len(plan.inputs) == 2  # the weight: an input, as stored
+    layer = dist.shard_layer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), mesh)
+    got = dist.jit(lambda x: layer(x))(x).numpy()
+    want = x @ np.asarray(layer.kernel.get_value().numpy()) + np.asarray(
+        layer.bias.get_value().numpy())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -26,7 +26,8 @@ def hoist_sharded_consts(closed: Any, input_meshes: set) -> tuple[Any, tuple]:
     keep_vars, keep_vals, moved_vars, moved_vals = [], [], [], []
     target = next(iter(input_meshes)) if len(input_meshes) == 1 else None
     for var, val in zip(closed.jaxpr.constvars, closed.consts):
-        sharding = mesh_sharding(val)
+        # (a mesh of one device too: a model placed for inference on one device)
+        sharding = mesh_sharding(val, one_device=True)
         mesh = as_process_mesh(sharding.mesh) if sharding is not None else None
         if mesh is not None and target is None and not input_meshes:
             target = mesh

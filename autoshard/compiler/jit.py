@@ -76,13 +76,15 @@ def _stored_memory(physical) -> str | None:
     return "pinned_host" if space is not None and space.name == "Host" else None
 
 
-def _describe_leaf(x) -> _Leaf:
+def _describe_leaf(x, one_device: bool = False) -> _Leaf:
+    """`one_device`: a jax.Array on a mesh of one device is placed on it too (a constant
+    hoisted from a DistTensor there, closure.py), not taken as unplaced."""
     if isinstance(x, DistTensor):
         if x._desc is None:
             x._desc = _Leaf(x.shape, normalize(x.dtype), x.mesh, x.layout,
                             _stored_memory(x.physical))
         return x._desc
-    sharding = mesh_sharding(x)
+    sharding = mesh_sharding(x, one_device)
     if sharding is not None:
         return _Leaf(tuple(x.shape), normalize(x.dtype), as_process_mesh(sharding.mesh),
                      layout_of_spec(sharding.spec, x.ndim), host_memory(sharding))
@@ -512,7 +514,8 @@ class DistributedFunction:
         but a collection between them still walked the whole heap for nothing."""
         closed, hoisted = hoist_sharded_consts(
             closed, {d.mesh for d in described if d.mesh is not None})
-        described = tuple(described) + tuple(_describe_leaf(c) for c in hoisted)
+        described = tuple(described) + tuple(_describe_leaf(c, one_device=True)
+                                              for c in hoisted)
         program = build_program(closed, inline_solves=not reduced)
         mesh = self._mesh(program, described, closed)
         for d in described:
