@@ -246,6 +246,41 @@ def test_non_array_leaf_is_named(tmp_path):
         save_state_dict({}, tmp_path / "ckpt")
 
 
+def _dist_model():
+    w = dist.shard_tensor(np.ones((16, 8), np.float32), MESH, [R, S1])
+    return dist.to_static((lambda p, x: x @ p["w"], {"w": w}), None,
+                          lambda o, t: jnp.mean((o - t) ** 2), optax.sgd(0.1))
+
+
+@pytest.mark.parametrize("call", ["save", "load", "save nested"])
+def test_a_dist_model_passed_for_its_state_dict_says_what_to_pass(tmp_path, saved, call):
+    """dist.save_state_dict(dist_model, path), Paddle's habit with layers: the error names the
+    state dict to pass (it said "cannot save ''" and to drop the entry)."""
+    model, path = _dist_model(), tmp_path / "other"
+    if call == "save nested":
+        with pytest.raises(CheckpointError, match=r"cannot save 'model': it is a DistModel .*"
+                                                  r"save its state, dist_model\.state_dict\(\), "
+                                                  r"in its place"):
+            save_state_dict({"model": model, "step": 1}, path)
+    else:
+        with pytest.raises(CheckpointError, match=r"the state dict is a DistModel, not a dict of "
+                                                  r"name -> array: pass dist_model\.state_dict\(\) "
+                                                  r"\(to load: sd = dist_model\.state_dict\(\); "
+                                                  r"dist.load_state_dict\(sd, path\); "
+                                                  r"dist_model\.set_state_dict\(sd\)\)"):
+            save_state_dict(model, path) if call == "save" else load_state_dict(model, saved)
+    assert not os.path.exists(path)
+
+
+def test_an_abstract_target_says_to_make_a_disttensor(saved):
+    """orbax's usual target, a jax.ShapeDtypeStruct: the error names dist.dtensor_from_fn."""
+    target = {"model": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}, "step": 0}
+    with pytest.raises(CheckpointError, match=r"'model\.w': the target is a ShapeDtypeStruct.*"
+                                              r"dist\.dtensor_from_fn\(jnp\.zeros, mesh, "
+                                              r"placements, \(8, 8\), jnp\.float32\)"):
+        load_state_dict(target, saved)
+
+
 def test_refuses_to_overwrite_a_directory_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.txt").write_text("keep me")

@@ -2,6 +2,7 @@
 textbook formulas; a model split into stages on different meshes trains, under every
 schedule, to the same loss, gradients and weights as one device."""
 import pathlib
+import re
 import sys
 
 import jax
@@ -586,3 +587,53 @@ def test_a_weight_two_stages_share_is_moved_where_it_is_read_and_its_gradients_s
         np.testing.assert_allclose(grads["emb"].numpy(), ref_grads["emb"], rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(grads["w"].numpy(), ref_grads["w"], rtol=1e-4, atol=1e-6)
         assert grads["emb"].mesh == m0  # back on the table's mesh
+
+
+_BAD_LOSSES = {  # loss_fn results to_static's step refuses, but for the constant (accepted)
+    "tuple": lambda o, t: (jnp.mean((o - t) ** 2), jnp.max(o)),
+    "dict": lambda o, t: {"loss": jnp.mean((o - t) ** 2)},
+    "int32": lambda o, t: jnp.sum(o > t),
+    "per-sample": lambda o, t: jnp.mean((o - t) ** 2, axis=1),
+    "python float": lambda o, t: 0.0,
+}
+
+
+@pytest.mark.parametrize("strategy", [
+    {"pipeline": {"enable": True, "schedule_mode": "1F1B", "accumulate_steps": 2}},
+    {"recompute": {"enable": True}}], ids=["1F1B", "staged-recompute"])
+@pytest.mark.parametrize("result", list(_BAD_LOSSES))
+def test_a_pipelined_step_checks_the_loss_as_the_one_program_step_does(strategy, result):
+    """A loss_fn returning a tuple, a dict, an int or per-sample values: the pipeline's stages
+    (strategy.pipeline, or recompute on two meshes) refuse it with the one-program step's
+    DistModelError — it was a bare AttributeError, and an int loss trained silently with zero
+    gradients. A constant loss trains as there: loss 0, the params unchanged."""
+    m0, m1 = MESHES_1D[:2]
+    rng = np.random.default_rng(6)
+    w0, w1 = (rng.normal(size=(8, 8)).astype(np.float32) * 0.3 for _ in range(2))
+    x, y = (rng.normal(size=(8, 8)).astype(np.float32) for _ in range(2))
+
+    def model(p, x, placed=True):
+        h = jnp.tanh(x @ p["w0"])
+        return (dist.reshard(h, m1, [S(0)]) if placed else h) @ p["w1"]
+
+    def call(meshes, strategy, placed):
+        p = {"w0": dist.shard_tensor(w0, meshes[0], [R]),
+             "w1": dist.shard_tensor(w1, meshes[-1], [R])}
+        dm = dist.to_static((lambda p, x: model(p, x, placed), p), None, _BAD_LOSSES[result],
+                            optax.sgd(0.1), dist.Strategy(strategy))
+        try:
+            return dm(x, y), dm.params
+        except dist.AutoshardError as e:
+            return e, None
+
+    want, _ = call([m0], None, False)  # the same loss_fn on one mesh: one program
+    got, params = call([m0, m1], strategy, True)
+    if isinstance(want, Exception):
+        assert type(got) is type(want) is dist.DistModelError
+        # (a per-sample loss is named by its shape: a micro-batch's in the pipeline)
+        first_line = lambda e: re.sub(r"\(\d+,\)", "(n,)", str(e).splitlines()[0])
+        assert first_line(got) == first_line(want)
+    else:
+        assert float(got.numpy()) == float(want.numpy()) == 0.0
+        np.testing.assert_array_equal(params["w0"].numpy(), w0)
+        np.testing.assert_array_equal(params["w1"].numpy(), w1)

@@ -535,6 +535,40 @@ def test_predict_eval_and_state_dict_round_trip():
     np.testing.assert_allclose(predictor(x).numpy(), apply(weights, x), rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_set_state_dict_takes_a_typed_prng_key_as_its_key_data(impl):
+    """nnx holds its RNG keys typed; the state dict holds them as key data. A typed key given
+    to set_state_dict loads as its key data (it was 'has shape (), the model's is (2,)'); one
+    of another implementation (another width) is an error that says how keys are stored."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    def model():
+        return dist.to_static(dist.shard_layer(Net(nnx.Rngs(0, dropout=1)), MESH24), None, mse,
+                              optax.sgd(0.1))
+
+    key = jax.random.key(3, impl=impl)
+    typed, data = model(), model()
+    name = "state.drop.rngs.key"
+    if impl != "threefry2x32":
+        with pytest.raises(dist.DistModelError, match=r"'state.drop.rngs.key' has shape \(4,\), "
+                                                      r"the model's is \(2,\) \(PRNG keys are "
+                                                      r"stored as their key data, "
+                                                      r"jax.random.key_data\(key\)"):
+            typed.set_state_dict({name: key})
+        return
+    typed.set_state_dict({name: key})
+    data.set_state_dict({name: [int(k) for k in jax.random.key_data(key)]})  # (no dtype)
+    np.testing.assert_array_equal(typed.state_dict()[name].numpy(), jax.random.key_data(key))
+    x, y = _batches(n=1, d_out=8)[0]
+    np.testing.assert_array_equal(typed(x, y).numpy(), data(x, y).numpy())  # the same masks
+
+
 class _TwoInputs:
     """A model of two same-shaped inputs (swapping them is wrong, but runs)."""
 
@@ -636,6 +670,86 @@ def test_a_model_of_one_pytree_input_takes_the_list_whole():
         u, s = tx.update(g, s, p)
         p, ref = optax.apply_updates(p, u), ref + [float(value)]
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+@pytest.mark.parametrize("form", [list, tuple])
+def test_predict_reads_a_list_as_train_does_one_pytree_input_whole_several_inputs_apart(form):
+    """dist_model([x, gain]) in predict: a model of one pytree input gets the list whole, as
+    train's dist_model([x, gain], label) gives it (predict unpacked it into two inputs: 'cannot
+    take the batch's 2 input(s)'); a model of two inputs gets them one by one, as before."""
+    def apply_pair(p, pair):
+        x, gain = pair
+        return apply(p, x * gain[:, None])
+
+    weights, b = _weights(), _dict_batches(n=1)[0]
+    x, gain = b["x"], b["gain"][:, 0]
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["dp"][1][k]) for k, v in weights.items()}
+    m = dist.to_static((apply_pair, params), None, mse, optax.sgd(0.0))
+    want = apply_pair(weights, (x, gain))
+    np.testing.assert_allclose(float(m(form([x, gain]), b["y"]).numpy()), mse(want, b["y"]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(m.predict()(form([x, gain])).numpy(), want, rtol=1e-5, atol=1e-6)
+    two = dist.to_static((_TwoInputs.apply, params), None, mse, optax.sgd(0.0)).predict()
+    np.testing.assert_allclose(two(form([b["x"], b["gain"]])).numpy(),
+                               _TwoInputs.apply(weights, b["x"], b["gain"]), rtol=1e-5, atol=1e-6)
+
+
+def test_predict_fed_a_dict_batch_with_its_label_names_the_key_to_drop():
+    weights, b = _weights(), _dict_batches(n=1)[0]
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["dp"][1][k]) for k, v in weights.items()}
+    loader = dist.shard_dataloader([b], meshes=MESH24, input_keys=["x", "y"], shard_dims="dp")
+    m = dist.to_static((_TwoInputs.apply, params), loader, mse, optax.sgd(0.1)).predict()
+    with pytest.raises(dist.DistModelError, match=r"predict takes a dict batch without its "
+                                                  r"label: drop 'y'"):
+        m(b)
+    np.testing.assert_allclose(m({k: v for k, v in b.items() if k != "y"}).numpy(),
+                               _TwoInputs.apply(weights, b["x"], b["gain"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("built", ["eval-only", "predict-only"])
+def test_summary_of_a_model_that_cannot_train_describes_the_step_it_runs(built):
+    """An eval-only DistModel (a loss_fn, no optimizer) summarised the train step it cannot
+    build, failing in a bare AttributeError inside the trace; a predict-only one's error spoke of
+    that train step too. The summary is the eval (or predict) program's, and says so; asking
+    for the train program is a DistModelError saying what the model lacks."""
+    weights, (x, y) = _weights(), _batches(n=1)[0]
+    mesh, model = _model("tp", weights)
+    loss = mse if built == "eval-only" else None
+    m = dist.to_static(model, None, loss)
+    batch = (x, y) if loss else (x,)
+    program = "eval" if loss else "predict"
+    lines = m.summary(*batch).splitlines()
+    missing = "optimizer" if loss else "loss_fn"
+    assert lines[1].startswith(f"the {program} step (this DistModel has no {missing}"), lines
+    assert list(m.programs()) == [program]
+    plan = m.programs()[program].plan(*m.program_args(program, *batch))
+    listed = lines[2].split(": ", 1)[1].split("; ")[0]
+    assert listed == ", ".join(f"{n} {k}" for k, n in sorted(
+        Counter(c.kind for c in plan.collectives).items())), lines
+    # and the model still computes what one device does
+    out = m(*batch).numpy()
+    np.testing.assert_allclose(out, mse(apply(weights, x), y) if loss else apply(weights, x),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(dist.DistModelError, match=r"program 'train' needs "
+                                                  + ("an optimizer" if loss else
+                                                     "a loss_fn and an optimizer")
+                                                  + r".*use what it has: "
+                                                  + ("eval, predict" if loss else "predict")):
+        m.program_args("train", x, y)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "predict"])
+def test_summary_reads_the_batch_for_the_train_step_in_any_mode(mode):
+    """summary() describes the train step: its batch (inputs, label) is read as train reads
+    it whatever the model's mode — in predict mode [x, gain], y was read as predict's inputs
+    ('cannot take the batch's 1 input(s)')."""
+    weights, b = _weights(), _dict_batches(n=1)[0]
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["tp"][1][k]) for k, v in weights.items()}
+    m = dist.to_static((_TwoInputs.apply, params), None, mse, optax.sgd(0.1))
+    want = m.summary([b["x"], b["gain"]], b["y"])
+    getattr(m, mode)()
+    assert m.summary([b["x"], b["gain"]], b["y"]) == want
+    assert m.mode == mode
+
 
 def test_to_static_with_shard_dataloader_seed_4_5():
     weights, batches = _weights(), _batches(n=4)

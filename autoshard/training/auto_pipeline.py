@@ -357,7 +357,8 @@ def _stage_fn(cut, part, k, params_vars, reads, carry_in, input_vars, arg_vars, 
             env.update(zip([v for v, _ in state], owned))
         env.update(zip(arg_vars, jax.tree.leaves(args, is_leaf=_is_leaf)))
         eval_eqns(part.eqns, env)
-        result = [env[v] for v in outs]
+        # a loss_fn returning a constant (0.0) leaves a literal, not a variable, as the loss
+        result = [v.val if isinstance(v, jex_core.Literal) else env[v] for v in outs]
         result = result[0] if loss else tuple(result)
         if state is None:
             return result

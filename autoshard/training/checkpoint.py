@@ -54,8 +54,24 @@ def _is_prng_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _state_of(x: Any) -> str | None:
+    """For a model passed in place of its state dict (a DistModel, not a pytree, so one
+    leaf): how to get that state dict; else None. (An nnx Module is a pytree of its state.)"""
+    if callable(getattr(x, "state_dict", None)) and jax.tree_util.treedef_is_leaf(
+            jax.tree.structure(x)):
+        return ("dist_model" if type(x).__name__ == "DistModel"
+                else type(x).__name__.lower()) + ".state_dict()"
+    return None
+
+
 def _flatten(state_dict: Any) -> tuple[list[str], list[Any], Any]:
     """Leaves of `state_dict` keyed by their tree path ("opt.0.mu.w"), DistTensors kept whole."""
+    state = _state_of(state_dict)
+    if state is not None:  # dist.save_state_dict(dist_model, path): one leaf named ''
+        raise CheckpointError(
+            f"the state dict is a {type(state_dict).__name__}, not a dict of name -> array: "
+            f"pass {state} (to load: sd = {state}; dist.load_state_dict(sd, path); "
+            f"{state.replace('state_dict()', 'set_state_dict(sd)')})")
     pairs, treedef = jax.tree_util.tree_flatten_with_path(
         state_dict, is_leaf=lambda x: isinstance(x, DistTensor))
     keys = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in pairs]
@@ -140,10 +156,12 @@ def _to_saveable(key: str, x: Any) -> Any:
             f"does not matter")
     if isinstance(x, _SCALARS):
         return x
+    state = _state_of(x)
     raise CheckpointError(
         f"cannot save {key!r}: it is a {type(x).__name__} ({x!r:.60}), but a checkpoint holds "
-        f"DistTensors, jax.Arrays, numpy arrays and numbers: drop it from the state dict or "
-        f"store it separately (e.g. as JSON)")
+        f"DistTensors, jax.Arrays, numpy arrays and numbers: "
+        + (f"save its state, {state}, in its place" if state else
+           "drop it from the state dict or store it separately (e.g. as JSON)"))
 
 
 def _checkpoint_path(path: Any, what: str) -> str:
@@ -363,8 +381,13 @@ def _restore_spec(key: str, target: Any, saved: Any, path: str) -> tuple[Any, An
     elif isinstance(target, (np.ndarray, *_SCALARS)) and np.asarray(target).dtype != object:
         shape, dtype, sharding = np.shape(target), np.asarray(target).dtype, None
     else:
-        raise CheckpointError(f"cannot load into {key!r}: the target is a "
-                              f"{type(target).__name__}, not a DistTensor, array or number")
+        raise CheckpointError(
+            f"cannot load into {key!r}: the target is a {type(target).__name__}, not a "
+            f"DistTensor, array or number" + (  # orbax's usual abstract target
+                f": make it a DistTensor of that shape where it should land, e.g. "
+                f"dist.dtensor_from_fn(jnp.zeros, mesh, placements, {tuple(target.shape)}, "
+                f"jnp.{getattr(target.dtype, 'name', target.dtype)})"
+                if isinstance(target, jax.ShapeDtypeStruct) else ""))
     if not hasattr(saved, "dtype"):
         raise CheckpointError(f"{key!r} in checkpoint {path} is a subtree, not one array: this "
                               f"checkpoint was not written by save_state_dict")

@@ -223,7 +223,7 @@ class DistModel:
             if scaled:  # float16: the loss scale comes last (0-d: every micro-batch's)
                 *labels, scale = labels
             out, new_state = self._forward("train", params, state, inputs, remat=False)
-            value = self._loss_fn(out, *labels).astype(jnp.float32)
+            value = self._checked_loss("train", self._loss_fn(out, *labels))
             return value * scale if scaled else value, new_state
 
         # model state (dropout counters, BatchNorm statistics) is threaded through each stage's
@@ -302,7 +302,7 @@ class DistModel:
         the k calls summed, or averaged with `avg`)."""
         if self._loss_fn is None:
             raise DistModelError("this DistModel has no loss_fn: pass one to dist.to_static")
-        batch = self._batch(batch)
+        batch = self._batch(batch, "train")
         self._check_loss_args(batch)
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         scaler = self.scaler_state
@@ -476,14 +476,19 @@ class DistModel:
                                  "use .predict()")
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         out, state = self._forward(mode, params, state, inputs)
-        loss = self._loss_fn(out, *labels)
+        return self._checked_loss(mode, self._loss_fn(out, *labels)), state
+
+    def _checked_loss(self, mode: str, loss: Any) -> Any:
+        """loss_fn's result as the float32 number a step differentiates, else a DistModelError
+        saying what to return. Both train steps — the one program and the pipeline's stages —
+        call it, so they refuse alike (an int loss would train silently with zero gradients)."""
         name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
         if not (hasattr(loss, "dtype") or isinstance(loss, (int, float))):  # a tuple, a dict
             raise DistModelError(
                 f"to_static: loss_fn {name} returned a {type(loss).__name__}; the step "
                 f"differentiates one number, so return the loss alone (as Paddle's loss_fn "
                 f"does); to see other values, compute them from .predict()'s output")
-        loss = jnp.asarray(loss)
+        loss = loss if _is_dt(loss) else jnp.asarray(loss)
         if mode == "train" and not jnp.issubdtype(loss.dtype, jnp.floating):
             raise DistModelError(
                 f"to_static: loss_fn {name} returned a value of dtype {loss.dtype}, which has no "
@@ -493,7 +498,7 @@ class DistModel:
                 f"to_static: loss_fn {name} returned an array of shape {tuple(np.shape(loss))}; "
                 f"training differentiates one number: reduce it in loss_fn (e.g. "
                 f"jnp.mean(...)) before returning")
-        return loss.astype(jnp.float32), state
+        return loss.astype(jnp.float32)
 
     def _grads(self, params: Any, state: dict, scaler: dict, batch: tuple):
         """(loss, gradients, new state); with float16, the loss scaled and the gradients unscaled."""
@@ -594,7 +599,10 @@ class DistModel:
                 + did_you_mean(name, _PROGRAMS)
                 + f"; the programs are {list(_PROGRAMS)} (train, or accumulate and merge with "
                   f"gradient merge; eval; predict)")
-        batch = self._batch(batch)
+        self._check_can_build(name)
+        # read for the program's mode, not the model's: summary() builds the train step in
+        # any mode, and predict's batch has no label
+        batch = self._batch(batch, "predict" if name == "predict" else "train")
         if name != "predict":
             self._check_loss_args(batch)
         if name in ("accumulate", "merge"):
@@ -602,6 +610,23 @@ class DistModel:
         carry = self._carry()
         reads, _ = _PROGRAMS[name]
         return ({k: carry[k] for k in reads},) + batch
+
+    def _check_can_build(self, name: str) -> None:
+        """A DistModelError for a program this model lacks what to build from (its trace
+        would fail on the missing optimizer or loss_fn, in a bare AttributeError)."""
+        have = {"loss_fn": self._loss_fn is not None, "optimizer": self.optimizer is not None}
+        needs = {"predict": (), "eval": ("loss_fn",)}.get(name, ("loss_fn", "optimizer"))
+        missing = [n for n in needs if not have[n]]
+        if not missing:
+            return
+        can = (["train"] * (have["loss_fn"] and have["optimizer"])
+               + ["eval"] * have["loss_fn"] + ["predict"])
+        raise DistModelError(
+            f"program {name!r} needs " + " and ".join(
+                ("an " if n == "optimizer" else "a ") + n for n in missing)
+            + f", which this DistModel was built without: pass "
+              f"{'them' if len(missing) > 1 else 'it'} to dist.to_static(model, loader, "
+              f"loss_fn, optimizer), or use what it has: {', '.join(can)}")
 
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
@@ -639,18 +664,21 @@ class DistModel:
             a if a.mesh == m and a.placements == w else reshard(a, m, w)
             for a, m, w in zip(leaves, homes, want)])
 
-    def _batch(self, batch: tuple) -> tuple:
-        if len(batch) == 1 and isinstance(batch[0], (tuple, list)):
+    def _batch(self, batch: tuple, mode: str) -> tuple:
+        """The call's batch as the arguments of a program of `mode` ("predict": inputs only;
+        else inputs, then the label), each unplaced array placed."""
+        if len(batch) == 1 and isinstance(batch[0], (tuple, list)) and (
+                mode != "predict" or self._takes_one_by_one(len(batch[0]))):
             batch = tuple(batch[0])
         if len(batch) == 1 and isinstance(batch[0], dict):
-            batch = self._ordered(batch[0])
-        batch = self._unpacked_inputs(batch)
+            batch = self._ordered(batch[0], mode)
+        batch = self._unpacked_inputs(batch, mode)
         out = []
         first, last = self._io_meshes
         for k, x in enumerate(batch):
             # unplaced arrays are split over the data-parallel dim when they can be; the label
             # (last, with a loss) goes where the last pipeline stage computes the loss
-            label = k == len(batch) - 1 and k and self._mode != "predict"
+            label = k == len(batch) - 1 and k and mode != "predict"
             if label and self._label_unplaced:
                 out.append(x)
                 continue
@@ -705,7 +733,7 @@ class DistModel:
             ) from None
         checked.add(n_labels)
 
-    def _ordered(self, batch: dict) -> tuple:
+    def _ordered(self, batch: dict, mode: str) -> tuple:
         """A dict batch as arguments: the inputs in the batch's order, then the label."""
         keys = self._input_keys
         if keys is None:
@@ -717,7 +745,7 @@ class DistModel:
                 f"a dict batch with input_keys={keys!r} has no argument order: call "
                 f"dist_model(batch[...], ...) with the model's inputs and then the label")
         missing = [k for k in keys if k not in batch
-                   and not (k == keys[1] and self._mode == "predict")]
+                   and not (k == keys[1] and mode == "predict")]
         if missing:
             raise DistModelError(f"the batch has no {missing} (its keys are {sorted(batch)}); "
                                  f"input_keys are {keys}")
@@ -726,8 +754,14 @@ class DistModel:
         # attention_mask) fed {"attention_mask": ..., "input_ids": ...}), else the batch's
         label = keys[1]
         inputs = self._by_signature([k for k in batch if k != label])
-        if self._mode == "predict" and label not in batch:
+        if mode == "predict" and label not in batch:
             return tuple(batch[k] for k in inputs)
+        if mode == "predict" and self._takes(len(inputs)) and not self._takes(len(inputs) + 1):
+            # the model would be handed the label as one input too many: name the key to drop
+            raise DistModelError(
+                f"predict takes a dict batch without its label: drop {label!r} (input_keys "
+                f"{keys} name it the label), e.g. dist_model({{k: v for k, v in batch.items() "
+                f"if k != {label!r}}})")
         return tuple(batch[k] for k in inputs) + (batch[label],)
 
     def _by_signature(self, keys: list) -> list:
@@ -736,19 +770,26 @@ class DistModel:
             return keys
         return sorted(keys, key=names.index)
 
-    def _unpacked_inputs(self, batch: tuple) -> tuple:
+    def _unpacked_inputs(self, batch: tuple, mode: str) -> tuple:
         """Paddle's batch of a multi-input model, (inputs, label) with the inputs in a list —
         dist_model([x1, x2], label), or a loader's [[x1, x2], label] — as (x1, x2, label): Paddle
         feeds each element of the list as one input (also to a model with optional parameters
         after its first, `forward(input_ids, attention_mask=None)`). A model whose call cannot
         take them one by one (a single parameter: a pytree input) gets the list whole."""
-        if (self._mode == "predict" or len(batch) != 2
+        if (mode == "predict" or len(batch) != 2
                 or not isinstance(batch[0], (list, tuple))):
             return batch
         inputs = tuple(batch[0])
-        if self._takes(len(inputs)) or not self._takes(1):
+        if self._takes_one_by_one(len(inputs)):
             return inputs + batch[1:]
         return batch
+
+    def _takes_one_by_one(self, n_inputs: int) -> bool:
+        """Whether a list of n inputs goes to the model one element per input — as it does
+        unless the model's call cannot take n inputs but takes one (a single parameter: a
+        pytree input), which then gets the list whole. Train's dist_model([x1, x2], label)
+        and predict's dist_model([x1, x2]) read it alike."""
+        return self._takes(n_inputs) or not self._takes(1)
 
     def _takes(self, n_inputs: int) -> bool:
         """Whether the model's call binds n positional inputs (True when its signature cannot
@@ -810,9 +851,11 @@ class DistModel:
         return loss
 
     def summary(self, *batch: Any) -> str:
-        """The train step's plan in a few lines: collectives, bytes, memory per device; for a
-        model cut into stages, each stage's collectives, and with strategy.pipeline the
-        schedule and what crosses between stages per micro-batch."""
+        """The plan of the step this model runs, in a few lines: collectives, bytes, memory
+        per device; for a model cut into stages, each stage's collectives, and with
+        strategy.pipeline the schedule and what crosses between stages per micro-batch. The
+        step is the train step when the model has an optimizer (and a loss_fn), else the eval
+        step with a loss_fn, else predict's — read from the batch of that program in any mode."""
         from ..reshard.planner import format_bytes
 
         amp = self.strategy.amp
@@ -825,14 +868,17 @@ class DistModel:
                 f"{self.optimizer.stage if self.optimizer else 0}, gradient merge k={self.k_steps}, "
                 f"amp {f'{amp.dtype} {amp.level}' if amp.enable else 'off'}, recompute "
                 f"{'on' if self.strategy.recompute.enable else 'off'}")
-        if self._pipeline is not None:  # the stages, the schedule and what moves between them
-            placed = self._batch(batch)
+        name, why = self._summary_program()
+        head += f"\n{why}" if why else ""
+        if self._pipeline is not None and name == "train":  # the stages, the schedule and what
+            # moves between them (eval and predict run dist.jit's cut: their plans below)
+            placed = self._batch(batch, "train")
             self._check_loss_args(placed)
             inputs, labels = ((placed, ()) if len(placed) == 1
                               else (placed[:-1], placed[-1:]))
             return "\n".join([head, self._pipeline.explain(self.params, inputs, *labels,
                                                                 **self._pipeline_state())])
-        name = "train" if self.k_steps == 1 else "merge"
+        name = "merge" if name == "train" and self.k_steps > 1 else name
         args = self.program_args(name, *batch)
         f = self._program(name, args)
         plans = f.stage_plans(*args)
@@ -853,7 +899,7 @@ class DistModel:
                 for k, plan in enumerate(plans)])
         memory = f.lower(*args).compile().memory_analysis()
         steps = [f"per step: {counts(plans[0])}; {sent(plans[0])}"]
-        if self.k_steps > 1:  # a cycle is k - 1 accumulating steps, then the merging one
+        if name == "merge":  # a cycle is k - 1 accumulating steps, then the merging one
             acc = self._program("accumulate", self.program_args("accumulate", *batch))
             acc_plan = acc.stage_plans(*self.program_args("accumulate", *batch))[0]
             steps = [f"per accumulating step ({self.k_steps - 1} of every {self.k_steps}): "
@@ -866,6 +912,17 @@ class DistModel:
             f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
             f"{format_bytes(memory.output_size_in_bytes)}"])
 
+    def _summary_program(self) -> tuple[str, str]:
+        """The program summary() describes — the train step, else the step this model can
+        run (an eval-only model's train step would fail inside its trace on the missing
+        optimizer) — and, for one that is not the train step, a line saying so."""
+        if self.optimizer is not None and self._loss_fn is not None:
+            return "train", ""
+        name = "eval" if self._loss_fn is not None else "predict"
+        missing = "optimizer" if self._loss_fn is not None else "loss_fn"
+        return name, (f"the {name} step (this DistModel has no {missing}, so no train step: "
+                      f"pass one to dist.to_static for the train step's summary)")
+
     def profile(self, *batch: Any, steps: int = 3):
         """With strategy.pipeline: each stage's forward and backward measured on this batch
         (PipelineRunner.profile: per-stage times, busy time per rank, stage balance, the
@@ -874,7 +931,7 @@ class DistModel:
         if self._pipeline is None:
             raise DistModelError("profile measures pipeline stages: this DistModel has no "
                                  "strategy.pipeline (see summary() for its one program)")
-        placed = self._batch(batch)
+        placed = self._batch(batch, "train")
         self._check_loss_args(placed)
         inputs, labels = (placed, ()) if len(placed) == 1 else (placed[:-1], placed[-1:])
         extra = (self.scaler_state["scale"],) if self.scaler_state else ()
@@ -1014,9 +1071,16 @@ def _load_group(prefix: str, tree: Any, state_dict: dict[str, Any]) -> Any:
     for name, leaf in zip(names, leaves):
         value = state_dict.get(name, leaf)
         if _is_dt(leaf) and value is not leaf:
+            keys = hasattr(value, "dtype") and is_key(value)  # held as their key data
+            value = jax.random.key_data(value.physical if _is_dt(value) else value) if (
+                keys and not is_key(leaf)) else value
             if tuple(np.shape(value)) != tuple(leaf.shape):
-                raise DistModelError(f"set_state_dict: {name!r} has shape "
-                                     f"{tuple(np.shape(value))}, the model's is {leaf.shape}")
+                raise DistModelError(
+                    f"set_state_dict: {name!r} has shape {tuple(np.shape(value))}, the model's "
+                    f"is {leaf.shape}" + (
+                        " (PRNG keys are stored as their key data, jax.random.key_data(key): "
+                        "a key of another implementation has another width; make it with the "
+                        "model's, e.g. jax.random.key(seed))" if keys else ""))
             if _is_dt(value):  # in the param's dtype, as a host value is: a float32 master
                 # weight set from a bfloat16 copy stays float32
                 value = reshard(value, leaf.mesh, leaf.placements)
