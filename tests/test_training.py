@@ -386,6 +386,9 @@ def test_a_checkpoint_saved_without_gradient_merge_loads_into_a_model_that_merge
         target = plain.state_dict("param")
     m.set_state_dict(target)
     assert int(m.state_dict()["gm.step"].numpy()) == 0
+    # the state dict refers to its model only weakly: copied, it is the plain dict it is
+    copied = copy.deepcopy(m.state_dict())
+    assert type(copied) is dict and set(copied) == set(m.state_dict())
     losses = [float(m(x, y).numpy()) for x, y in batches]
     ref_losses, ref_params = _reference(weights, batches, tx, k=4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)

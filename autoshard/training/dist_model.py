@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -996,7 +997,7 @@ class DistModel:
             tree = getattr(self, attr)
             if mode in modes and tree is not None:
                 out.update(_flat(prefix, tree))
-        out.fresh_run_state = self._fresh_run_state
+        out._owner = weakref.ref(self)
         return out
 
     def _fresh_run_state(self) -> dict[str, Any]:
@@ -1051,9 +1052,18 @@ _RUN_STATE = ("gm.", "amp.")  # the names of a model's gradient-merge and loss-s
 class ModelStateDict(dict):
     """DistModel.state_dict()'s dict of name -> tensor; `fresh_run_state()` gives the gm.* /
     amp.* entries of a new cycle and scaler, which load_state_dict puts where a checkpoint has
-    none. A pytree as a dict is (the same keys, in the same order)."""
+    none. A pytree as a dict is (the same keys, in the same order); pickled or copied, the
+    plain dict it is (the model is only referred to, weakly: a copy of the state is not a
+    copy of the model)."""
 
-    fresh_run_state: Any = None
+    _owner: Any = None  # weakref.ref to the DistModel
+
+    def fresh_run_state(self) -> dict[str, Any]:
+        model = self._owner() if self._owner is not None else None
+        return {} if model is None else model._fresh_run_state()
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
 
 
 jax.tree_util.register_pytree_with_keys(
