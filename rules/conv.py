@@ -43,6 +43,11 @@ def _halos(in_avals, out_avals, dimension_numbers, window_strides, padding, lhs_
                                               lhs_dilation, rhs_dilation)]
 
 
+def _depthwise(in_features: int, kernel_in: int, kernel_out: int, groups: int) -> bool:
+    """A depthwise convolution with one output per input feature (MobileNet's, ConvNeXt's)."""
+    return groups == in_features == kernel_out and kernel_in == 1
+
+
 def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count,
                   batch_group_count, window_strides, padding, lhs_dilation, rhs_dilation,
                   **params):
@@ -74,7 +79,14 @@ def conv_sharding(in_avals, out_avals, *, dimension_numbers, feature_group_count
     # the kernel one group's) and the output features; batch groups (a grouped conv's kernel
     # gradient) the lhs batch and the output features — its input features still contract
     if feature_group_count != 1:
-        replicate += out_f + in_f
+        if _depthwise(lhs.shape[lf], rhs.shape[ri], rhs.shape[ro], feature_group_count):
+            # every feature its own group: the input's features, the kernel's output features
+            # and the output's are one dim, each device convolving its own features (the
+            # kernel's one input feature stays whole)
+            lterm[lf] = rterm[ro] = oterm[of] = out_f
+            replicate += in_f
+        else:
+            replicate += out_f + in_f
     if batch_group_count != 1:
         replicate += out_f + batch
     spec = f"{''.join(lterm)},{''.join(rterm)}->{''.join(oterm)}"
@@ -112,7 +124,14 @@ def conv_lower(ctx, lhs, rhs, **params):
     # the fetched rows vary over the split axes; the kernel may not (a cotangent the same on
     # every device, laid out split by rows, convolved with a replicated kernel)
     lhs, rhs = match_vma([lhs, rhs])
-    return [lax.conv_general_dilated_p.bind(lhs, rhs, **{**params, "padding": tuple(padding)})]
+    (_, lf, *_), (ro, ri, *_), _ = params["dimension_numbers"]
+    groups = params["feature_group_count"]
+    lhs_global = ctx.global_shape(ctx.in_layouts[0], lhs.shape)
+    rhs_global = ctx.global_shape(ctx.in_layouts[1], rhs.shape)
+    if groups != 1 and _depthwise(lhs_global[lf], rhs_global[ri], rhs_global[ro], groups):
+        groups = lhs.shape[lf]  # this device's features: its groups
+    return [lax.conv_general_dilated_p.bind(lhs, rhs, **{**params, "padding": tuple(padding),
+                                                         "feature_group_count": groups})]
 
 
 def conv_comm(in_layouts, out_layouts, in_avals, out_avals, sizes, *, dimension_numbers,
@@ -155,6 +174,10 @@ def validation_samples() -> list:
          (((4, 4, 8, 8), "f"), ((8, 4, 3, 3), "f"))),
         ("conv strided same", "conv_general_dilated", conv(nhwc, (2, 2)), (x, k)),
         ("conv grouped", "conv_general_dilated", conv(nhwc, groups=2), (x, ((3, 3, 2, 8), "f"))),
+        ("conv depthwise", "conv_general_dilated", conv(nhwc, groups=8),
+         (((4, 8, 8, 8), "f"), ((3, 3, 1, 8), "f"))),
+        ("conv depthwise NCHW", "conv_general_dilated",
+         conv(("NCHW", "OIHW", "NCHW"), groups=8), (((4, 8, 8, 8), "f"), ((8, 1, 3, 3), "f"))),
         ("conv causal 1-d", "conv_general_dilated", causal, (((2, 8, 4), "f"), ((3, 4, 4), "f"))),
         ("conv wide dilated window", "conv_general_dilated", conv(nhwc, dilation=(3, 1)),
          (x, k)),

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
 
 import autoshard as dist
 from autoshard.testing import assert_trains_like_one_device, make_tensor, mse_step, nnx_apply
@@ -341,3 +342,33 @@ def test_a_split_spatial_dim_with_one_row_windows_or_outputs_equals_one_device(r
     assert not plan.fallbacks
     assert count_collectives(f.lower(dx, dw).compile().as_text()) == Counter(
         c.kind for c in plan.collectives)
+
+
+@pytest.mark.parametrize("dn,x_pl,k_pl", [
+    (("NHWC", "HWIO", "NHWC"), ["S(0)", "S(3)"], ["R", "S(3)"]),
+    (("NHWC", "HWIO", "NHWC"), ["R", "S(3)"], ["R", "R"]),
+    (("NCHW", "OIHW", "NCHW"), ["S(0)", "S(1)"], ["R", "S(0)"]),
+])
+def test_a_depthwise_conv_with_its_channels_split_moves_nothing(dn, x_pl, k_pl):
+    """A depthwise convolution (every feature its own group: MobileNet's, ConvNeXt's) with its
+    channels split over devices convolves each device's own channels: no collective, where
+    the channels were gathered whole before (found by a probe; jax.jit moves nothing either).
+    Its gradients equal one device's."""
+    rng = np.random.default_rng(0)
+    nhwc = dn[0] == "NHWC"
+    x = rng.normal(size=(2, 8, 8, 8) if nhwc else (2, 8, 8, 8)).astype(np.float32)
+    k = (rng.normal(size=(3, 3, 1, 8) if nhwc else (8, 1, 3, 3)) * 0.3).astype(np.float32)
+
+    def f(x, k):
+        return lax.conv_general_dilated(x, k, (1, 1), "SAME", feature_group_count=8,
+                                        dimension_numbers=dn)
+
+    dx, dk = make_tensor(x, MESH, x_pl), make_tensor(k, MESH, k_pl)
+    g = dist.jit(f)
+    np.testing.assert_allclose(g(dx, dk).numpy(), f(x, k), rtol=1e-4, atol=1e-5)
+    assert not g.plan(dx, dk).collectives
+    assert not count_collectives(g.lower(dx, dk).compile().as_text())
+    loss = lambda x, k: jnp.sum(jnp.sin(f(x, k)) ** 2)  # noqa: E731
+    got = dist.jit(jax.grad(loss, argnums=(0, 1)))(dx, dk)
+    for a, b in zip(got, jax.grad(loss, argnums=(0, 1))(x, k)):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-4, atol=1e-4)
