@@ -1189,3 +1189,31 @@ def test_ulysses_with_fewer_key_value_heads_than_mp_times_sep_says_what_to_write
                                                r"and 'sep' \(4 devices\).* has 2 heads: give it "
                                                r"a multiple of 4 .*jnp.repeat\(k, 2, axis=2\)"):
         m(ids, np.zeros((4, 16, H), np.float32))
+
+
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_a_parallelized_optimizer_inits_an_nnx_state_as_its_pure_dict(level):
+    """parallelize's optimizer given the model's nnx State (`tx.init(nnx.state(model,
+    nnx.Param))`, what nnx.Optimizer does) places every state leaf as it does for the pure
+    dict; it failed with 'out_placements[0] has 9 entries where the result has 3' — the
+    placements were matched against the nnx-lifted call's (result, module state) pair as a
+    pytree prefix (found by a probe)."""
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.down = nnx.Linear(16, 8, rngs=rngs)
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
+    model, tx = dist.parallelize(
+        MLP(nnx.Rngs(0)), optax.adamw(1e-2), mesh,
+        {"mp_config": {"parallelize_plan": {"up": dist.ColWiseParallel(),
+                                            "down": dist.RowWiseParallel()}},
+         "dp_config": {"sharding_level": level}})
+    state = nnx.state(model, nnx.Param)
+    from_state = tx.init(state)
+    from_dict = tx.init(nnx.to_pure_dict(state))
+    is_dt = lambda x: isinstance(x, dist.DistTensor)  # noqa: E731
+    got = [(x.shape, x.placements) for x in jax.tree.leaves(from_state, is_leaf=is_dt)]
+    want = [(x.shape, x.placements) for x in jax.tree.leaves(from_dict, is_leaf=is_dt)]
+    assert got == want and len(got) == 9
+    nnx.Optimizer(model, tx, wrt=nnx.Param)  # builds (its update: README)

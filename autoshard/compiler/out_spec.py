@@ -83,6 +83,16 @@ def _match(spec: Any, node: Any, found: list, where: str) -> None:
         for i in jax.tree.leaves(node):
             found[i] = spec
         return
+    leaves = jax.tree.leaves(node)
+    if (isinstance(spec, (list, tuple)) and len(spec) == len(leaves) > 0
+            and all(_covers(s) for s in spec)
+            and not (isinstance(node, (list, tuple)) and len(node) == len(spec))):
+        # one entry per leaf of this part of the result, flat (as at the top): an optimizer's
+        # init placed leaf by leaf, inside the (result, module state) pair an nnx-lifted call
+        # returns (a tuple of as many elements reads element by element, as before)
+        for i, s in zip(leaves, spec):
+            found[i] = s
+        return
     if isinstance(node, dict) and isinstance(spec, dict):
         if set(spec) != set(node):
             raise PlacementTypeError(
