@@ -1217,3 +1217,28 @@ def test_a_parallelized_optimizer_inits_an_nnx_state_as_its_pure_dict(level):
     want = [(x.shape, x.placements) for x in jax.tree.leaves(from_dict, is_leaf=is_dt)]
     assert got == want and len(got) == 9
     nnx.Optimizer(model, tx, wrt=nnx.Param)  # builds (its update: README)
+
+
+@pytest.mark.parametrize("pattern,plan", [("norm", dist.RowWiseParallel),
+                                          ("up.bias", dist.RowWiseParallel),
+                                          ("up.bias", dist.ColWiseParallel)])
+def test_a_col_or_row_wise_plan_that_splits_nothing_is_an_error(pattern, plan):
+    """A RowWiseParallel whose pattern names no weight it can split (a LayerNorm, a bias
+    alone) did nothing, silently, every parameter left replicated (found by a probe); Paddle
+    refuses it. A ParallelizeError names the pattern, the plan and the parameters (ColWise on
+    a bias does split it: the control)."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(16, rngs=rngs)
+            self.up = nnx.Linear(16, 32, rngs=rngs)
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
+    config = {"mp_config": {"parallelize_plan": {pattern: plan()}}}
+    if plan is dist.ColWiseParallel and pattern == "up.bias":
+        model = dist.parallelize(Net(nnx.Rngs(0)), None, mesh, config)
+        assert model.up.bias.get_value().placements == [dist.Replicate(), dist.Shard(0)]
+        return
+    with pytest.raises(dist.ParallelizeError, match=rf"parallelize_plan\['{re.escape(pattern)}'\] "
+                                                    rf"= {plan.__name__}\(\) splits none of the "
+                                                    rf"parameters it names .*drop"):
+        dist.parallelize(Net(nnx.Rngs(0)), None, mesh, config)

@@ -996,11 +996,15 @@ def _features(modules: Mapping[str, Any], path: str, ndim: int) -> tuple | None:
 def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: ParallelConfig,
                       modules: Mapping[str, Any]) -> dict[str, list[Placement]]:
     mesh, mp, out = config.mesh, config.mp_dim, {}
+    named: dict[str, tuple] = {}  # pattern -> (its plan, the params it names)
+    split: set = set()  # the patterns that split one of them
     for path, (pattern, plan) in targets.params.items():
+        named.setdefault(pattern, (plan, []))[1].append(path)
         ndim = len(shapes[path])
         dim = plan.feature_dim(ndim, _features(modules, path, ndim))
         if dim is None:
             continue
+        split.add(pattern)
         placements = [Shard(dim) if n == mp else Replicate() for n in mesh.dim_names]
         # Checked here so that errors and warnings name the parameter and the pattern.
         what = (f"parameter {path!r} (Shard({dim}) on mesh dim {mp!r}, from {plan!r} for "
@@ -1011,6 +1015,16 @@ def _param_placements(targets: _Targets, shapes: Mapping[str, tuple], config: Pa
                         f"is stored split (padded) but computed whole, gathered at every step; "
                         f"or drop {path!r} from pattern {pattern!r} of the parallelize_plan")
         out[path] = placements
+    for pattern, (plan, paths) in named.items():
+        if pattern in split:
+            continue
+        # (a plan that splits none of what its pattern names does nothing: Paddle refuses a
+        # Col/RowWiseParallel on a layer that is neither a Linear nor an Embedding)
+        raise ParallelizeError(
+            f"parallelize_plan[{pattern!r}] = {plan!r} splits none of the parameters it names "
+            f"({', '.join(repr(p) for p in paths[:6])}: a {plan.__class__.__name__} splits a "
+            f"Linear's or an Embedding's weight): name the Linear / Embedding layer (or its "
+            f"weight), or drop {pattern!r} from the plan")
     return out
 
 
