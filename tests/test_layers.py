@@ -1242,3 +1242,34 @@ def test_a_col_or_row_wise_plan_that_splits_nothing_is_an_error(pattern, plan):
                                                     rf"= {plan.__name__}\(\) splits none of the "
                                                     rf"parameters it names .*drop"):
         dist.parallelize(Net(nnx.Rngs(0)), None, mesh, config)
+
+
+def test_a_planned_layer_called_with_its_input_by_keyword_is_named():
+    """A plan that places a layer's input (RowWiseParallel(is_input_parallel=False) here) runs
+    on its first positional argument: called as `self.down(inputs=x)`, the step was skipped
+    silently (found by a probe). A ParallelizeError says to pass the input positionally;
+    positionally, the plan's hint is there and the values equal one device's."""
+    class Net(nnx.Module):
+        def __init__(self, rngs, keyword):
+            self.keyword = keyword
+            self.down = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(inputs=x) if self.keyword else self.down(x)
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
+    x = np.ones((2, 8, 16), np.float32)
+    placed = dist.shard_tensor(x, mesh, [dist.Replicate(), dist.Shard(1)])
+    plan = {"mp_config": {"parallelize_plan": {"down": dist.RowWiseParallel(
+        is_input_parallel=False)}}}
+    for keyword in (False, True):
+        net = Net(nnx.Rngs(0), keyword)
+        want = np.asarray(net(x))
+        dist.parallelize(net, None, mesh, plan)
+        f = dist.jit(lambda n, x: n(x))
+        if keyword:
+            with pytest.raises(dist.ParallelizeError, match=r"called with its inputs by keyword "
+                                                            r"\(inputs=\.\.\.\).*positionally"):
+                f(net, placed)
+        else:
+            np.testing.assert_allclose(f(net, placed).numpy(), want, rtol=1e-5, atol=1e-6)

@@ -61,6 +61,14 @@ def _hooked_class(cls: type) -> type:
     if cls not in _HOOKED_CLASSES:
         def __call__(self, *args, **kwargs):
             hooks = getattr(self, "_autoshard_hooks", _Hooks())
+            if hooks.inputs and not args and kwargs:
+                # (the plan places the first positional input: given by keyword, its step
+                # was skipped, silently)
+                raise ParallelizeError(
+                    f"the {cls.__name__} layer was called with its inputs by keyword "
+                    f"({', '.join(kwargs)}=...), but its parallelize_plan places its first "
+                    f"positional input: call it with that input first, positionally "
+                    f"(layer(x, ...))")
             for fn in hooks.inputs:
                 args = fn(args)
             out = cls.__call__(self, *args, **kwargs)
