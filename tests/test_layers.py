@@ -1273,3 +1273,29 @@ def test_a_planned_layer_called_with_its_input_by_keyword_is_named():
                 f(net, placed)
         else:
             np.testing.assert_allclose(f(net, placed).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sequence_split_that_does_not_divide_is_warned_of_naming_the_layer_and_plan():
+    """A sequence of 6 over mp = 4 under SequenceParallelEnable: computed whole, equal to one
+    device, with one UnevenShardingWarning naming the layer and the plan (it said only 'a
+    traced value given placements ...'; found by a probe)."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
+    x = np.random.default_rng(0).normal(size=(2, 6, 16)).astype(np.float32)
+    want = np.asarray(Net(nnx.Rngs(0))(x))
+    net = Net(nnx.Rngs(0))
+    dist.parallelize(net, None, mesh, {"mp_config": {"parallelize_plan": {
+        "norm": dist.SequenceParallelEnable()}}})
+    with pytest.warns(dist.UnevenShardingWarning,
+                      match=r"SequenceParallelEnable\(\) on layer 'norm' \(shape \(2, 6, 16\)\): "
+                            r"dim 1 of size 6") as seen:
+        got = dist.jit(lambda n, x: n(x))(net, x)
+    assert not any("a traced value" in str(w.message) for w in seen)
+    np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got), want,
+                               rtol=1e-5, atol=1e-5)

@@ -615,9 +615,17 @@ def _activation_hint(config: ParallelConfig, split_dim: int | None, path: str, k
         return x  # a placement hint means something only while dist.jit traces
     split = {config.mp_dim: split_dim} if split_dim is not None and x.ndim else {}
     placements = _hint_placements(config, x, split)
-    layout_from_placements(placements, config.mesh, tuple(x.shape), what=(
+    layout = layout_from_placements(placements, config.mesh, tuple(x.shape), what=(
         f"the activations of layer {path!r} ({kind}, [batch, seq, ...])"))
-    return shard_tensor(x, config.mesh, placements)
+    from ..compiler.trace import bind_hint
+
+    # (the warning names the layer and its plan, as ContextParallel's does: shard_tensor's
+    # could only say "a traced value")
+    even = even_part(layout, config.mesh, tuple(x.shape))
+    if even is not layout:  # programs compute on even layouts only, as dist.shard_tensor's
+        warn_uneven(layout, config.mesh, tuple(x.shape), f"{kind} on layer {path!r}",
+                    "is computed with that dim whole")
+    return bind_hint(x, config.mesh, even, False)
 
 
 def _hint_placements(config: ParallelConfig, x: Any, split: dict) -> list[Placement]:
