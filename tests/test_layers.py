@@ -1299,3 +1299,35 @@ def test_a_sequence_split_that_does_not_divide_is_warned_of_naming_the_layer_and
     assert not any("a traced value" in str(w.message) for w in seen)
     np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got), want,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_sharded_optimizer_passed_to_a_step_says_how_to_train_with_it():
+    """parallelize(model, nnx.Optimizer(...)) gives a sharded optimizer, not an nnx.Optimizer:
+    passed to a dist.jit step beside the model it was 'argument 2[0] ... mark it static with
+    static_argnums=(2,)' — the wrong argument (the model's lifting shifted the positions) and
+    advice that would freeze the optimizer (found by a probe). The error names the optimizer
+    and says what to write."""
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.up(x)
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
+    model = M(nnx.Rngs(0))
+    model, opt = dist.parallelize(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+                                  mesh, {"mp_config": {"parallelize_plan": {
+                                      "up": dist.ColWiseParallel()}}})
+
+    @dist.jit
+    def step(m, o, x):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
+        o.update(m, g)
+        return loss
+
+    with pytest.raises(dist.PlacementTypeError, match=r"is a ShardedOptimizer .*dist\.to_static"
+                                                      r".*optimizer\.update\(grads, opt_state, "
+                                                      r"params\)") as info:
+        step(model, opt, np.ones((4, 8), np.float32))
+    assert "static_argnums" not in str(info.value)

@@ -101,16 +101,30 @@ class _NotAnArray(Exception):
         self.value = value
 
 
-def _not_an_array_error(name: str, path, value: Any, n_args: int, static: Sequence[int]):
-    """The PlacementTypeError for a traced argument jax cannot take (a string, an object)."""
+def _not_an_array_error(name: str, path, value: Any, n_args: int, static: Sequence[int],
+                        lifted: bool = False):
+    """The PlacementTypeError for a traced argument jax cannot take (a string, an object).
+    `lifted`: the call of a function whose nnx modules were lifted out of its arguments
+    (graph_nodes.py), whose positions are not the user's."""
     head, first, *rest = path
     where = jax.tree_util.keystr(tuple(rest))  # inside the argument: ['name'], [0], .field
-    if getattr(head, "idx", None) == 0:   # (dynamic args, kwargs): a positional argument
+    if lifted:
+        arg, fix = "an argument", "static_argnums (its position)"
+        where = ""
+    elif getattr(head, "idx", None) == 0:   # (dynamic args, kwargs): a positional argument
         pos = [i for i in range(n_args) if i not in static][first.idx]
         arg, fix = f"argument {pos}", f"static_argnums=({pos},)"
     else:
         key = first.key
         arg, fix = f"keyword argument {key!r}", f"static_argnames=({key!r},)"
+    from ..training.optimizer import ShardedOptimizer  # (training builds on the compiler)
+
+    if isinstance(value, ShardedOptimizer):  # (made static, it would never update)
+        return PlacementTypeError(
+            f"{name}: {arg}{where} is a {type(value).__name__} (dist.shard_optimizer's or "
+            f"parallelize's optimizer), not an array: train with dist.to_static(model, loader, "
+            f"loss_fn, optimizer), or pass its state (opt_state = optimizer.init(params)) and "
+            f"call optimizer.update(grads, opt_state, params) inside the step")
     return PlacementTypeError(
         f"{name}: {arg}{where} is {value!r:.60} of type {type(value).__name__}, not an array — "
         f"jax traces only arrays and numbers; mark it static with dist.jit(f, {fix}) (one "
@@ -317,7 +331,7 @@ class DistributedFunction:
                 (dynamic, kwargs), is_leaf=lambda x: isinstance(x, DistTensor))[0]
             path = next(p for p, x in flat if x is bad.value)
             raise _not_an_array_error(self.__name__, path, bad.value, len(args),
-                                      self._static) from None
+                                      self._static, lifted=not self._lifts) from None
         try:
             # jax's configuration too: a rule's answer may depend on it (random draws split
             # only with jax_threefry_partitionable on), and jax traces again when it changes
