@@ -1331,3 +1331,25 @@ def test_a_sharded_optimizer_passed_to_a_step_says_how_to_train_with_it():
                                                       r"params\)") as info:
         step(model, opt, np.ones((4, 8), np.float32))
     assert "static_argnums" not in str(info.value)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: {"up_proj.wieght": dist.ColWiseParallel()},
+     r"pattern 'up_proj\.wieght' matches no layer or parameter \(did you mean 'up_proj\.weight'\?\)"),
+    (lambda: {"up_proj": dist.ColWiseParallel(gather_output="no")},
+     r"ColWiseParallel\(gather_output='no'\): gather_output is True or False"),
+    (lambda: {"up_proj": dist.RowWiseParallel(is_input_parallel=0)},
+     r"RowWiseParallel\(is_input_parallel=0\): is_input_parallel is True or False"),
+], ids=["misspelt-weight", "gather_output-string", "is_input_parallel-int"])
+def test_a_plan_written_wrong_is_named_with_the_nearest_name_or_the_option(make, match):
+    """A misspelt Paddle parameter name gets the nearest name (the error listed the first 12
+    layers); an option given a string ('no' was read as True) or a number is refused (found by
+    a probe)."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up_proj = nnx.Linear(16, 32, rngs=rngs)
+
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
+    with pytest.raises(dist.ParallelizeError, match=match):
+        dist.parallelize(Net(nnx.Rngs(0)), None, mesh,
+                         {"mp_config": {"parallelize_plan": make()}})

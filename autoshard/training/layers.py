@@ -15,7 +15,7 @@ import numpy as np
 
 from ..creation import shard_tensor
 from ..dtensor import DistTensor
-from ..errors import AutoshardError
+from ..errors import AutoshardError, did_you_mean
 from ..layout import Layout, layout_from_placements
 from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..placement import Placement, Replicate, Shard
@@ -359,6 +359,14 @@ class ParallelPlan:
             type(self).hooks is not ParallelPlan.hooks)
 
 
+def _check_flag(plan: Any, name: str) -> None:
+    """A plan's on/off option is a bool (any non-empty string read as True: "no" turned it on)."""
+    value = getattr(plan, name)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ParallelizeError(
+            f"{type(plan).__name__}({name}={value!r}): {name} is True or False")
+
+
 @dataclass(frozen=True, repr=False)
 class ColWiseParallel(ParallelPlan):
     """Split the output features: the last dim of a kernel / embedding (nnx.Linear (in, out):
@@ -367,6 +375,9 @@ class ColWiseParallel(ParallelPlan):
     ColWiseParallel(gather_output=True) does (PaddleNLP's embedding)."""
 
     gather_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_flag(self, "gather_output")
 
     def param_dim(self, ndim: int) -> int | None:
         return ndim - 1 if ndim >= 1 else None
@@ -389,6 +400,9 @@ class RowWiseParallel(ParallelPlan):
     over mp before each call (Paddle's RowWiseParallel(is_input_parallel=False))."""
 
     is_input_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        _check_flag(self, "is_input_parallel")
 
     def param_dim(self, ndim: int) -> int | None:
         return ndim - 2 if ndim >= 2 else None
@@ -909,7 +923,8 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
         if not hits:
             kind = "layer or parameter" if plan.places_params else "layer"
             raise ParallelizeError(
-                f"parallelize_plan pattern {pattern!r} matches no {kind}: the layers are "
+                f"parallelize_plan pattern {pattern!r} matches no {kind}"
+                f"{did_you_mean(pattern, _known_names(modules, shapes))}: the layers are "
                 f"{sorted(modules)[:12]}{' ...' if len(modules) > 12 else ''} (patterns are "
                 f"fnmatch on dotted paths, e.g. 'layers.*.mlp.up' or '*.qkv')")
     return targets
@@ -918,6 +933,14 @@ def _match(entries, modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> 
 # Paddle names a layer's matrix `weight`; flax calls it `kernel` (Linear, Conv), `embedding`
 # (Embed) or `scale` (norms). A plan written for Paddle ('lm_head.weight') finds flax's.
 _PADDLE_PARAM_NAMES = {"weight": ("kernel", "embedding", "scale")}
+
+
+def _known_names(modules: Mapping[str, Any], shapes: Mapping[str, tuple]) -> list[str]:
+    """What a pattern may name, for a "did you mean": the layers, the params, and the params
+    by their Paddle names (a misspelt 'up_proj.wieght' is nearest to 'up_proj.weight')."""
+    paddle = [f"{_parent(p)}.{alias}" for p in shapes for alias, flax in
+              _PADDLE_PARAM_NAMES.items() if p.rpartition(".")[2] in flax]
+    return [m for m in modules if m] + list(shapes) + paddle
 
 
 def _flax_names(pattern: str, shapes: Mapping[str, tuple]) -> tuple[str, ...]:
