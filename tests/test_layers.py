@@ -1353,3 +1353,23 @@ def test_a_plan_written_wrong_is_named_with_the_nearest_name_or_the_option(make,
     with pytest.raises(dist.ParallelizeError, match=match):
         dist.parallelize(Net(nnx.Rngs(0)), None, mesh,
                          {"mp_config": {"parallelize_plan": make()}})
+
+
+@pytest.mark.parametrize("two_dims", [True, False], ids=["mesh_dim-named", "one-dim-mesh"])
+def test_data_and_model_parallel_on_one_mesh_dim_say_what_to_change(two_dims):
+    """mp_config['mesh_dim'] = 'dp' with sharding on a (dp, mp) mesh put both on 'dp'; the
+    error said to give the mesh a 'dp' and an 'mp' dim, which it has (found by a probe): it
+    names the mesh_dim to change. A one-dim mesh still gets the mesh advice."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 32, rngs=rngs)
+
+    mesh = (dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"]) if two_dims
+            else dist.ProcessMesh(np.arange(8), dim_names=["x"]))
+    mp = {"mesh_dim": "dp"} if two_dims else {}
+    match = (r"name another dim of \['dp', 'mp'\] in mp_config\['mesh_dim'\] = 'dp', or leave "
+             r"it out" if two_dims else r"give the mesh a 'dp' and an 'mp' dim")
+    with pytest.raises(dist.ParallelizeError, match=match):
+        dist.parallelize(Net(nnx.Rngs(0)), optax.adamw(1e-2), mesh,
+                         {"mp_config": {**mp, "parallelize_plan": {"up": dist.ColWiseParallel()}},
+                          "dp_config": {"sharding_level": 1}})

@@ -973,10 +973,16 @@ def _resolve_dims(mesh: ProcessMesh, dp_named: Any, mp_named: Any, level: int,
     dp = pick(dp_named, "dp", mesh.dim_names[0], "dp_config")
     mp = pick(mp_named, "mp", mesh.dim_names[-1], "mp_config")
     if dp == mp and level > 0 and first is not None:
+        # (the mesh may have two dims already: then a mesh_dim named the same dim for both)
+        named = [f"{k}['mesh_dim'] = {n!r}" for k, n in (("dp_config", dp_named),
+                                                         ("mp_config", mp_named)) if n]
+        fix = (f"name another dim of {mesh.dim_names} in {' or '.join(named)}, or leave it out"
+               if named and len(mesh.dim_names) > 1 else
+               f"give the mesh a 'dp' and an 'mp' dim, e.g. dist.ProcessMesh([[0, 1, 2, 3], "
+               f"[4, 5, 6, 7]], dim_names=['dp', 'mp'])")
         raise ParallelizeError(
             f"data parallel (sharding_level {level}) and model parallel{users} both fall on mesh "
-            f"dim {mp!r} of {mesh!r}: give the mesh a 'dp' and an 'mp' dim, e.g. "
-            f"dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=['dp', 'mp'])")
+            f"dim {mp!r} of {mesh!r}: {fix}")
     return ParallelConfig(mesh, dp, mp, level)
 
 
