@@ -54,6 +54,11 @@ def _check_entries(spec: Sequence, where: str) -> None:
                 f"written out_shardings=NamedSharding(mesh.to_jax(), P('dp', None))")
 
 
+def _flat(spec: Any, n: int) -> bool:
+    """One entry per output of `n`: a list of placements lists (or None / KEEP)."""
+    return isinstance(spec, (list, tuple)) and len(spec) == n and all(_covers(s) for s in spec)
+
+
 def per_output(spec: Any, out_tree: Any, n: int) -> list:
     """One entry (None, KEEP or a placements list) per flat output of a result shaped
     `out_tree` (a PyTreeDef, None if unknown) with `n` leaves."""
@@ -64,7 +69,7 @@ def per_output(spec: Any, out_tree: Any, n: int) -> list:
             f"outputs unreduced, or placements lists (e.g. [dist.Shard(0), dist.Replicate()])")
     if _covers(spec):
         return [spec] * n
-    flat = isinstance(spec, (list, tuple)) and len(spec) == n and all(_covers(s) for s in spec)
+    flat = _flat(spec, n)
     if flat or out_tree is None:
         if not flat:
             raise PlacementTypeError(
@@ -84,9 +89,8 @@ def _match(spec: Any, node: Any, found: list, where: str) -> None:
             found[i] = spec
         return
     leaves = jax.tree.leaves(node)
-    if (isinstance(spec, (list, tuple)) and len(spec) == len(leaves) > 0
-            and all(_covers(s) for s in spec)
-            and not (isinstance(node, (list, tuple)) and len(node) == len(spec))):
+    if leaves and _flat(spec, len(leaves)) and not (
+            isinstance(node, (list, tuple)) and len(node) == len(spec)):
         # one entry per leaf of this part of the result, flat (as at the top): an optimizer's
         # init placed leaf by leaf, inside the (result, module state) pair an nnx-lifted call
         # returns (a tuple of as many elements reads element by element, as before)

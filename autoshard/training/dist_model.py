@@ -37,6 +37,7 @@ from ..physical import mesh_sharding
 from ..placement import Partial, Replicate, Shard
 from ..reshard.api import reshard
 from ..uneven import is_key
+from .checkpoint import _RUN_STATE  # a model's gradient-merge and loss-scaler names
 from .amp import LossScaler, all_finite, autocast, cast_floating, keep_if, o1_primitives
 from .model_state import (DistModelError, exact_cast, flatten_dict, sibling_param, split_model,
                           unflatten_dict)
@@ -612,6 +613,12 @@ class DistModel:
         reads, _ = _PROGRAMS[name]
         return ({k: carry[k] for k in reads},) + batch
 
+    def _runnable(self) -> list[str]:
+        """The steps this model has what to build from, the train step first."""
+        has_loss = self._loss_fn is not None
+        return (["train"] * (has_loss and self.optimizer is not None) + ["eval"] * has_loss
+                + ["predict"])
+
     def _check_can_build(self, name: str) -> None:
         """A DistModelError for a program this model lacks what to build from (its trace
         would fail on the missing optimizer or loss_fn, in a bare AttributeError)."""
@@ -620,8 +627,7 @@ class DistModel:
         missing = [n for n in needs if not have[n]]
         if not missing:
             return
-        can = (["train"] * (have["loss_fn"] and have["optimizer"])
-               + ["eval"] * have["loss_fn"] + ["predict"])
+        can = self._runnable()
         raise DistModelError(
             f"program {name!r} needs " + " and ".join(
                 ("an " if n == "optimizer" else "a ") + n for n in missing)
@@ -917,9 +923,9 @@ class DistModel:
         """The program summary() describes — the train step, else the step this model can
         run (an eval-only model's train step would fail inside its trace on the missing
         optimizer) — and, for one that is not the train step, a line saying so."""
-        if self.optimizer is not None and self._loss_fn is not None:
-            return "train", ""
-        name = "eval" if self._loss_fn is not None else "predict"
+        name = self._runnable()[0]
+        if name == "train":
+            return name, ""
         missing = "optimizer" if self._loss_fn is not None else "loss_fn"
         return name, (f"the {name} step (this DistModel has no {missing}, so no train step: "
                       f"pass one to dist.to_static for the train step's summary)")
@@ -962,14 +968,16 @@ class DistModel:
         micro-steps of the current cycle done}, or None without gradient merge."""
         if self.k_steps == 1 or self.optimizer is None:
             return None
-        acc = self._acc
+        return self._merge_state_at(self._micro, self._acc)
+
+    def _merge_state_at(self, micro: int, acc: Any) -> dict:
         if acc is None:  # between cycles: zeros, placed like the params (ZeRO-2/3: shards)
             stage = self.optimizer.stage
             acc = jax.tree.map(
                 lambda p: shard_tensor(np.zeros(p.shape, p.dtype), p.mesh,
                                        self.optimizer.state_placements(p) if stage >= 2
                                        else p.placements), self.params, is_leaf=_is_dt)
-        step = shard_tensor(np.asarray(self._micro, np.int32), self.mesh,
+        step = shard_tensor(np.asarray(micro, np.int32), self.mesh,
                             [Replicate()] * self.mesh.ndim)
         return {"acc": acc, "step": step}
 
@@ -1005,12 +1013,7 @@ class DistModel:
         load_state_dict puts where a checkpoint has none (one saved without them)."""
         fresh: dict[str, Any] = {}
         if self.k_steps > 1 and self.optimizer is not None:
-            micro, acc = self._micro, self._acc
-            self._micro, self._acc = 0, None
-            try:
-                fresh.update(_flat("gm", self._merge_state))
-            finally:
-                self._micro, self._acc = micro, acc
+            fresh.update(_flat("gm", self._merge_state_at(0, None)))
         if self._scaler is not None:
             fresh.update(_flat("amp", jax.tree.map(self._replicated, self._scaler.init_state())))
         return fresh
@@ -1044,9 +1047,6 @@ class DistModel:
             if tree is not None:
                 setattr(self, attr, _load_group(prefix, tree, state_dict))
         self._parts.write_back(self.params, self.state)
-
-
-_RUN_STATE = ("gm.", "amp.")  # the names of a model's gradient-merge and loss-scaler state
 
 
 class ModelStateDict(dict):

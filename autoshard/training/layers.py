@@ -511,12 +511,18 @@ def _cp_hint(config: ParallelConfig, sep_dim: int, path: str, kind: str, x: Any)
         dims = list(layout.dims)
         dims[sep_dim] = (mp, CP_DIM)
         layout = Layout(tuple(dims), layout.partial)
+    return _placed_hint(x, layout, mesh, f"{kind} on layer {path!r}")
+
+
+def _placed_hint(x: Any, layout: Layout, mesh: ProcessMesh, what: str) -> Any:
+    """`x` annotated with `layout` (its even part: programs compute on even layouts only, as
+    dist.shard_tensor's), a split that does not divide warned of naming `what` (the layer and
+    its plan: shard_tensor's warning could only say "a traced value")."""
     from ..compiler.trace import bind_hint
 
     even = even_part(layout, mesh, tuple(x.shape))
-    if even is not layout:  # programs compute on even layouts only, as dist.shard_tensor's
-        warn_uneven(layout, mesh, tuple(x.shape), f"{kind} on layer {path!r}",
-                    "is computed with that dim whole")
+    if even is not layout:
+        warn_uneven(layout, mesh, tuple(x.shape), what, "is computed with that dim whole")
     return bind_hint(x, mesh, even, False)
 
 
@@ -631,15 +637,7 @@ def _activation_hint(config: ParallelConfig, split_dim: int | None, path: str, k
     placements = _hint_placements(config, x, split)
     layout = layout_from_placements(placements, config.mesh, tuple(x.shape), what=(
         f"the activations of layer {path!r} ({kind}, [batch, seq, ...])"))
-    from ..compiler.trace import bind_hint
-
-    # (the warning names the layer and its plan, as ContextParallel's does: shard_tensor's
-    # could only say "a traced value")
-    even = even_part(layout, config.mesh, tuple(x.shape))
-    if even is not layout:  # programs compute on even layouts only, as dist.shard_tensor's
-        warn_uneven(layout, config.mesh, tuple(x.shape), f"{kind} on layer {path!r}",
-                    "is computed with that dim whole")
-    return bind_hint(x, config.mesh, even, False)
+    return _placed_hint(x, layout, config.mesh, f"{kind} on layer {path!r}")
 
 
 def _hint_placements(config: ParallelConfig, x: Any, split: dict) -> list[Placement]:
