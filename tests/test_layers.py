@@ -1194,14 +1194,22 @@ def test_ulysses_with_fewer_key_value_heads_than_mp_times_sep_says_what_to_write
 @pytest.mark.parametrize("level", [0, 1, 3])
 def test_a_parallelized_optimizer_inits_an_nnx_state_as_its_pure_dict(level):
     """parallelize's optimizer given the model's nnx State (`tx.init(nnx.state(model,
-    nnx.Param))`, what nnx.Optimizer does) places every state leaf as it does for the pure
-    dict; it failed with 'out_placements[0] has 9 entries where the result has 3' — the
-    placements were matched against the nnx-lifted call's (result, module state) pair as a
-    pytree prefix (found by a probe)."""
+    nnx.Param))`, what nnx.Optimizer does) places every state leaf mirroring a param as it
+    does for the pure dict; it failed with 'out_placements[0] has 9 entries where the result
+    has 3' — the placements were matched against the nnx-lifted call's (result, module state)
+    pair as a pytree prefix (found by a probe). The step count, mirroring no param, comes
+    back a jax.Array replicated over the mesh, as plain optax's: nnx.Optimizer wraps each
+    leaf by jax.tree.map, which descended into a placed count and wrapped its storage, and
+    its update inside a hand-written dist.jit step then failed in flax ('DynamicJaxprTracer
+    has no attribute items'). Trained that way, it equals nnx.Optimizer with plain optax on
+    one device, and its moments keep the stage's placements."""
     class MLP(nnx.Module):
         def __init__(self, rngs):
             self.up = nnx.Linear(8, 16, rngs=rngs)
             self.down = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
 
     mesh = dist.ProcessMesh(np.arange(8).reshape(2, 4), dim_names=["dp", "mp"])
     model, tx = dist.parallelize(
@@ -1213,10 +1221,32 @@ def test_a_parallelized_optimizer_inits_an_nnx_state_as_its_pure_dict(level):
     from_state = tx.init(state)
     from_dict = tx.init(nnx.to_pure_dict(state))
     is_dt = lambda x: isinstance(x, dist.DistTensor)  # noqa: E731
-    got = [(x.shape, x.placements) for x in jax.tree.leaves(from_state, is_leaf=is_dt)]
-    want = [(x.shape, x.placements) for x in jax.tree.leaves(from_dict, is_leaf=is_dt)]
-    assert got == want and len(got) == 9
-    nnx.Optimizer(model, tx, wrt=nnx.Param)  # builds (its update: README)
+    placed = lambda tree: [(x.shape, x.placements)  # noqa: E731
+                           for x in jax.tree.leaves(tree, is_leaf=is_dt) if is_dt(x)]
+    want = placed(from_dict)
+    assert placed(from_state) == want[1:] and len(want) == 9  # (the count first)
+    assert isinstance(from_state[0].count, jax.Array)
+
+    def step(m, o, x, y):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
+        o.update(m, g)
+        return loss
+
+    ref = MLP(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    train = dist.jit(step)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, y = (rng.normal(size=(8, 8)).astype(np.float32) for _ in range(2))
+        np.testing.assert_allclose(float(train(model, opt, x, y).numpy()),
+                                   float(nnx.jit(step)(ref, ref_opt, x, y)), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=is_dt),
+                    jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-4, atol=1e-6)
+    count = opt.opt_state[0].count.get_value()
+    assert int(count.numpy() if is_dt(count) else count) == 3
+    assert placed(opt.opt_state) in (want, want[1:])  # (the count placed by the step or not)
 
 
 @pytest.mark.parametrize("pattern,plan", [("norm", dist.RowWiseParallel),

@@ -196,7 +196,7 @@ class ShardedOptimizer:
         does; others (a step count) replicate on the first param's mesh."""
         params_tree = jax.tree.structure(params, is_leaf=_is_dt)
         mesh = next(p.mesh for p in jax.tree.leaves(params, is_leaf=_is_dt) if _is_dt(p))
-        replicated = _Target(mesh, [Replicate()] * mesh.ndim)
+        replicated = _Target(mesh, [Replicate()] * mesh.ndim, mirrors=False)
 
         def mirrors_params(node) -> bool:
             # a subtree shaped like the params (adam's mu, nu); in optax.masked's and
@@ -289,6 +289,8 @@ class ShardedOptimizer:
         if not jax.tree.leaves(shapes):
             return self.tx.init(params)
         state = jit(self.tx.init, out_placements=[t.placements for t in flat])(params)
+        if _holds_variables(params):
+            state = _unplaced_extras(state, targets)
         if all(t.mesh == mesh for t in flat):
             return self._stored(state)
         # params on several meshes (pipeline stages): a state made from nothing placed (zeros
@@ -314,6 +316,7 @@ class _Target:
 
     mesh: Any
     placements: list
+    mirrors: bool = True  # False: a leaf mirroring no param (a step count), replicated
 
 
 def _positional_count(fn) -> int:
@@ -330,6 +333,29 @@ def _positional_count(fn) -> int:
 
 def _masked(x) -> bool:
     return isinstance(x, optax.MaskedNode)
+
+
+def _holds_variables(params: Any) -> bool:
+    """Whether `params` is an nnx State of Variables (what nnx.Optimizer hands tx.init)."""
+    from flax import nnx
+
+    return any(isinstance(x, nnx.Variable)
+               for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _unplaced_extras(state: Any, targets: Any) -> Any:
+    """`state` with each leaf that mirrors no param (a step count, replicated) as a jax.Array
+    replicated over its mesh. nnx.Optimizer wraps every leaf of tx.init's state in an
+    OptArray by jax.tree.map, which descends into a DistTensor (a pytree node) and wrapped
+    its storage instead, so its update could not write the count back. Plain optax's count
+    is a jax.Array too; a step's program places it as it reads it."""
+    def unplace(x, target):
+        if _is_dt(x) and isinstance(target, _Target) and not target.mirrors:
+            return x.physical
+        return x
+
+    return jax.tree.map(unplace, state, targets,
+                        is_leaf=lambda x: _is_dt(x) or isinstance(x, _Target) or _masked(x))
 
 
 def _put(x: Any, target: _Target) -> DistTensor:
