@@ -25,7 +25,7 @@ from typing import Sequence
 
 from .errors import AutoshardError
 
-from .parallel_env import ENV_COORDINATOR, ENV_NPROC, ENV_RANK
+from .parallel_env import ENV_COORDINATOR, ENV_NPROC, ENV_RANK, STACK_SIGNAL
 
 
 class LaunchError(AutoshardError, RuntimeError):
@@ -44,6 +44,19 @@ def _pump(stream, rank: int, out) -> None:
             continue  # gloo's connection report: a line per device, interleaved by its threads
         out.write(f"[rank {rank}] {line}")
         out.flush()
+
+
+def _show_stacks(procs: Sequence[subprocess.Popen], grace: float = 2.0) -> None:
+    """Ask each process for its Python stack (STACK_SIGNAL: init_parallel_env has every rank
+    answer it with faulthandler, on its output, which the pumps prefix with the rank): a hung
+    launch then says which collective or barrier each rank waits in. A rank that never called
+    init_parallel_env ends on the signal instead, as it was about to be stopped."""
+    if STACK_SIGNAL is None:
+        return
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(STACK_SIGNAL)
+    time.sleep(grace)  # (the dump is written at once; the pumps carry it out)
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
@@ -106,7 +119,9 @@ def launch(script: str, args: Sequence[str] = (), nproc: int = 2, devices: int |
             if pending and deadline is not None and time.monotonic() > deadline:
                 ranks = [procs.index(p) for p in pending]
                 sys.stderr.write(f"autoshard.launch: ranks {ranks} still running after "
-                                 f"--timeout {timeout:g} s; stopping them\n")
+                                 f"--timeout {timeout:g} s; their Python stacks follow (where "
+                                 f"each waits), then they are stopped\n")
+                _show_stacks(pending)
                 _stop(pending)
                 code = code or 124  # as coreutils' timeout
                 pending = []

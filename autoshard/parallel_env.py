@@ -6,7 +6,9 @@ environment, where the coordinator is and which rank it has.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
+import signal
 import sys
 
 from .errors import AutoshardError
@@ -19,6 +21,8 @@ class ParallelEnvError(AutoshardError, RuntimeError):
 ENV_COORDINATOR = "AUTOSHARD_COORDINATOR"
 ENV_NPROC = "AUTOSHARD_NPROC"
 ENV_RANK = "AUTOSHARD_RANK"
+# the launcher's --timeout asks hung ranks for their Python stacks with it (POSIX only)
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
 def init_parallel_env() -> None:
@@ -52,6 +56,8 @@ def init_parallel_env() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(nproc), process_id=int(rank))
     _exit_promptly_after_an_uncaught_exception()
+    if STACK_SIGNAL is not None:  # a launcher's --timeout shows where this rank waits
+        faulthandler.register(STACK_SIGNAL, all_threads=True)
 
 
 _FAILED: list[bool] = []

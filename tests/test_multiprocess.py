@@ -15,6 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _launch(script: pathlib.Path, nproc: int = 2, devices: int = 4, timeout: float = 600,
             args: tuple[str, ...] = (), flags: tuple[str, ...] = ()):
     env = dict(os.environ)  # the launcher replaces the device count, keeps the other flags
+    if "--timeout" not in flags:  # a hung launch then fails with every rank's stack shown
+        flags = ("--timeout", str(timeout - 30), *flags)
     return subprocess.run([sys.executable, "-m", "autoshard.launch", "--nproc", str(nproc),
                            "--devices", str(devices), *flags, str(script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -545,6 +547,36 @@ def test_a_rank_that_ignores_sigterm_is_killed_and_timeout_stops_a_hung_launch(t
                              cwd=ROOT)
         assert out.returncode == code, out.stdout + out.stderr
     assert "ranks [0, 1] still running after --timeout 2 s" in out.stderr
+
+
+def test_a_hung_launch_shows_where_each_rank_waits(tmp_path):
+    """--timeout stops a launch whose ranks wait for each other; before that, each rank that
+    joined (init_parallel_env) prints its Python stack, so the output names the collective
+    rank 0 waits in and the line rank 1 is at. A hang in CI had said only 'timed out'."""
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent('''
+        import time
+        import autoshard as dist
+        dist.init_parallel_env()
+        import jax, numpy as np
+        x = dist.shard_tensor(np.arange(4.0), dist.ProcessMesh([0, 1], ["dp"]), [dist.Shard(0)])
+        print("joined", flush=True)
+        if jax.process_index() == 1:
+            time.sleep(300)  # rank 1 is elsewhere
+        print(x.numpy())  # a collective rank 1 never joins
+    '''))
+    start = time.monotonic()
+    out = _launch(script, devices=1, flags=("--timeout", "25"), timeout=120)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert time.monotonic() - start < 90
+    assert "ranks [0, 1] still running after --timeout 25 s; their Python stacks follow" in \
+        out.stderr
+    lines = out.stdout.splitlines()
+    for rank, at in ((0, "line 10"), (1, "line 9")):  # print(x.numpy()) / time.sleep(300)
+        mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
+        assert any("hang.py" in line and at in line for line in mine), out.stdout
+    assert any(line.startswith("[rank 0] ") and "creation.py" in line for line in lines), \
+        out.stdout  # inside numpy()'s gather
 
 
 def test_a_rank_raising_after_init_parallel_env_fails_the_launch_promptly(tmp_path):
