@@ -127,12 +127,21 @@ def test_a_donated_tensor_read_again_or_passed_twice_is_an_error_not_a_crash():
     f = dist.jit(lambda a: a * 2.0, donate_argnums=0)
     a = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
     np.testing.assert_array_equal(f(a).numpy(), x * 2)
-    _raises(dist.SignatureError, r"input 0, a DistTensor of shape \(8, 4\).*was donated", lambda: f(a))
+    # named as the user passed it, not by its flat position (a probe: "input 6")
+    _raises(dist.SignatureError, r"argument 0, a DistTensor of shape \(8, 4\).*was donated",
+            lambda: f(a))
+    h = dist.jit(lambda p, c: c * p["w"].sum(), donate_argnums=1)
+    c, w = (dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()]) for _ in range(2))
+    h({"w": w}, c)
+    _raises(dist.SignatureError, r"<lambda>: argument 1, a DistTensor .*was donated",
+            lambda: h({"w": w}, c))
+    _raises(dist.SignatureError, r"another \(argument 1 and argument 0\['w'\]\)",
+            lambda: h({"w": w}, w))
     _raises(dist.ReshardError, r"was donated to a dist.jit call", lambda: a.numpy())
     g = dist.jit(lambda a, b: a + b, donate_argnums=0)
     b = dist.shard_tensor(x, MESH, [dist.Shard(0), dist.Replicate()])
-    _raises(dist.SignatureError, r"passed as a donated argument and again as another",
-            lambda: g(b, b))
+    _raises(dist.SignatureError, r"passed as a donated argument and again as another "
+            r"\(argument 0 and argument 1\)", lambda: g(b, b))
     np.testing.assert_array_equal(g(b, b + 0).numpy(), x * 2)
 
 

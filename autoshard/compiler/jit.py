@@ -287,16 +287,18 @@ class DistributedFunction:
                     np.shape(x.physical)) != physical_shape(x.layout, x.mesh, x.shape):
                 # jax.vmap (or another transformation that maps over arrays) handed each call a
                 # slice of the stored array: the layout no longer describes what arrived
+                name = self._input_names(tree, static, len(leaves))[k]
                 raise PlacementTypeError(
-                    f"{self.__name__}: input {k}, a DistTensor of shape {x.shape} with placements "
+                    f"{self.__name__}: {name}, a DistTensor of shape {x.shape} with placements "
                     f"{x.placements}, arrived as an array of shape {tuple(np.shape(x.physical))} — "
                     f"jax.vmap over a DistTensor maps over its stored array and loses the layout "
                     f"of the mapped dim; put the vmap inside the partitioned function instead: "
                     f"dist.jit(jax.vmap(f))(x)")
             if isinstance(x, DistTensor) and not isinstance(x.physical, jax.core.Tracer) \
                     and x.physical.is_deleted():  # (jaxlib may crash the process on it)
+                name = self._input_names(tree, static, len(leaves))[k]
                 raise SignatureError(
-                    f"{self.__name__}: input {k}, a DistTensor of shape {x.shape} placed "
+                    f"{self.__name__}: {name}, a DistTensor of shape {x.shape} placed "
                     f"{x.placements}, was donated to an earlier call (donate_argnums) and its "
                     f"buffers are gone: pass that call's result, or stop donating it")
         if self._donate or self._donate_names:
@@ -305,9 +307,15 @@ class DistributedFunction:
             twice = [k for k, x in enumerate(leaves) if k not in donated
                      and id(getattr(x, "physical", x)) in held]
             if twice or len(held) < len(donated):
+                names = self._input_names(tree, static, len(leaves))
+                ident = lambda i: id(getattr(leaves[i], "physical", leaves[i]))  # noqa: E731
+                first = next(i for i in donated if twice and ident(i) == ident(twice[0])
+                             or not twice and [ident(j) for j in donated].count(ident(i)) > 1)
+                other = twice[0] if twice else next(j for j in donated
+                                                    if j != first and ident(j) == ident(first))
                 raise SignatureError(
                     f"{self.__name__}: one array is passed as a donated argument and again as "
-                    f"another (input {twice[0] if twice else donated[0]}): donating it frees the "
+                    f"another ({names[first]} and {names[other]}): donating it frees the "
                     f"buffers the other still reads; pass a copy (x + 0) as one of them, or do "
                     f"not donate it")
         return static, leaves, tree
@@ -365,10 +373,7 @@ class DistributedFunction:
 
         self._unagreed.discard(key)
         tree, static, described, reduced, _ = key
-        try:
-            names = self._leaf_names(tree, static)
-        except Exception:  # a tree of another shape (a lifted module's): name the flat inputs
-            names = [f"input {k}" for k in range(len(described))]
+        names = self._input_names(tree, static, len(described))
         check_call_signature(self.__name__, names, described, static,
                              self._static[:len(static)], reduced)
 
@@ -586,6 +591,15 @@ class DistributedFunction:
                 f"function returns {n} arrays: give one per output leaf (None: device memory), "
                 f"or one string for all")
         return list(kinds)
+
+    def _input_names(self, tree, static, n: int) -> list[str]:
+        """`_leaf_names(tree, static)`, or `input k` for each of the n flat inputs where the
+        tree is of another shape (a lifted module's)."""
+        try:
+            names = self._leaf_names(tree, static)
+        except Exception:
+            names = []
+        return names if len(names) == n else [f"input {k}" for k in range(n)]
 
     def _leaf_names(self, tree, static) -> list[str]:
         """How the user would name each flat input: `params['w0']`-style paths from the
