@@ -192,14 +192,19 @@ def associative_scan(fn: Callable, elems: Any, *, axis: int = 0, reverse: bool =
     def whole_blocks(ndim: int):
         totals = _totals_placements(placements, axis, ndim)
 
+        def hint(t):
+            # a hint to the plan of a traced program; a concrete value (jax.grad run eagerly
+            # hands the rules concrete arrays) passes as it is: a custom_vjp rule must give
+            # back arrays, not DistTensors
+            return shard_tensor(t, mesh, totals) if isinstance(t, jax.core.Tracer) else t
+
         @jax.custom_vjp
         def place(t):
-            return shard_tensor(t, mesh, totals)
+            return hint(t)
 
         # the gradient of the totals too: else the plan, placing the backward's small scan on
         # its own, splits it on another dim and pads it back to block size before moving it
-        place.defvjp(lambda t: (place(t), None),
-                     lambda _, ct: (shard_tensor(ct, mesh, totals),))
+        place.defvjp(lambda t: (hint(t), None), lambda _, ct: (hint(ct),))
         return place
 
     hints = [whole_blocks(len(x.shape)) for x in leaves]
