@@ -104,6 +104,33 @@ def test_a_dim_needed_whole_hands_its_axis_to_another_dim(fn):
     assert sum(collective_bytes(hlo).values()) <= sum(collective_bytes(xla).values())
 
 
+@pytest.mark.parametrize("fn, itemsize", [
+    (lambda x: jnp.sort(x, axis=1), 4),
+    (lambda x: jnp.fft.fft(x.astype(jnp.complex64), axis=1), 8),
+], ids=["sort", "fft"])
+@pytest.mark.parametrize("mesh, placements", [
+    (dist.ProcessMesh(list(range(8)), ["sep"]), ["S(1)"]),
+    (MESH, ["S(0)", "S(1)"]),
+], ids=["8", "2x4"])
+def test_the_freed_axis_goes_to_a_later_dim_when_the_first_cannot_take_it(fn, itemsize, mesh,
+                                                                           placements):
+    """(batch 4, seq 16, channels 8), the sequence split: the batch cannot take the sequence's
+    mesh axis (4 rows over 8 devices, or over dp × mp), the channels can — one all-to-all
+    onto them, not an all-gather of the sequence (only the first passing dim was offered;
+    found by a probe: 8x the bytes)."""
+    v = np.random.default_rng(0).normal(size=(4, 16, 8)).astype(np.float32)
+    x = dist.shard_tensor(v, mesh, placements)
+    f = dist.jit(fn)
+    np.testing.assert_allclose(f(x).numpy(), np.asarray(jax.jit(fn)(v)), rtol=1e-5, atol=1e-5)
+    plan = f.plan(x)
+    assert Counter(c.kind for c in plan.collectives) == {"all-to-all": 1}, plan.collectives
+    block = v.size * itemsize // 8
+    split = mesh.shape[-1]
+    assert plan.total_bytes == block * (split - 1) // split
+    assert count_collectives(f.lower(x).compile().as_text()) == Counter(
+        c.kind for c in plan.collectives)
+
+
 # Integer-valued logits: many equal values sit in different shards, so the order among ties
 # (lowest index first, as on one device) is exercised.
 LOGITS = (np.arange(16 * 256, dtype=np.float32).reshape(16, 256) * 37 % 23)

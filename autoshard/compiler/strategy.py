@@ -148,10 +148,12 @@ def _seed_from(groups, layout: Layout, opsh: OpSharding, operand: int | None,
     return assign, partial
 
 
-def _seed_moving(groups, layout: Layout, opsh: OpSharding, sizes=None):
+def _seeds_moving(groups, layout: Layout, opsh: OpSharding, sizes=None):
     """The operand's own assignment with the axes of its dims the op needs whole moved onto
     another of its dims the op lets pass (an all-to-all instead of an all-gather: a sort
-    along a split dim re-splits the rows by that axis, as XLA does); None if nothing moves."""
+    along a split dim re-splits the rows by that axis, as XLA does) — one seed per such dim,
+    a dim already split first, then in order: the first may be one the axes do not divide (a
+    batch of 4 over 8 devices), where a later one (the channels) would take them."""
     spare, kept, passing = [], {}, []
     for d, axes in enumerate(layout.dims):
         f = groups[d] if d < len(groups) else None
@@ -160,12 +162,13 @@ def _seed_moving(groups, layout: Layout, opsh: OpSharding, sizes=None):
             spare.extend(axes)
         elif kind == PASS:
             kept[d] = axes
-            passing.append((not axes, d))  # a dim already split first, then in order
-    if not spare or not passing:
-        return None
-    target = min(passing)[1]
-    kept[target] = kept[target] + tuple(spare)
-    return [x for d, axes in kept.items() for x in _assigned(groups[d], axes, opsh, sizes)], []
+            passing.append((not axes, d))
+    if not spare:
+        return
+    for _, target in sorted(passing):
+        moved = dict(kept)
+        moved[target] = moved[target] + tuple(spare)
+        yield [x for d, axes in moved.items() for x in _assigned(groups[d], axes, opsh, sizes)], []
 
 
 def _seeds_unreducing(groups, layout: Layout, opsh: OpSharding):
@@ -252,7 +255,7 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
              for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
     moving = [m for i, L in enumerate(actual) if L is not None
-              for m in [_seed_moving(opsh.operands[i], L, opsh, sizes)] if m is not None]
+              for m in _seeds_moving(opsh.operands[i], L, opsh, sizes)]
     if unreducing:
         for i, L in enumerate(actual):
             for m in _seeds_unreducing(opsh.operands[i], L, opsh) if L is not None else ():
