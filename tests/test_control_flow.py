@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import autoshard as dist
+from autoshard.compiler.plan import plan_seconds
 from autoshard.hlo import collective_bytes, count_collectives
 from autoshard.testing import make_tensor
 
@@ -486,6 +487,10 @@ def test_collectives_per_call_count_each_iteration_of_a_scan(length, unroll):
     whole = dist.jit(lambda w, x: _unrolled_scan(w, x, length, True)).plan(dw, dx)
     assert looped.collective_counts(per_call=True) == whole.collective_counts()
     assert looped.bytes_per_call() == whole.total_bytes and looped.runs_known
+    # and the plans are priced per call, as the passes that weigh one plan against another
+    # compare them (a plan moving data in a long loop is not as cheap as one moving it once)
+    model = dist.default_cost_model()
+    assert plan_seconds(looped, model) == pytest.approx(plan_seconds(whole, model))
     if unroll == 1:
         assert looped.collective_counts() != whole.collective_counts()
         assert "per call: " in str(looped)

@@ -12,6 +12,7 @@ import pytest
 
 import autoshard as dist
 from autoshard.compiler import refine
+from autoshard.compiler.plan import plan_seconds
 from autoshard.compiler.refine import Refinement
 from autoshard.hlo import collective_bytes, count_collectives
 from autoshard.layout import Layout
@@ -133,7 +134,7 @@ def test_a_grouped_query_model_is_planned_on_sub_axes_when_that_prices_cheaper(m
     _, flat, flat_hlo = _run(g, placed, loss, args)
     assert flat.refinement is None
     model = dist.default_cost_model()
-    assert refine._seconds(plan, plan.refinement.cost_model(model)) < refine._seconds(flat, model)
+    assert plan_seconds(plan, plan.refinement.cost_model(model)) < plan_seconds(flat, model)
     assert sum(hlo.values()) < sum(flat_hlo.values())
     assert _hlo_bytes(g.lower(*placed).compile()) > xla
 

@@ -210,7 +210,7 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         # no more collectives).
         other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
                            anticipated)
-        if (other.total_bytes < plan.total_bytes
+        if (other.bytes_per_call() < plan.bytes_per_call()
                 and len(other.collectives) <= len(plan.collectives)):
             plan, offered = other, anticipated
     scatter_at = scatter_candidates(plan)
@@ -220,8 +220,8 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         # the cost model prices lower is kept
         other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
                            offered, scatter_at)
-        if (other.total_bytes < plan.total_bytes
-                and _seconds(other, cost_model) < _seconds(plan, cost_model)):
+        if (other.bytes_per_call() < plan.bytes_per_call()
+                and plan_seconds(other, cost_model) < plan_seconds(plan, cost_model)):
             plan = other
     if plan.fallbacks and top_level:
         names = sorted({n for n, _ in plan.fallbacks})
@@ -242,10 +242,12 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
     return plan
 
 
-def _seconds(plan: Plan, cost_model: CostModel) -> float:
-    """The cost model's time for the plan's collectives."""
-    return sum(cost_model.collective(c.axes, c.bytes_per_device) for c in plan.collectives
-               if c.axes)
+def plan_seconds(plan: Plan, cost_model: CostModel) -> float:
+    """The cost model's time for the collectives of one call of the plan: a scan body's as
+    often as it iterates (a while loop's once: its trip count is a value), so that a plan
+    moving data inside a long loop does not look as cheap as one moving it once outside."""
+    return sum(cost_model.collective(c.axes, c.bytes_per_device) * (c.runs or 1)
+               for c in plan.collectives if c.axes)
 
 
 def _anticipations(plan: Plan) -> dict:
@@ -681,4 +683,5 @@ def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:
 
 
 
-__all__ = ["Plan", "EqnPlan", "PlannedCollective", "FallbackWarning", "make_plan"]
+__all__ = ["Plan", "EqnPlan", "PlannedCollective", "FallbackWarning", "make_plan",
+           "plan_seconds"]

@@ -242,7 +242,8 @@ def refined_plan(plan, program: Program, output_targets: list, registry,
     """`plan` (made on the user's mesh), or the plan on the refined mesh where some reshape
     straddles an axis and the cost model prices that one's collectives cheaper, with the same
     inputs and outputs the user's mesh can hold."""
-    from .plan import make_plan  # plan.py's Plan refers to this module's Refinement
+    # (imported here: plan.py's Plan refers to this module's Refinement)
+    from .plan import make_plan, plan_seconds
 
     r = straddled(program, plan.mesh, registry) if ENABLED else None
     if r is None:
@@ -269,22 +270,16 @@ def refined_plan(plan, program: Program, output_targets: list, registry,
             if all(t is not None or not x for t, x in zip(finer, lone)):
                 tries.append(finer)
             other = min((make_plan(program, r.mesh, ins, t, registry, model, top_level=False)
-                         for t in tries), key=lambda p: _seconds(p, model))
+                         for t in tries), key=lambda p: plan_seconds(p, model))
     finally:
         for e, params, key in saved:
             e.params, e.params_key = params, key
-    if _seconds(other, model) >= _seconds(plan, cost_model):
+    if plan_seconds(other, model) >= plan_seconds(plan, cost_model):
         return plan
     if any(r.user(L) is None for L in (*other.inputs, *other.outputs)):
         return plan
     other.refinement = r
     return other
-
-
-def _seconds(plan, cost_model: CostModel) -> float:
-    """The plan's collectives priced by the cost model (latency each, bytes by bandwidth)."""
-    return sum(cost_model.collective(c.axes, c.bytes_per_device) for c in plan.collectives
-               if c.axes)
 
 
 __all__ = ["Refinement", "straddled", "sub_names", "refined_plan", "ENABLED"]
