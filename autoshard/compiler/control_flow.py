@@ -280,6 +280,35 @@ def _ys_as_reduced(make, carries: list[Layout], body, nk: int):
     return fixed if list(fixed.outputs[:nk]) == list(carries) else body
 
 
+def _ys_reduced_inside(make, carries: list[Layout], body, nk: int, mesh, cost_model):
+    """A scan's stacked output that is Partial where the body makes it (each layer's weight
+    gradient in a backward loop over stacked layers, pending its data-parallel sum) and whose
+    slice is large enough that the bandwidth, not the latency, prices its all-reduce, is
+    reduced in the body, once per iteration. Left pending, the whole stack is reduced after
+    the loop by one collective of the same bytes — but the stack and its reduced copy are then
+    both alive: a second copy of every layer's gradient (3.75x jax.jit's temporary memory on
+    an 8-layer scan with remat). Per iteration the collectives cost at most twice as long as
+    the one after (the latency is paid once per slice, and it is at most the bandwidth's
+    share), and XLA reduces them there too. Small slices (an RNN's per-step outputs) stay
+    pending: there the latency of one collective per iteration would dominate."""
+    sizes = mesh.axis_sizes
+    targets = []
+    for v, L in zip(body.program.outputs[nk:], body.outputs[nk:]):
+        target = None
+        if L.partial and not v.is_const:
+            axes = [a for a, _ in L.partial]
+            local = local_nbytes(v.shape, v.dtype, L, sizes)
+            if cost_model.collective(axes, local) >= 2 * cost_model.collective(axes, 0):
+                target = L.without_partial()
+        targets.append(target)
+    if not any(targets):
+        return body
+    from .plan import KEEP
+
+    fixed = make(carries, list(carries) + [t or KEEP for t in targets])
+    return fixed if list(fixed.outputs[:nk]) == list(carries) else body
+
+
 _LINEAR = {ReduceType.SUM, ReduceType.AVG}
 
 
@@ -494,6 +523,7 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
             consts = moved  # (read by `make`)
             carries, body = _loop_carries(make, list(init), n_ys, nc)
         body = _ys_as_reduced(make, carries, body, nk)
+        body = _ys_reduced_inside(make, carries, body, nk, mesh, cost_model)
         ys = [_stacked(L) for L in body.outputs[nk:]]
         return consts + carries + xs_req, carries + ys, [body], f"scan × {p['length']}"
     if e.name == "while":
