@@ -58,9 +58,44 @@ _PROGRAMS = {
     "predict": (("params", "state"), ("state",)),
 }
 
+# Programs whose carried values are all replaced by what they return (or, merge's
+# accumulators, dropped after it): their buffers are donated to the step, so the params and
+# optimizer states are updated in place, as Paddle's static graph does, not held twice
+# (old and new) at the step's peak.
+_DONATING = {"train", "merge"}
+
 _ATTRIBUTES = {"params": "params", "opt_state": "opt_state", "state": "state",
                "scaler": "scaler_state", "acc": "_acc"}
 
+
+
+def _donatable(tree: Any, owned: weakref.WeakValueDictionary | None = None) -> Any:
+    """`tree` as a donated step may take it: each array copied that holds the same buffers as
+    an earlier one (a donated step frees each argument's buffers once: tied weights loaded
+    from one array) or, given `owned`, that the model did not make itself (`_owned`) — the
+    arrays a user passed in or loaded stay the user's, readable after the step."""
+    seen: set = set()
+
+    def own(x):
+        held = getattr(x, "physical", x)
+        if not isinstance(held, jax.Array):
+            return x
+        if id(held) in seen or (owned is not None and owned.get(id(held)) is not held):
+            # (jnp.copy copies: an identity jit would hand the input buffer back)
+            held = jnp.copy(held)
+            x = DistTensor(held, x.mesh, x.layout, x.shape) if _is_dt(x) else held
+        seen.add(id(held))
+        return x
+
+    return jax.tree.map(own, tree, is_leaf=_is_dt)
+
+
+def _register(owned: weakref.WeakValueDictionary, tree: Any) -> None:
+    """Note the arrays of `tree` (a step's results) as the model's own, donatable next step."""
+    for x in jax.tree.leaves(tree, is_leaf=_is_dt):
+        held = getattr(x, "physical", x)
+        if isinstance(held, jax.Array):
+            owned[id(held)] = held
 
 
 def _is_placements(x: Any) -> bool:
@@ -194,6 +229,9 @@ class DistModel:
             self.k_steps = accumulate
         self._micro = 0
         self._acc = None
+        # the arrays the model's own steps made (by id, weakly): a donating step copies any
+        # other first, so that what the user passed in or loaded stays theirs (`_donatable`)
+        self._owned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # Paddle's DistModel starts where it can run: train with an optimizer, eval with only a
         # loss, predict with neither
         self._mode = ("train" if self.optimizer is not None else
@@ -343,10 +381,15 @@ class DistModel:
                     g = jax.tree.map(lambda x: x * scale, g)
                 return self._update(p, s, g, sc)  # float16: skipped unless every grad is finite
 
+            # (everything it reads is replaced or dropped after it: donated, see _DONATING)
             self._programs["update"] = jit(update, out_placements=out,
-                                           out_memory_kinds=_memory_kinds(stored))
+                                           out_memory_kinds=_memory_kinds(stored),
+                                           donate_argnums=(0, 1, 2, 3))
+        (params, opt_state, scaler), grads = _donatable(
+            (self.params, self.opt_state, scaler or {}), self._owned), _donatable(grads)
         self.params, self.opt_state, scaler = self._programs["update"](
-            self.params, self.opt_state, grads, scaler or {})
+            params, opt_state, grads, scaler)
+        _register(self._owned, (self.params, self.opt_state, scaler))
         if self.k_steps > 1:
             self._acc, self._micro = None, 0
         if self.scaler_state:
@@ -590,7 +633,8 @@ class DistModel:
         # what it hands back goes back to the memory it came from (offloaded optimizer states)
         kinds = None if name == "predict" else _memory_kinds(leaves) + [None]
         self._programs[name] = jit(self._step_fn(name), out_placements=out,
-                                   out_memory_kinds=kinds)
+                                   out_memory_kinds=kinds,
+                                   donate_argnums=(0,) if name in _DONATING else ())
         return self._programs[name]
 
     def program_args(self, name: str, *batch: Any) -> tuple:
@@ -637,7 +681,11 @@ class DistModel:
 
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
+        if name in _DONATING:
+            args = (_donatable(args[0], self._owned),) + args[1:]
         carry, result = self._program(name, args)(*args)
+        if name in _DONATING:
+            _register(self._owned, carry)
         if name == "predict":  # the plan chose its output layouts: keep the stored ones
             carry["state"] = self._restore_placements(carry["state"], self.state)
         for key, value in carry.items():
