@@ -153,8 +153,9 @@ def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names
                         yield ReduceScatter(ordered, d, reduce_type)
     for d, axes in enumerate(layout.dims):
         if axes:
-            for e in range(ndim):
-                yield AllToAll(axes[-1], d, e)
+            for k in range(1, len(axes) + 1):
+                for e in range(ndim):
+                    yield AllToAll(tuple(axes[len(axes) - k:]), d, e)
             if axes[-1] in wanted_partial and not (
                     (integer or narrow) and wanted_partial[axes[-1]] is ReduceType.AVG):
                 # (a shard's mean over n parts is n times it on its owner: integers and
