@@ -66,7 +66,7 @@ def test_blocked_scan_equals_one_device(name, reverse):
         c.kind for c in plan.collectives)
     # jax's tree of strided slices over the split axis gathers the sequence
     whole = dist.jit(jax.grad(plain, argnums=(0, 1)), out_placements=[placements] * 2)
-    assert plan.total_bytes * 4 < whole.plan(da, db).total_bytes
+    assert plan.total_bytes * 3 < whole.plan(da, db).total_bytes
 
 
 @pytest.mark.parametrize("name", list(MESHES))

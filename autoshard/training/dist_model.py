@@ -58,29 +58,38 @@ _PROGRAMS = {
     "predict": (("params", "state"), ("state",)),
 }
 
-# Programs whose carried values are all replaced by what they return (or, merge's
-# accumulators, dropped after it): their buffers are donated to the step, so the params and
-# optimizer states are updated in place, as Paddle's static graph does, not held twice
-# (old and new) at the step's peak.
-_DONATING = {"train", "merge"}
+# Programs whose carried values are all replaced by what they return: their buffers are
+# donated to the step, so the params and optimizer states are updated in place, as Paddle's
+# static graph does, not held twice (old and new) at the step's peak. (Not merge: the
+# accumulators it also reads are dropped, not returned, and XLA gave their buffers the
+# params' slots, which saved nothing; nor a pipeline's update: dist.jit's stages on several
+# meshes take no donation.)
+_DONATING = {"train"}
 
 _ATTRIBUTES = {"params": "params", "opt_state": "opt_state", "state": "state",
                "scaler": "scaler_state", "acc": "_acc"}
 
 
 
-def _donatable(tree: Any, owned: weakref.WeakValueDictionary | None = None) -> Any:
+def _donatable(tree: Any, owned: weakref.WeakValueDictionary, others: set[int]) -> Any:
     """`tree` as a donated step may take it: each array copied that holds the same buffers as
     an earlier one (a donated step frees each argument's buffers once: tied weights loaded
-    from one array) or, given `owned`, that the model did not make itself (`_owned`) — the
-    arrays a user passed in or loaded stay the user's, readable after the step."""
+    from one array), that the model did not make itself (`owned`: the arrays a user passed in
+    or loaded stay the user's, readable after the step), or that another DistModel holds
+    (`others`: ids of its arrays — one built from the same nnx module, or given this one's
+    state_dict, keeps reading them)."""
     seen: set = set()
 
     def own(x):
         held = getattr(x, "physical", x)
-        if not isinstance(held, jax.Array):
+        if not isinstance(held, jax.Array) or isinstance(held, jax.core.Tracer):
             return x
-        if id(held) in seen or (owned is not None and owned.get(id(held)) is not held):
+        if held.is_deleted():  # (copying it would crash jaxlib)
+            raise DistModelError(
+                f"this DistModel holds an array of shape {tuple(np.shape(held))} whose buffers "
+                f"were donated to another program (a dist.jit call with donate_argnums) before "
+                f"this step: give the model that call's result (set_state_dict)")
+        if id(held) in seen or owned.get(id(held)) is not held or id(held) in others:
             # (jnp.copy copies: an identity jit would hand the input buffer back)
             held = jnp.copy(held)
             x = DistTensor(held, x.mesh, x.layout, x.shape) if _is_dt(x) else held
@@ -90,11 +99,25 @@ def _donatable(tree: Any, owned: weakref.WeakValueDictionary | None = None) -> A
     return jax.tree.map(own, tree, is_leaf=_is_dt)
 
 
-def _register(owned: weakref.WeakValueDictionary, tree: Any) -> None:
-    """Note the arrays of `tree` (a step's results) as the model's own, donatable next step."""
+_MODELS: "weakref.WeakSet[DistModel]" = weakref.WeakSet()  # every live DistModel
+
+
+def _held_by_others(model: "DistModel") -> set[int]:
+    """Ids of the arrays the other live DistModels carry (params, states, accumulators)."""
+    out: set[int] = set()
+    for other in list(_MODELS):
+        if other is not model:
+            for x in jax.tree.leaves(other._carry(), is_leaf=_is_dt):
+                out.add(id(getattr(x, "physical", x)))
+    return out
+
+
+def _register(owned: weakref.WeakValueDictionary, tree: Any, skip: set[int] = frozenset()) -> None:
+    """Note the arrays of `tree` (a step's results, or what the model made for itself) as the
+    model's own, donatable next step — but those of ids in `skip` (the user's)."""
     for x in jax.tree.leaves(tree, is_leaf=_is_dt):
         held = getattr(x, "physical", x)
-        if isinstance(held, jax.Array):
+        if isinstance(held, jax.Array) and id(held) not in skip:
             owned[id(held)] = held
 
 
@@ -232,6 +255,13 @@ class DistModel:
         # the arrays the model's own steps made (by id, weakly): a donating step copies any
         # other first, so that what the user passed in or loaded stays theirs (`_donatable`)
         self._owned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # its own from the start: what it made (optimizer states, placed copies), not what the
+        # model handed it (an optimizer state may be a param's very array: optax's identity
+        # outputs come back as their inputs)
+        given = {id(getattr(x, "physical", x)) for x in jax.tree.leaves(
+            (self._parts.params, self._parts.state), is_leaf=_is_dt)}
+        _register(self._owned, self._carry(), skip=given)
+        _MODELS.add(self)
         # Paddle's DistModel starts where it can run: train with an optimizer, eval with only a
         # loss, predict with neither
         self._mode = ("train" if self.optimizer is not None else
@@ -381,15 +411,10 @@ class DistModel:
                     g = jax.tree.map(lambda x: x * scale, g)
                 return self._update(p, s, g, sc)  # float16: skipped unless every grad is finite
 
-            # (everything it reads is replaced or dropped after it: donated, see _DONATING)
             self._programs["update"] = jit(update, out_placements=out,
-                                           out_memory_kinds=_memory_kinds(stored),
-                                           donate_argnums=(0, 1, 2, 3))
-        (params, opt_state, scaler), grads = _donatable(
-            (self.params, self.opt_state, scaler or {}), self._owned), _donatable(grads)
+                                           out_memory_kinds=_memory_kinds(stored))
         self.params, self.opt_state, scaler = self._programs["update"](
-            params, opt_state, grads, scaler)
-        _register(self._owned, (self.params, self.opt_state, scaler))
+            self.params, self.opt_state, grads, scaler or {})
         if self.k_steps > 1:
             self._acc, self._micro = None, 0
         if self.scaler_state:
@@ -682,17 +707,18 @@ class DistModel:
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
         if name in _DONATING:
-            args = (_donatable(args[0], self._owned),) + args[1:]
+            args = (_donatable(args[0], self._owned, _held_by_others(self)),) + args[1:]
         carry, result = self._program(name, args)(*args)
-        if name in _DONATING:
-            _register(self._owned, carry)
+        _register(self._owned, carry)
         if name == "predict":  # the plan chose its output layouts: keep the stored ones
             carry["state"] = self._restore_placements(carry["state"], self.state)
         for key, value in carry.items():
             if key == "scaler" and not value:
                 value = None  # no float16 loss scaling
             setattr(self, _ATTRIBUTES[key], value)
-        self._parts.write_back(self.params, self.state)
+        # the params only where the step changed them: an eval model built beside a training
+        # one from the same module wrote its older params back over the trained ones
+        self._parts.write_back(self.params if "params" in carry else {}, self.state)
         return result
 
     def _restore_placements(self, new: Any, old: Any) -> Any:
