@@ -1059,6 +1059,9 @@ def test_a_train_step_updates_params_and_optimizer_states_in_place(monkeypatch):
     held = sum(x.physical.nbytes // len(x.physical.addressable_shards)
                for x in jax.tree.leaves((m.params, m.opt_state), is_leaf=_is_dt) if _is_dt(x))
     assert memory.alias_size_in_bytes >= held  # (per device: params + adam's mu and nu)
+    from autoshard.reshard.planner import format_bytes
+    assert (f"({format_bytes(memory.alias_size_in_bytes)} of them in the arguments' buffers)"
+            in m.summary(*batches[0]))  # summary's memory line says so
     # one array as two params: each donated once (the second copied first)
     shared = dist.shard_tensor(np.eye(16, dtype=np.float32), MESH24, [R(), R()])
     tied = dist.to_static((lambda p, x: x @ p["a"] @ p["b"], {"a": shared, "b": shared}), None,

@@ -991,7 +991,10 @@ class DistModel:
             head, *steps,
             f"memory per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
             f"temporaries {format_bytes(memory.temp_size_in_bytes)}, outputs "
-            f"{format_bytes(memory.output_size_in_bytes)}"])
+            f"{format_bytes(memory.output_size_in_bytes)}"
+            # outputs written over donated arguments (the train step's params and states)
+            + (f" ({format_bytes(memory.alias_size_in_bytes)} of them in the arguments' "
+               f"buffers)" if memory.alias_size_in_bytes else "")])
 
     def _summary_program(self) -> tuple[str, str]:
         """The program summary() describes — the train step, else the step this model can
