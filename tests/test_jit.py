@@ -1343,3 +1343,31 @@ def test_a_tensor_closed_over_on_a_mesh_of_one_device_is_an_input_there(ids):
     want = x @ np.asarray(layer.kernel.get_value().numpy()) + np.asarray(
         layer.bias.get_value().numpy())
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_donation_of_a_function_on_two_meshes_is_not_dropped_silently():
+    """A function cut into stages on two meshes runs as one program per stage, which take no
+    donated buffers: donate_argnums was dropped silently (found by a probe); now a warning
+    says so, and the arguments stay valid. to_static of a model on two meshes does not ask
+    for donation (its steps then hold old and new, as its README line says)."""
+    m0, m1 = dist.ProcessMesh([0, 1, 2, 3], ["dp"]), dist.ProcessMesh([4, 5, 6, 7], ["dp"])
+    rng = np.random.default_rng(0)
+    w0, w1 = (rng.normal(size=s).astype(np.float32) for s in ((16, 16), (16, 8)))
+    q = {"w0": dist.shard_tensor(w0, m0, [dist.Replicate()]),
+         "w1": dist.shard_tensor(w1, m1, [dist.Replicate()])}
+    f = dist.jit(lambda p: {"w0": p["w0"] * 2, "w1": p["w1"] * 2}, donate_argnums=0)
+    with pytest.warns(UserWarning, match=r"donate_argnums / donate_argnames are not applied: "
+                                         r"the function runs as 2 programs on different meshes"):
+        out = f(q)
+    np.testing.assert_array_equal(out["w1"].numpy(), w1 * 2)
+    np.testing.assert_array_equal(q["w0"].numpy(), w0)  # still valid
+
+    def model(p, x):
+        return dist.reshard(jnp.tanh(x @ p["w0"]), m1, [dist.Shard(0)]) @ p["w1"]
+
+    dm = dist.to_static((model, q), None, lambda o, t: jnp.mean((o - t) ** 2), optax.sgd(0.1))
+    x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dm(x, y)
+    assert not [w for w in seen if "donate" in str(w.message)]

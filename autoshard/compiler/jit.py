@@ -6,6 +6,7 @@ import functools
 import inspect
 import re
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -523,8 +524,17 @@ class DistributedFunction:
         """`reduced`: no output stays Partial (for an outer jax transformation)."""
         closed, out_tree = self._trace(static, tree, described)  # the user's code: gc as set
         if len(meshes_named(closed, [d.mesh for d in described])) > 1:
-            return _MeshStages(cut_by_mesh(closed, [d.mesh for d in described]), out_tree,
-                               self.__name__, self._cost_model, self._out_placements)
+            staged = _MeshStages(cut_by_mesh(closed, [d.mesh for d in described]), out_tree,
+                                 self.__name__, self._cost_model, self._out_placements)
+            if self._donate or self._donate_names:
+                # (not silently: the user counted on the memory)
+                warnings.warn(
+                    f"{self.__name__}: donate_argnums / donate_argnames are not applied: the "
+                    f"function runs as {len(staged.programs)} programs on different meshes "
+                    f"(its stages), which take no donated buffers yet; the arguments stay "
+                    f"valid and the old and new values are both held", UserWarning,
+                    stacklevel=4)
+            return staged
         return self._passes(static, tree, closed, out_tree, described, reduced)
 
     @gc_paused

@@ -659,7 +659,7 @@ class DistModel:
         kinds = None if name == "predict" else _memory_kinds(leaves) + [None]
         self._programs[name] = jit(self._step_fn(name), out_placements=out,
                                    out_memory_kinds=kinds,
-                                   donate_argnums=(0,) if name in _DONATING else ())
+                                   donate_argnums=(0,) if self._donates(name) else ())
         return self._programs[name]
 
     def program_args(self, name: str, *batch: Any) -> tuple:
@@ -704,9 +704,14 @@ class DistModel:
               f"{'them' if len(missing) > 1 else 'it'} to dist.to_static(model, loader, "
               f"loss_fn, optimizer), or use what it has: {', '.join(can)}")
 
+    def _donates(self, name: str) -> bool:
+        """Whether program `name` takes its carried values' buffers (`_DONATING`): on one mesh
+        only — a model on several runs as staged programs, which take no donation."""
+        return name in _DONATING and len(self._home_meshes) == 1
+
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
-        if name in _DONATING:
+        if self._donates(name):
             args = (_donatable(args[0], self._owned, _held_by_others(self)),) + args[1:]
         carry, result = self._program(name, args)(*args)
         _register(self._owned, carry)
