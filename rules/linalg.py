@@ -8,6 +8,8 @@ passes through them; the factorizations need their whole input.
 """
 from __future__ import annotations
 
+import math
+
 from jax._src.lax import fft as lax_fft
 from jax._src.lax import linalg
 
@@ -49,7 +51,20 @@ def _batched(core0: int | None, linear: str, partial_operands=None):
 
 TABLE = {p: Rule(_batched(core, linear, (1,) if linear == ONE else None))
          for p, (core, linear) in _CORE.items()}
-TABLE[lax_fft.fft_p] = Rule(_batched(None, ALL))  # core: the transformed (last) dims
+def _fft_lower(ctx, x, *, fft_type, fft_lengths):
+    """The local FFT with its batch dims merged into one, or none when they hold one element.
+    A device's block can have dims of size 1 (a dim split down to one row, a reshape's), and
+    for such an operand XLA's CPU layout assignment picked a layout its FFT kernel then
+    refused (RET_CHECK IsMonotonicWithDim0Major, at run time; found by fuzzing)."""
+    n = len(fft_lengths)
+    batch, core = x.shape[:x.ndim - n], x.shape[x.ndim - n:]
+    size = math.prod(batch)
+    y = lax_fft.fft_p.bind(x.reshape((size, *core) if size != 1 else core),
+                           fft_type=fft_type, fft_lengths=tuple(fft_lengths))
+    return [y.reshape(batch + y.shape[y.ndim - n:])]
+
+
+TABLE[lax_fft.fft_p] = Rule(_batched(None, ALL), lower=_fft_lower)  # core: the transformed dims
 
 
 def validation_samples() -> list:

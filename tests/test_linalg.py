@@ -213,3 +213,22 @@ def test_second_derivatives_through_a_solve_taken_outside(name, placement, order
     got = second(f, da, db)
     got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
     np.testing.assert_allclose(got, second(fn, a, b), rtol=2e-3, atol=2e-3)
+
+
+def test_an_fft_of_blocks_with_a_dim_of_one_runs():
+    """An FFT whose device blocks have a dim of size 1 (here a (19, 1, 8) block: a dim split
+    down to one row after two all-to-alls) crashed XLA's CPU FFT kernel at run time (RET_CHECK
+    IsMonotonicWithDim0Major — its layout assignment's choice for such an operand; found by
+    fuzzing). The local FFT merges its batch dims first; values equal one device."""
+    mesh = dist.ProcessMesh(np.arange(8).reshape(2, 2, 2), ["a", "b", "c"])
+    x = np.random.default_rng(857).normal(size=(32, 8, 8)).astype(np.float32)
+
+    def f(h, placed=True):
+        h = jnp.fft.fft(h, axis=2).real[8:27]
+        h = jnp.take_along_axis(h, jnp.argsort(h, axis=0), axis=0)
+        h = jnp.sort(jnp.fft.fft(h, axis=2).real, axis=0)
+        return dist.shard_tensor(h, mesh, ["R", "S(2)", "S(2)"]) if placed else h
+
+    got = dist.jit(f)(dist.shard_tensor(x, mesh, ["S(2)", "S(2)", "S(2)"]))
+    np.testing.assert_allclose(got.numpy(), np.asarray(jax.jit(lambda h: f(h, False))(x)),
+                               rtol=1e-4, atol=1e-4)
