@@ -51,6 +51,8 @@ def _batched(core0: int | None, linear: str, partial_operands=None):
 
 TABLE = {p: Rule(_batched(core, linear, (1,) if linear == ONE else None))
          for p, (core, linear) in _CORE.items()}
+
+
 def _fft_lower(ctx, x, *, fft_type, fft_lengths):
     """The local FFT with its batch dims merged into one, or none when they hold one element.
     A device's block can have dims of size 1 (a dim split down to one row, a reshape's), and

@@ -272,6 +272,12 @@ def _ys_as_reduced(make, carries: list[Layout], body, nk: int):
     outs = body.program.outputs[nk:]
     targets = [_reduced_copy(body, v) if L.partial and not v.is_const else None
                for v, L in zip(outs, body.outputs[nk:])]
+    return _with_ys_targets(make, carries, body, nk, targets)
+
+
+def _with_ys_targets(make, carries: list[Layout], body, nk: int, targets: list):
+    """The body planned again with its stacked outputs at `targets` (None: as they come),
+    kept if that leaves the carries' layouts as they are; else `body`."""
     if not any(targets):
         return body
     from .plan import KEEP
@@ -301,12 +307,7 @@ def _ys_reduced_inside(make, carries: list[Layout], body, nk: int, mesh, cost_mo
             if cost_model.collective(axes, local) >= 2 * cost_model.collective(axes, 0):
                 target = L.without_partial()
         targets.append(target)
-    if not any(targets):
-        return body
-    from .plan import KEEP
-
-    fixed = make(carries, list(carries) + [t or KEEP for t in targets])
-    return fixed if list(fixed.outputs[:nk]) == list(carries) else body
+    return _with_ys_targets(make, carries, body, nk, targets)
 
 
 _LINEAR = {ReduceType.SUM, ReduceType.AVG}
