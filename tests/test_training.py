@@ -241,7 +241,7 @@ def test_gradient_merge_reduces_once_per_k_steps(stage):
         assert line.startswith(f"per {word}: "), summary
         listed = line.split(": ", 1)[1].split("; ")[0].split(", ")
         assert Counter({k: int(n) for n, k in (c.split(" ", 1) for c in listed)}) == hlo, line
-    acc = m.program_args("accumulate", *batches[0])[0]["acc"]
+    acc = m.program_args("accumulate", *batches[0])[1]["acc"]
     acc_bytes = sum(int(np.prod(a.local_shape)) * 4 for a in acc.values())
     full_bytes = sum(v.size * 4 for v in weights.values())
     if stage < 2:
@@ -1070,6 +1070,42 @@ def test_a_train_step_updates_params_and_optimizer_states_in_place(monkeypatch):
     for _ in range(2):
         tied(x, y)
     np.testing.assert_array_equal(shared.numpy(), np.eye(16))
+
+
+@pytest.mark.parametrize("stage", [0, 2], ids=["no-zero", "zero2"])
+def test_gradient_merge_steps_update_in_place(monkeypatch, stage):
+    """With gradient merge, the accumulating steps add into the accumulators in place and
+    the merging step updates the params and optimizer states in place (both held old and
+    new at their peak; found by the donation probe). The merging step's accumulators, read
+    and dropped, stay an undonated argument: donated, XLA gave them the params' slots."""
+    weights, batches = _weights(), _batches(n=8)
+    _, model = _model("dp", weights)
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 4, "avg": True},
+                              "sharding": {"enable": stage > 0, "stage": max(stage, 1)}})
+    tx = optax.sgd(0.1, momentum=0.9)
+    m = dist.to_static(model, None, mse, tx, strategy)
+    copies, copy = [], jnp.copy
+    monkeypatch.setattr(jnp, "copy", lambda x, *a, **k: copies.append(x.shape) or copy(x, *a, **k))
+    losses = [float(m(x, y).numpy()) for x, y in batches]
+    # the user's weights, once; never the accumulators the model made
+    assert sorted(copies) == sorted(v.shape for v in weights.values())
+    ref_losses, ref_params = _reference(weights, batches, tx, k=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+    for name, v in model[1].items():
+        np.testing.assert_array_equal(v.numpy(), weights[name])
+
+    def local_bytes(tree):
+        return sum(x.physical.nbytes // len(x.physical.addressable_shards)
+                   for x in jax.tree.leaves(tree, is_leaf=_is_dt) if _is_dt(x))
+
+    for name, held in (("accumulate", lambda args: local_bytes(args[1]["acc"])),
+                       ("merge", lambda args: local_bytes((m.params, m.opt_state)))):
+        args = m.program_args(name, *batches[0])
+        assert "acc" in args[0 if name == "merge" else 1]
+        memory = m.programs()[name].lower(*args).compile().memory_analysis()
+        assert memory.alias_size_in_bytes >= held(args), name
 
 
 def test_models_sharing_arrays_each_keep_theirs_through_the_others_donated_steps():

@@ -201,12 +201,16 @@ def _ordered_choice(choose, x, axes):
     collective of the same bytes; the key is an elementwise bit flip on each side."""
     ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[np.dtype(x.dtype).itemsize]
     flip = np.array(np.iinfo(ints).max, ints)
+    zero = np.array(0, ints)
+    # (lax, not jnp: a layer's every softmax emits this, and jnp's checks and jitted helpers
+    # cost more to trace than the few equations they make)
     bits = lax.bitcast_convert_type(x, ints)
     # a negative float's bits, read as a signed integer, order backwards: flip its magnitude
-    key = jnp.where(bits < 0, bits ^ flip, bits)
-    nan = np.array(np.iinfo(ints).max if choose is lax.pmax else np.iinfo(ints).min, ints)
-    key = choose(jnp.where(jnp.isnan(x), nan, key), axes)
-    return lax.bitcast_convert_type(jnp.where(key < 0, key ^ flip, key), x.dtype)
+    key = lax.select(lax.lt(bits, zero), lax.bitwise_xor(bits, flip), bits)
+    nan = np.iinfo(ints).max if choose is lax.pmax else np.iinfo(ints).min
+    key = choose(lax.select(lax.ne(x, x), lax.full_like(key, nan), key), axes)
+    return lax.bitcast_convert_type(
+        lax.select(lax.lt(key, zero), lax.bitwise_xor(key, flip), key), x.dtype)
 
 
 @functools.lru_cache(maxsize=None)

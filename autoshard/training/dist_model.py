@@ -58,13 +58,15 @@ _PROGRAMS = {
     "predict": (("params", "state"), ("state",)),
 }
 
-# Programs whose carried values are all replaced by what they return: their buffers are
-# donated to the step, so the params and optimizer states are updated in place, as Paddle's
-# static graph does, not held twice (old and new) at the step's peak. (Not merge: the
-# accumulators it also reads are dropped, not returned, and XLA gave their buffers the
-# params' slots, which saved nothing; nor a pipeline's update: dist.jit's stages on several
-# meshes take no donation.)
-_DONATING = {"train"}
+# Per program: the carried values whose buffers it takes (donated), those it returns anew:
+# the params and optimizer states are updated in place, as Paddle's static graph does, not
+# held twice (old and new) at the step's peak. The rest of what it reads is a separate,
+# undonated argument: a value read and dropped (the merging step's accumulators), if donated,
+# took the slots of the params' buffers and saved nothing; an accumulating step's params are
+# read only. (Not a pipeline's steps: dist.jit's stages on several meshes take no donation.)
+_DONATED = {"train": ("params", "opt_state", "state", "scaler"),
+            "accumulate": ("state", "acc"),
+            "merge": ("params", "opt_state", "state", "scaler")}
 
 _ATTRIBUTES = {"params": "params", "opt_state": "opt_state", "state": "state",
                "scaler": "scaler_state", "acc": "_acc"}
@@ -592,7 +594,9 @@ class DistModel:
                 self._scaler.next_state(scaler, finite))
 
     def _step_fn(self, name: str) -> Callable:
-        """The function of (carry, *batch) → (carry, result) that program `name` compiles."""
+        """The function of (kept, donated, *batch) → (carry, result) that program `name`
+        compiles: the carried values it reads come in two parts (`program_args`), the second
+        the one whose buffers the step takes."""
         if name == "train":
             def step(c, *batch):
                 loss, grads, state = self._grads(c["params"], c["state"], c["scaler"], batch)
@@ -620,7 +624,10 @@ class DistModel:
             def step(c, *batch):
                 out, state = self._forward("eval", c["params"], c["state"], batch)
                 return {"state": state}, out
-        return step
+
+        def program(kept, donated, *batch):
+            return step({**kept, **donated}, *batch)
+        return program
 
     # -- programs -----------------------------------------------------------------------------
     def _carry(self) -> dict[str, Any]:
@@ -650,7 +657,7 @@ class DistModel:
         if name in self._programs:
             return self._programs[name]
         _, writes = _PROGRAMS[name]
-        returned = {k: args[0][k] for k in writes}
+        returned = {k: {**args[0], **args[1]}[k] for k in writes}
         leaves = jax.tree.leaves(returned, is_leaf=_is_dt)
         out = [x.placements for x in leaves]
         # predict's outputs are whatever the model returns: the plan places them.
@@ -659,7 +666,7 @@ class DistModel:
         kinds = None if name == "predict" else _memory_kinds(leaves) + [None]
         self._programs[name] = jit(self._step_fn(name), out_placements=out,
                                    out_memory_kinds=kinds,
-                                   donate_argnums=(0,) if self._donates(name) else ())
+                                   donate_argnums=(1,) if self._donates(name) else ())
         return self._programs[name]
 
     def program_args(self, name: str, *batch: Any) -> tuple:
@@ -677,10 +684,16 @@ class DistModel:
         if name != "predict":
             self._check_loss_args(batch)
         if name in ("accumulate", "merge"):
-            self._acc = self._zero_acc(batch) if self._acc is None else self._placed_acc(batch)
+            if self._acc is None:  # made here: the model's own, donated uncopied
+                self._acc = self._zero_acc(batch)
+                _register(self._owned, self._acc)
+            else:
+                self._acc = self._placed_acc(batch)
         carry = self._carry()
         reads, _ = _PROGRAMS[name]
-        return ({k: carry[k] for k in reads},) + batch
+        given = _DONATED.get(name, ())
+        return ({k: carry[k] for k in reads if k not in given},
+                {k: carry[k] for k in reads if k in given}) + batch
 
     def _runnable(self) -> list[str]:
         """The steps this model has what to build from, the train step first."""
@@ -705,14 +718,14 @@ class DistModel:
               f"loss_fn, optimizer), or use what it has: {', '.join(can)}")
 
     def _donates(self, name: str) -> bool:
-        """Whether program `name` takes its carried values' buffers (`_DONATING`): on one mesh
-        only — a model on several runs as staged programs, which take no donation."""
-        return name in _DONATING and len(self._home_meshes) == 1
+        """Whether program `name` takes the buffers of its second argument (`_DONATED`): on
+        one mesh only — a model on several runs as staged programs, which take no donation."""
+        return name in _DONATED and len(self._home_meshes) == 1
 
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
         if self._donates(name):
-            args = (_donatable(args[0], self._owned, _held_by_others(self)),) + args[1:]
+            args = (args[0], _donatable(args[1], self._owned, _held_by_others(self))) + args[2:]
         carry, result = self._program(name, args)(*args)
         _register(self._owned, carry)
         if name == "predict":  # the plan chose its output layouts: keep the stored ones
