@@ -1345,29 +1345,64 @@ def test_a_tensor_closed_over_on_a_mesh_of_one_device_is_an_input_there(ids):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_donation_of_a_function_on_two_meshes_is_not_dropped_silently():
-    """A function cut into stages on two meshes runs as one program per stage, which take no
-    donated buffers: donate_argnums was dropped silently (found by a probe); now a warning
-    says so, and the arguments stay valid. to_static of a model on two meshes does not ask
-    for donation (its steps then hold old and new, as its README line says)."""
+@pytest.mark.parametrize("moved", [False, True], ids=["stays", "moves"])
+def test_a_function_on_two_meshes_takes_the_donated_buffers_in_its_stages(moved):
+    """A function cut into stages on two meshes runs one program per stage; each donated
+    argument is donated to the last stage reading it (donate_argnums was dropped silently,
+    found by a probe, then warned about): its buffers are gone after the call, the values are
+    one device's, and asking for the plans first consumes nothing. An argument the function
+    returns, or one read last on another mesh (its moved copy is donated), stays valid. to_static of a model on two
+    meshes updates its params in place too."""
     m0, m1 = dist.ProcessMesh([0, 1, 2, 3], ["dp"]), dist.ProcessMesh([4, 5, 6, 7], ["dp"])
     rng = np.random.default_rng(0)
     w0, w1 = (rng.normal(size=s).astype(np.float32) for s in ((16, 16), (16, 8)))
-    q = {"w0": dist.shard_tensor(w0, m0, [dist.Replicate()]),
-         "w1": dist.shard_tensor(w1, m1, [dist.Replicate()])}
-    f = dist.jit(lambda p: {"w0": p["w0"] * 2, "w1": p["w1"] * 2}, donate_argnums=0)
-    with pytest.warns(UserWarning, match=r"donate_argnums / donate_argnames are not applied: "
-                                         r"the function runs as 2 programs on different meshes"):
+
+    def place():
+        return {"w0": dist.shard_tensor(w0, m0, [dist.Replicate()]),
+                "w1": dist.shard_tensor(w1, m1, [dist.Replicate()])}
+
+    def step(p):
+        a = p["w0"] * 2
+        # a value of the first mesh read on the second: moved there (the copy is donated)
+        b = p["w1"] * 2 + (dist.reshard(p["w0"], m1, [dist.Replicate()]).sum() if moved else 0)
+        return {"w0": a, "w1": b}
+
+    f = dist.jit(step, donate_argnums=0)
+    q = place()
+    f.stage_plans(q)  # runs the stages, on copies
+    assert not q["w0"].physical.is_deleted()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing about donation
         out = f(q)
-    np.testing.assert_array_equal(out["w1"].numpy(), w1 * 2)
-    np.testing.assert_array_equal(q["w0"].numpy(), w0)  # still valid
+    np.testing.assert_allclose(out["w1"].numpy(), w1 * 2 + (w0.sum() if moved else 0), atol=1e-5)
+    np.testing.assert_array_equal(out["w0"].numpy(), w0 * 2)
+    assert q["w1"].physical.is_deleted()
+    # read again on the other mesh after its own stage: the moved copy is donated there
+    assert q["w0"].physical.is_deleted() != moved
+    with pytest.raises(dist.SignatureError, match="was donated to an earlier call"):
+        f(q)
+    kept = place()  # returned as it is: not donated
+    out = dist.jit(lambda p: (p["w0"], p["w1"] + 1), donate_argnums=0)(kept)
+    assert not kept["w0"].physical.is_deleted()
+    np.testing.assert_array_equal(out[0].numpy(), w0)
 
     def model(p, x):
         return dist.reshard(jnp.tanh(x @ p["w0"]), m1, [dist.Shard(0)]) @ p["w1"]
 
+    q = place()
     dm = dist.to_static((model, q), None, lambda o, t: jnp.mean((o - t) ** 2), optax.sgd(0.1))
     x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        dm(x, y)
-    assert not [w for w in seen if "donate" in str(w.message)]
+    dm(x, y)
+    np.testing.assert_array_equal(q["w0"].numpy(), w0)  # the user's: copied, intact
+    own = [dm.params["w0"], dm.params["w1"]]  # the model's own, after a step
+    dm(x, y)
+    assert all(v.physical.is_deleted() for v in own)
+
+    def loss(p):
+        return jnp.mean((jnp.tanh(x @ p["w0"]) @ p["w1"] - y) ** 2)
+
+    ref = {"w0": w0, "w1": w1}
+    for _ in range(2):
+        ref = jax.tree.map(lambda w, g: w - 0.1 * g, ref, jax.grad(loss)(ref))
+    for k, v in ref.items():
+        np.testing.assert_allclose(dm.params[k].numpy(), v, rtol=1e-5, atol=1e-6)

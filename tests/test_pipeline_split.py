@@ -530,3 +530,45 @@ def test_a_pipeline_with_gradient_merge_resumes_its_cycle_from_a_state_dict():
                                    np.asarray(model.blocks[k].kernel[...].numpy()), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(resumed_model.blocks[k].kernel[...].numpy()),
                                    np.asarray(ref.blocks[k].kernel[...]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["update", "gradient-merge"])
+def test_a_pipelines_update_takes_its_params_and_states_in_place(k):
+    """After a pipeline's micro-batches, the optimizer update donates each stage's params and
+    optimizer states to it, on the stage's mesh, and gradient merge adds into its accumulators
+    in place (both held old and new at their peak; found by the donation probe): the buffers
+    the model held before a step are gone after it, the user's arrays stay intact, and the
+    params are one device's."""
+    data = _data(steps=4)
+    tx = optax.sgd(0.5, momentum=0.9)  # a state per param
+    model, opt = dist.parallelize(GPT(2), tx, MESH, {
+        "mp_config": {"parallelize_plan": PLAN}, "pp_config": {"split_spec": "blocks"}})
+    first, last = MESH["pp", 0], MESH["pp", 1]
+    loader = dist.shard_dataloader(data, meshes=[first, last], shard_dims="dp")
+    strategy = dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B",
+                                           "accumulate_steps": 2},
+                              "gradient_merge": {"enable": k > 1, "k_steps": k, "avg": True}})
+    dm = dist.to_static(model, loader, ce, opt, strategy)
+    batches = list(loader())
+    given = [p.get_value() for p in _params(model).values()]
+    for batch in batches[:3]:
+        dm(*batch)
+    assert all(not v.physical.is_deleted() for v in given)  # the user's: copied first
+    before = [x.physical for x in jax.tree.leaves(
+        (dm.params, dm.opt_state, dm._acc), is_leaf=lambda x: isinstance(x, dist.DistTensor))
+        if isinstance(x, dist.DistTensor)]
+    assert len(before) == (3 if k > 1 else 2) * len(given)  # (k = 2: mid-cycle)
+    dm(*batches[3])  # an update (and, merging, an addition into the accumulators)
+    assert all(x.is_deleted() for x in before)
+
+    ref = GPT(2)
+    if k == 1:
+        _one_device(ref, data, tx, 2)
+    else:  # one update per two batches, of the mean gradient over all their rows
+        joined = [tuple(np.concatenate([a[i], b[i]]) for i in range(2))
+                  for a, b in zip(data[::2], data[1::2])]
+        _one_device(ref, joined, tx, 4, groups=4)
+    ref_params = _params(ref)
+    for path, param in _params(model).items():
+        np.testing.assert_allclose(param.get_value().numpy(), np.asarray(ref_params[path][...]),
+                                   rtol=2e-4, atol=2e-6, err_msg=path)

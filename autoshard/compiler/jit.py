@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 from jax._src.interpreters import ad
@@ -524,17 +525,10 @@ class DistributedFunction:
         """`reduced`: no output stays Partial (for an outer jax transformation)."""
         closed, out_tree = self._trace(static, tree, described)  # the user's code: gc as set
         if len(meshes_named(closed, [d.mesh for d in described])) > 1:
-            staged = _MeshStages(cut_by_mesh(closed, [d.mesh for d in described]), out_tree,
-                                 self.__name__, self._cost_model, self._out_placements)
-            if self._donate or self._donate_names:
-                # (not silently: the user counted on the memory)
-                warnings.warn(
-                    f"{self.__name__}: donate_argnums / donate_argnames are not applied: the "
-                    f"function runs as {len(staged.programs)} programs on different meshes "
-                    f"(its stages), which take no donated buffers yet; the arguments stay "
-                    f"valid and the old and new values are both held", UserWarning,
-                    stacklevel=4)
-            return staged
+            cut = cut_by_mesh(closed, [d.mesh for d in described])
+            donated = {cut.invars[i] for i in self._flat_donations(tree)}
+            return _MeshStages(cut, out_tree, self.__name__, self._cost_model,
+                               self._out_placements, donated)
         return self._passes(static, tree, closed, out_tree, described, reduced)
 
     @gc_paused
@@ -755,12 +749,14 @@ class _MeshStages:
     """A function cut into stages on different meshes (cut.py): one dist.jit program per
     stage, run in order, values moved between meshes by cross-mesh reshards."""
 
-    def __init__(self, cut, out_tree, name: str, cost_model, out_placements):
+    def __init__(self, cut, out_tree, name: str, cost_model, out_placements,
+                 donated: set = frozenset()):
         self.cut, self.out_tree, self._out_placements = cut, out_tree, out_placements
         self._free = None
         self.programs = []
-        for k, part in enumerate(cut.stages):
-            program = DistributedFunction(_stage_function(cut, part), cost_model=cost_model)
+        for k, (part, given) in enumerate(zip(cut.stages, _donated_per_stage(cut, donated))):
+            program = DistributedFunction(_stage_function(cut, part), cost_model=cost_model,
+                                          donate_argnums=given)
             program.__name__ = f"{name}[stage {k}]"
             self.programs.append(program)
 
@@ -783,6 +779,8 @@ class _MeshStages:
             args = self._arguments(env, part, moves)
             if visit is not None:
                 visit(program, args, moves)
+                # (asking for the plans runs the stages: on copies of what a call donates)
+                args = [_copy(x) if j in program._donate else x for j, x in enumerate(args)]
             env.update(zip(part.outputs, program(*args)))
         return env
 
@@ -821,6 +819,27 @@ class _FreePart:
         used = {v for e in cut.free_eqns for v in e.invars if not isinstance(v, jcore.Literal)}
         self.inputs = [v for v in cut.invars if v in used]
         self.eqns, self.outputs = cut.free_eqns, cut.free_results
+
+
+def _donated_per_stage(cut, donated: set) -> list[tuple[int, ...]]:
+    """Per stage, the positions of its inputs it takes the buffers of: each donated input of
+    the function goes to the last stage that reads it (where it arrives moved from another
+    mesh, the moved copy), unless the function returns it or its mesh-less part reads it."""
+    last = {v: k for k, part in enumerate(cut.stages) for v in part.inputs}
+    kept = {v for v in cut.outvars if isinstance(v, jcore.Var)}
+    if cut.free_results:
+        kept.update(_FreePart(cut).inputs)
+    return [tuple(j for j, v in enumerate(part.inputs)
+                  if v in donated and last[v] == k and v not in kept)
+            for k, part in enumerate(cut.stages)]
+
+
+def _copy(x: Any) -> Any:
+    held = getattr(x, "physical", x)
+    if not isinstance(held, jax.Array):
+        return x
+    held = jnp.copy(held)
+    return DistTensor(held, x.mesh, x.layout, x.shape) if isinstance(x, DistTensor) else held
 
 
 def _stage_function(cut, part) -> Callable:

@@ -63,7 +63,7 @@ _PROGRAMS = {
 # held twice (old and new) at the step's peak. The rest of what it reads is a separate,
 # undonated argument: a value read and dropped (the merging step's accumulators), if donated,
 # took the slots of the params' buffers and saved nothing; an accumulating step's params are
-# read only. (Not a pipeline's steps: dist.jit's stages on several meshes take no donation.)
+# read only. (A pipeline's update donates its params and optimizer states the same way.)
 _DONATED = {"train": ("params", "opt_state", "state", "scaler"),
             "accumulate": ("state", "acc"),
             "merge": ("params", "opt_state", "state", "scaler")}
@@ -392,10 +392,13 @@ class DistModel:
         if self.k_steps > 1:  # gradient merge: k pipeline steps, then one update
             if self._acc is None:
                 acc = grads
-            else:
+            else:  # added into in place (the accumulators' buffers donated)
                 if "add" not in self._programs:
-                    self._programs["add"] = jit(lambda a, g: jax.tree.map(jnp.add, a, g))
-                acc = self._programs["add"](self._acc, grads)
+                    self._programs["add"] = jit(lambda a, g: jax.tree.map(jnp.add, a, g),
+                                                donate_argnums=0)
+                acc = self._programs["add"](
+                    _donatable(self._acc, self._owned, _held_by_others(self)), grads)
+            _register(self._owned, acc)
             # the cycle moves on only once this step's work is done: a call that raises
             # leaves it where it was (the user fixes the batch and calls again)
             if self._micro + 1 < self.k_steps:
@@ -413,10 +416,15 @@ class DistModel:
                     g = jax.tree.map(lambda x: x * scale, g)
                 return self._update(p, s, g, sc)  # float16: skipped unless every grad is finite
 
+            # params and optimizer states updated in place, each stage's on its mesh
             self._programs["update"] = jit(update, out_placements=out,
-                                           out_memory_kinds=_memory_kinds(stored))
+                                           out_memory_kinds=_memory_kinds(stored),
+                                           donate_argnums=(0, 1))
+        params, opt_state = _donatable((self.params, self.opt_state), self._owned,
+                                       _held_by_others(self))
         self.params, self.opt_state, scaler = self._programs["update"](
-            self.params, self.opt_state, grads, scaler or {})
+            params, opt_state, grads, scaler or {})
+        _register(self._owned, (self.params, self.opt_state))
         if self.k_steps > 1:
             self._acc, self._micro = None, 0
         if self.scaler_state:
@@ -718,9 +726,8 @@ class DistModel:
               f"loss_fn, optimizer), or use what it has: {', '.join(can)}")
 
     def _donates(self, name: str) -> bool:
-        """Whether program `name` takes the buffers of its second argument (`_DONATED`): on
-        one mesh only — a model on several runs as staged programs, which take no donation."""
-        return name in _DONATED and len(self._home_meshes) == 1
+        """Whether program `name` takes the buffers of its second argument (`_DONATED`)."""
+        return name in _DONATED
 
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
