@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from jax import lax
 from jax._src.lax import fft as lax_fft
 from jax._src.lax import linalg
 
@@ -53,16 +54,37 @@ TABLE = {p: Rule(_batched(core, linear, (1,) if linear == ONE else None))
          for p, (core, linear) in _CORE.items()}
 
 
+def _row_major(a):
+    """`a` as it is, laid out row-major whatever its readers ask for (see _fft_lower)."""
+    if a.ndim < 2:
+        return a
+    return lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
+
+
 def _fft_lower(ctx, x, *, fft_type, fft_lengths):
     """The local FFT with its batch dims merged into one, or none when they hold one element.
-    A device's block can have dims of size 1 (a dim split down to one row, a reshape's), and
-    for such an operand XLA's CPU layout assignment picked a layout its FFT kernel then
-    refused (RET_CHECK IsMonotonicWithDim0Major, at run time; found by fuzzing)."""
+    XLA's CPU FFT kernel takes only an operand laid out dim 0 major, and its layout
+    assignment does not see to it (RET_CHECK IsMonotonicWithDim0Major at run time; both
+    found by fuzzing):
+    - a device's block can have dims of size 1 (a dim split down to one row, a reshape's), and
+      for such an operand it picked a layout the kernel refused: hence the merged batch dims;
+    - it carries a reader's layout back through the FFT to its operand. A reduce-scatter is
+      laid out with its scatter dim major, so one of a Partial result along a transformed dim
+      (the sum of an FFT of parts, hinted split after it) made that layout the FFT's result's,
+      then its operand's (the transpose before it, jnp.fft's for axis=0, became a bitcast).
+      A Partial result is made row-major behind a rank-1 view under an optimization_barrier:
+      a rank-1 array has one layout, and the barrier keeps XLA from folding the reshapes, so
+      no layout crosses it (a barrier on the block itself passes its layout on). That costs a
+      local copy of the block, next to the collective that reduces it; results that are not
+      Partial are left alone (their readers' layouts did not reach the FFT in any case tried,
+      and the copy would be paid by every FFT)."""
     n = len(fft_lengths)
     batch, core = x.shape[:x.ndim - n], x.shape[x.ndim - n:]
     size = math.prod(batch)
     y = lax_fft.fft_p.bind(x.reshape((size, *core) if size != 1 else core),
                            fft_type=fft_type, fft_lengths=tuple(fft_lengths))
+    if ctx.out_layouts[0].partial:  # a reduction reads it, maybe a reduce-scatter
+        y = _row_major(y)
     return [y.reshape(batch + y.shape[y.ndim - n:])]
 
 

@@ -232,3 +232,43 @@ def test_an_fft_of_blocks_with_a_dim_of_one_runs():
     got = dist.jit(f)(dist.shard_tensor(x, mesh, ["S(2)", "S(2)", "S(2)"]))
     np.testing.assert_allclose(got.numpy(), np.asarray(jax.jit(lambda h: f(h, False))(x)),
                                rtol=1e-4, atol=1e-4)
+
+
+PARTIAL_FFTS = {  # name: (function, input shape, mesh, input placements, result hint)
+    "fft axis 0, 1d": (lambda h: jnp.fft.fft(h, axis=0).real, (16, 8), "1d", ["P"], ["S(0)"]),
+    "fft axis 0 then scaled, 1d": (lambda h: jnp.fft.fft(h, axis=0).real * 2.0 + 1.0, (16, 8),
+                                   "1d", ["P"], ["S(0)"]),
+    "ifft axis -1, 1d": (lambda h: jnp.fft.ifft(h, axis=-1).imag, (8, 16), "1d", ["P"], ["S(1)"]),
+    "irfft axis 0, 2d": (lambda h: jnp.fft.irfft(h, n=16, axis=0), (9, 8), "2d", ["P", "R"],
+                         ["S(0)", "R"]),
+    "rfftn, 1d": (lambda h: jnp.fft.rfftn(h, axes=(0, 1)).real, (8, 16, 4), "1d", ["P"],
+                  ["S(0)"]),
+    "fftn, 2d": (lambda h: jnp.fft.fftn(h, axes=(0, 1)).real, (8, 16, 4), "2d", ["R", "P"],
+                 ["S(1)", "S(0)"]),
+    "fft2 replicated, 2d": (lambda h: jnp.fft.fft2(h).imag, (4, 8, 16), "2d", ["P", "S(1)"],
+                            ["R", "R"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL_FFTS))
+def test_an_fft_of_a_partial_input_runs(name):
+    """An FFT of a Partial input runs on the parts, and the sum is reduce-scattered after it
+    along a transformed dim (the hint splits one; all-reduced where it replicates them).
+    XLA's CPU layout assignment lays a reduce-scatter out with its scatter dim major and
+    carried that layout back through the FFT (and the steps after it) to the FFT's operand,
+    which its FFT kernel refused at run time (RET_CHECK IsMonotonicWithDim0Major; found by
+    fuzzing). A Partial FFT result is made row-major whatever its readers ask for; values
+    equal one device, and the planned collectives are the compiled ones."""
+    fn, shape, mesh, placements, hint = PARTIAL_FFTS[name]
+    mesh = MESHES[mesh]
+    x = np.random.default_rng(3).normal(size=shape).astype(np.float32)
+    xd = dist.shard_tensor(x, mesh, [dist.Partial() if p == "P" else p for p in placements])
+    f = dist.jit(lambda h: dist.shard_tensor(fn(h), mesh, hint))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        got = f(xd)
+    np.testing.assert_allclose(got.numpy(), np.asarray(jax.jit(fn)(x)), rtol=1e-4, atol=1e-4)
+    planned = Counter(c.kind for c in f.plan(xd).collectives)
+    assert planned == count_collectives(f.lower(xd).compile().as_text()), f.plan(xd)
+    if "R" not in hint:
+        assert planned["reduce-scatter"], f.plan(xd)  # the sum is scattered, not all-reduced
