@@ -30,7 +30,7 @@ from .propagate import eqn_facts, propagate
 from . import constraints, recompute
 from .repeats import Repeats, boundary
 from .split_reduce import split_output_reductions
-from .strategy import chooser
+from .strategy import UNREAD, chooser
 from .summed_up import scatter_candidates, small_tail
 from .trace import Program, Value, Where, hint_p
 from .user_collectives import SHARD_MAP, body_collectives, plan_shard_map
@@ -325,6 +325,26 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         for k, L in scatter_at.items():
             overrides[k] = (L,) * len(program.eqns[k].outputs)
 
+    # A free output (returned reduced, no placement asked) that no equation reads has no
+    # consumer to want a layout for it: a replicated preference of it is only the fill of
+    # propagation's proposals (its producer's operands were preferred replicated, e.g. a
+    # slice's pending sum reduced by a nonlinear step), not a need. Chosen with it, the
+    # producer gathered an operand the plan had kept split, where propagation had not (the
+    # gradient of a column slice of a column-split input: the plan all-to-alls the slice by
+    # rows, the pad making the gradient then gathered its whole operand to meet the stale
+    # [R]: 2x jax.jit's bytes, the gradient replicated). Chosen with UNREAD instead, any
+    # layout of it is free and a Partial pays the whole reduction it gets on its way out.
+    # A sharded preference (a weight gradient's) is kept: it comes from the value's own
+    # operands, and UNREAD would price its pending sums in full, not half as now (the
+    # plans tuned on that price: test_cost_choices, the GPT workloads).
+    unread: dict = {}
+    read_anywhere = {v for e in program.eqns for v in e.inputs}
+    for v, L in zip(program.outputs, output_targets):
+        if L is None and v not in fixed and v.producer >= 0 and v not in read_anywhere:
+            P = pref.get(v)
+            if P is None or P.is_replicated:
+                unread[v] = UNREAD
+
     actual: dict = {}
     inputs = []
     for v, L in zip(program.inputs, input_layouts):
@@ -545,7 +565,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                 cones = whole_for_free(e, operands, available)
                 wanted = overrides.get(e.index)
                 if wanted is None:
-                    wanted = tuple(map(pref.get, e.outputs))
+                    wanted = tuple([unread.get(v) or pref.get(v) for v in e.outputs]) \
+                        if unread else tuple(map(pref.get, e.outputs))
                 choice = (pick_scattering if e.index in scatter_at else pick)(
                     sig, tuple(operands), wanted, facts.single_use[e.index], tuple(available),
                     facts.is_parameter[e.index])
@@ -610,7 +631,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]),
                # which equations choose with other preferences (summed_up.py), by position
                tuple([(k - start, overrides[k], k in scatter_at) for k in range(start, stop)
-                      if k in overrides]) if overrides else ())
+                      if k in overrides]) if overrides else (),
+               # which results are chosen as UNREAD, by position
+               tuple([(k - start, j) for k in range(start, stop)
+                      for j, v in enumerate(eqns[k].outputs) if v in unread]) if unread else ())
         planned = repeats.planned[run]
         first = planned.get(key)
         if first is None:

@@ -32,6 +32,21 @@ from .factors import ALL, NONE, ONE, PASS, REDUCE, REPLICATE, OpSharding
 ALL_OPERANDS = -1
 
 
+class _Unread:
+    """A result's preference (`preferred[j]`) when it is an output of the program returned
+    as planned, reduced (no placement asked) and read by nothing in the program: any layout
+    costs nothing more, a Partial pays its whole reduction (the output is reduced where it is
+    returned, nothing merges or scatters it later)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNREAD"
+
+
+UNREAD = _Unread()
+
+
 @dataclass(frozen=True)
 class Strategy:
     assign: tuple[tuple[str, int], ...] = ()                 # (mesh axis, factor), co-shard order
@@ -250,7 +265,7 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
                      for i, L in enumerate(actual) if L is not None}
     seeds = list(operand_seeds.values())
     seeds += [_seed_from(opsh.results[j], L, opsh, None, sizes=sizes)
-              for j, L in enumerate(preferred) if L is not None]
+              for j, L in enumerate(preferred) if L is not None and L is not UNREAD]
     extra = [(i, _seed_from(opsh.operands[i], L, opsh, i, single_use[i], sizes, dtypes[i]))
              for i, moved in enumerate(available) for L in sorted(moved, key=repr)]
     out: list[Strategy] = [_merge(seeds), _merge(list(reversed(seeds)))]
@@ -518,9 +533,14 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
                 if not param:
                     cost += made_partial_seconds(mesh, L, R, aval, cost_model)
         for R, P, aval in zip(outs, preferred, out_avals):
-            if P is not None:
-                cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
-            cost += deferred_reduction_seconds(mesh, R, P, aval, cost_model)
+            if P is UNREAD:  # returned reduced, as it lies: its whole reduction, if any
+                if R.partial:
+                    cost += reshard_seconds(mesh, R, R.without_partial(), aval.shape,
+                                            aval.dtype, cost_model)
+            else:
+                if P is not None:
+                    cost += reshard_seconds(mesh, R, P, aval.shape, aval.dtype, cost_model)
+                cost += deferred_reduction_seconds(mesh, R, P, aval, cost_model)
             local = math.prod(R.local_shape(aval.shape, sizes)) * itemsize(aval.dtype)
             cost += cost_model.local(local)
         # on a tie, the results with fewer dims split over several axes: the batch axis of a
@@ -551,4 +571,4 @@ def _choose_pairs(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_mod
                   "; ".join(f"{i}: {c.description}" for i, c in enumerate(picked)))
 
 
-__all__ = ["Strategy", "Choice", "Signature", "signature", "choose", "chooser", "candidates", "layouts", "reshard_seconds", "NONE"]
+__all__ = ["Strategy", "Choice", "UNREAD", "Signature", "signature", "choose", "chooser", "candidates", "layouts", "reshard_seconds", "NONE"]
