@@ -338,9 +338,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # operands, and UNREAD would price its pending sums in full, not half as now (the
     # plans tuned on that price: test_cost_choices, the GPT workloads).
     unread: dict = {}
-    read_anywhere = {v for e in program.eqns for v in e.inputs}
+    readers = program.readers()
     for v, L in zip(program.outputs, output_targets):
-        if L is None and v not in fixed and v.producer >= 0 and v not in read_anywhere:
+        if L is None and v not in fixed and v.producer >= 0 and v not in readers:
             P = pref.get(v)
             if P is None or P.is_replicated:
                 unread[v] = UNREAD
