@@ -1345,6 +1345,21 @@ def test_a_tensor_closed_over_on_a_mesh_of_one_device_is_an_input_there(ids):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_an_argument_moved_to_a_mesh_sharing_its_devices_stays_valid_when_donated():
+    """Read only on a sub-mesh of its own mesh, a donated argument arrives there as a "copy"
+    whose blocks on the shared devices are the original's buffers (jax's device_put hands them
+    back): donating it deleted the original, which the user still holds (found by a probe)."""
+    whole, sub = dist.ProcessMesh(list(range(8)), ["x"]), dist.ProcessMesh([0, 1, 2, 3], ["x"])
+    a = np.arange(32, dtype=np.float32).reshape(8, 4)
+    b = np.ones((8, 4), np.float32)
+    x = dist.shard_tensor(a, whole, [dist.Replicate()])
+    f = dist.jit(lambda x, y: dist.reshard(x, sub, [dist.Replicate()]) * 2 + y,
+                 donate_argnums=0)
+    np.testing.assert_array_equal(f(x, dist.shard_tensor(b, sub, [dist.Replicate()])).numpy(),
+                                  a * 2 + b)
+    np.testing.assert_array_equal(x.numpy(), a)
+
+
 @pytest.mark.parametrize("moved", [False, True], ids=["stays", "moves"])
 def test_a_function_on_two_meshes_takes_the_donated_buffers_in_its_stages(moved):
     """A function cut into stages on two meshes runs one program per stage; each donated

@@ -779,8 +779,12 @@ class _MeshStages:
             args = self._arguments(env, part, moves)
             if visit is not None:
                 visit(program, args, moves)
-                # (asking for the plans runs the stages: on copies of what a call donates)
-                args = [_copy(x) if j in program._donate else x for j, x in enumerate(args)]
+            # donated: copies where asking for the plans runs the stages, and where a moved
+            # argument's copy shares the original's buffers (a device of both meshes keeps
+            # its block: jax's device_put hands the same buffer back), which stays valid
+            args = [_copy(x) if j in program._donate and (
+                visit is not None or x is not env[v] and _shares_buffers(x, env[v])) else x
+                for j, (x, v) in enumerate(zip(args, part.inputs))]
             env.update(zip(part.outputs, program(*args)))
         return env
 
@@ -832,6 +836,16 @@ def _donated_per_stage(cut, donated: set) -> list[tuple[int, ...]]:
     return [tuple(j for j, v in enumerate(part.inputs)
                   if v in donated and last[v] == k and v not in kept)
             for k, part in enumerate(cut.stages)]
+
+
+def _shares_buffers(a: Any, b: Any) -> bool:
+    def buffers(x) -> set:
+        held = getattr(x, "physical", x)
+        if not isinstance(held, jax.Array):
+            return set()
+        return {s.data.unsafe_buffer_pointer() for s in held.addressable_shards}
+
+    return bool(buffers(a) & buffers(b))
 
 
 def _copy(x: Any) -> Any:
