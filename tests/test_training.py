@@ -1,6 +1,7 @@
 """to_static + shard_optimizer + Strategy: every parallel strategy trains like one device, with
 the collectives and memory each promises."""
 import copy
+import re
 import warnings
 from collections import Counter
 
@@ -304,6 +305,25 @@ def test_a_call_that_raises_leaves_the_gradient_merge_cycle_where_it_was(fails_a
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for name, value in ref_params.items():
         np.testing.assert_allclose(m.params[name].numpy(), value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["train", "gradient-merge"])
+def test_a_batch_of_the_wrong_width_after_good_ones_names_the_shapes(k):
+    """A batch of the wrong feature width (or label width) after batches that ran: a typed
+    error naming this batch's shapes and those of the last batch that ran, not jax's bare
+    TypeError from inside the model (found by a probe); the model then trains on."""
+    weights, batches = _weights(), _batches(n=3)
+    strategy = dist.Strategy({"gradient_merge": {"enable": k > 1, "k_steps": k}})
+    m = dist.to_static(_model("dp", weights)[1], None, mse, optax.sgd(0.1), strategy)
+    (x, y), rest = batches[0], batches[1:]
+    m(x, y)
+    for bad in ((x[:, :-2], y), (x, y[:, :-1])):
+        with pytest.raises(dist.DistModelError, match=re.escape(
+                f"shapes {[tuple(a.shape) for a in bad]}; the last batch it ran had "
+                f"[(8, 16), (8, 8)]")):
+            m(*bad)
+    ref_losses, _ = _reference(weights, batches, optax.sgd(0.1), k=k)
+    np.testing.assert_allclose([float(m(*b).numpy()) for b in rest], ref_losses[1:], rtol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [0, 2], ids=["no-zero", "zero2"])

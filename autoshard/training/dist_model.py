@@ -123,6 +123,10 @@ def _register(owned: weakref.WeakValueDictionary, tree: Any, skip: set[int] = fr
             owned[id(held)] = held
 
 
+def _batch_shapes(batch: tuple) -> list[tuple[int, ...]]:
+    return [tuple(np.shape(x)) for x in jax.tree.leaves(batch, is_leaf=_is_dt)]
+
+
 def _is_placements(x: Any) -> bool:
     return isinstance(x, list)
 
@@ -733,7 +737,20 @@ class DistModel:
         args = self.program_args(name, *batch)
         if self._donates(name):
             args = (args[0], _donatable(args[1], self._owned, _held_by_others(self))) + args[2:]
-        carry, result = self._program(name, args)(*args)
+        kind = "train" if name in ("accumulate", "merge") else name
+        try:
+            carry, result = self._program(name, args)(*args)
+        except TypeError as e:  # jax's, from tracing the user's code on this batch's shapes
+            ran = self.__dict__.setdefault("_ran_shapes", {}).get(kind)
+            now = _batch_shapes(args[2:])
+            if ran is None or ran == now:
+                raise
+            raise DistModelError(
+                f"the {kind} step failed on this batch, whose arrays have shapes {now}; the "
+                f"last batch it ran had {ran} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}): give batches shaped as the model takes them — "
+                f"only the batch dim may change") from e
+        self.__dict__.setdefault("_ran_shapes", {})[kind] = _batch_shapes(args[2:])
         _register(self._owned, carry)
         if name == "predict":  # the plan chose its output layouts: keep the stored ones
             carry["state"] = self._restore_placements(carry["state"], self.state)
