@@ -22,8 +22,8 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType, narrow_float
 from .steps import (AllGather, AllReduce, AllToAll, GatherUneven, LocalSlice, MakePartial,
-                    ReduceScatter, ShardToPartial, SplitUneven, Step, remainder_sum,
-                    widened_mean)
+                    ReduceScatter, Retile, ShardToPartial, SplitUneven, Step, remainder_sum,
+                    retiling, widened_mean)
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,48 @@ def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype:
     return tuple(found)
 
 
+@functools.lru_cache(maxsize=256)
+def _retile_targets(dst: Layout, mesh: ProcessMesh) -> tuple[Layout, ...]:
+    """The layouts a search for `dst` may re-tile to by one permute (`steps.Retile`): `dst`
+    itself, and `dst` with mesh axes it leaves free split further over one dim (minor-most),
+    which all-gathers of those axes then undo — rows split over mp becoming rows over dp on a
+    2x4 mesh ([R, S(0)] → [S(0), R]) permute to rows over (dp, mp), half a target block each,
+    and gather mp: a target block spans two source blocks, which one round cannot fill."""
+    used = dst.used_axes
+    free = [a for a in mesh.dim_names if a not in used]
+    found = [dst]
+    for k in range(1, len(free) + 1):
+        for extra in itertools.permutations(free, k):
+            for d, axes in enumerate(dst.dims):
+                found.append(dst.with_dim(d, axes + extra))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=8192)
+def _retile_moves(layout: Layout, dst: Layout, shape: tuple[int, ...], dtype: str,
+                  mesh: ProcessMesh, cost_model: CostModel) -> tuple:
+    """The re-tiling permutes from `layout` towards `dst` (`_retile_targets`), as `_moves`
+    lists steps. Apart from `_moves`: these depend on the search's target, whose other steps
+    do not (and are shared by every search of that shape)."""
+    if layout.partial != dst.partial:
+        return ()
+    sizes = mesh.axis_sizes
+    itemsize = np.dtype(dtype).itemsize
+    found = []
+    for target in _retile_targets(dst, mesh):
+        if target is layout:
+            continue
+        plan = retiling(layout, target, tuple(sizes.items()))
+        if plan is None:
+            continue
+        step = Retile(layout, target, plan.axes)
+        if step.after(layout, shape, sizes) is None:
+            continue
+        wire = step.wire_bytes(0, _local_bytes(target, shape, sizes, itemsize), sizes)
+        found.append((target, step, wire, cost_model.collective(step.axes, wire), 0))
+    return tuple(found)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, ...],
                  dtype: str, cost_model: CostModel) -> tuple[PlannedStep, ...]:
@@ -242,8 +284,9 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
             break
         if cost > best.get(layout, math.inf):
             continue
-        for nxt, step, wire, seconds, remainders in _moves(layout, wanted_partial, shape, dtype,
-                                                           mesh, cost_model):
+        for nxt, step, wire, seconds, remainders in itertools.chain(
+                _moves(layout, wanted_partial, shape, dtype, mesh, cost_model),
+                _retile_moves(layout, dst, shape, dtype, mesh, cost_model)):
             total = cost + seconds
             # a first path to a layout is taken even at an infinite cost (a cost model of
             # bandwidths so small that seconds overflow): the plan, not whether one exists

@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
 
 from ..compiler.dtypes import highest, lowest
 from ..layout import Layout
@@ -481,5 +483,203 @@ class ShardToPartial(Step):
         return f"shard_to_partial({self.axis}, {self.reduce_type.value}) dim {self.dim}"
 
 
+# ------------------------------------------------------------------------ re-tiling by permute
+# A value whose copies along some mesh axes agree, typed invarying over them (no communication).
+# A permute's result varies over every axis it ran across, although where the target layout is
+# replicated over one of them (rows split over dp moved to mp: [S(0), R] → [R, S(0)]) every
+# device of a dp-group received the same block; jax has no cast from varying to invarying
+# (only collectives: a psum, an all-gather to="invarying"), and shard_map's check_vma rejects
+# a varying value for a replicated out_spec. As a linear map it reads the copy of the devices at
+# index 0 along `axes` (the others equal it): its transpose puts the cotangent there.
+agreed_p = jex_core.Primitive("autoshard_agreed")
+agreed_p.def_impl(lambda x, *, axes: x)
+
+
+def _agreed_abstract(aval, *, axes):
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=mat.varying - frozenset(axes)))
+    return aval.update(vma=frozenset(aval.vma) - frozenset(axes))  # (jax before 0.10)
+
+
+def _agreed_transpose(ct, x, *, axes):
+    ct = lax.pcast(ct, axes, to="varying")
+    first = functools.reduce(lax.bitwise_and, [lax.eq(lax.axis_index(a), np.int32(0))
+                                                for a in axes])
+    first = ensure_varying(lax.broadcast(first, ct.shape), varying_axes(ct))
+    return [lax.select(first, ct, lax.full_like(ct, 0))]
+
+
+agreed_p.def_abstract_eval(_agreed_abstract)
+ad.deflinear2(agreed_p, _agreed_transpose)
+batching.primitive_batchers[agreed_p] = lambda args, dims, *, axes: (
+    agreed_p.bind(args[0], axes=axes), dims[0])
+mlir.register_lowering(agreed_p, lambda ctx, x, *, axes: [x])
+
+
+def agreed(x, axes):
+    """`x` typed invarying over those of `axes` it varies over: its copies along them agree."""
+    axes = tuple(sorted(a for a in axes if a in varying_axes(x)))
+    return agreed_p.bind(x, axes=axes) if axes else x
+
+
+class Retiling(NamedTuple):
+    """One round of a re-tiling over `axes` (the mesh axes either layout splits a dim over, in
+    the mesh's order; a device is numbered by its linear index over them, major first: jax's
+    numbering of `lax.axis_index(axes)` and of ppermute's pairs). Each device's target block
+    lies inside one source block, `ratio` target blocks per source block along each dim; a
+    device holding its own target's source block slices it (keeps), the others receive it from
+    a holder (`perm`: (sender, receiver))."""
+
+    axes: tuple[str, ...]
+    ratio: tuple[int, ...]
+    perm: tuple[tuple[int, int], ...]
+    send: tuple[tuple[int, ...], ...]  # per device: the block (in target blocks, per dim) it
+    # slices to send — or to keep, when `keep` is None (no device both keeps and sends)
+    keep: tuple[tuple[int, ...], ...] | None
+    receives: tuple[bool, ...]  # per device: whether its block arrives (else it keeps one)
+
+
+def _block_index(dims, position, sizes) -> tuple[int, ...]:
+    out = []
+    for axes in dims:
+        index = 0
+        for a in axes:
+            index = index * sizes[a] + position[a]
+        out.append(index)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8192)
+def retiling(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...]) -> Retiling | None:
+    """The one round of sends that turns `src` into `dst` (mesh axis sizes `sizes`, in the
+    mesh's order), or None: their partial axes differ, a target block spans source blocks
+    (some dim has fewer target blocks than source blocks, or a count that is no multiple of
+    theirs), no device needs a block it lacks, or some source block is needed by more devices
+    than hold it (one round: each device sends at most one piece and receives at most one)."""
+    if src is dst or src.partial != dst.partial or src.ndim != dst.ndim:
+        return None
+    size = dict(sizes)
+    used = {a for axes in src.dims + dst.dims for a in axes}
+    axes = tuple(a for a, _ in sizes if a in used)
+    n_src = [math.prod(size[a] for a in d) for d in src.dims]
+    n_dst = [math.prod(size[a] for a in d) for d in dst.dims]
+    if any(t % s for s, t in zip(n_src, n_dst)):
+        return None
+    ratio = tuple(t // s for s, t in zip(n_src, n_dst))
+    count = math.prod(size[a] for a in axes)
+    coords, holds, needs, within = [], [], [], []
+    for i in range(count):
+        position, rest = {}, i
+        for a in reversed(axes):
+            rest, position[a] = divmod(rest, size[a])
+        coords.append(tuple(position[a] for a in axes))
+        holds.append(_block_index(src.dims, position, size))
+        target = _block_index(dst.dims, position, size)
+        needs.append(tuple(t // r for t, r in zip(target, ratio)))
+        within.append(tuple(t % r for t, r in zip(target, ratio)))
+    keepers = {i for i in range(count) if holds[i] == needs[i]}
+    if len(keepers) == count:
+        return None  # nothing moves: a local slice
+    holders: dict[tuple, list[int]] = {}
+    for i in range(count):
+        holders.setdefault(holds[i], []).append(i)
+    perm = []
+    for i in range(count):
+        if i in keepers:
+            continue
+        free = holders.get(needs[i], [])
+        if not free:
+            return None  # more devices need this source block than hold it
+        # a holder that keeps no block of its own first (it slices once), then the one
+        # nearest on the mesh (fewest coordinates differ)
+        j = min(free, key=lambda j: (j in keepers, sum(a != b for a, b in zip(coords[i], coords[j])), j))
+        free.remove(j)
+        perm.append((j, i))
+    zero = (0,) * src.ndim
+    send = [zero] * count
+    for j, i in perm:
+        send[j] = within[i]
+    senders = {j for j, _ in perm}
+    keep = None
+    if keepers & senders:
+        keep = tuple(within[i] if i in keepers else zero for i in range(count))
+    else:
+        for i in keepers:
+            send[i] = within[i]
+    receives = tuple(i not in keepers for i in range(count))
+    return Retiling(axes, ratio, tuple(perm), tuple(send), keep, receives)
+
+
+def _slice_blocks(x, table, index, block):
+    """This device's block of shape `block` from `x`, at the block offsets of row `index` of
+    the constant `table` (one row per device)."""
+    starts = []
+    for d, b in enumerate(block):
+        column = np.array([row[d] * b for row in table], np.int32)
+        if not column.any():
+            starts.append(np.int32(0))
+        else:
+            starts.append(lax.dynamic_index_in_dim(column, index, keepdims=False))
+    return lax.dynamic_slice(x, starts, block)
+
+
+@dataclass(frozen=True)
+class Retile(Step):
+    """Any layout to `dst` (same partial axes) in which each device's block lies inside one
+    block of `src`: one collective permute over `moved` (a dim's split moved to another mesh
+    axis, axes exchanged between dims, a dim split finer over other axes). Each device slices
+    the piece its receiver needs, the permute delivers it, and a device that already holds its
+    target's rows slices them instead (`retiling`: applies where one round does it)."""
+
+    src: Layout
+    dst: Layout
+    moved: tuple[str, ...]  # the mesh axes either layout splits a dim over, in the mesh's order
+    kind: ClassVar[str] = "permute"
+    hlo: ClassVar[str] = "collective-permute"
+
+    @property
+    def axes(self):
+        return self.moved
+
+    def after(self, layout, shape, sizes):
+        if layout is not self.src:
+            return None
+        plan = retiling(self.src, self.dst, tuple(sizes.items()))
+        if plan is None or plan.axes != self.moved:
+            return None
+        for size, axes in zip(shape, self.dst.dims):
+            if size % _group_size(axes, sizes):
+                return None
+        return self.dst
+
+    def wire_bytes(self, in_bytes, out_bytes, sizes):
+        return out_bytes  # one target block, from each device that sends
+
+    def run(self, x, sizes):
+        plan = retiling(self.src, self.dst, tuple(sizes.items()))
+        block = tuple(n // r for n, r in zip(x.shape, plan.ratio))
+        index = _linear_axis_index(plan.axes, sizes)
+        sent = _slice_blocks(x, plan.send, index, block)
+        received = lax.ppermute(sent, _axis_arg(plan.axes), plan.perm)
+        if all(plan.receives):
+            out = received
+        else:
+            kept = sent if plan.keep is None else _slice_blocks(x, plan.keep, index, block)
+            axes = varying_axes(received) | varying_axes(kept)
+            received, kept = ensure_varying(received, axes), ensure_varying(kept, axes)
+            receives = lax.dynamic_index_in_dim(np.array(plan.receives), index, keepdims=False)
+            receives = ensure_varying(lax.broadcast(receives, block), axes)
+            out = lax.select(receives, received, kept)
+        # the devices along an axis the target does not vary over hold equal blocks now
+        keep_varying = self.dst.used_axes
+        return agreed(out, [a for a in plan.axes + tuple(self.src.used_axes)
+                            if a not in keep_varying])
+
+    def __str__(self):
+        dims = [str(d) for d, (a, b) in enumerate(zip(self.src.dims, self.dst.dims)) if a != b]
+        return f"ppermute({','.join(self.moved)}) dim{'s' if len(dims) > 1 else ''} {','.join(dims)}"
+
+
 __all__ = ["remainder_sum", "widened_mean", "Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
-           "MakePartial", "ShardToPartial"]
+           "MakePartial", "ShardToPartial", "Retile", "retiling", "agreed"]
