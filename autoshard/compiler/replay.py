@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 from jax._src import core as jcore
 from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jex_core
 
 _IN, _MADE, _FIXED, _LIT = 0, 1, 2, 3  # where an emitted equation's operand comes from
 
@@ -97,7 +98,7 @@ def _holds_callable(params: dict) -> bool:
         for x in (v if isinstance(v, (tuple, list)) else (v,)):
             if _is_callable(x):
                 return True
-            if isinstance(x, jcore.ClosedJaxpr):
+            if isinstance(x, jex_core.ClosedJaxpr):  # (jax >= 0.12 keeps it only here)
                 x = x.jaxpr
             if isinstance(x, jcore.Jaxpr) and any(_holds_callable(e.params) for e in x.eqns):
                 return True
