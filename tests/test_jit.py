@@ -1045,7 +1045,9 @@ def test_two_moves_of_a_value_that_start_alike_run_their_common_steps_once(
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-6)
     plan = g.plan(dx)
     gathers = [c for c in plan.collectives if c.kind == "all-gather" and c.step == "all_gather(c) dim 0"]
-    assert len({c.value for c in gathers}) == len(gathers) == 2, plan  # h once, the other factor
+    # h gathered once (the other factor moves by its own gather, or by one permute)
+    values = [c.value for c in gathers]
+    assert len(set(values)) == len(values) and values.count("h") == 1, plan
     assert hlo_counts(g, dx) == planned(g, dx)
 
 
