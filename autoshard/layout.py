@@ -10,6 +10,8 @@ import functools
 import math
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from .errors import PlacementError, ShardingError
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard, normalize_placements
@@ -237,11 +239,24 @@ def partial_axes_in_mesh_order(layout: Layout, mesh: ProcessMesh) -> tuple[str, 
     return tuple(a for a in mesh.dim_names if a in partial)
 
 
+@functools.lru_cache(maxsize=None)
+def _holds_zero(dtype: Any) -> bool:
+    """Whether 0 is a value of float type `dtype` (float8_e8m0fnu, the MX scales, has none)."""
+    return bool(np.asarray(0.0, np.float32).astype(dtype).astype(np.float32) == 0)
+
+
 def check_partial_dtype(layout: "Layout", dtype: Any, what: str) -> None:
     """A Partial(max) / Partial(min) of complex numbers is an error: they have no order (XLA
-    has no max-reduction of them, and would fail deep in its runtime)."""
+    has no max-reduction of them, and would fail deep in its runtime); so is a Partial(sum)
+    of a float type without a zero (it read back NaN)."""
     from jax import numpy as jnp
 
+    sums = [a for a, t in layout.partial if t is ReduceType.SUM]
+    if sums and jnp.issubdtype(dtype, jnp.floating) and not _holds_zero(dtype):
+        raise PlacementError(
+            f"{what} is {jnp.dtype(dtype).name}, placed Partial(sum) over {sums[0]!r}: the type "
+            f"has no zero (its parts on the other devices would be zeros) — place it "
+            f"Replicate / Shard / Partial(avg), or cast it to float32 first")
     kinds = {t for t in layout.partial_map.values() if t in (ReduceType.MAX, ReduceType.MIN)}
     if kinds and jnp.issubdtype(dtype, jnp.complexfloating):
         kind = sorted(t.value for t in kinds)[0]

@@ -143,10 +143,11 @@ def _default_fill(dtype):
     # As lax.gather resolves fill_value=None.
     if jax.dtypes.issubdtype(dtype, np.inexact):  # bfloat16 too, which numpy does not know
         return np.nan
-    if np.issubdtype(dtype, np.signedinteger):
-        return np.iinfo(dtype).min
-    if np.issubdtype(dtype, np.unsignedinteger):
-        return np.iinfo(dtype).max
+    # (jax's issubdtype and iinfo: numpy's do not know int4 / uint4)
+    if jax.dtypes.issubdtype(dtype, np.signedinteger):
+        return jax.numpy.iinfo(dtype).min
+    if jax.dtypes.issubdtype(dtype, np.unsignedinteger):
+        return jax.numpy.iinfo(dtype).max
     return True
 
 

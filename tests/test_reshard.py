@@ -226,6 +226,54 @@ def test_a_nan_wins_a_max_or_min_reduction_as_on_one_device(kind, dst):
     check_reshard(make_tensor(value, mesh, [f"P({kind})", "S(1)"]), mesh, dst, value)
 
 
+NARROW = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "e4m3fnuz": jnp.float8_e4m3fnuz,
+          "e5m2fnuz": jnp.float8_e5m2fnuz, "e4m3b11fnuz": jnp.float8_e4m3b11fnuz,
+          "f4e2m1fn": jnp.float4_e2m1fn, "int4": jnp.int4, "uint4": jnp.uint4}
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_float8_4bit_and_int4_values_reduce_over_devices_as_on_one_device(name):
+    """A max / min over devices of float8 keeps a NaN (the fnuz kinds, NaN at 0x80, read back
+    their largest finite number), and 4-bit floats and int4 / uint4 reduce at all (a bitcast to
+    int8 and numpy's iinfo failed) — an int4 mean as an integer mean (it wrapped); found by a
+    probe. Values equal one device's jnp.max / min."""
+    dtype = NARROW[name]
+    mesh = dist.ProcessMesh(list(range(8)), ["x"])
+    small = np.array([0.5, 1, 1.5, 2, 3, 4, 6, -1], np.float32)
+    if jnp.issubdtype(dtype, jnp.integer):
+        small = np.arange(8, dtype=np.float32) - (7 if name == "int4" else 0)
+    value = np.resize(small, (8, 8)).T.astype(dtype)
+    has_nan = jnp.issubdtype(dtype, jnp.floating) and not name.startswith("f4")
+    if has_nan:
+        value[5, 2] = np.nan
+    x = dist.shard_tensor(value, mesh, [dist.Shard(0)])
+    for reduce in (jnp.max, jnp.min):
+        got = dist.jit(lambda a: reduce(a, axis=0))(x).numpy()
+        want = np.asarray(jax.jit(lambda a: reduce(a, axis=0))(value))
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    for kind in ("max", "min", "avg"):
+        if kind == "avg" and jnp.issubdtype(dtype, jnp.floating):
+            continue
+        got = dist.reshard(x, mesh, [dist.Partial(kind)]).numpy()
+        np.testing.assert_array_equal(got.astype(np.float32), value.astype(np.float32))
+    if has_nan:
+        part = dist.shard_tensor(value, mesh, [dist.Partial("max")])
+        assert np.isnan(dist.reshard(part, mesh, [dist.Replicate()]).numpy()[5, 2].astype(np.float32))
+
+
+def test_a_float_without_zero_placed_partial_sum_is_an_error():
+    """float8_e8m0fnu (MX block scales) has no zero, which the other devices' parts of a
+    Partial(sum) are: it read back all NaN (found by a probe); a typed error now, and
+    Partial(avg) (every part the value) reads back."""
+    mesh = dist.ProcessMesh(list(range(8)), ["x"])
+    value = np.resize(np.array([0.25, 0.5, 1, 2], np.float32), (8, 4)).astype(jnp.float8_e8m0fnu)
+    with pytest.raises(PlacementError, match=r"float8_e8m0fnu, placed Partial\(sum\) over 'x': "
+                                             r"the type has no zero"):
+        dist.shard_tensor(value, mesh, [dist.Partial("sum")])
+    got = dist.shard_tensor(value, mesh, [dist.Partial("avg")]).numpy()
+    np.testing.assert_array_equal(got.astype(np.float32), value.astype(np.float32))
+
+
 @pytest.mark.parametrize("kind", ["sum", "avg"])
 def test_truth_values_and_integers_reduce_in_their_dtype(kind):
     # a pending sum of truth values reads as their `or`, a mean of integers stays an integer

@@ -55,7 +55,7 @@ def lowest(dtype):
         return -np.inf if _has_inf(dtype) else float(jax.numpy.finfo(dtype).min)
     if dtype == np.bool_:
         return False
-    return np.iinfo(dtype).min
+    return jax.numpy.iinfo(dtype).min  # (int4: numpy's iinfo does not know it)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,4 +66,4 @@ def highest(dtype):
         return np.inf if _has_inf(dtype) else float(jax.numpy.finfo(dtype).max)
     if dtype == np.bool_:
         return True
-    return np.iinfo(dtype).max
+    return jax.numpy.iinfo(dtype).max

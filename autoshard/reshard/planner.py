@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
+import jax
 import numpy as np
 
 from ..cost_model import CostModel
@@ -204,7 +205,7 @@ def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype:
     layouts of the same few shapes again and again: expanded once."""
     sizes = mesh.axis_sizes
     itemsize = np.dtype(dtype).itemsize
-    integer = bool(np.issubdtype(np.dtype(dtype), np.integer))
+    integer = bool(jax.dtypes.issubdtype(dtype, np.integer))  # (int4: numpy's does not know it)
     narrow = narrow_float(dtype)
     in_bytes = _local_bytes(layout, shape, sizes, itemsize)
     found = []

@@ -201,7 +201,14 @@ def _ordered_choice(choose, x, axes):
     returns a number), so the devices reduce integer keys ordered as the floats are, NaN above
     (max) or below (min) every number, and the chosen key is turned back into its float. One
     collective of the same bytes; the key is an elementwise bit flip on each side."""
-    ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[np.dtype(x.dtype).itemsize]
+    if np.dtype(x.dtype).itemsize < 2:
+        # float8 and 4-bit floats: chosen as float32, which holds each of their values (NaN
+        # too) exactly. Their own bits cannot serve as keys: a 4-bit float has no integer of
+        # its width to view it as, and in the fnuz kinds (no -0, NaN at 0x80) the NaN marker
+        # below would read back as their largest finite number.
+        wide = _ordered_choice(choose, lax.convert_element_type(x, np.float32), axes)
+        return lax.convert_element_type(wide, x.dtype)
+    ints = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[np.dtype(x.dtype).itemsize]
     flip = np.array(np.iinfo(ints).max, ints)
     zero = np.array(0, ints)
     # (lax, not jnp: a layer's every softmax emits this, and jnp's checks and jitted helpers
@@ -334,7 +341,7 @@ def remainder_sum(step: Step, dtype) -> bool:
     """Whether `step` on values of `dtype` runs a second collective: the mean of integer parts
     sums their remainders apart, in int32 (`mean_of_parts`)."""
     return (type(step) in (AllReduce, ReduceScatter) and step.reduce_type is ReduceType.AVG
-            and np.issubdtype(np.dtype(dtype), np.integer))
+            and jax.dtypes.issubdtype(dtype, np.integer))  # (int4: numpy's does not know it)
 
 
 @dataclass(frozen=True)
