@@ -104,8 +104,9 @@ def _mulhi_lower(ctx, x, y):
     return [hi]
 
 
-# primitives of later jax versions (tanh's derivative 1 - x² is one from jax 0.11)
-PLAIN += [p for p in (getattr(lax, "one_minus_square_p", None),) if p is not None]
+# primitives of later jax versions (tanh's derivative 1 - x² from 0.11, lax.polynomial 0.12)
+PLAIN += [p for p in (getattr(lax, "one_minus_square_p", None),
+                      getattr(lax, "polynomial_p", None)) if p is not None]
 
 
 def elementwise_sharding(algebra):

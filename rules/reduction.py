@@ -70,9 +70,13 @@ def _over_positions(reduce_p):
             return None
         return inner(in_avals, out_avals, axes=tuple(int(a) for a in axes))
 
+    # (lax's functions, which give each jax version's params: 0.12's max / min take an
+    # out_sharding that 0.10's do not)
+    reduce = {lax.reduce_sum_p: lax.reduce_sum, lax.reduce_max_p: lax.reduce_max,
+              lax.reduce_min_p: lax.reduce_min}[reduce_p]
+
     def lower(ctx, x, *, axes, **params):
-        extra = {"out_sharding": None} if reduce_p is lax.reduce_sum_p else {}
-        return [reduce_p.bind(x, axes=tuple(int(a) for a in axes), **extra)]
+        return [reduce(x, tuple(int(a) for a in axes))]
 
     return Rule(rule, lower)
 

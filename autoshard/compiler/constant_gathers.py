@@ -27,6 +27,13 @@ from jax import lax
 from .fold import spliced
 from .shift import drop_dead, shift_p
 
+try:  # jax >= 0.11: a scan's operand groups as a flat tree (`ft_in`), built with these
+    from jax._src import flattree as _flattree
+    if not all(hasattr(_flattree, n) for n in ("pack", "nones")):
+        _flattree = None
+except ImportError:  # (jax 0.10 counts them in params)
+    _flattree = None
+
 _MAX_INDEX = 1 << 16  # an index longer than this is not worth evaluating at trace time
 _LOOPS = ("scan", "while", "cond")
 
@@ -264,9 +271,11 @@ def _is_int(v) -> bool:
 def _invariant_operands(e) -> range:
     """The positions of the operands of loop / branch `e` that every iteration or branch
     reads as they are: a scan's consts, a while's cond and body consts, a cond's operands."""
+    from .control_flow import scan_counts  # (control_flow imports trace, which imports this)
+
     p, name = e.params, e.primitive.name
-    if name == "scan" and "num_consts" in p:  # (jax 0.11 counts them in a tree: not sunk)
-        return range(p["num_consts"])
+    if name == "scan" and ("num_consts" in p or _flattree is not None):
+        return range(scan_counts(p, len(e.inputs))[0])
     if name == "while":
         return range(p["cond_nconsts"] + p["body_nconsts"])
     if name == "cond":
@@ -280,7 +289,14 @@ def _sunk_params(e, sunk: dict) -> dict:
     p, name = dict(e.params), e.primitive.name
     if name == "scan":
         p["jaxpr"] = _closed_with(p["jaxpr"], sunk)
-        p["num_consts"] -= len(sunk)
+        if "num_consts" in p:
+            p["num_consts"] -= len(sunk)
+        else:  # jax >= 0.11 keeps the operand groups as a flat tree: (consts, carries, xs)
+            from .control_flow import scan_counts
+
+            consts = scan_counts(p, len(e.inputs))[0]
+            _, carries, xs = p["ft_in"].unpack()
+            p["ft_in"] = _flattree.pack((_flattree.nones(consts - len(sunk)), carries, xs))
         if "linear" in p:  # (older jax's per-operand flags)
             p["linear"] = tuple(x for i, x in enumerate(p["linear"]) if i not in sunk)
     elif name == "while":

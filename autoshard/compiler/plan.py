@@ -22,7 +22,7 @@ from ..reshard.planner import ReshardPlan
 from .commute import hoist_reductions
 from .early_moves import move_before_widening
 from .control_flow import (HIGHER_ORDER, copy_runs, last_copy_straight, plan_higher_order,
-                           platform_branch, shared_operands)
+                           platform_branch, scan_counts, shared_operands)
 from .dtypes import cost_dtype
 from .factors import Serves
 from .gc_pause import gc_paused
@@ -527,7 +527,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             dead: frozenset = frozenset()
             if copies > 1 and last_copy_straight(e, required):
                 body_out = sub_plans[0].program.outputs
-                dead = frozenset(f"output {k}" for k in range(e.params["num_carry"])
+                carries = scan_counts(e.params, len(e.inputs))[1]
+                dead = frozenset(f"output {k}" for k in range(carries)
                                  if e.outputs[k] not in read_values()
                                  and body_out.count(body_out[k]) == 1)
             # a platform_dependent cond runs the branch of the platform compiled for
