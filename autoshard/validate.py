@@ -61,6 +61,8 @@ def samples() -> list[Sample]:
     add("copy", "copy", lambda x: lax.copy_p.bind(x), f2)
     if hasattr(lax, "one_minus_square_p"):  # jax >= 0.11: tanh's derivative
         add("one_minus_square", "one_minus_square", lax.one_minus_square_p.bind, f2)
+    if hasattr(lax, "polynomial_p"):  # jax >= 0.12: Horner's rule, elementwise in x and coeffs
+        add("polynomial", "polynomial", lambda x, c: lax.polynomial(x, (0.5, c, c * 2.0)), f2, f2)
     pos = lambda x: jnp.abs(x) + 0.5  # noqa: E731  (the special functions' domains)
     for n in ["bessel_i0e", "bessel_i1e"]:
         add(n, n, getattr(lax, n), f2)
