@@ -543,6 +543,17 @@ def is_dist_tensor(x: Any) -> bool:
     return isinstance(x, DistTensor)
 
 
+def with_own_buffers(x: Any) -> Any:
+    """`x` (a DistTensor or jax.Array) copied into buffers of its own, placed as it is — what a
+    call donating it may take while `x` stays valid (jnp.copy copies: an identity jit would
+    hand the input buffer back); anything else as it is."""
+    held = getattr(x, "physical", x)
+    if not isinstance(held, jax.Array):
+        return x
+    held = jax.numpy.copy(held)
+    return DistTensor(held, x.mesh, x.layout, x.shape) if isinstance(x, DistTensor) else held
+
+
 def make_dtensor(value: jax.Array, mesh: ProcessMesh, layout: Layout, shape) -> DistTensor:
     """Wrap a physical array, checking that its shape and sharding are what `layout` implies."""
     expected = physical_shape(layout, mesh, shape)

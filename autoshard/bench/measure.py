@@ -110,13 +110,16 @@ def forget_memos() -> None:
     partitioned as the first one of a fresh process (jax's own caches aside)."""
     from autoshard.compiler import strategy
     from autoshard.compiler.jit import _registry
-    from autoshard.reshard import api, planner
+    from autoshard.reshard import api, planner, steps
 
     strategy._MEMOS.clear()
     _registry().memo.clear()
     planner.plan_on_mesh.cache_clear()
     planner._moves.cache_clear()
     planner._transitions.cache_clear()
+    planner._retile_moves.cache_clear()
+    planner._retile_targets.cache_clear()
+    steps.retiling.cache_clear()
     api.plan_layouts.cache_clear()
     replay.clear_shared()
 

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 from jax._src.interpreters import ad
 
 from ..cost_model import CostModel, check_cost_model, default_cost_model
 from ..hashing import hash_once
-from ..dtensor import DistTensor, partial_gradient_error
+from ..dtensor import DistTensor, partial_gradient_error, with_own_buffers
 from ..errors import (MeshMismatchError, OperandTypeError, PlacementTypeError,
                       SignatureError, did_you_mean, user_line_of)
 from ..layout import Layout, layout_from_placements
@@ -782,7 +781,7 @@ class _MeshStages:
             # donated: copies where asking for the plans runs the stages, and where a moved
             # argument's copy shares the original's buffers (a device of both meshes keeps
             # its block: jax's device_put hands the same buffer back), which stays valid
-            args = [_copy(x) if j in program._donate and (
+            args = [with_own_buffers(x) if j in program._donate and (
                 visit is not None or x is not env[v] and _shares_buffers(x, env[v])) else x
                 for j, (x, v) in enumerate(zip(args, part.inputs))]
             env.update(zip(part.outputs, program(*args)))
@@ -846,14 +845,6 @@ def _shares_buffers(a: Any, b: Any) -> bool:
         return {s.data.unsafe_buffer_pointer() for s in held.addressable_shards}
 
     return bool(buffers(a) & buffers(b))
-
-
-def _copy(x: Any) -> Any:
-    held = getattr(x, "physical", x)
-    if not isinstance(held, jax.Array):
-        return x
-    held = jnp.copy(held)
-    return DistTensor(held, x.mesh, x.layout, x.shape) if isinstance(x, DistTensor) else held
 
 
 def _stage_function(cut, part) -> Callable:

@@ -337,13 +337,10 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     # A sharded preference (a weight gradient's) is kept: it comes from the value's own
     # operands, and UNREAD would price its pending sums in full, not half as now (the
     # plans tuned on that price: test_cost_choices, the GPT workloads).
-    unread: dict = {}
     readers = program.readers()
-    for v, L in zip(program.outputs, output_targets):
-        if L is None and v not in fixed and v.producer >= 0 and v not in readers:
-            P = pref.get(v)
-            if P is None or P.is_replicated:
-                unread[v] = UNREAD
+    unread = {v for v, L in zip(program.outputs, output_targets)
+              if L is None and v not in fixed and v.producer >= 0 and v not in readers
+              and (pref.get(v) is None or pref[v].is_replicated)}
 
     actual: dict = {}
     inputs = []
@@ -566,8 +563,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                 cones = whole_for_free(e, operands, available)
                 wanted = overrides.get(e.index)
                 if wanted is None:
-                    wanted = tuple([unread.get(v) or pref.get(v) for v in e.outputs]) \
-                        if unread else tuple(map(pref.get, e.outputs))
+                    wanted = (tuple([UNREAD if v in unread else pref.get(v) for v in e.outputs])
+                              if unread else tuple(map(pref.get, e.outputs)))
                 choice = (pick_scattering if e.index in scatter_at else pick)(
                     sig, tuple(operands), wanted, facts.single_use[e.index], tuple(available),
                     facts.is_parameter[e.index])

@@ -29,7 +29,7 @@ import optax
 
 from ..compiler.jit import jit
 from ..creation import shard_tensor
-from ..dtensor import DistTensor, is_dist_tensor as _is_dt
+from ..dtensor import DistTensor, is_dist_tensor as _is_dt, with_own_buffers
 from ..errors import did_you_mean
 from ..mesh import ProcessMesh, as_process_mesh, get_mesh
 from ..paddle_names import paddle_names
@@ -92,9 +92,8 @@ def _donatable(tree: Any, owned: weakref.WeakValueDictionary, others: set[int]) 
                 f"were donated to another program (a dist.jit call with donate_argnums) before "
                 f"this step: give the model that call's result (set_state_dict)")
         if id(held) in seen or owned.get(id(held)) is not held or id(held) in others:
-            # (jnp.copy copies: an identity jit would hand the input buffer back)
-            held = jnp.copy(held)
-            x = DistTensor(held, x.mesh, x.layout, x.shape) if _is_dt(x) else held
+            x = with_own_buffers(x)
+            held = getattr(x, "physical", x)
         seen.add(id(held))
         return x
 
@@ -261,6 +260,7 @@ class DistModel:
         # the arrays the model's own steps made (by id, weakly): a donating step copies any
         # other first, so that what the user passed in or loaded stays theirs (`_donatable`)
         self._owned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._ran_shapes: dict[str, list] = {}  # per step kind: the last batch's that ran
         # its own from the start: what it made (optimizer states, placed copies), not what the
         # model handed it (an optimizer state may be a param's very array: optax's identity
         # outputs come back as their inputs)
@@ -678,7 +678,7 @@ class DistModel:
         kinds = None if name == "predict" else _memory_kinds(leaves) + [None]
         self._programs[name] = jit(self._step_fn(name), out_placements=out,
                                    out_memory_kinds=kinds,
-                                   donate_argnums=(1,) if self._donates(name) else ())
+                                   donate_argnums=(1,) if name in _DONATED else ())
         return self._programs[name]
 
     def program_args(self, name: str, *batch: Any) -> tuple:
@@ -729,19 +729,15 @@ class DistModel:
               f"{'them' if len(missing) > 1 else 'it'} to dist.to_static(model, loader, "
               f"loss_fn, optimizer), or use what it has: {', '.join(can)}")
 
-    def _donates(self, name: str) -> bool:
-        """Whether program `name` takes the buffers of its second argument (`_DONATED`)."""
-        return name in _DONATED
-
     def _run(self, name: str, *batch: Any) -> Any:
         args = self.program_args(name, *batch)
-        if self._donates(name):
+        if name in _DONATED:
             args = (args[0], _donatable(args[1], self._owned, _held_by_others(self))) + args[2:]
         kind = "train" if name in ("accumulate", "merge") else name
         try:
             carry, result = self._program(name, args)(*args)
         except TypeError as e:  # jax's, from tracing the user's code on this batch's shapes
-            ran = self.__dict__.setdefault("_ran_shapes", {}).get(kind)
+            ran = self._ran_shapes.get(kind)
             now = _batch_shapes(args[2:])
             if ran is None or ran == now:
                 raise
@@ -750,7 +746,7 @@ class DistModel:
                 f"last batch it ran had {ran} ({type(e).__name__}: "
                 f"{str(e).splitlines()[0]}): give batches shaped as the model takes them — "
                 f"only the batch dim may change") from e
-        self.__dict__.setdefault("_ran_shapes", {})[kind] = _batch_shapes(args[2:])
+        self._ran_shapes[kind] = _batch_shapes(args[2:])
         _register(self._owned, carry)
         if name == "predict":  # the plan chose its output layouts: keep the stored ones
             carry["state"] = self._restore_placements(carry["state"], self.state)
