@@ -119,6 +119,7 @@ def forget_memos() -> None:
     planner._transitions.cache_clear()
     planner._retile_moves.cache_clear()
     planner._retile_targets.cache_clear()
+    planner._retiles.cache_clear()
     steps.retiling.cache_clear()
     api.plan_layouts.cache_clear()
     replay.clear_shared()

@@ -242,28 +242,45 @@ def _retile_targets(dst: Layout, mesh: ProcessMesh) -> tuple[Layout, ...]:
     return tuple(found)
 
 
-@functools.lru_cache(maxsize=8192)
-def _retile_moves(layout: Layout, dst: Layout, shape: tuple[int, ...], dtype: str,
-                  mesh: ProcessMesh, cost_model: CostModel) -> tuple:
-    """The re-tiling permutes from `layout` towards `dst` (`_retile_targets`), as `_moves`
-    lists steps. Apart from `_moves`: these depend on the search's target, whose other steps
-    do not (and are shared by every search of that shape)."""
+def _block_counts(layout: Layout, sizes: dict) -> list[int]:
+    return [math.prod(sizes[a] for a in axes) for axes in layout.dims]
+
+
+@functools.lru_cache(maxsize=4096)
+def _retiles(layout: Layout, dst: Layout, mesh: ProcessMesh) -> tuple[Retile, ...]:
+    """The permutes from `layout` to `_retile_targets(dst)` that one round does, whatever
+    the shape (the searches of a model's many shapes meet the same pairs of layouts)."""
     if layout.partial != dst.partial:
         return ()
     sizes = mesh.axis_sizes
-    itemsize = np.dtype(dtype).itemsize
+    counts = _block_counts(layout, sizes)
     found = []
     for target in _retile_targets(dst, mesh):
-        if target is layout:
+        # most pairs fail one of these tests, cheaper than `retiling`'s: a target block
+        # spanning source blocks, or one inside its device's own block (a local slice)
+        if (any(t % c for c, t in zip(counts, _block_counts(target, sizes)))
+                or all(t[:len(c)] == c for c, t in zip(layout.dims, target.dims))):
             continue
         plan = retiling(layout, target, tuple(sizes.items()))
-        if plan is None:
-            continue
-        step = Retile(layout, target, plan.axes)
+        if plan is not None:
+            found.append(Retile(layout, target, plan.axes))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=8192)
+def _retile_moves(layout: Layout, dst: Layout, shape: tuple[int, ...], dtype: str,
+                  mesh: ProcessMesh, cost_model: CostModel) -> tuple:
+    """The re-tiling permutes from `layout` towards `dst` (`_retiles`), as `_moves` lists
+    steps. Apart from `_moves`: these depend on the search's target, whose other steps do not
+    (and are shared by every search of that shape)."""
+    sizes = mesh.axis_sizes
+    itemsize = np.dtype(dtype).itemsize
+    found = []
+    for step in _retiles(layout, dst, mesh):
         if step.after(layout, shape, sizes) is None:
             continue
-        wire = step.wire_bytes(0, _local_bytes(target, shape, sizes, itemsize), sizes)
-        found.append((target, step, wire, cost_model.collective(step.axes, wire), 0))
+        wire = step.wire_bytes(0, _local_bytes(step.dst, shape, sizes, itemsize), sizes)
+        found.append((step.dst, step, wire, cost_model.collective(step.axes, wire), 0))
     return tuple(found)
 
 
