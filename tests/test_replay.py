@@ -13,7 +13,7 @@ import pytest
 
 import autoshard as dist
 from autoshard.bench import gpt
-from autoshard.compiler import outline, replay
+from autoshard.compiler import outline, partition, replay
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["dp", "mp"])
 
@@ -93,6 +93,22 @@ def test_a_second_program_replays_the_first_ones_lowerings():
     assert replay.STATS["bound"] - before <= 0.01 * cold_bound, (cold_bound, replay.STATS)
     assert "name=block" in warm
     assert warm == cold
+
+
+def test_a_straight_run_of_equations_is_replayed_as_one(monkeypatch):
+    """The equations between reshards and outlined blocks are replayed as one run in a later
+    program (partition.STRAIGHT): a few replays stand for hundreds of equations, and the
+    program is the one replayed equation by equation."""
+    step, _, args = gpt.workload(MESH, 2, "unrolled", optax.sgd(0.1))
+    _local_program(step, args)  # recorded
+    programs, replayed = {}, {}
+    for straight in (False, True):
+        monkeypatch.setattr(partition, "STRAIGHT", straight)
+        before = replay.STATS["replayed"]
+        programs[straight] = _local_program(step, args)
+        replayed[straight] = replay.STATS["replayed"] - before
+    assert programs[True] == programs[False]
+    assert replayed[True] < 0.4 * replayed[False], replayed
 
 
 def _stacked(x, w):

@@ -33,6 +33,8 @@ from .replay import Replayer, literal
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
 
+STRAIGHT = True  # off: every equation is replayed apart (the tests compare both programs)
+
 # first item of the `moved` keys that hold a move's intermediate results (`run_steps`); the
 # other keys are (value, layout): the copies a block is handed and hands back
 _STEPS = object()
@@ -148,6 +150,18 @@ def _lowered(e, outs, local_shapes: list) -> list:
                 f"{v.dtype}{list(v.shape)} laid out as the rule's sharding says): compute the "
                 f"local block of each result")
     return list(outs)
+
+
+@dataclass
+class _Straight:
+    """Equations start..stop-1, emitted with nothing between them: the values they read from
+    before (`ext`) and make (`made`), in order of first use, and their replay key."""
+
+    start: int
+    stop: int
+    ext: list
+    made: list
+    key: Hashed
 
 
 @dataclass
@@ -268,7 +282,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
     blocks: list = []  # [{start: outline.Instance}], found on the first trace
 
     def run_eqns(env: dict, moved: dict, start: int, stop: int, *, inside: bool = False,
-                 calls: dict | None = None) -> None:
+                 calls: dict | None = None, single: bool = False) -> None:
         # equal equations (every layer of a model) are lowered once, then replayed — also
         # into the traces of outlined blocks and custom rules' bodies made during this call of
         # `run`; one replayer per call, so that nothing of a finished trace is kept alive
@@ -293,6 +307,12 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 k = region.stop
                 continue
             e, ep = program.eqns[k], plan.eqns[k]
+            if not (ep.reshards or single) and STRAIGHT:
+                run = straight_run(k, stop, instances)
+                if run is not None:
+                    run_straight(env, moved, run, replayer)
+                    k = run.stop
+                    continue
             if ep.reshards and packing:
                 pack_gathers(env, moved, k, stop, instances, replayer)
             plans = dict(ep.reshards)
@@ -304,6 +324,44 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                                 shared=True)
             env.update(zip(e.outputs, outs))
             k += 1
+
+    runs: dict = {}  # (start, stop of the scope, top level?) -> _Straight or None
+
+    def straight_run(k: int, stop: int, instances: dict):
+        """The run of equations from k that partition emits one by one with nothing between
+        them — no reshard, no region, no outlined block, each with a replay key — as one
+        replay key (None: shorter than two)."""
+        memo = (k, stop, bool(instances))
+        found = runs.get(memo, runs)
+        if found is not runs:
+            return found
+        keys = [key_of(k)]
+        j = k + 1
+        while j < stop and j not in instances and j not in regions and not plan.eqns[j].reshards:
+            key = key_of(j)
+            if key is None:
+                break
+            keys.append(key)
+            j += 1
+        found = None
+        if keys[0] is not None and len(keys) > 1:
+            wiring, values = program.block_values(k, j)
+            ext = [v for v in values if v.producer < k]
+            made = [v for v in values if v.producer >= k]
+            found = _Straight(k, j, ext, made, Hashed(("run", tuple(keys), wiring)))
+        runs[memo] = found
+        return found
+
+    def run_straight(env: dict, moved: dict, run, replayer: Replayer) -> None:
+        """A straight run of equations, replayed as one: what jax emitted for it in an earlier
+        trace (this program's or another's with the same run by value) is emitted again, with
+        none of the per-equation bookkeeping (the layers' code between outlined blocks)."""
+        def bind() -> list:
+            run_eqns(env, moved, run.start, run.stop, inside=True, single=True)
+            return [env[v] for v in run.made]
+
+        outs = replayer.run(run.key, [env[v] for v in run.ext], bind, shared=True)
+        env.update(zip(run.made, outs))
 
     packing = pack and combine.wanted(plan.mesh)
     last_use: dict = {}  # (value, layout) -> the last equation reading that copy (made lazily)
