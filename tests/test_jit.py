@@ -529,6 +529,21 @@ def test_explain_renders_for_notebooks():
     assert "<table>" in html and "all-reduce" in html and "dot_general" in html
 
 
+def test_explain_is_text():
+    """f.explain(...) is the text it prints (a str: searched, split, sliced as one), with the
+    plan it describes beside it; on a function cut into stages too."""
+    a = dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(1)])
+    b = dist.shard_tensor(np.ones((4, 4), np.float32), MESH4, [dist.Shard(0)])
+    f = dist.jit(lambda a, b: jnp.tanh(a @ b))
+    text = f.explain(a, b)
+    assert isinstance(text, str) and "all-reduce" in text and text[:10] == str(text)[:10]
+    assert repr(text) == str(text) and text.plan.collectives
+    other = dist.ProcessMesh([4, 5, 6, 7], ["x"])
+    g = dist.jit(lambda a: dist.reshard(a * 2.0, other, [dist.Shard(0)]) + 1.0)
+    staged = g.explain(dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)]))
+    assert isinstance(staged, str) and "2 stages" in staged and len(staged.stages) == 2
+
+
 def test_explains_equation_table_lists_a_copy_read_twice_once():
     """A layer norm's centred value is reduced once and read by two equations: the table named
     psum(mp) at both rows (the collectives list and the HLO have one)."""

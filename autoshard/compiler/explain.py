@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+from typing import Any
 
 from ..reshard.planner import format_bytes
 
@@ -79,46 +80,57 @@ def explain_html(plan) -> str:
             f"<th>source</th><th>why</th></tr>{coll}</table></div>")
 
 
-class Explanation:
-    """What f.explain() returns: prints as text, renders as HTML in a notebook."""
+class Explanation(str):
+    """What f.explain() returns: the plan's text (a str: print it, search it, slice it),
+    rendered as HTML in a notebook; `.plan` is the Plan it describes."""
 
-    def __init__(self, plan):
+    plan: Any
+
+    def __new__(cls, plan):
+        self = super().__new__(cls, explain_text(plan))
         self.plan = plan
+        return self
 
-    def __str__(self) -> str:
-        return explain_text(self.plan)
-
-    __repr__ = __str__
+    def __repr__(self) -> str:  # the text itself, as print shows it, not a quoted string
+        return str.__str__(self)
 
     def _repr_html_(self) -> str:
         return explain_html(self.plan)
 
 
-class StagedExplanation:
+class StagedExplanation(str):
     """f.explain() of a function cut into stages on several meshes (cut.py): each stage's
-    plan, and before it the values that move onto its mesh, with their bytes and lines."""
+    plan, and before it the values that move onto its mesh, with their bytes and lines — as
+    text (a str), `.stages` the plans and moves."""
 
-    def __init__(self, name: str, stages: list):
+    name: str
+    stages: list
+
+    def __new__(cls, name: str, stages: list):
+        self = super().__new__(cls, _staged_text(name, stages))
         self.name = name
         self.stages = stages  # [(plan, [(what, source line, reshard plan)])]
+        return self
 
-    def __str__(self) -> str:
-        meshes = {str(plan.mesh.process_ids) for plan, _ in self.stages}
-        lines = [f"autoshard: {self.name} runs as {len(self.stages)} stages on "
-                 f"{len(meshes)} meshes, one program each, in order"]
-        for k, (plan, moves) in enumerate(self.stages):
-            lines.append(f"── stage {k}, devices {plan.mesh.process_ids}")
-            for what, line, rp in moves:
-                lines.append(f"  arrives: {what} from devices {rp.src_mesh.process_ids} "
-                             f"{rp.src.describe(rp.src_mesh)} → {rp.dst.describe(rp.dst_mesh)} at "
-                             f"{line or '?'}: {format_bytes(rp.total_bytes)}/device")
-            lines += ["  " + x for x in explain_text(plan).splitlines()]
-        return "\n".join(lines)
-
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return str.__str__(self)
 
     def _repr_html_(self) -> str:
-        return "<pre>" + html.escape(str(self)) + "</pre>"
+        return "<pre>" + html.escape(str.__str__(self)) + "</pre>"
+
+
+def _staged_text(name: str, stages: list) -> str:
+    meshes = {str(plan.mesh.process_ids) for plan, _ in stages}
+    lines = [f"autoshard: {name} runs as {len(stages)} stages on "
+             f"{len(meshes)} meshes, one program each, in order"]
+    for k, (plan, moves) in enumerate(stages):
+        lines.append(f"── stage {k}, devices {plan.mesh.process_ids}")
+        for what, line, rp in moves:
+            lines.append(f"  arrives: {what} from devices {rp.src_mesh.process_ids} "
+                         f"{rp.src.describe(rp.src_mesh)} → {rp.dst.describe(rp.dst_mesh)} at "
+                         f"{line or '?'}: {format_bytes(rp.total_bytes)}/device")
+        lines += ["  " + x for x in explain_text(plan).splitlines()]
+    return "\n".join(lines)
 
 
 __all__ = ["explain_text", "explain_html", "Explanation", "StagedExplanation"]
