@@ -728,6 +728,199 @@ def test_predict_fed_a_dict_batch_with_its_label_names_the_key_to_drop():
                                _TwoInputs.apply(weights, b["x"], b["gain"]), rtol=1e-5, atol=1e-6)
 
 
+# -- Paddle's batch of several inputs and several labels: [[x1, x2], [y1, y2]] ---------------
+def masked_mse(out, y, mask):
+    """A loss of two labels, Paddle's loss(out, y1, y2) (a mean over the batch: a pipeline's
+    equal micro-batches average to it)."""
+    return jnp.mean(mask * (out - y) ** 2)
+
+
+def _labelled_batches(n=3, seed=4):
+    """Paddle loader batches of a two-input, two-label model: [[x, gain], [y, mask]]."""
+    rng = np.random.default_rng(seed)
+    return [[[rng.normal(size=(16, 16)).astype(np.float32),
+              rng.normal(size=(16, 16)).astype(np.float32)],
+             [rng.normal(size=(16, 8)).astype(np.float32),
+              (rng.random((16, 8)) > 0.3).astype(np.float32)]] for _ in range(n)]
+
+
+def _labelled_reference(weights, batches, tx, forward=_TwoInputs.apply, loss=masked_mse, k=1):
+    """One device, plain jax + optax: loss(forward(p, x, gain), y, mask) per batch (outputs
+    and labels one per argument); with k, the gradients of k batches averaged per update."""
+    p = jax.tree.map(jnp.asarray, weights)
+    s, acc, losses = tx.init(p), None, []
+    for i, ((x, gain), (y, mask)) in enumerate(batches):
+        def f(p):
+            out = forward(p, x, gain)
+            return loss(*(out if isinstance(out, tuple) else (out,)), y, mask)
+        value, g = jax.value_and_grad(f)(p)
+        losses.append(float(value))
+        acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+        if (i + 1) % k == 0:
+            u, s = tx.update(jax.tree.map(lambda a: a / k, acc), s, p)
+            p, acc = optax.apply_updates(p, u), None
+    return losses, p
+
+
+@pytest.mark.parametrize("call", [
+    lambda m, b: m(b[0], b[1]),                      # dist_model([x, gain], [y, mask])
+    lambda m, b: m(tuple(b[0]), tuple(b[1])),        # tuples
+    lambda m, b: m(b),                               # a loader's batch as one argument
+    lambda m, b: m(*b[0], b[1]),                     # dist_model(x, gain, [y, mask])
+], ids=["lists", "tuples", "loader-batch", "inputs-apart"])
+@pytest.mark.parametrize("kind", ["dp", "tp"])
+def test_a_list_of_labels_is_passed_to_the_loss_one_per_argument_as_paddle_does(kind, call):
+    """Paddle's DistModel feeds a batch [inputs, labels], each a tensor or a list, as
+    model(*inputs) and loss(*outputs, *labels). A list of labels went to loss_fn as one
+    argument: loss_fn(out, y, mask) was 'cannot be called as loss_fn(output, label)'. Train,
+    then eval and predict, equal one device's plain jax + optax."""
+    weights, batches = _weights(), _labelled_batches()
+    mesh = MESH24 if kind == "tp" else MESH8
+    placements = (PLACEMENTS["tp"][1] if kind == "tp"
+                  else {k: [R()] for k in weights})
+    params = {k: dist.shard_tensor(v, mesh, placements[k]) for k, v in weights.items()}
+    tx = optax.adamw(1e-2)
+    m = dist.to_static((_TwoInputs.apply, params), None, masked_mse, tx)
+    losses = [float(call(m, b).numpy()) for b in batches[:2]]
+    ref_losses, ref = _labelled_reference(weights, batches[:2], tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for name in weights:
+        np.testing.assert_allclose(m.params[name].numpy(), ref[name], rtol=1e-4, atol=1e-6)
+    (x, gain), (y, mask) = batches[2]
+    np.testing.assert_allclose(float(call(m.eval(), batches[2]).numpy()),
+                               masked_mse(_TwoInputs.apply(ref, x, gain), y, mask), rtol=1e-5)
+    want = _TwoInputs.apply(ref, x, gain)
+    np.testing.assert_allclose(m.predict()([x, gain]).numpy(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.predict()(x, gain).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shard_dataloader_of_input_and_label_lists_trains_like_one_device():
+    """A loader yielding [[x, gain], [y, mask]] on a 2x4 mesh: every array of both lists is
+    split over dp; with gradient merge (k=2) the accumulating and merging steps read the labels
+    the same way."""
+    weights, batches = _weights(), _labelled_batches(n=4)
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["tp"][1][k]) for k, v in weights.items()}
+    loader = dist.shard_dataloader(batches, meshes=MESH24, shard_dims="dp")
+    (xs, ys) = next(iter(loader))
+    assert [t.placements for t in xs + ys] == [[S(0), R()]] * 4
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2, "avg": True}})
+    m = dist.to_static((_TwoInputs.apply, params), loader, masked_mse, optax.sgd(0.1), strategy)
+    losses = [float(m(b).numpy()) for b in loader()]
+    ref_losses, ref = _labelled_reference(weights, batches, optax.sgd(0.1), k=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for name in weights:
+        np.testing.assert_allclose(m.params[name].numpy(), ref[name], rtol=1e-4, atol=1e-6)
+    # the accumulators are Partial over dp, the dim the batch (labels too) is split over
+    placed = m._batch((next(iter(loader)),), "train")
+    assert isinstance(placed[-1], list) and len(placed) == 3  # x, gain, then [y, mask]
+    assert all(isinstance(pl[0], dist.Partial) for pl in m._acc_placements(placed))
+    assert all(isinstance(pl[0], dist.Partial) for pl in m._acc_placements(placed[-1:]))
+
+
+def test_several_outputs_and_labels_call_the_loss_as_paddles_loss_of_outputs_then_labels():
+    """A model of two outputs and a loss_fn(out, aux, y, mask): called with the outputs and
+    then the labels one per argument (Paddle's loss(*outputs, *labels)); a loss_fn of the
+    outputs whole, loss_fn(outputs, label), is called as before."""
+    def forward(p, x, gain):
+        out = _TwoInputs.apply(p, x, gain)
+        return out, jnp.tanh(out)
+
+    def loss_of_four(out, aux, y, mask):
+        return masked_mse(out, y, mask) + 0.1 * jnp.mean(aux ** 2)
+
+    weights, batches = _weights(), _labelled_batches()
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["tp"][1][k]) for k, v in weights.items()}
+    m = dist.to_static((forward, params), None, loss_of_four, optax.sgd(0.1))
+    losses = [float(m(b).numpy()) for b in batches]
+    ref_losses, ref = _labelled_reference(weights, batches, optax.sgd(0.1), forward, loss_of_four)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(m.params["w1"].numpy(), ref["w1"], rtol=1e-4, atol=1e-6)
+    (x, gain), (y, mask) = batches[0]
+    whole = dist.to_static((forward, params), None, lambda outs, y: mse(outs[0], y))
+    np.testing.assert_allclose(float(whole([x, gain], y).numpy()),
+                               mse(forward(weights, x, gain)[0], y), rtol=1e-5)
+
+
+def test_a_loss_of_one_label_parameter_takes_the_list_of_labels_whole():
+    """loss_fn(out, labels) of a pytree label: the list comes whole, as before."""
+    def pair_loss(out, labels):
+        y, mask = labels
+        return masked_mse(out, y, mask)
+
+    weights, batches = _weights(), _labelled_batches(n=2)
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["dp"][1][k]) for k, v in weights.items()}
+    m = dist.to_static((_TwoInputs.apply, params), None, pair_loss, optax.sgd(0.1))
+    losses = [float(m(*b).numpy()) for b in batches]
+    np.testing.assert_allclose(losses, _labelled_reference(weights, batches, optax.sgd(0.1))[0],
+                               rtol=1e-5)
+
+
+def test_a_pipeline_reads_a_list_of_labels_as_the_one_program_step_does():
+    """strategy.pipeline over two meshes: the label list goes to the last stage, each array
+    cut into micro-batches, and the loss of the last stage takes them one per argument."""
+    m0 = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    m1 = dist.ProcessMesh([[4, 5], [6, 7]], dim_names=["dp", "mp"])
+    weights = _weights()
+    params = {"w0": dist.shard_tensor(weights["w0"], m0, [R(), S(1)]),
+              "b0": dist.shard_tensor(weights["b0"], m0, [R(), S(0)]),
+              "w1": dist.shard_tensor(weights["w1"], m1, [R(), R()])}
+
+    def forward(p, x, gain):
+        h = jax.nn.relu((x + 0.5 * gain) @ p["w0"] + p["b0"])
+        return dist.reshard(h, m1, [S(0), R()]) @ p["w1"]
+
+    batches = _labelled_batches(n=2)
+    loader = dist.shard_dataloader(batches, meshes=[m0, m1], shard_dims="dp")
+    m = dist.to_static((forward, params), loader, masked_mse, optax.sgd(0.1),
+                       dist.Strategy({"pipeline": {"enable": True, "accumulate_steps": 2}}))
+    losses = [float(m(b).numpy()) for b in loader()]
+    ref_losses, ref = _labelled_reference(weights, batches, optax.sgd(0.1))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(m.params["w1"].numpy(), ref["w1"], rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_of_labels_the_loss_or_the_mode_cannot_take_is_an_error_saying_what_to_write():
+    weights, batches = _weights(), _labelled_batches(n=1)
+    (x, gain), (y, mask) = batches[0]
+    params = {k: dist.shard_tensor(v, MESH24, PLACEMENTS["dp"][1][k]) for k, v in weights.items()}
+
+    def model(loss):
+        return dist.to_static((_TwoInputs.apply, params), None, loss, optax.sgd(0.1))
+
+    # the training batch handed to predict: it reached the model as (list, list)
+    with pytest.raises(dist.DistModelError, match=r"predict takes the model's inputs only, but "
+                                                  r"the batch is a list of 2 inputs and then a "
+                                                  r"list of 2 labels.*dist_model\(\[x1, x2\]\)"):
+        model(masked_mse).predict()([x, gain], [y, mask])
+    with pytest.raises(dist.DistModelError, match=r"list of 2 inputs and then a label"):
+        model(masked_mse).predict()([x, gain], y)
+    # two labels for a loss of one
+    with pytest.raises(dist.DistModelError, match=r"loss_fn <lambda>\(out\) cannot be called as "
+                                                  r"loss_fn\(output, y1, y2\).*is a list of 2: "
+                                                  r"loss_fn is called as loss_fn\(output, y1, "
+                                                  r"y2\) \(Paddle's rule\)"):
+        model(lambda out: jnp.mean(out))([x, gain], [y, mask])
+    # two labels for a loss of three
+    with pytest.raises(dist.DistModelError, match=r"loss_fn <lambda>\(out, y, mask, w\) cannot "
+                                                  r"be called on the model's output and labels "
+                                                  r"\(a list of 2\) as any of loss_fn\(output, "
+                                                  r"y1, y2\), loss_fn\(output, labels\)"):
+        model(lambda out, y, mask, w: jnp.mean(out))([x, gain], [y, mask])
+    # one label for a loss of two: Paddle's form named
+    with pytest.raises(dist.DistModelError, match=r"passes one label.*dist_model\(inputs, "
+                                                  r"\[y1, y2\]\) for loss_fn\(output, y1, y2\)"):
+        model(masked_mse)([x, gain], y)
+
+    # two outputs and a list of two labels, a loss of three parameters: either reading fits
+    def forward(p, x, gain):
+        out = _TwoInputs.apply(p, x, gain)
+        return out, out
+    two = dist.to_static((forward, params), None, lambda a, b, c: jnp.mean(a), optax.sgd(0.1))
+    with pytest.raises(dist.DistModelError, match=r"can be called both as loss_fn\(outputs, y1, "
+                                                  r"y2\).*and as loss_fn\(out1, out2, labels\)"):
+        two([x, gain], [y, mask])
+
+
 @pytest.mark.parametrize("built", ["eval-only", "predict-only"])
 def test_summary_of_a_model_that_cannot_train_describes_the_step_it_runs(built):
     """An eval-only DistModel (a loss_fn, no optimizer) summarised the train step it cannot

@@ -126,6 +126,18 @@ def _batch_shapes(batch: tuple) -> list[tuple[int, ...]]:
     return [tuple(np.shape(x)) for x in jax.tree.leaves(batch, is_leaf=_is_dt)]
 
 
+def _signature_text(fn: Any) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _names(prefix: str, n: int) -> str:
+    """"y1, y2" for prefix "y" and n 2."""
+    return ", ".join(f"{prefix}{k + 1}" for k in range(n))
+
+
 def _is_placements(x: Any) -> bool:
     return isinstance(x, list)
 
@@ -299,7 +311,7 @@ class DistModel:
             if scaled:  # float16: the loss scale comes last (0-d: every micro-batch's)
                 *labels, scale = labels
             out, new_state = self._forward("train", params, state, inputs, remat=False)
-            value = self._checked_loss("train", self._loss_fn(out, *labels))
+            value = self._checked_loss("train", self._call_loss(out, tuple(labels)))
             return value * scale if scaled else value, new_state
 
         # model state (dropout counters, BatchNorm statistics) is threaded through each stage's
@@ -560,7 +572,100 @@ class DistModel:
                                  "use .predict()")
         inputs, labels = (batch, ()) if len(batch) == 1 else (batch[:-1], batch[-1:])
         out, state = self._forward(mode, params, state, inputs)
-        return self._checked_loss(mode, self._loss_fn(out, *labels)), state
+        return self._checked_loss(mode, self._call_loss(out, labels)), state
+
+    def _loss_binds(self, n_args: int) -> bool:
+        """Whether loss_fn binds n positional arguments (True when its signature cannot be
+        read: its call will say)."""
+        try:
+            signature = inspect.signature(self._loss_fn)
+        except (TypeError, ValueError):
+            return True
+        try:
+            signature.bind(*([None] * n_args))
+        except TypeError:
+            return False
+        return True
+
+    def _call_loss(self, out: Any, labels: tuple) -> Any:
+        """loss_fn called on the model's output and the batch's label element (`labels` is ()
+        or (label,)), as Paddle's static Engine calls it, loss(*outputs, *labels):
+
+        - a label that is a list or tuple — Paddle's batch of several labels,
+          dist_model(inputs, [y1, y2]), a loader's [inputs, [y1, y2]] — is passed one element
+          per argument, loss_fn(output, y1, y2), as the list of inputs is to the model; unless
+          loss_fn cannot take them so but takes one label (a single parameter: a pytree
+          label), which then gets the list whole;
+        - a model's tuple (or list) of outputs is passed whole, loss_fn(outputs, ...), as
+          to_static always has; unless loss_fn cannot take it so but takes the outputs one by
+          one, as Paddle passes them: loss_fn(out1, out2, y).
+
+        The first reading of (output whole, labels apart), (output whole, labels whole),
+        (outputs apart, labels apart), (outputs apart, labels whole) that loss_fn's signature
+        binds is the call. k outputs and a list of k labels that bind both as (outputs whole,
+        y1..yk) and (out1..outk, labels whole) are ambiguous: a DistModelError."""
+        listed = len(labels) == 1 and type(labels[0]) in (list, tuple)
+        label_forms = [tuple(labels[0]), tuple(labels)] if listed else [tuple(labels)]
+        several = type(out) in (list, tuple)
+        out_forms = [(out,)] + ([tuple(out)] if several else [])
+        # (indices: the forms hold traced arrays, which `in` would compare)
+        fits = [(i, j) for i, o in enumerate(out_forms) for j, y in enumerate(label_forms)
+                if self._loss_binds(len(o) + len(y))]
+        if not fits:
+            raise DistModelError(self._loss_mismatch(out, labels))
+        outs, args = out_forms[fits[0][0]], label_forms[fits[0][1]]
+        if (listed and several and len(out) == len(labels[0]) > 1 and fits[0] == (0, 0)
+                and (1, 1) in fits and not self._loss_takes_varargs()):
+            name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
+            k = len(out)
+            raise DistModelError(
+                f"to_static: the model returns {k} outputs and the batch's label is a list of "
+                f"{k}, so loss_fn {name}{_signature_text(self._loss_fn)} can be called both as "
+                f"loss_fn(outputs, {_names('y', k)}) (the outputs whole, the labels apart) and "
+                f"as loss_fn({_names('out', k)}, labels) (the outputs apart, the labels whole): "
+                f"say which — for the first, return the outputs as a dict (passed whole); for "
+                f"the second, pass the labels as a dict, dist_model(inputs, {{'y': y1, ...}}) "
+                f"(passed whole)")
+        return self._loss_fn(*outs, *args)
+
+    def _loss_takes_varargs(self) -> bool:
+        try:
+            parameters = inspect.signature(self._loss_fn).parameters.values()
+        except (TypeError, ValueError):
+            return True
+        return any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+    def _loss_mismatch(self, out: Any, labels: tuple) -> str:
+        """Why loss_fn cannot be called on this output and label, and what to write."""
+        name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
+        listed = len(labels) == 1 and type(labels[0]) in (list, tuple)
+        several = type(out) in (list, tuple)
+        if not labels and not several:
+            try:
+                inspect.signature(self._loss_fn).bind(None)
+                exc = "it has keyword-only parameters without defaults"
+            except TypeError as e:
+                exc = e
+            return (f"to_static: loss_fn {name}{_signature_text(self._loss_fn)} cannot be "
+                    f"called as loss_fn(output) ({exc}): loss_fn needs a label, the batch's "
+                    f"last element after the model's inputs, but the batch has 1 element (the "
+                    f"input): call dist_model(inputs, label) — 2 elements or more")
+        given = f"outputs (a {type(out).__name__} of {len(out)})" if several else "output"
+        if labels:
+            given += (f" and labels (a {type(labels[0]).__name__} of {len(labels[0])})"
+                      if listed else " and label")
+        outs = [["output"]] + ([["outputs"], _names("out", len(out)).split(", ")]
+                               if several else [])
+        ys = ([_names("y", len(labels[0])).split(", "), ["labels"]] if listed
+              else [["label"]] if labels else [[]])
+        forms = ", ".join(dict.fromkeys(f"loss_fn({', '.join(o + y)})" for o in outs
+                                        for y in ys))
+        return (f"to_static: loss_fn {name}{_signature_text(self._loss_fn)} cannot be called "
+                f"on the model's {given} as any of {forms}: to_static passes one label, the "
+                f"batch's last element, and a list of labels one element per argument "
+                f"(Paddle's loss(out, y1, y2)); give loss_fn's other parameters defaults (or "
+                f"close over those values), or pass the labels as a list: "
+                f"dist_model(inputs, [y1, y2]) for loss_fn(output, y1, y2)")
 
     def _checked_loss(self, mode: str, loss: Any) -> Any:
         """loss_fn's result as the float32 number a step differentiates, else a DistModelError
@@ -653,8 +758,10 @@ class DistModel:
         stage = self.optimizer.stage if self.optimizer is not None else 0
         # the mesh dims the batch is split over, by name: a model on two meshes reads its
         # inputs on the first and its labels on the last
-        split = {x.mesh.dim_names[k] for x in batch if _is_dt(x)
-                 for k, q in enumerate(x.placements) if not isinstance(q, Replicate)}
+        # inputs, each array of a pytree element (a label list) too
+        split = {x.mesh.dim_names[k] for x in jax.tree.leaves(batch, is_leaf=_is_dt)
+                 if _is_dt(x) for k, q in enumerate(x.placements)
+                 if not isinstance(q, Replicate)}
         out = []
         for p in jax.tree.leaves(self.params, is_leaf=_is_dt):
             if stage >= 2:
@@ -789,6 +896,8 @@ class DistModel:
         if len(batch) == 1 and isinstance(batch[0], (tuple, list)) and (
                 mode != "predict" or self._takes_one_by_one(len(batch[0]))):
             batch = tuple(batch[0])
+        if mode == "predict":
+            self._check_no_labels(batch)
         if len(batch) == 1 and isinstance(batch[0], dict):
             batch = self._ordered(batch[0], mode)
         batch = self._unpacked_inputs(batch, mode)
@@ -807,6 +916,26 @@ class DistModel:
             out.append(jax.tree.map(lambda a: self._split_over_dp(a, mesh), x, is_leaf=_is_dt))
         return tuple(out)
 
+    def _check_no_labels(self, batch: tuple) -> None:
+        """Predict takes the model's inputs only. Train's batch of Paddle's form, a list of
+        inputs and then the label(s) — dist_model([x1, x2], [y1, y2]), a loader's [[x1, x2],
+        y] — handed to predict would reach a model of two parameters as the list and the
+        label (traced into a wrong sum, or a jax TypeError): a DistModelError saying what to
+        drop. (A model whose first input is itself a list takes it as a dict, or another
+        pytree, in predict as in train, which reads such a list as the inputs.)"""
+        if not (len(batch) == 2 and type(batch[0]) in (list, tuple) and len(batch[0]) > 1
+                and self._takes(len(batch[0]))):
+            return
+        label = batch[1]
+        what = (f"a {type(label).__name__} of {len(label)} labels"
+                if type(label) in (list, tuple) else "a label")
+        n = len(batch[0])
+        raise DistModelError(
+            f"predict takes the model's inputs only, but the batch is a {type(batch[0]).__name__}"
+            f" of {n} inputs and then {what}, as train and eval read it: drop the label(s) — "
+            f"dist_model([{_names('x', n)}]) or dist_model({_names('x', n)}) (a model whose "
+            f"first input is itself a list: pass that input as a dict)")
+
     def _split_over_dp(self, x: Any, mesh: ProcessMesh) -> Any:
         """An unplaced array split by its first dim over the mesh's data-parallel dim where
         that divides it; anything else as it is."""
@@ -818,39 +947,53 @@ class DistModel:
 
     def _check_loss_args(self, batch: tuple) -> None:
         """loss_fn is called as loss_fn(output, label), the label being the batch's last
-        element (a one-element batch is the model's input: loss_fn(output)). Checked against
-        loss_fn's signature before tracing, so that a mismatch says what the batch holds rather
-        than which argument of the traced step is missing."""
-        n_labels = 1 if len(batch) > 1 else 0
+        element (a one-element batch is the model's input: loss_fn(output)); a label that is
+        a list, loss_fn(output, y1, y2) (see _call_loss). Checked against loss_fn's signature
+        before tracing, so that a mismatch says what the batch holds rather than which
+        argument of the traced step is missing. A loss_fn of more parameters than that may
+        take a model's several outputs one by one: the traced call (_call_loss) decides."""
+        label = batch[-1] if len(batch) > 1 else None
+        listed = type(label) in (list, tuple)
+        counts = (len(label), 1) if listed else (1,) if len(batch) > 1 else (0,)
         checked = self.__dict__.setdefault("_loss_args_ok", set())
-        if self._loss_fn is None or n_labels in checked:
+        if self._loss_fn is None or counts in checked:
             return
         try:
             signature = inspect.signature(self._loss_fn)
         except (TypeError, ValueError):  # a builtin without one: its call will say
             return
+        if any(self._loss_binds(1 + n) for n in counts):
+            checked.add(counts)
+            return
+        if any(self._loss_binds(k + n) for n in counts
+               for k in range(2, len(signature.parameters) + 2)):
+            return  # several outputs, one per parameter: known once the model is traced
+        name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
         try:
-            signature.bind(*([None] * (1 + n_labels)))
-        except TypeError as exc:
-            name = getattr(self._loss_fn, "__name__", type(self._loss_fn).__name__)
-            required = sum(1 for p in signature.parameters.values() if p.default is p.empty
-                           and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-            if required > 2:
-                fix = ("to_static passes one label, the batch's last element: give loss_fn's "
-                       "parameters after the first two defaults (or close over those values)")
-            elif n_labels:
-                fix = (f"the batch has {len(batch)} elements, the model's input(s) and then the "
-                       f"label (the last): write loss_fn(output, label), or call the model with "
-                       f"its inputs only")
-            else:
-                fix = ("loss_fn needs a label, the batch's last element after the model's "
-                       "inputs, but the batch has 1 element (the input): call "
-                       "dist_model(inputs, label) — 2 elements or more")
-            raise DistModelError(
-                f"to_static: loss_fn {name}{signature} cannot be called as loss_fn("
-                f"{'output, label' if n_labels else 'output'}) ({exc}): {fix}"
-            ) from None
-        checked.add(n_labels)
+            signature.bind(*([None] * (1 + counts[0])))
+        except TypeError as e:
+            exc = e
+        else:  # (keyword-only parameters without defaults: nothing binds)
+            exc = "it has keyword-only parameters without defaults"
+        if listed:
+            call = f"output, {_names('y', len(label))}"
+            fix = (f"the batch's last element, the label, is a {type(label).__name__} of "
+                   f"{len(label)}: loss_fn is called as loss_fn({call}) (Paddle's rule), or with "
+                   f"the {type(label).__name__} whole as loss_fn(output, labels); write one of "
+                   f"those, or call the model with its inputs only")
+        elif counts[0]:
+            call = "output, label"
+            fix = (f"the batch has {len(batch)} elements, the model's input(s) and then the "
+                   f"label (the last): write loss_fn(output, label), or call the model with "
+                   f"its inputs only")
+        else:
+            call = "output"
+            fix = ("loss_fn needs a label, the batch's last element after the model's "
+                   "inputs, but the batch has 1 element (the input): call "
+                   "dist_model(inputs, label) — 2 elements or more")
+        raise DistModelError(
+            f"to_static: loss_fn {name}{signature} cannot be called as loss_fn({call}) "
+            f"({exc}): {fix}") from None
 
     def _ordered(self, batch: dict, mode: str) -> tuple:
         """A dict batch as arguments: the inputs in the batch's order, then the label."""
@@ -1246,8 +1389,9 @@ def to_static(model: Any, loader: Any = None, loss_fn: Callable | None = None,
     """Paddle's dist.to_static: compile the whole training step of `model` across its mesh.
 
     `strategy`: a dist.Strategy or the dict dist.Strategy takes. `loss_fn(output, label)`: the
-    label is the batch's last element. The mesh is the placed params' (or the one flax
-    sharded them on), else the loader's, else dist.set_mesh's."""
+    label is the batch's last element; a list of labels, dist_model([x1, x2], [y1, y2]), is
+    passed one per argument, loss_fn(output, y1, y2), as Paddle does. The mesh is the placed
+    params' (or the one flax sharded them on), else the loader's, else dist.set_mesh's."""
     return DistModel(model, loader, loss_fn, optimizer, strategy)
 
 
