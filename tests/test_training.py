@@ -45,20 +45,27 @@ def _batches(n=8, batch=8, d_in=16, d_out=8, seed=1):
              rng.normal(size=(batch, d_out)).astype(np.float32)) for _ in range(n)]
 
 
-def _reference(weights, batches, tx, k=1, dtype=None):
+def _trained(weights, batches, tx, loss_of, k=1):
+    """One device, plain jax + optax: loss_of(params, batch) per batch, the gradients of k
+    batches averaged per update. The losses and the final params."""
     p = jax.tree.map(jnp.asarray, weights)
     s, acc, losses = tx.init(p), None, []
-    for i, (x, y) in enumerate(batches):
-        def loss(p):
-            q = jax.tree.map(lambda w: w.astype(dtype), p) if dtype else p
-            return mse(apply(q, x.astype(dtype) if dtype else x), y).astype(jnp.float32)
-        value, g = jax.value_and_grad(loss)(p)
+    for i, batch in enumerate(batches):
+        value, g = jax.value_and_grad(loss_of)(p, batch)
         losses.append(float(value))
         acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
         if (i + 1) % k == 0:
             u, s = tx.update(jax.tree.map(lambda a: a / k, acc), s, p)
             p, acc = optax.apply_updates(p, u), None
     return losses, p
+
+
+def _reference(weights, batches, tx, k=1, dtype=None):
+    def loss(p, batch):
+        x, y = batch
+        q = jax.tree.map(lambda w: w.astype(dtype), p) if dtype else p
+        return mse(apply(q, x.astype(dtype) if dtype else x), y).astype(jnp.float32)
+    return _trained(weights, batches, tx, loss, k)
 
 
 PLACEMENTS = {
@@ -747,19 +754,11 @@ def _labelled_batches(n=3, seed=4):
 def _labelled_reference(weights, batches, tx, forward=_TwoInputs.apply, loss=masked_mse, k=1):
     """One device, plain jax + optax: loss(forward(p, x, gain), y, mask) per batch (outputs
     and labels one per argument); with k, the gradients of k batches averaged per update."""
-    p = jax.tree.map(jnp.asarray, weights)
-    s, acc, losses = tx.init(p), None, []
-    for i, ((x, gain), (y, mask)) in enumerate(batches):
-        def f(p):
-            out = forward(p, x, gain)
-            return loss(*(out if isinstance(out, tuple) else (out,)), y, mask)
-        value, g = jax.value_and_grad(f)(p)
-        losses.append(float(value))
-        acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
-        if (i + 1) % k == 0:
-            u, s = tx.update(jax.tree.map(lambda a: a / k, acc), s, p)
-            p, acc = optax.apply_updates(p, u), None
-    return losses, p
+    def f(p, batch):
+        (x, gain), (y, mask) = batch
+        out = forward(p, x, gain)
+        return loss(*(out if isinstance(out, tuple) else (out,)), y, mask)
+    return _trained(weights, batches, tx, f, k)
 
 
 @pytest.mark.parametrize("call", [
