@@ -15,7 +15,8 @@ import pytest
 
 import autoshard as dist
 from autoshard.compiler import refine
-from autoshard.hlo import collective_bytes, count_collective_ops, count_collectives
+from autoshard.hlo import (collective_bytes, collective_wire_bytes, count_collective_ops,
+                           count_collectives)
 
 MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
 S, R = dist.Shard, dist.Replicate
@@ -377,6 +378,53 @@ def test_a_widened_value_another_reader_takes_as_it_is_is_moved_where_it_is_read
     plan = g.plan(xd, wd)
     assert not any("moved before" in ep.strategy for ep in plan.eqns), str(plan)
     assert [c.kind for c in plan.collectives] == ["all-gather"], plan.collectives
+
+
+def _gshard_moe(tokens: int, experts: int, d: int, f: int, top: int = 2):
+    """A GShard-style mixture-of-experts layer: top-2 routing, one-hot dispatch and combine
+    tensors (tokens, experts, capacity), the experts' matmuls as einsums."""
+    capacity = tokens * top // experts
+
+    def moe(p, x):
+        gates, idx = jax.lax.top_k(jax.nn.softmax(x @ p["router"], -1), top)
+        onehot = jax.nn.one_hot(idx, experts)
+        pos = jnp.cumsum(onehot.reshape(tokens * top, experts), 0).reshape(
+            tokens, top, experts) * onehot - 1
+        dispatch = onehot[..., None] * jax.nn.one_hot(pos.astype(jnp.int32), capacity)
+        combine = (dispatch * gates[..., None, None]).sum(1)
+        xe = jnp.einsum("tec,td->ecd", dispatch.sum(1), x)
+        h = jax.nn.relu(jnp.einsum("ecd,edf->ecf", xe, p["w1"]))
+        return jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", h, p["w2"]))
+    rng = np.random.default_rng(2)
+    p = {"router": 0.2 * rng.normal(size=(d, experts)).astype(np.float32),
+         "w1": 0.2 * rng.normal(size=(experts, d, f)).astype(np.float32),
+         "w2": 0.2 * rng.normal(size=(experts, f, d)).astype(np.float32)}
+    return moe, p, rng.normal(size=(tokens, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mesh,split", [(LINE, [S(0)]), (MESH, [S(0), S(0)])],
+                         ids=["8 devices", "2x4"])
+def test_moe_dispatch_is_made_split_by_experts_from_the_gathered_routing(mesh, split):
+    # tokens and experts split over the same devices: the dispatch and combine tensors are
+    # made by one-hots from the (tokens, 2) routing choices, which the plan gathers (a few
+    # KiB) so that each device makes its experts' slice and the einsums run on it, as XLA
+    # does — not a reduce-scatter of the dispatched (experts, capacity, features) sum and an
+    # all-gather of the experts' outputs (1.29x XLA's wire bytes; remake.py)
+    moe, p, x = _gshard_moe(1024, 8, 128, 256)
+    placed = {"router": dist.shard_tensor(p["router"], mesh, [R()] * len(split)),
+              "w1": dist.shard_tensor(p["w1"], mesh, split),
+              "w2": dist.shard_tensor(p["w2"], mesh, split)}
+    xd = dist.shard_tensor(x, mesh, split)
+    g = dist.jit(moe)
+    np.testing.assert_allclose(g(placed, xd).numpy(), jax.jit(moe)(p, x), rtol=1e-4, atol=1e-4)
+    ours = g.lower(placed, xd).compile().as_text()
+    assert count_collectives(ours) == Counter(c.kind for c in g.plan(placed, xd).collectives)
+    physical = jax.tree.map(lambda t: t.physical, placed,
+                            is_leaf=lambda t: isinstance(t, dist.DistTensor))
+    base = jax.jit(moe).lower(physical, xd.physical).compile().as_text()
+    wire = sum(collective_wire_bytes(ours).values())
+    base_wire = sum(collective_wire_bytes(base).values())
+    assert wire <= base_wire, (wire, base_wire, count_collectives(ours), count_collectives(base))
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])

@@ -28,6 +28,7 @@ from .factors import Serves
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
 from . import constraints, recompute
+from .remake import pins as remake_pins
 from .repeats import Repeats, boundary
 from .split_reduce import split_output_reductions
 from .strategy import UNREAD, chooser
@@ -213,13 +214,26 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         if (other.bytes_per_call() < plan.bytes_per_call()
                 and len(other.collectives) <= len(plan.collectives)):
             plan, offered = other, anticipated
+    pinned = remake_pins(plan, registry, cost_model)
+    if pinned:
+        # an equation would take an operand in another layout, which the local steps that
+        # made it from smaller values could have made with those values moved instead
+        # (remake.py): planned again with the remade values preferred so, the plan moving
+        # fewer bytes at a lower price is kept
+        other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
+                           offered, pins=pinned)
+        if (other.bytes_per_call() < plan.bytes_per_call()
+                and plan_seconds(other, cost_model) < plan_seconds(plan, cost_model)):
+            plan = other
+        else:
+            pinned = None
     scatter_at = scatter_candidates(plan)
     if scatter_at:
         # a pending sum read only to be summed up (a gradient's norm or finiteness check) was
         # all-reduced: planned again with it reduce-scattered there (summed_up.py), the plan
         # the cost model prices lower is kept
         other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
-                           offered, scatter_at)
+                           offered, scatter_at, pins=pinned)
         if (other.bytes_per_call() < plan.bytes_per_call()
                 and plan_seconds(other, cost_model) < plan_seconds(plan, cost_model)):
             plan = other
@@ -278,9 +292,10 @@ def _anticipations(plan: Plan) -> dict:
 
 def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | None],
                output_targets: list, registry, cost_model: CostModel,
-               anticipated: dict | None = None, scatter_at: dict | None = None) -> Plan:
+               anticipated: dict | None = None, scatter_at: dict | None = None,
+               pins: dict | None = None) -> Plan:
     """`anticipated`: see make_plan; `scatter_at`: equations whose pending sums may be
-    reduce-scattered (summed_up.py)."""
+    reduce-scattered (summed_up.py); `pins`: values preferred in a layout (remake.py)."""
     anticipated = anticipated or {}
     scatter_at = scatter_at or {}
     constraints.as_hints(program, mesh)  # jax's with_sharding_constraint: a hint like ours
@@ -306,6 +321,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             for v, L in zip(e.inputs, required):
                 if v not in fixed and not v.is_const:
                     fixed[v] = L
+    for v, L in (pins or {}).items():
+        fixed.setdefault(v, L)
     facts = eqn_facts(program, registry)
     repeats = Repeats(_repeat_ids(program, facts))
     pref = propagate(program, mesh, fixed, registry, cost_model, facts=facts,
