@@ -180,6 +180,8 @@ def pins(plan, registry, cost_model) -> dict:
     pick = chooser(mesh, cost_model, unreducing=True)
     uses = program.use_counts()
     latency = min(cost_model.axis_latency(a) for a in mesh.dim_names) if mesh.dim_names else 0.0
+    floor = latency * min(cost_model.axis_bandwidth(a) for a in mesh.dim_names) \
+        if mesh.dim_names else 0.0  # bytes
     found: dict = {}
     for e, ep in zip(program.eqns, plan.eqns):
         sig = plan.signatures[e.index] if e.index < len(plan.signatures) else None
@@ -192,7 +194,10 @@ def pins(plan, registry, cost_model) -> dict:
         if not (ep.reshards or any(L.partial or (P is not None and P is not L)
                                    for L, P in zip(ep.results, map(pref.get, e.outputs)))):
             continue
-        if not any(remaker.local(v) for v in e.inputs):
+        # a move sends at most twice the whole value (an all-reduce of a pending sum): one
+        # that cannot outweigh a collective's latency is no operand to remake (`move`)
+        if not any(remaker.local(v) and 2 * math.prod(v.shape) * itemsize(v.dtype) >= floor
+                   for v in e.inputs):
             continue
         operands = tuple(actual[v] for v in e.inputs)
         wanted = tuple(pref.get(v) for v in e.outputs)
