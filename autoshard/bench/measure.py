@@ -108,11 +108,12 @@ def forget_memos() -> None:
     (strategy.py), the rules' answers (the registry's memo), the reshard plans (planner.py,
     reshard/api.py) and the lowerings (replay.py). The next program is planned and
     partitioned as the first one of a fresh process (jax's own caches aside)."""
-    from autoshard.compiler import strategy
+    from autoshard.compiler import remake, strategy
     from autoshard.compiler.jit import _registry
     from autoshard.reshard import api, planner, steps
 
     strategy._MEMOS.clear()
+    remake._ASKED.clear()
     _registry().memo.clear()
     planner.plan_on_mesh.cache_clear()
     planner._moves.cache_clear()
