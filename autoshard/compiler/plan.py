@@ -462,10 +462,12 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
             prefix += (s.step,)
             if s.step.hlo:
                 src, dst = move or (s.before, s.after)
-                collectives.append(PlannedCollective(
-                    s.step.hlo, str(s.step), tuple(s.step.axes), s.bytes_per_device,
-                    repr(value), consumer, source, _reason(consumer, value, src, dst, mesh) + note,
-                    shared=prefix))
+                for r in range(s.rounds):  # a re-tiling's permutes, a piece each (Retile)
+                    collectives.append(PlannedCollective(
+                        s.step.hlo, str(s.step) + (f" round {r + 1}" if s.rounds > 1 else ""),
+                        tuple(s.step.axes), s.bytes_per_device // s.rounds, repr(value),
+                        consumer, source, _reason(consumer, value, src, dst, mesh) + note,
+                        shared=prefix + ((r,) if s.rounds > 1 else ())))
                 if s.remainder_bytes:
                     collectives.append(replace(
                         collectives[-1], step=f"{s.step} (the remainders, int32)",

@@ -50,7 +50,13 @@ class PlannedStep:
         """The HLO ops this step runs (none for a local step)."""
         if not self.step.hlo:
             return []
-        return [self.step.hlo] * (2 if self.remainder_bytes else 1)
+        return [self.step.hlo] * (self.rounds + (1 if self.remainder_bytes else 0))
+
+    @property
+    def rounds(self) -> int:
+        """How many collectives the step itself runs, one after another (a re-tiling's
+        permutes, `steps.Retile`; 1 for every other collective)."""
+        return getattr(self.step, "rounds", 1)
 
     @property
     def before_mesh(self) -> ProcessMesh:
@@ -227,11 +233,13 @@ def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype:
 
 @functools.lru_cache(maxsize=256)
 def _retile_targets(dst: Layout, mesh: ProcessMesh) -> tuple[Layout, ...]:
-    """The layouts a search for `dst` may re-tile to by one permute (`steps.Retile`): `dst`
+    """The layouts a search for `dst` may re-tile to by permutes (`steps.Retile`): `dst`
     itself, and `dst` with mesh axes it leaves free split further over one dim (minor-most),
     which all-gathers of those axes then undo — rows split over mp becoming rows over dp on a
     2x4 mesh ([R, S(0)] → [S(0), R]) permute to rows over (dp, mp), half a target block each,
-    and gather mp: a target block spans two source blocks, which one round cannot fill."""
+    and gather mp: a target block spans two source blocks, which one round cannot fill (two
+    rounds of a piece each, straight to `dst`, send as many bytes in as many collectives; the
+    search keeps the permute and gather, which place no pieces)."""
     used = dst.used_axes
     free = [a for a in mesh.dim_names if a not in used]
     found = [dst]
@@ -248,22 +256,32 @@ def _block_counts(layout: Layout, sizes: dict) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _retiles(layout: Layout, dst: Layout, mesh: ProcessMesh) -> tuple[Retile, ...]:
-    """The permutes from `layout` to `_retile_targets(dst)` that one round does, whatever
+    """The permutes from `layout` to `_retile_targets(dst)` (`steps.retiling`), whatever
     the shape (the searches of a model's many shapes meet the same pairs of layouts)."""
     if layout.partial != dst.partial:
         return ()
     sizes = mesh.axis_sizes
     counts = _block_counts(layout, sizes)
+    blocks = math.prod(counts)
     found = []
     for target in _retile_targets(dst, mesh):
-        # most pairs fail one of these tests, cheaper than `retiling`'s: a target block
-        # spanning source blocks, or one inside its device's own block (a local slice)
-        if (any(t % c for c, t in zip(counts, _block_counts(target, sizes)))
+        # most pairs fail one of these tests, cheaper than `retiling`'s: a dim whose blocks
+        # neither layout's subdivide, a target block inside its device's own (a slice), a
+        # target block spanning source blocks of a target split over fewer devices in all
+        # (pieces gathered by rounds of permutes, where all-gathers move them in one), or
+        # spanning more than two (a round per piece but one, a latency each: of the ~30k
+        # moves on 8 devices' meshes none such beat the all-to-alls)
+        target_counts = _block_counts(target, sizes)
+        if (any(t % c and c % t for c, t in zip(counts, target_counts))
                 or all(t[:len(c)] == c for c, t in zip(layout.dims, target.dims))):
+            continue
+        pieces = math.prod(c // t for c, t in zip(counts, target_counts) if c > t)
+        if pieces > 2 or (pieces > 1 and math.prod(target_counts) < blocks):
             continue
         plan = retiling(layout, target, tuple(sizes.items()))
         if plan is not None:
-            found.append(Retile(layout, target, plan.axes))
+            found.append(Retile(layout, target, plan.axes, len(plan.rounds),
+                                math.prod(plan.span)))
     return tuple(found)
 
 
@@ -279,8 +297,14 @@ def _retile_moves(layout: Layout, dst: Layout, shape: tuple[int, ...], dtype: st
     for step in _retiles(layout, dst, mesh):
         if step.after(layout, shape, sizes) is None:
             continue
-        wire = step.wire_bytes(0, _local_bytes(step.dst, shape, sizes, itemsize), sizes)
-        found.append((step.dst, step, wire, cost_model.collective(step.axes, wire), 0))
+        out_bytes = _local_bytes(step.dst, shape, sizes, itemsize)
+        wire = step.wire_bytes(0, out_bytes, sizes)
+        # its rounds one after another, each its latency; a target block of several pieces
+        # is written once per piece placed in it (`Retile.run`), the kept one too
+        seconds = step.rounds * cost_model.collective(step.axes, wire / step.rounds)
+        if step.pieces > 1:
+            seconds += cost_model.local(out_bytes * step.pieces)
+        found.append((step.dst, step, wire, seconds, 0))
     return tuple(found)
 
 

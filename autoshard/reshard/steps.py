@@ -8,6 +8,7 @@ the executor only calls `run` in order.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, NamedTuple
@@ -530,21 +531,40 @@ def agreed(x, axes):
     return agreed_p.bind(x, axes=axes) if axes else x
 
 
+class Round(NamedTuple):
+    """One collective permute of a re-tiling: each device sends at most one piece and
+    receives at most one."""
+
+    perm: tuple[tuple[int, int], ...]  # (sender, receiver)
+    send: tuple[tuple[int, ...], ...]  # per device: the piece it slices (in pieces, per dim)
+    receives: tuple[bool, ...]         # per device: whether a piece arrives
+    place: tuple[tuple[int, ...], ...]  # per device: where it goes in the target block
+
+
 class Retiling(NamedTuple):
-    """One round of a re-tiling over `axes` (the mesh axes either layout splits a dim over, in
-    the mesh's order; a device is numbered by its linear index over them, major first: jax's
-    numbering of `lax.axis_index(axes)` and of ppermute's pairs). Each device's target block
-    lies inside one source block, `ratio` target blocks per source block along each dim; a
-    device holding its own target's source block slices it (keeps), the others receive it from
-    a holder (`perm`: (sender, receiver))."""
+    """A re-tiling over `axes` (the mesh axes either layout splits a dim over, in the mesh's
+    order; a device is numbered by its linear index over them, major first: jax's numbering
+    of `lax.axis_index(axes)` and of ppermute's pairs), in rounds of collective permutes.
+
+    Along each dim one layout's blocks subdivide the other's, and the finer grid cuts the
+    tensor into pieces: a source block is `split` pieces per dim, a target block `span`. A
+    target block lies inside one source block (`span` all 1: one piece, a dim's split moved
+    to other mesh axes) or spans several (a dim's split moved to fewer devices, or axes
+    exchanged between dims of unequal splits: [S(0), S(1)] → [S(1), S(0)] on 2x4). The piece
+    a device's own source block has of its target it slices (`keep`); each other piece
+    arrives from a holder of its source block. Each round a device sends and receives at
+    most one piece; as many rounds as the busiest device has pieces to send or to receive
+    (the sends coloured as a bipartite multigraph's edges, König's bound)."""
 
     axes: tuple[str, ...]
-    ratio: tuple[int, ...]
-    perm: tuple[tuple[int, int], ...]
-    send: tuple[tuple[int, ...], ...]  # per device: the block (in target blocks, per dim) it
-    # slices to send — or to keep, when `keep` is None (no device both keeps and sends)
-    keep: tuple[tuple[int, ...], ...] | None
-    receives: tuple[bool, ...]  # per device: whether its block arrives (else it keeps one)
+    split: tuple[int, ...]
+    span: tuple[int, ...]
+    rounds: tuple[Round, ...]
+    keeps: tuple[bool, ...]                 # per device: whether it keeps a piece of its own
+    keep: tuple[tuple[int, ...], ...] | None  # per device: that piece in its source block;
+    # None: the keepers' pieces are the ones they slice in the first round (no keeper sends
+    # in it), one slice serving both
+    keep_place: tuple[tuple[int, ...], ...]  # per device: where the kept piece goes
 
 
 def _block_index(dims, position, sizes) -> tuple[int, ...]:
@@ -557,13 +577,56 @@ def _block_index(dims, position, sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
+    """A colour per (sender, receiver) edge such that no device sends, nor receives, twice
+    in one colour, in as many colours as the busiest device has edges (a bipartite
+    multigraph's edge colouring, by alternating-path swaps; deterministic)."""
+    degree: dict = {}
+    for u, v in edges:
+        degree[("s", u)] = degree.get(("s", u), 0) + 1
+        degree[("r", v)] = degree.get(("r", v), 0) + 1
+    colours = max(degree.values(), default=0)
+    if colours <= 1:
+        return [0] * len(edges)  # one round
+    at: dict = {}  # (side, device) -> {colour: edge}
+    colour = [-1] * len(edges)
+
+    def free(node):
+        used = at.get(node, {})
+        return next(c for c in range(colours) if c not in used)
+
+    for e, (u, v) in enumerate(edges):
+        s, r = ("s", u), ("r", v)
+        a, b = free(s), free(r)
+        if a in at.get(r, {}):
+            # swap a and b along the path from r that starts with colour a (it cannot reach
+            # s: the graph is bipartite and s lacks a), which frees a at r
+            path, node, c = [], r, a
+            while c in at.get(node, {}):
+                f = at[node][c]
+                path.append(f)
+                x, y = edges[f]
+                node = ("s", x) if node[0] == "r" else ("r", y)
+                c = b if c == a else a
+            for f in path:
+                x, y = edges[f]
+                del at[("s", x)][colour[f]], at[("r", y)][colour[f]]
+            for f in path:
+                x, y = edges[f]
+                colour[f] = b if colour[f] == a else a
+                at.setdefault(("s", x), {})[colour[f]] = f
+                at.setdefault(("r", y), {})[colour[f]] = f
+        colour[e] = a
+        at.setdefault(s, {})[a] = e
+        at.setdefault(r, {})[a] = e
+    return colour
+
+
 @functools.lru_cache(maxsize=8192)
 def retiling(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...]) -> Retiling | None:
-    """The one round of sends that turns `src` into `dst` (mesh axis sizes `sizes`, in the
-    mesh's order), or None: their partial axes differ, a target block spans source blocks
-    (some dim has fewer target blocks than source blocks, or a count that is no multiple of
-    theirs), no device needs a block it lacks, or some source block is needed by more devices
-    than hold it (one round: each device sends at most one piece and receives at most one)."""
+    """The rounds of sends that turn `src` into `dst` (mesh axis sizes `sizes`, in the mesh's
+    order), or None: their partial axes differ, along some dim neither layout's block count
+    is a multiple of the other's, or no device needs a piece it lacks."""
     if src is dst or src.partial != dst.partial or src.ndim != dst.ndim:
         return None
     size = dict(sizes)
@@ -571,56 +634,72 @@ def retiling(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...]) -> Re
     axes = tuple(a for a, _ in sizes if a in used)
     n_src = [math.prod(size[a] for a in d) for d in src.dims]
     n_dst = [math.prod(size[a] for a in d) for d in dst.dims]
-    if any(t % s for s, t in zip(n_src, n_dst)):
+    if any(t % s and s % t for s, t in zip(n_src, n_dst)):
         return None
-    ratio = tuple(t // s for s, t in zip(n_src, n_dst))
+    split = tuple(max(s, t) // s for s, t in zip(n_src, n_dst))
+    span = tuple(max(s, t) // t for s, t in zip(n_src, n_dst))
     count = math.prod(size[a] for a in axes)
-    coords, holds, needs, within = [], [], [], []
+    coords, holds, targets = [], [], []
     for i in range(count):
         position, rest = {}, i
         for a in reversed(axes):
             rest, position[a] = divmod(rest, size[a])
         coords.append(tuple(position[a] for a in axes))
         holds.append(_block_index(src.dims, position, size))
-        target = _block_index(dst.dims, position, size)
-        needs.append(tuple(t // r for t, r in zip(target, ratio)))
-        within.append(tuple(t % r for t, r in zip(target, ratio)))
-    keepers = {i for i in range(count) if holds[i] == needs[i]}
-    if len(keepers) == count:
-        return None  # nothing moves: a local slice
+        targets.append(_block_index(dst.dims, position, size))
+    zero = (0,) * src.ndim
     holders: dict[tuple, list[int]] = {}
     for i in range(count):
         holders.setdefault(holds[i], []).append(i)
-    perm = []
+    keeps, keep, keep_place = [False] * count, [zero] * count, [zero] * count
+    wanted = []  # (receiver, source block, the piece in it, where it goes in the target)
     for i in range(count):
-        if i in keepers:
-            continue
-        free = holders.get(needs[i], [])
-        if not free:
-            return None  # more devices need this source block than hold it
-        # a holder that keeps no block of its own first (it slices once), then the one
-        # nearest on the mesh (fewest coordinates differ)
-        j = min(free, key=lambda j: (j in keepers, sum(a != b for a, b in zip(coords[i], coords[j])), j))
-        free.remove(j)
-        perm.append((j, i))
-    zero = (0,) * src.ndim
-    send = [zero] * count
-    for j, i in perm:
-        send[j] = within[i]
-    senders = {j for j, _ in perm}
-    keep = None
-    if keepers & senders:
-        keep = tuple(within[i] if i in keepers else zero for i in range(count))
-    else:
+        for within in itertools.product(*(range(n) for n in span)):
+            piece = tuple(t * n + w for t, n, w in zip(targets[i], span, within))
+            block = tuple(p // n for p, n in zip(piece, split))
+            offset = tuple(p % n for p, n in zip(piece, split))
+            if block == holds[i]:
+                keeps[i], keep[i], keep_place[i] = True, offset, within
+            else:
+                wanted.append((i, block, offset, within))
+    if not wanted:
+        return None  # nothing moves: a local slice
+    keepers = {i for i in range(count) if keeps[i]}
+    sends = [0] * count
+    edges, pieces = [], []
+    for i, block, offset, within in wanted:
+        # the holder sending least so far, then one that keeps no piece of its own (it
+        # slices once), then the one nearest on the mesh (fewest coordinates differ)
+        j = min(holders[block], key=lambda j: (
+            sends[j], j in keepers, sum(a != b for a, b in zip(coords[i], coords[j])), j))
+        sends[j] += 1
+        edges.append((j, i))
+        pieces.append((offset, within))
+    colour = _edge_colours(edges)
+    rounds = []
+    for c in range(max(colour) + 1):
+        send, receives, place = [zero] * count, [False] * count, [zero] * count
+        perm = []
+        for e, (j, i) in enumerate(edges):
+            if colour[e] == c:
+                perm.append((j, i))
+                send[j], place[i] = pieces[e]
+                receives[i] = True
+        rounds.append([tuple(perm), send, tuple(receives), tuple(place)])
+    first_senders = {j for j, _ in rounds[0][0]}
+    shared = not keepers & first_senders
+    if shared:  # the keepers' pieces are what they slice in the first round
         for i in keepers:
-            send[i] = within[i]
-    receives = tuple(i not in keepers for i in range(count))
-    return Retiling(axes, ratio, tuple(perm), tuple(send), keep, receives)
+            rounds[0][1][i] = keep[i]
+    return Retiling(axes, split, span,
+                    tuple(Round(perm, tuple(send), receives, place)
+                          for perm, send, receives, place in rounds),
+                    tuple(keeps), None if shared else tuple(keep), tuple(keep_place))
 
 
-def _slice_blocks(x, table, index, block):
-    """This device's block of shape `block` from `x`, at the block offsets of row `index` of
-    the constant `table` (one row per device)."""
+def _starts(table, index, block):
+    """The offsets of row `index` of the constant `table` (one row per device, in blocks of
+    shape `block`)."""
     starts = []
     for d, b in enumerate(block):
         column = np.array([row[d] * b for row in table], np.int32)
@@ -628,20 +707,31 @@ def _slice_blocks(x, table, index, block):
             starts.append(np.int32(0))
         else:
             starts.append(lax.dynamic_index_in_dim(column, index, keepdims=False))
-    return lax.dynamic_slice(x, starts, block)
+    return starts
+
+
+def _slice_blocks(x, table, index, block):
+    """This device's block of shape `block` from `x`, at the block offsets of row `index` of
+    the constant `table` (one row per device)."""
+    return lax.dynamic_slice(x, _starts(table, index, block), block)
 
 
 @dataclass(frozen=True)
 class Retile(Step):
-    """Any layout to `dst` (same partial axes) in which each device's block lies inside one
-    block of `src`: one collective permute over `moved` (a dim's split moved to another mesh
-    axis, axes exchanged between dims, a dim split finer over other axes). Each device slices
-    the piece its receiver needs, the permute delivers it, and a device that already holds its
-    target's rows slices them instead (`retiling`: applies where one round does it)."""
+    """Any layout to `dst` (same partial axes) in which, along each dim, one layout's blocks
+    subdivide the other's: collective permutes over `moved` (a dim's split moved to another
+    mesh axis, axes exchanged between dims, a dim split finer over other axes). Each device
+    slices the pieces its receivers need, the permutes deliver them, and a device that
+    already holds a piece of its target slices it instead (`retiling`). One round where each
+    target block lies inside one source block held by enough devices; `rounds` where target
+    blocks span `pieces` pieces of several source blocks ([S(0), S(1)] → [S(1), S(0)] on
+    2x4, which XLA does as an all-to-all over pairs of mp devices and a permute)."""
 
     src: Layout
     dst: Layout
     moved: tuple[str, ...]  # the mesh axes either layout splits a dim over, in the mesh's order
+    rounds: int = 1  # collective permutes, one after another
+    pieces: int = 1  # pieces per target block
     kind: ClassVar[str] = "permute"
     hlo: ClassVar[str] = "collective-permute"
 
@@ -661,23 +751,38 @@ class Retile(Step):
         return self.dst
 
     def wire_bytes(self, in_bytes, out_bytes, sizes):
-        return out_bytes  # one target block, from each device that sends
+        return out_bytes * self.rounds / self.pieces  # a piece per round, from each sender
 
     def run(self, x, sizes):
         plan = retiling(self.src, self.dst, tuple(sizes.items()))
-        block = tuple(n // r for n, r in zip(x.shape, plan.ratio))
+        piece = tuple(n // s for n, s in zip(x.shape, plan.split))
         index = _linear_axis_index(plan.axes, sizes)
-        sent = _slice_blocks(x, plan.send, index, block)
-        received = lax.ppermute(sent, _axis_arg(plan.axes), plan.perm)
-        if all(plan.receives):
-            out = received
-        else:
-            kept = sent if plan.keep is None else _slice_blocks(x, plan.keep, index, block)
-            axes = varying_axes(received) | varying_axes(kept)
-            received, kept = ensure_varying(received, axes), ensure_varying(kept, axes)
-            receives = lax.dynamic_index_in_dim(np.array(plan.receives), index, keepdims=False)
-            receives = ensure_varying(lax.broadcast(receives, block), axes)
-            out = lax.select(receives, received, kept)
+        parts = []  # (value, which devices hold one, where it goes in the target block)
+        if any(plan.keeps) and plan.keep is not None:
+            parts.append((_slice_blocks(x, plan.keep, index, piece), plan.keeps, plan.keep_place))
+        for r, rnd in enumerate(plan.rounds):
+            sent = _slice_blocks(x, rnd.send, index, piece)
+            if r == 0 and any(plan.keeps) and plan.keep is None:
+                parts.append((sent, plan.keeps, plan.keep_place))
+            parts.append((lax.ppermute(sent, _axis_arg(plan.axes), rnd.perm), rnd.receives,
+                          rnd.place))
+        axes = frozenset().union(*(varying_axes(v) for v, _, _ in parts))
+        parts = [(ensure_varying(v, axes), held, at) for v, held, at in parts]
+
+        def held_here(held, shape):
+            held = lax.dynamic_index_in_dim(np.array(held), index, keepdims=False)
+            return ensure_varying(lax.broadcast(held, shape), axes)
+
+        if all(n == 1 for n in plan.span):  # one piece per target block: pick the one held
+            out = parts[-1][0]
+            for value, held, _ in reversed(parts[:-1]):
+                out = lax.select(held_here(held, piece), value, out)
+        else:  # the pieces placed into the target block
+            block = tuple(p * n for p, n in zip(piece, plan.span))
+            out = ensure_varying(lax.full(block, 0, x.dtype), axes)
+            for value, held, at in parts:
+                placed = lax.dynamic_update_slice(out, value, _starts(at, index, piece))
+                out = placed if all(held) else lax.select(held_here(held, block), placed, out)
         # the devices along an axis the target does not vary over hold equal blocks now
         keep_varying = self.dst.used_axes
         return agreed(out, [a for a in plan.axes + tuple(self.src.used_axes)
@@ -685,7 +790,9 @@ class Retile(Step):
 
     def __str__(self):
         dims = [str(d) for d, (a, b) in enumerate(zip(self.src.dims, self.dst.dims)) if a != b]
-        return f"ppermute({','.join(self.moved)}) dim{'s' if len(dims) > 1 else ''} {','.join(dims)}"
+        rounds = f" ({self.rounds} rounds)" if self.rounds > 1 else ""
+        return (f"ppermute({','.join(self.moved)}) dim{'s' if len(dims) > 1 else ''} "
+                f"{','.join(dims)}{rounds}")
 
 
 __all__ = ["remainder_sum", "widened_mean", "Step", "AllGather", "AllReduce", "ReduceScatter", "AllToAll", "LocalSlice",
