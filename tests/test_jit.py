@@ -1,7 +1,9 @@
 """dist.jit: partitioned programs equal one device, and compile to exactly the planned collectives."""
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 import re
 from typing import Any
 import warnings
@@ -538,10 +540,12 @@ def test_explain_is_text():
     text = f.explain(a, b)
     assert isinstance(text, str) and "all-reduce" in text and text[:10] == str(text)[:10]
     assert repr(text) == str(text) and text.plan.collectives
+    assert copy.copy(text) == copy.deepcopy(text) == text == pickle.loads(pickle.dumps(text))
     other = dist.ProcessMesh([4, 5, 6, 7], ["x"])
     g = dist.jit(lambda a: dist.reshard(a * 2.0, other, [dist.Shard(0)]) + 1.0)
     staged = g.explain(dist.shard_tensor(np.ones((8, 4), np.float32), MESH4, [dist.Shard(0)]))
     assert isinstance(staged, str) and "2 stages" in staged and len(staged.stages) == 2
+    assert copy.deepcopy(staged) == pickle.loads(pickle.dumps(staged)) == staged
 
 
 def test_explains_equation_table_lists_a_copy_read_twice_once():

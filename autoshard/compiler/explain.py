@@ -97,6 +97,18 @@ class Explanation(str):
     def _repr_html_(self) -> str:
         return explain_html(self.plan)
 
+    # immutable, as a str: a copy is itself; pickled it is its text (a Plan holds a program
+    # of jax values, which do not pickle), where str's own reduction would hand the text to
+    # __new__ as a plan
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return str, (str.__str__(self),)
+
 
 class StagedExplanation(str):
     """f.explain() of a function cut into stages on several meshes (cut.py): each stage's
@@ -117,6 +129,9 @@ class StagedExplanation(str):
 
     def _repr_html_(self) -> str:
         return "<pre>" + html.escape(str.__str__(self)) + "</pre>"
+
+    __copy__, __deepcopy__, __reduce__ = (Explanation.__copy__, Explanation.__deepcopy__,
+                                          Explanation.__reduce__)
 
 
 def _staged_text(name: str, stages: list) -> str:
