@@ -178,27 +178,41 @@ def pins(plan, registry, cost_model) -> dict:
     actual, pref = plan.layouts, plan.preferred
     mesh = plan.mesh
     pick = chooser(mesh, cost_model, unreducing=True)
-    uses = program.use_counts()
     latency = min(cost_model.axis_latency(a) for a in mesh.dim_names) if mesh.dim_names else 0.0
     floor = latency * min(cost_model.axis_bandwidth(a) for a in mesh.dim_names) \
         if mesh.dim_names else 0.0  # bytes
     found: dict = {}
-    for e, ep in zip(program.eqns, plan.eqns):
-        sig = plan.signatures[e.index] if e.index < len(plan.signatures) else None
-        if (sig is None or e.primitive is hint_p or ep.fallback or ep.sub_plans
-                or e.index in remaker.in_region):
+    sized: dict = {}  # aval -> whether a value of it is large enough (below)
+    eqns, signatures = program.eqns, plan.signatures
+    uses = None
+    for k, ep in enumerate(plan.eqns):
+        # (tests in order of cost: this loop visits every equation of every program planned)
+        if ep.fallback or ep.sub_plans:
+            continue
+        e = eqns[k]
+        # a move sends at most twice the whole value (an all-reduce of a pending sum): one
+        # that cannot outweigh a collective's latency is no operand to remake (`move`)
+        large = False
+        for v in e.inputs:
+            ok = sized.get(v.aval)
+            if ok is None:
+                ok = sized[v.aval] = 2 * math.prod(v.shape) * itemsize(v.dtype) >= floor
+            large = large or ok
+        if not large:
+            continue
+        sig = signatures[e.index] if e.index < len(signatures) else None
+        if sig is None or e.primitive is hint_p or e.index in remaker.in_region:
             continue
         # only an equation that pays for something (a move of an operand, a pending sum, a
-        # result not laid out as its readers prefer) may gain, and only by an operand made by
-        # a local step
+        # result not laid out as its readers prefer) may gain, and only by a large operand
+        # made by a local step
         if not (ep.reshards or any(L.partial or (P is not None and P is not L)
                                    for L, P in zip(ep.results, map(pref.get, e.outputs)))):
             continue
-        # a move sends at most twice the whole value (an all-reduce of a pending sum): one
-        # that cannot outweigh a collective's latency is no operand to remake (`move`)
-        if not any(remaker.local(v) and 2 * math.prod(v.shape) * itemsize(v.dtype) >= floor
-                   for v in e.inputs):
+        if not any(sized[v.aval] and remaker.local(v) for v in e.inputs):
             continue
+        if uses is None:
+            uses = program.use_counts()
         operands = tuple(actual[v] for v in e.inputs)
         wanted = tuple(pref.get(v) for v in e.outputs)
         single = tuple(uses[v] <= 1 for v in e.inputs)
