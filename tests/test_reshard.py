@@ -727,10 +727,14 @@ def test_a_permuted_split_differentiates(mesh_name, src, dst, where):
     """A permute whose target is replicated over axes it ran across types its result as
     agreeing along them (steps.agreed); its gradient, taken inside dist.jit or outside (the
     partitioned program itself differentiated), equals one device's."""
-    mesh = dist.ProcessMesh(*MESHES[mesh_name])
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 8, 8)).astype(np.float32)
-    w = np.cos(np.arange(x.size, dtype=np.float32)).reshape(x.shape)
+    _check_reshard_gradient(dist.ProcessMesh(*MESHES[mesh_name]), src, dst, (16, 8, 8), where, 0)
+
+
+def _check_reshard_gradient(mesh, src, dst, shape, where, seed):
+    """The gradient of a weighted sum of squares through reshard(src -> dst), taken inside
+    dist.jit or outside it, equals one device's."""
+    x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    w = np.cos(np.arange(x.size, dtype=np.float32)).reshape(shape)
     body = lambda v: jnp.sum(dist.reshard(dist.shard_tensor(v, mesh, src) * 3.0, mesh, dst) ** 2
                              * w)  # noqa: E731
     f = jax.grad(dist.jit(body)) if where == "outside" else dist.jit(jax.grad(body))
@@ -738,6 +742,7 @@ def test_a_permuted_split_differentiates(mesh_name, src, dst, where):
     want = jax.grad(lambda v: jnp.sum((v * 3.0) ** 2 * w))(x)
     np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got), want,
                                rtol=1e-5)
+    return x
 
 
 # -- axes exchanged between dims of unequal splits: permutes of pieces, in rounds -------------
@@ -818,16 +823,7 @@ def test_a_permute_in_rounds_differentiates(mesh_name, src, dst, shape, where):
     permutes transpose to the reverse permutes and slices: a gradient through the reshard,
     taken inside dist.jit or outside, equals one device's."""
     mesh = dist.ProcessMesh(*MESHES[mesh_name])
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=shape).astype(np.float32)
-    w = np.cos(np.arange(x.size, dtype=np.float32)).reshape(shape)
-    body = lambda v: jnp.sum(dist.reshard(dist.shard_tensor(v, mesh, src) * 3.0, mesh, dst) ** 2
-                             * w)  # noqa: E731
-    f = jax.grad(dist.jit(body)) if where == "outside" else dist.jit(jax.grad(body))
-    got = f(jnp.asarray(x))
-    want = jax.grad(lambda v: jnp.sum((v * 3.0) ** 2 * w))(x)
-    np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got), want,
-                               rtol=1e-5)
+    x = _check_reshard_gradient(mesh, src, dst, shape, where, 1)
     assert dist.plan_reshard(dist.shard_tensor(x, mesh, src), mesh, dst).collectives == [
         "collective-permute"] * 2
 
