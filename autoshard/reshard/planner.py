@@ -23,8 +23,8 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType, narrow_float
 from .steps import (AllGather, AllReduce, AllToAll, GatherUneven, LocalSlice, MakePartial,
-                    ReduceScatter, Retile, ShardToPartial, SplitUneven, Step, remainder_sum,
-                    retiling, widened_mean)
+                    ReduceScatter, Retile, ShardToPartial, SplitUneven, Step, _group_size,
+                    remainder_sum, retiling, widened_mean)
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def _retile_targets(dst: Layout, mesh: ProcessMesh) -> tuple[Layout, ...]:
 
 
 def _block_counts(layout: Layout, sizes: dict) -> list[int]:
-    return [math.prod(sizes[a] for a in axes) for axes in layout.dims]
+    return [_group_size(axes, sizes) for axes in layout.dims]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -574,12 +574,22 @@ class DistModel:
         out, state = self._forward(mode, params, state, inputs)
         return self._checked_loss(mode, self._call_loss(out, labels)), state
 
+    def _loss_signature(self) -> inspect.Signature | None:
+        """loss_fn's signature, read once per loss_fn (None: a builtin without one)."""
+        cached = self.__dict__.get("_loss_sig")
+        if cached is None or cached[0] is not self._loss_fn:
+            try:
+                signature = inspect.signature(self._loss_fn)
+            except (TypeError, ValueError):
+                signature = None
+            cached = self.__dict__["_loss_sig"] = (self._loss_fn, signature)
+        return cached[1]
+
     def _loss_binds(self, n_args: int) -> bool:
         """Whether loss_fn binds n positional arguments (True when its signature cannot be
         read: its call will say)."""
-        try:
-            signature = inspect.signature(self._loss_fn)
-        except (TypeError, ValueError):
+        signature = self._loss_signature()
+        if signature is None:
             return True
         try:
             signature.bind(*([None] * n_args))
@@ -629,11 +639,9 @@ class DistModel:
         return self._loss_fn(*outs, *args)
 
     def _loss_takes_varargs(self) -> bool:
-        try:
-            parameters = inspect.signature(self._loss_fn).parameters.values()
-        except (TypeError, ValueError):
-            return True
-        return any(p.kind == p.VAR_POSITIONAL for p in parameters)
+        signature = self._loss_signature()
+        return signature is None or any(p.kind == p.VAR_POSITIONAL
+                                        for p in signature.parameters.values())
 
     def _loss_mismatch(self, out: Any, labels: tuple) -> str:
         """Why loss_fn cannot be called on this output and label, and what to write."""
@@ -958,9 +966,8 @@ class DistModel:
         checked = self.__dict__.setdefault("_loss_args_ok", set())
         if self._loss_fn is None or counts in checked:
             return
-        try:
-            signature = inspect.signature(self._loss_fn)
-        except (TypeError, ValueError):  # a builtin without one: its call will say
+        signature = self._loss_signature()
+        if signature is None:  # a builtin without one: its call will say
             return
         if any(self._loss_binds(1 + n) for n in counts):
             checked.add(counts)
