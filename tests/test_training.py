@@ -766,7 +766,8 @@ def _labelled_reference(weights, batches, tx, forward=_TwoInputs.apply, loss=mas
     lambda m, b: m(tuple(b[0]), tuple(b[1])),        # tuples
     lambda m, b: m(b),                               # a loader's batch as one argument
     lambda m, b: m(*b[0], b[1]),                     # dist_model(x, gain, [y, mask])
-], ids=["lists", "tuples", "loader-batch", "inputs-apart"])
+    lambda m, b: m(*b[0], *b[1]),                    # dist_model(x, gain, y, mask)
+], ids=["lists", "tuples", "loader-batch", "inputs-apart", "flat"])
 @pytest.mark.parametrize("kind", ["dp", "tp"])
 def test_a_list_of_labels_is_passed_to_the_loss_one_per_argument_as_paddle_does(kind, call):
     """Paddle's DistModel feeds a batch [inputs, labels], each a tensor or a list, as
@@ -918,6 +919,18 @@ def test_a_batch_of_labels_the_loss_or_the_mode_cannot_take_is_an_error_saying_w
     with pytest.raises(dist.DistModelError, match=r"can be called both as loss_fn\(outputs, y1, "
                                                   r"y2\).*and as loss_fn\(out1, out2, labels\)"):
         two([x, gain], [y, mask])
+
+    # a flat batch that splits two ways between a model of an optional input and the labels
+    def optional(p, x, gain=None):
+        return _TwoInputs.apply(p, x, x if gain is None else gain)
+    either = dist.to_static((optional, params), None, lambda out, *labels: jnp.mean(out),
+                            optax.sgd(0.1))
+    with pytest.raises(dist.DistModelError, match=r"a flat batch of 5 arrays splits into the "
+                                                  r"model's inputs and loss_fn's labels 2 ways "
+                                                  r"\(1 \+ 4, 2 \+ 3\).*dist_model\(\[x1\], "
+                                                  r"\[y1, y2, y3, y4\]\) or dist_model\(\[x1, "
+                                                  r"x2\], \[y1, y2, y3\]\)"):
+        either(x, gain, y, mask, mask)
 
 
 @pytest.mark.parametrize("built", ["eval-only", "predict-only"])

@@ -1045,6 +1045,8 @@ class DistModel:
         feeds each element of the list as one input (also to a model with optional parameters
         after its first, `forward(input_ids, attention_mask=None)`). A model whose call cannot
         take them one by one (a single parameter: a pytree input) gets the list whole."""
+        if mode != "predict" and len(batch) > 2:
+            return self._split_flat(batch)
         if (mode == "predict" or len(batch) != 2
                 or not isinstance(batch[0], (list, tuple))):
             return batch
@@ -1052,6 +1054,32 @@ class DistModel:
         if self._takes_one_by_one(len(inputs)):
             return inputs + batch[1:]
         return batch
+
+    def _split_flat(self, batch: tuple) -> tuple:
+        """Paddle's flat call of a model of several inputs and labels, dist_model(x1, x2, y1,
+        y2): Paddle splits its feed list where its data spec's inputs end; here, where the
+        model's call stops taking inputs. The batch reads as usual — every element an input
+        but the last, the label — unless the model cannot take that many; then it splits
+        after the one count of inputs the model takes (a model of optional inputs: the one
+        for which loss_fn takes the rest as labels), the rest a list of labels
+        (loss_fn(output, y1, y2), `_call_loss`)."""
+        n = len(batch)
+        if any(isinstance(x, (list, tuple, dict)) for x in batch) or self._takes(n - 1):
+            return batch
+        counts = [k for k in range(1, n - 1) if self._takes(k)]
+        if len(counts) > 1:
+            counts = [k for k in counts if self._loss_binds(1 + n - k)]
+        if not counts:
+            return batch  # `_run` says that the model cannot take the batch's inputs
+        if len(counts) > 1:
+            ways = " or ".join(f"dist_model([{_names('x', k)}], [{_names('y', n - k)}])"
+                               for k in counts)
+            raise DistModelError(
+                f"a flat batch of {n} arrays splits into the model's inputs and loss_fn's "
+                f"labels {len(counts)} ways ({', '.join(f'{k} + {n - k}' for k in counts)}): "
+                f"say which, as Paddle's [inputs, labels] — {ways}")
+        k = counts[0]
+        return batch[:k] + (list(batch[k:]),)
 
     def _takes_one_by_one(self, n_inputs: int) -> bool:
         """Whether a list of n inputs goes to the model one element per input — as it does
