@@ -110,14 +110,21 @@ class Layout:
                 return d
         return None
 
-    def local_shape(self, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
-        # the devices per dim are kept for the last axis-size mapping asked with (a mesh's
-        # own, one object): the reshard search asks for thousands of local shapes per model
+    def devices_per_dim(self, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """How many devices split each dim (its blocks along it)."""
+        # kept for the last axis-size mapping asked with (a mesh's own, one object): the
+        # reshard search asks for thousands of local shapes and block counts per model
         kept = self.__dict__.get("_devices")
         if kept is None or kept[0] is not axis_sizes:
             kept = (axis_sizes, tuple(math.prod(axis_sizes[a] for a in axes) for axes in self.dims))
             object.__setattr__(self, "_devices", kept)
-        return tuple(s // n for s, n in zip(shape, kept[1]))
+        return kept[1]
+
+    def local_shape(self, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+        kept = self.__dict__.get("_devices")  # (inline: asked for far more than made)
+        devices = kept[1] if kept is not None and kept[0] is axis_sizes \
+            else self.devices_per_dim(axis_sizes)
+        return tuple(s // n for s, n in zip(shape, devices))
 
     def without_partial(self) -> "Layout":
         if not self.partial:

@@ -121,6 +121,8 @@ def forget_memos() -> None:
     planner._retile_moves.cache_clear()
     planner._retile_targets.cache_clear()
     planner._retiles.cache_clear()
+    planner._local_count.cache_clear()
+    planner._dtype_facts.cache_clear()
     steps.retiling.cache_clear()
     api.plan_layouts.cache_clear()
     replay.clear_shared()

@@ -128,6 +128,13 @@ def _local_bytes(layout: Layout, shape, sizes, itemsize: int) -> int:
     return math.prod(layout.local_shape(shape, sizes)) * itemsize
 
 
+@functools.lru_cache(maxsize=65536)
+def _local_count(layout: Layout, shape: tuple[int, ...], mesh: ProcessMesh) -> int:
+    """Elements of one device's block: the search prices every step by the blocks before and
+    after it, and meets the same few layouts of the same few shapes again and again."""
+    return math.prod(layout.local_shape(shape, mesh.axis_sizes))
+
+
 def _candidate_steps(layout: Layout, wanted_partial: dict, ndim: int, axis_names,
                      integer: bool = False, narrow: bool = False) -> Iterator[Step]:
     """`integer` / `narrow`: the values are integers / floats of less range than float32
@@ -202,6 +209,14 @@ def _transitions(layout: Layout, wanted_partial: tuple, divisible: tuple[int, ..
     return tuple(found)
 
 
+@functools.lru_cache(maxsize=64)
+def _dtype_facts(dtype: str) -> tuple[int, bool, bool]:
+    """(itemsize, integer, narrow float) of a dtype: asked by every expansion of a search."""
+    return (np.dtype(dtype).itemsize,
+            bool(jax.dtypes.issubdtype(dtype, np.integer)),  # (int4: numpy's does not know it)
+            narrow_float(dtype))
+
+
 @functools.lru_cache(maxsize=8192)  # (a model of a few shapes meets ~700)
 def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype: str,
            mesh: ProcessMesh, cost_model: CostModel) -> tuple:
@@ -210,14 +225,12 @@ def _moves(layout: Layout, wanted_partial: tuple, shape: tuple[int, ...], dtype:
     the same way whatever the target's dims, and the searches of one model meet the same few
     layouts of the same few shapes again and again: expanded once."""
     sizes = mesh.axis_sizes
-    itemsize = np.dtype(dtype).itemsize
-    integer = bool(jax.dtypes.issubdtype(dtype, np.integer))  # (int4: numpy's does not know it)
-    narrow = narrow_float(dtype)
-    in_bytes = _local_bytes(layout, shape, sizes, itemsize)
+    itemsize, integer, narrow = _dtype_facts(dtype)
+    in_bytes = _local_count(layout, shape, mesh) * itemsize
     found = []
     for step, nxt in _transitions(layout, wanted_partial, _divisibility(layout, shape, mesh),
                                   integer, mesh, narrow):
-        out_bytes = _local_bytes(nxt, shape, sizes, itemsize)
+        out_bytes = _local_count(nxt, shape, mesh) * itemsize
         wire = step.wire_bytes(in_bytes, out_bytes, sizes)
         if narrow and widened_mean(step, dtype):  # its parts summed in float32
             wire = wire * 4 / itemsize
@@ -250,10 +263,6 @@ def _retile_targets(dst: Layout, mesh: ProcessMesh) -> tuple[Layout, ...]:
     return tuple(found)
 
 
-def _block_counts(layout: Layout, sizes: dict) -> list[int]:
-    return [_group_size(axes, sizes) for axes in layout.dims]
-
-
 @functools.lru_cache(maxsize=4096)
 def _retiles(layout: Layout, dst: Layout, mesh: ProcessMesh) -> tuple[Retile, ...]:
     """The permutes from `layout` to `_retile_targets(dst)` (`steps.retiling`), whatever
@@ -261,7 +270,7 @@ def _retiles(layout: Layout, dst: Layout, mesh: ProcessMesh) -> tuple[Retile, ..
     if layout.partial != dst.partial:
         return ()
     sizes = mesh.axis_sizes
-    counts = _block_counts(layout, sizes)
+    counts = layout.devices_per_dim(sizes)
     blocks = math.prod(counts)
     found = []
     for target in _retile_targets(dst, mesh):
@@ -274,7 +283,7 @@ def _retiles(layout: Layout, dst: Layout, mesh: ProcessMesh) -> tuple[Retile, ..
         # a gather (dst split further: 90 of those moves, all on 2x2x2, send 15-25 % fewer
         # bytes so, but finding their rounds for every layout the search meets made a
         # model's first plan ~30 % slower)
-        target_counts = _block_counts(target, sizes)
+        target_counts = target.devices_per_dim(sizes)
         if (any(t % c and c % t for c, t in zip(counts, target_counts))
                 or all(t[:len(c)] == c for c, t in zip(layout.dims, target.dims))):
             continue
@@ -295,12 +304,12 @@ def _retile_moves(layout: Layout, dst: Layout, shape: tuple[int, ...], dtype: st
     steps. Apart from `_moves`: these depend on the search's target, whose other steps do not
     (and are shared by every search of that shape)."""
     sizes = mesh.axis_sizes
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = _dtype_facts(dtype)[0]
     found = []
     for step in _retiles(layout, dst, mesh):
         if step.after(layout, shape, sizes) is None:
             continue
-        out_bytes = _local_bytes(step.dst, shape, sizes, itemsize)
+        out_bytes = _local_count(step.dst, shape, mesh) * itemsize
         wire = step.wire_bytes(0, out_bytes, sizes)
         # its rounds one after another, each its latency; a target block of several pieces
         # is written once per piece placed in it (`Retile.run`), the kept one too
@@ -338,8 +347,7 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
             known = best.get(nxt)
             if known is None or total < known - 1e-18:
                 best[nxt] = total
-                back[nxt] = (layout, PlannedStep(step, mesh, layout, nxt, int(round(wire)), seconds,
-                                                 remainders))
+                back[nxt] = (layout, step, wire, seconds, remainders)  # (a step made at the end)
                 heapq.heappush(heap, (total, next(counter), nxt))
     if dst not in back:
         # (callers ask for layouts the shape divides: one that does not is a bug of the caller)
@@ -350,8 +358,9 @@ def plan_on_mesh(mesh: ProcessMesh, src: Layout, dst: Layout, shape: tuple[int, 
     steps = []
     node = dst
     while node != src:
-        node, planned = back[node]
-        steps.append(planned)
+        before, step, wire, seconds, remainders = back[node]
+        steps.append(PlannedStep(step, mesh, before, node, int(round(wire)), seconds, remainders))
+        node = before
     return tuple(reversed(steps))
 
 
