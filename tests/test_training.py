@@ -877,6 +877,11 @@ def test_a_pipeline_reads_a_list_of_labels_as_the_one_program_step_does():
     ref_losses, ref = _labelled_reference(weights, batches, optax.sgd(0.1))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(m.params["w1"].numpy(), ref["w1"], rtol=1e-4, atol=1e-6)
+    # a label of the list that cannot be cut into micro-batches is named by its parameter
+    (x, gain), (y, mask) = batches[0]
+    with pytest.raises(dist.StageError, match=r"batch element 2\[1\] \(loss_fn's argument "
+                                              r"'mask'\) has an array of shape \[4, 8\]"):
+        m([x, gain], [y, mask[:4]])
 
 
 def test_a_batch_of_labels_the_loss_or_the_mode_cannot_take_is_an_error_saying_what_to_write():

@@ -376,11 +376,13 @@ class DistModel:
             names = self._input_names()
             role = f"the model's input {names[k]!r}" if k < len(names) else "a model input"
             return f"batch element {k}{rest} ({role})"
-        try:
-            names = list(inspect.signature(self._loss_fn).parameters)
-        except (TypeError, ValueError):
-            names = []
-        role = (f"loss_fn's argument {names[k + 1]!r}" if k + 1 < len(names)
+        signature = self._loss_signature()
+        names = [] if signature is None else list(signature.parameters)
+        j = getattr(path[1], "idx", None) if len(path) > 1 else None
+        # an element of a list of labels, which a loss_fn of several label parameters takes
+        # one per argument (`_call_loss`): named by the parameter it is passed to
+        arg = k + j if j is not None and len(names) > 2 else k
+        role = (f"loss_fn's argument {names[arg + 1]!r}" if arg + 1 < len(names)
                 else "a loss_fn argument")
         return f"batch element {n_inputs + k}{rest} ({role})"
 
