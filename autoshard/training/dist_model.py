@@ -1062,15 +1062,12 @@ class DistModel:
         y2): Paddle splits its feed list where its data spec's inputs end; here, where the
         model's call stops taking inputs. The batch reads as usual — every element an input
         but the last, the label — unless the model cannot take that many; then it splits
-        after the one count of inputs the model takes (a model of optional inputs: the one
-        for which loss_fn takes the rest as labels), the rest a list of labels
-        (loss_fn(output, y1, y2), `_call_loss`)."""
+        after the one count of inputs that the model takes and after which loss_fn takes the
+        rest as labels, one per argument (loss_fn(output, y1, y2), `_call_loss`)."""
         n = len(batch)
         if any(isinstance(x, (list, tuple, dict)) for x in batch) or self._takes(n - 1):
             return batch
-        counts = [k for k in range(1, n - 1) if self._takes(k)]
-        if len(counts) > 1:
-            counts = [k for k in counts if self._loss_binds(1 + n - k)]
+        counts = [k for k in range(1, n - 1) if self._takes(k) and self._loss_binds(1 + n - k)]
         if not counts:
             return batch  # `_run` says that the model cannot take the batch's inputs
         if len(counts) > 1:
