@@ -427,6 +427,75 @@ def test_moe_dispatch_is_made_split_by_experts_from_the_gathered_routing(mesh, s
     assert wire <= base_wire, (wire, base_wire, count_collectives(ours), count_collectives(base))
 
 
+def _wire_bytes_against_jit(fn, args, reference_args):
+    """(ours, jax.jit's) collective wire bytes of `fn`, jax.jit given the same input
+    shardings, after checking our values against the unpartitioned function."""
+    leaf = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
+    g = dist.jit(fn)
+    got = jax.tree.leaves(g(*args), is_leaf=leaf)
+    for a, b in zip(got, jax.tree.leaves(jax.jit(fn)(*reference_args)), strict=True):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-3, atol=1e-4)
+    ours = g.lower(*args).compile().as_text()
+    physical = jax.tree.map(lambda t: t.physical, args, is_leaf=leaf)
+    base = jax.jit(fn).lower(*physical).compile().as_text()
+    return (sum(collective_wire_bytes(ours).values()),
+            sum(collective_wire_bytes(base).values()))
+
+
+@pytest.mark.parametrize("mesh,split", [(LINE, [S(0)]), (MESH, [S(0), S(0)])],
+                         ids=["8 devices", "2x4"])
+def test_moe_gradient_remakes_dispatch_split_by_experts(mesh, split):
+    # the MoE layer's gradient at a size where no one einsum's pending sum or move outweighs
+    # a collective's latency: each one-hot remade split by experts saves little where it is
+    # read, but together they save an all-to-all and two reduce-scatters of the dispatched
+    # tokens (2.7x XLA's wire bytes before; remake.py groups the remakes that share moves)
+    moe, p, x = _gshard_moe(256, 8, 16, 32)
+    step = jax.grad(lambda p, x: jnp.sum(moe(p, x) ** 2))
+    placed = {"router": dist.shard_tensor(p["router"], mesh, [R()] * len(split)),
+              "w1": dist.shard_tensor(p["w1"], mesh, split),
+              "w2": dist.shard_tensor(p["w2"], mesh, split)}
+    wire, base_wire = _wire_bytes_against_jit(
+        step, (placed, dist.shard_tensor(x, mesh, split)), (p, x))
+    assert wire <= base_wire, (wire, base_wire)
+
+
+@pytest.mark.parametrize("mesh,split", [(LINE, [S(0)]), (MESH, [S(0), S(0)]),
+                                        (MESH, [R(), S(0)])],
+                         ids=["8 devices", "2x4", "2x4 mp"])
+def test_a_split_vector_added_to_a_replicated_input_is_gathered_once(mesh, split):
+    # y = x + v, x replicated, v split: the add takes y split like v (slicing x is free,
+    # gathering v costs a collective's latency), and each of the two matmuls reading y would
+    # contract its split dim and all-reduce its (1024, 32) result. Gathering v's 64 bytes once
+    # serves both (jax.jit's plan); with y made split by rows from x sliced, nothing else moves
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 16)).astype(np.float32)
+    v = rng.normal(size=(16,)).astype(np.float32)
+    w1, w2 = (rng.normal(size=(16, 32)).astype(np.float32) for _ in range(2))
+
+    def f(x, v, w1, w2):
+        y = x + v
+        return jnp.tanh(y @ w1) * (y @ w2)
+    whole = [R()] * len(split)
+    args = (dist.shard_tensor(x, mesh, whole), dist.shard_tensor(v, mesh, split),
+            dist.shard_tensor(w1, mesh, whole), dist.shard_tensor(w2, mesh, whole))
+    wire, base_wire = _wire_bytes_against_jit(f, args, (x, v, w1, w2))
+    assert wire <= base_wire, (wire, base_wire)
+
+
+def test_a_gpt_step_is_not_planned_again_for_remakes(monkeypatch):
+    # a GPT train step's values are all smaller than a collective's latency is worth in
+    # bytes: no remake can gain there (its loss's one-hot remade from the labels would save
+    # 192 bytes), and planning the step twice would double its planning time
+    from autoshard.bench.gpt_workloads import gpt_dp_tp
+    from autoshard.compiler import plan as planning
+    found = []
+    pins = planning.remake_pins
+    monkeypatch.setattr(planning, "remake_pins", lambda *a: found.append(pins(*a)) or found[-1])
+    w = gpt_dp_tp(2, "unrolled")
+    dist.jit(w.step, out_placements=w.out_placements).plan(*w.args)
+    assert found and not any(found), found
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
 def test_query_heads_grouped_finer_than_mp_stay_split(grad, monkeypatch):
     # jax.nn.dot_product_attention with 2 key-value heads groups 8 query heads split over

@@ -12,34 +12,47 @@ makes that very tensor split by experts with no more communication, and the eins
 each device's experts — as XLA plans it.
 
 This pass looks back from each equation of a finished plan that pays for something (a move,
-a pending sum): for each layout one of its candidate strategies asks of an operand made by a
-local step, it prices making the operand there by the steps that made it — each a step whose
-rule does not communicate, run in the layout the rule implies from its result's (no
-contraction, no collective of its own) — down to values that are cheaper to move than to
-remake (`_Remaker.cheapest`), plus the local work the steps do beyond what they do now. Those
-moves are priced by their bytes: they are small, and remakes share them (the dispatch and the
-combine tensors grow from the same routing), so only an operand whose own move is
-bandwidth-bound, not latency-bound, is tried. Where the equation's choice with the operand
-remade, plus that price, is cheaper than its choice now, the remade values are pinned in
-their layouts for propagation (`pins`), and the program is planned again (plan.py,
-`make_plan`): each step then chooses by cost as usual, given those preferences, and the plan
-that moves fewer bytes at a lower price under the full cost model is kept. Values are the
-plan's as ever: only preferences change.
+a pending sum) where one of its values is large enough for its bytes, not a collective's
+latency, to dominate its move (twice its bytes: an all-reduce): for each layout one of its
+candidate strategies asks of an operand made by a local step, it prices making the operand
+there by the steps that made it — each a step whose rule does not communicate, run in the
+layout the rule implies from its result's (no contraction, no collective of its own) — down
+to values that are cheaper to move than to remake (`_Remaker.cheapest`), plus the local work
+the steps do beyond what they do now. A remake is one whose collectives move much less than
+the operand's own move would (`GAIN`).
+
+What the equation saves (its choice now less its choice with the operand remade, a pending
+sum it no longer leaves counted whole) and what the remake costs are both priced by bytes,
+latency left out: a remake's moves are small and often shared — the dispatch and the combine
+tensors grow from the same routing; in `y = x + v` read by two matmuls, one gathered `v`
+serves both, so neither matmul alone might pay for it while together they save two
+all-reduces. So the offers of all equations are joined where they share a collective
+(`_joined`), and a group whose savings exceed its remake, each move counted once, by at least
+`FLOOR`, has its remade values pinned in their layouts for propagation (`pins`). The program
+is then planned again (plan.py, `make_plan`): each step chooses by cost as usual, given those
+preferences, and the plan that moves fewer bytes at a lower price under the full cost model
+(latency included) is kept. Values are the plan's as ever: only preferences change.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import NamedTuple
 
-from ..reshard.planner import plan_on_mesh
 from ..layout import Layout
+from ..reshard.planner import plan_on_mesh
 from .dtypes import cost_dtype, itemsize
 from .recompute import _cheap
-from .strategy import (candidates, chooser, layouts, _merge, _seed_from,
-                       _with_repairs)
+from .strategy import (candidates, chooser, deferred_reduction_seconds, layouts, _merge,
+                       _seed_from, _with_repairs)
 from .trace import Program, hint_p
 
 MAX_STEPS = 24  # steps one remake may run in another layout (a value's cone, not a model)
-GAIN = 0.5  # a remake must cost at most this share of moving the operand itself
+GAIN = 0.5  # a remake's collectives must cost at most this share of moving the operand itself
+# what the equations a remake serves must save beyond its price, in bytes, for the program to
+# be planned again: this share of one collective's latency (2.5 KB at the default model).
+# Less is lost in the cost model's error, and not worth planning the program twice for
+FLOOR = 0.01
 
 
 def _result_strategy(sig, j: int, target: Layout, sizes):
@@ -91,12 +104,12 @@ class _Remaker:
         return sum(moves.values()) + max(more, 0.0)
 
     def move(self, v, dst: Layout) -> float:
-        """Seconds of moving `v` to `dst`, each collective's latency left out: the moves
-        that remake an operand are small, and several remakes often share them (the dispatch
-        and the combine tensors both grow from the one routing choice), so priced with their
-        latency each, equation by equation, they would look as dear as the large move they
-        replace. Whether the plan made with operands remade is cheaper is decided by the
-        whole plan's price under the full cost model (plan.py)."""
+        """Seconds of moving `v` to `dst`, each collective's latency left out: a remake's
+        moves are small and often shared by several remakes (the dispatch and the combine
+        tensors both grow from the one routing choice), so priced with their latency each,
+        equation by equation, they would look as dear as the large moves they replace. What
+        an equation saves is priced by bytes alike (`pins`); latency counts where the plan
+        made with the remade values is judged (plan.py)."""
         src = self.actual[v]
         if src is dst:
             return 0.0
@@ -104,6 +117,13 @@ class _Remaker:
         return sum(s.seconds - (latency(s.step.axes, 0) if s.step.hlo else 0.0)
                    for s in plan_on_mesh(self.mesh, src, dst, tuple(v.shape),
                                          cost_dtype(v.dtype), self.cost_model))
+
+    def communicates(self, key) -> bool:
+        """Whether the move `key` ((value, layout)) runs a collective (not only a slice)."""
+        v, dst = key
+        return any(s.step.hlo for s in plan_on_mesh(self.mesh, self.actual[v], dst,
+                                                   tuple(v.shape), cost_dtype(v.dtype),
+                                                   self.cost_model))
 
     def remake(self, v, dst: Layout, budget: list) -> tuple[dict, dict] | None:
         """(moves, made) to have `v` laid out as `dst` by remaking it: `moves` maps (value,
@@ -170,88 +190,177 @@ def _asked(sig, mesh, operands: tuple, wanted: tuple, single: tuple) -> tuple:
     return found
 
 
+class _Offer(NamedTuple):
+    """One equation's operand remade: what the equation saves (`gain`, seconds, the remake's
+    price aside), and the remake (`moves`: (value, layout) -> seconds; `made`: value ->
+    layout)."""
+    gain: float
+    moves: dict
+    made: dict
+
+
+def _pending(choice, wanted: tuple, sig, mesh, cost_model) -> float:
+    """What the chooser priced the pending sums of `choice`'s results at."""
+    return sum(deferred_reduction_seconds(mesh, L, P, aval, cost_model)
+               for L, P, aval in zip(choice.results, wanted, sig.out_avals) if L.partial)
+
+
+def _offer(e, sig, remaker: _Remaker, pick, bytes_only, floor: float,
+           uses) -> _Offer | None:
+    """The best remake of an operand of equation `e` into a layout one of its candidate
+    strategies asks for (None: none saves `floor` seconds or more)."""
+    actual, pref, mesh = remaker.actual, remaker.plan.preferred, remaker.mesh
+    operands = tuple(actual[v] for v in e.inputs)
+    wanted = tuple(pref.get(v) for v in e.outputs)
+    single = tuple(uses[v] <= 1 for v in e.inputs)
+    params = tuple(v.producer < 0 for v in e.inputs)
+    none = (frozenset(),) * len(operands)
+    base = None
+    tried: set = set()
+    best = None  # (net seconds, offer)
+    for ins in _asked(sig, mesh, operands, wanted, single):
+        for i, (v, R) in enumerate(zip(e.inputs, ins)):
+            if (v, R) in tried or v in tried or R is operands[i] or R.partial or v.is_const:
+                continue
+            tried.add((v, R) if remaker.local(v) else v)
+            if not remaker.local(v):
+                continue
+            # (the chooser's answers are memoised, the remake is not: asked first)
+            avail = tuple(frozenset({R}) if k == i else m for k, m in enumerate(none))
+            other = pick(sig, operands, wanted, single, avail, params)
+            if other.operands[i] is not R:
+                continue
+            if base is None:
+                base = pick(sig, operands, wanted, single, none, params)
+            # the chooser prices a pending sum at half its reduction (it might be
+            # reduce-scattered later); a remake that avoids one saves it all, as the plan
+            # all-reduces it where a reader wants it whole
+            gain = (base.seconds + _pending(base, wanted, sig, mesh, bytes_only)
+                    - other.seconds - _pending(other, wanted, sig, mesh, bytes_only))
+            if gain < floor:
+                continue
+            remade = remaker.remake(v, R, [MAX_STEPS])
+            # a remake is one whose collectives move much less than the operand's own move
+            # would (slices of replicated values are local work, priced with the group)
+            if remade is None or sum(t for key, t in remade[0].items()
+                                     if remaker.communicates(key)) > GAIN * remaker.move(v, R):
+                continue
+            net = gain - remaker.price(remade)
+            if best is None or net > best[0]:
+                best = (net, _Offer(gain, *remade))
+    return None if best is None else best[1]
+
+
+def _joined(offers: list, remaker: _Remaker) -> list:
+    """The offers in groups that share a collective (the dispatch and the combine tensors
+    of a mixture of experts both grow from the gathered routing choices; in `x + v` read by
+    two matmuls, the one gathered `v` serves both): a move is paid once per group. (A slice
+    of a replicated value, no collective, joins nothing: it costs nothing to repeat.)"""
+    groups: list = []  # [(set of move keys, [offers])]
+    for o in offers:
+        keys = {k for k in o.moves if remaker.communicates(k)}
+        joined = [g for g in groups if g[0] & keys]
+        for g in joined:
+            groups.remove(g)
+            keys |= g[0]
+        groups.append((keys, [o] + [x for g in joined for x in g[1]]))
+    return [members for _, members in groups]
+
+
+def _united(group: list) -> tuple[dict, dict] | None:
+    """The one remake (moves, made) of a group of offers (None: they want one value in two
+    layouts)."""
+    moves: dict = {}
+    made: dict = {}
+    for o in group:
+        moves.update(o.moves)
+        for w, L in o.made.items():
+            if made.setdefault(w, L) is not L:
+                return None
+    return moves, made
+
+
+def _accepted(offers: list, remaker: _Remaker, floor: float) -> dict:
+    """value -> layout: the remade values of each group of offers (`_joined`) whose remake,
+    each move paid once, costs less than what the equations it serves save together, by at
+    least `floor` seconds."""
+    found: dict = {}
+    for group in _joined(offers, remaker):
+        remade = _united(group)
+        if remade is not None and remaker.price(remade) + floor < sum(o.gain for o in group):
+            for w, L in remade[1].items():
+                found.setdefault(w, L)
+    return found
+
+
+_SIZED: dict = {}  # bytes -> {signature: whether it is `_large`} (signatures are interned)
+
+
+def _large(sig, bound: float) -> bool:
+    """Whether an equation may pay for moving `bound` bytes or more: a move sends at most
+    twice one of its values (an all-reduce of an operand, or of a result's pending sum).
+    Below a collective's latency in bytes, what a remake could save is lost in it."""
+    for a in sig.in_avals + sig.out_avals:
+        if 2 * math.prod(a.shape) * itemsize(a.dtype) >= bound:
+            return True
+    return False
+
+
 def pins(plan, registry, cost_model) -> dict:
     """value -> layout: the values to prefer remade (see the module docstring); empty where
     no equation of `plan` gains by an operand remade."""
     program: Program = plan.program
     remaker = _Remaker(plan, registry, cost_model)
-    actual, pref = plan.layouts, plan.preferred
+    pref = plan.preferred
     mesh = plan.mesh
-    pick = chooser(mesh, cost_model, unreducing=True)
     latency = min(cost_model.axis_latency(a) for a in mesh.dim_names) if mesh.dim_names else 0.0
-    floor = latency * min(cost_model.axis_bandwidth(a) for a in mesh.dim_names) \
-        if mesh.dim_names else 0.0  # bytes
-    found: dict = {}
-    sized: dict = {}  # aval -> whether a value of it is large enough (below)
+    # bytes: a collective that sends fewer is bound by its latency, not its bytes
+    bound = latency * min(cost_model.axis_bandwidth(a) for a in mesh.dim_names) \
+        if mesh.dim_names else 0.0
+    floor = FLOOR * latency
+    pick = bytes_only = None  # made at the first equation that may gain (below)
+    offers: list = []
     eqns, signatures = program.eqns, plan.signatures
+    n = len(signatures)
     uses = None
+    sized = _SIZED.setdefault(bound, {})
+    if len(sized) >= _MAX_ASKED:
+        sized.clear()
     for k, ep in enumerate(plan.eqns):
         # (tests in order of cost: this loop visits every equation of every program planned)
         if ep.fallback or ep.sub_plans:
             continue
         e = eqns[k]
-        # a move sends at most twice the whole value (an all-reduce of a pending sum): one
-        # that cannot outweigh a collective's latency is no operand to remake (`move`)
-        large = False
-        for v in e.inputs:
-            ok = sized.get(v.aval)
-            if ok is None:
-                ok = sized[v.aval] = 2 * math.prod(v.shape) * itemsize(v.dtype) >= floor
-            large = large or ok
+        sig = signatures[e.index] if e.index < n else None
+        if sig is None:
+            continue
+        large = sized.get(sig)
+        if large is None:
+            large = sized[sig] = _large(sig, bound)
         if not large:
             continue
-        sig = signatures[e.index] if e.index < len(signatures) else None
-        if sig is None or e.primitive is hint_p or e.index in remaker.in_region:
-            continue
         # only an equation that pays for something (a move of an operand, a pending sum, a
-        # result not laid out as its readers prefer) may gain, and only by a large operand
-        # made by a local step
+        # result not laid out as its readers prefer) may gain, and only by an operand made
+        # by a local step
         if not (ep.reshards or any(L.partial or (P is not None and P is not L)
                                    for L, P in zip(ep.results, map(pref.get, e.outputs)))):
             continue
-        if not any(sized[v.aval] and remaker.local(v) for v in e.inputs):
+        if e.primitive is hint_p or e.index in remaker.in_region:
+            continue
+        if not any(remaker.local(v) for v in e.inputs):
             continue
         if uses is None:
             uses = program.use_counts()
-        operands = tuple(actual[v] for v in e.inputs)
-        wanted = tuple(pref.get(v) for v in e.outputs)
-        single = tuple(uses[v] <= 1 for v in e.inputs)
-        params = tuple(v.producer < 0 for v in e.inputs)
-        none = (frozenset(),) * len(operands)
-        base = None
-        tried: set = set()
-        best = None  # (seconds, made)
-        for ins in _asked(sig, mesh, operands, wanted, single):
-            for i, (v, R) in enumerate(zip(e.inputs, ins)):
-                if (v, R) in tried or v in tried or R is operands[i] or R.partial or v.is_const:
-                    continue
-                tried.add((v, R) if remaker.local(v) else v)
-                if not remaker.local(v):
-                    continue
-                # the remake's moves are priced by their bytes alone (`move`): only where the
-                # operand's own move is one whose bytes, not its latency, dominate
-                whole = remaker.move(v, R)
-                if whole < latency:
-                    continue
-                remade = remaker.remake(v, R, [MAX_STEPS])
-                if remade is None:
-                    continue
-                price = remaker.price(remade)
-                if price > GAIN * whole:
-                    continue
-                avail = tuple(frozenset({R}) if k == i else m for k, m in enumerate(none))
-                other = pick(sig, operands, wanted, single, avail, params)
-                if other.operands[i] is not R:
-                    continue
-                total = other.seconds + price
-                if base is None:
-                    base = pick(sig, operands, wanted, single, none, params)
-                if total < base.seconds - 1e-15 and (best is None or total < best[0]):
-                    best = (total, remade[1])
-        if best is not None:
-            for w, L in best[1].items():
-                found.setdefault(w, L)
-    return found
+            # what an equation saves is priced as its remake is, by bytes
+            # (`_Remaker.move`): the plan made with values remade is kept only if it moves
+            # fewer bytes (plan.py), and an equation whose gain is only a collective's
+            # latency (a tiny move it no longer makes) seldom leads to one
+            bytes_only = replace(cost_model, default_latency=0.0, latency=())
+            pick = chooser(mesh, bytes_only, unreducing=True)
+        offer = _offer(e, sig, remaker, pick, bytes_only, floor, uses)
+        if offer is not None:
+            offers.append(offer)
+    return _accepted(offers, remaker, floor) if offers else {}
 
 
 __all__ = ["pins", "MAX_STEPS"]
