@@ -17,7 +17,7 @@ from .dtensor import DistTensor, StorageViewWarning
 from . import eager  # noqa: F401  (importing it installs DistTensor's operators)
 from .errors import (AutoshardError, CostModelError, DeviceNotFoundError, LocalDataError, MeshError,
                      MeshMismatchError, OperandError, PlacementError, PlacementTypeError,
-                     ReshardError, ShardingError, SignatureError)
+                     ReshardError, ShardingError, SignatureError, TransformationError)
 from .layout import Layout
 from .local_map import LocalMapError, get_rank, local_map
 from .ring_attention import ring_attention, ring_attention_fn, zigzag_indices
@@ -68,5 +68,5 @@ __all__ = [
     "SequenceParallelDisable", "PrepareLayerInput", "PrepareLayerOutput",
     "ParallelizeError", "AnnotationError", "save_state_dict", "load_state_dict", "CheckpointError",
     "AutoshardError", "CostModelError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
-    "ShardingError", "ReshardError", "LocalDataError",
+    "ShardingError", "ReshardError", "LocalDataError", "TransformationError",
 ]

@@ -121,6 +121,12 @@ class LocalDataError(AutoshardError, ValueError):
     """Per-device data handed to dtensor_from_local that does not fit the mesh and placements."""
 
 
+class TransformationError(AutoshardError, NotImplementedError):
+    """A jax transformation applied from outside dist.jit that the partitioned program cannot
+    carry (a second derivative through a construct differentiable once from outside): take it
+    inside the dist.jit function."""
+
+
 class CostModelError(AutoshardError, ValueError):
     """A cost model with a latency or bandwidth that is not a number of the right sign, or
     something that is not a dist.CostModel where one is expected."""
@@ -168,5 +174,5 @@ __all__ = [
     "CostModelError", "SignatureError", "AutoshardError", "MeshError", "DeviceNotFoundError", "PlacementError", "PlacementTypeError",
     "ShardingError", "ReshardError", "LocalDataError", "MeshMismatchError", "user_source_line",
     "OperandError", "OperandTypeError", "OperandValueError", "OperandIndexError",
-    "OperandAxisError", "operand_error",
+    "OperandAxisError", "operand_error", "TransformationError",
 ]

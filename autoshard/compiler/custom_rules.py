@@ -15,10 +15,13 @@ simple cotangent; it runs unwrapped (its primal is differentiated, as before).
 
 A linear solve (custom_linear_solve: jnp.linalg.solve, jax.scipy.sparse.linalg.cg) is bound
 again as jax's own primitive on local blocks — its operator, solve and transposed solve
-partitioned — so jax's rules differentiate it to any order (`_solve_rebound`); where jax's
-typing of values that vary over mesh axes does not allow that, an iterative one's tangent is a
-linear call whose transpose is its vjp (first order, `_solve_wrapped`), a direct one is
-wrapped like a custom_jvp.
+partitioned — so jax's rules differentiate it to any order (`_solve_rebound`). An iterative
+one (a while loop inside) has its right-hand side moved into the solution's layout first and
+every operand cast to vary over the mesh axes any of them varies over, so that it is rebound
+whatever its layouts; a direct one whose operands jax's typing of varying values refuses is
+wrapped like a custom_jvp. (An iterative one with a Partial solution, which no plan was found
+to make, would have a linear call whose transpose is its vjp as tangent: first order only, a
+second derivative is a TransformationError — `_solve_wrapped`.)
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def _wrappable(layouts: list[Layout]) -> bool:
 
 
 def _sub_plan(fn: Callable, avals: list, plan, in_layouts: list[Layout], targets: list[Layout],
-              registry, pack: bool = True):
+              registry, pack: bool = True, ambient: frozenset = frozenset()):
     from .partition import local_function
     from .plan import make_plan
 
@@ -74,7 +77,7 @@ def _sub_plan(fn: Callable, avals: list, plan, in_layouts: list[Layout], targets
     # keeps its own derivative, as at the top — inlined, it runs on stop_gradient'ed factors)
     sub = make_plan(build_program(closed, inline_solves=False), plan.mesh, in_layouts, targets,
                     registry, plan.cost_model, top_level=False)
-    return local_function(sub, registry, physical=False, pack=pack)
+    return local_function(sub, registry, physical=False, pack=pack, ambient=ambient)
 
 
 def _match(values: list, like: list) -> list:
@@ -94,12 +97,17 @@ def run_region(region: CustomRegion, plan, registry, xs: list, body: Callable) -
     diff_out = [j for j, a in enumerate(outs) if _inexact(a)]
     call = _global_call(region)
     if region.primitive.name == "custom_linear_solve":
-        rebound = _solve_rebound(region, plan, registry, xs, in_layouts, out_layouts)
+        iterative = any(e.primitive is lax.while_p
+                        for e in plan.program.eqns[region.start:region.stop])
+        rebound = _solve_rebound(region, plan, registry, xs, in_layouts, out_layouts,
+                                 iterative)
         if rebound is not None:
             return rebound
-        if any(e.primitive is lax.while_p for e in plan.program.eqns[region.start:region.stop]):
+        if iterative:
+            where = plan.program.eqns[region.start].source if region.stop > region.start \
+                else None
             return _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts,
-                                  out_layouts, diff_in, diff_out)
+                                  out_layouts, diff_in, diff_out, where)
     if region.primitive.name in ("custom_jvp_call", "custom_linear_solve"):
         return _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
                             diff_in, diff_out)
@@ -143,26 +151,46 @@ def _jvp_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layo
 
 
 def _solve_rebound(region: CustomRegion, plan, registry, xs: list, in_layouts: list[Layout],
-                   out_layouts: list[Layout]) -> list | None:
+                   out_layouts: list[Layout], iterative: bool = False) -> list | None:
     """A linear solve (jnp.linalg.solve, jax.scipy.sparse.linalg.cg, ...) differentiated from
     outside, bound again as jax's own custom_linear_solve on local blocks: its operator, solve
     and transposed solve each planned on the region's layouts and partitioned, so that jax's
     rules differentiate it — a tangent is a solve, a cotangent a transposed solve, to any order
     (a Hessian through the solve; the inlined solve runs on stop_gradient'ed factors, and
-    transposing its loop or differentiating its transpose lost the matrix's part). None where
-    the right-hand side is Partial or laid out otherwise than the solution (the local blocks
-    of both must have one shape): the region is then wrapped instead."""
+    transposing its loop or differentiating its transpose lost the matrix's part). The
+    right-hand side's local blocks must have the solution's shape: an iterative solve's is
+    moved into the solution's layout (a planned reshard, differentiated and transposed by
+    jax); a direct one's that is Partial or laid out otherwise returns None, as does a Partial
+    solution — the region is then wrapped instead."""
     lengths, jaxprs = region.params["const_lengths"], region.params["jaxprs"]
     n_consts = sum(lengths)
     rhs_layouts = in_layouts[n_consts:]
-    if rhs_layouts != out_layouts or any(L.partial for L in rhs_layouts) or jaxprs.solve is None:
+    if any(L.partial for L in out_layouts) or jaxprs.solve is None:
+        return None
+    if iterative and rhs_layouts != out_layouts:
+        # the right-hand side moved into the solution's layout first (a planned reshard of
+        # its own: jax differentiates and transposes its collectives)
+        move = _sub_plan(lambda *v: list(v), [v.aval for v in region.outputs], plan,
+                         rhs_layouts, out_layouts, registry)
+        xs = [*xs[:n_consts], *move(*xs[n_consts:])]
+        rhs_layouts = out_layouts
+    if rhs_layouts != out_layouts or any(L.partial for L in rhs_layouts):
         return None
     # jax's rules need the operator's operands and the vectors to vary over the same mesh
     # axes: its derivative of the operator's cast of an operand to varying (`pcast`) refuses a
     # tangent typed varying already, its transpose a vector typed otherwise than the operator's
-    # result (an invariant identity's solve by split matrices: jnp.linalg.inv) — such a solve
-    # is wrapped instead (the solve's own constants, a tolerance, are not differentiated)
-    if len({frozenset(varying_axes(x)) for x in (*xs[:lengths.matvec], *xs[n_consts:])}) > 1:
+    # result (an invariant identity's solve by split matrices: jnp.linalg.inv) — such a direct
+    # solve is wrapped instead (the solve's own constants, a tolerance, are not differentiated).
+    # An iterative one has every operand cast to vary over the axes any of them varies over,
+    # and its programs' loops carry values varying over them too (`ambient`): a second
+    # derivative's residuals come back typed varying (shard_map's partial evaluation), which
+    # the loop's invariant steps (a zero initial guess, a replicated matrix) refused — and
+    # the linear call it was wrapped in instead is differentiable once only
+    ambient = frozenset()
+    if iterative:
+        ambient = frozenset().union(*map(varying_axes, xs))
+        xs = [ensure_varying(x, ambient) for x in xs]
+    elif len({frozenset(varying_axes(x)) for x in (*xs[:lengths.matvec], *xs[n_consts:])}) > 1:
         return None
     starts = np.cumsum([0, *lengths]).tolist()
     const_vals = {name: (xs[a:b], region.inputs[a:b], in_layouts[a:b])
@@ -177,7 +205,8 @@ def _solve_rebound(region: CustomRegion, plan, registry, xs: list, in_layouts: l
             closed = getattr(jaxprs, name)
             consts, values, layouts = const_vals[name]
             sub = _sub_plan(jcore.jaxpr_as_fun(closed), [v.aval for v in values] + vec_avals,
-                            plan, list(layouts) + rhs_layouts, rhs_layouts, registry)
+                            plan, list(layouts) + rhs_layouts, rhs_layouts, registry,
+                            ambient=ambient)
             made[name] = lambda *vec: tuple(_match(sub(*consts, *vec), rhs))
         return made[name]
 
@@ -185,13 +214,46 @@ def _solve_rebound(region: CustomRegion, plan, registry, xs: list, in_layouts: l
     if jaxprs.transpose_solve is not None:
         def transpose(_, v):
             return local("transpose_solve")(*v)
+    # a solve declared symmetric (cg) stays so: jax then takes its operator as its own
+    # transpose, also for a tangent operator that is not (a second derivative with respect
+    # to the matrix) — as one device does
+    symmetric = jaxprs.vecmat is not None and jaxprs.vecmat is jaxprs.matvec
     return list(lax.custom_linear_solve(
         lambda v: local("matvec")(*v), rhs, lambda _, v: local("solve")(*v),
-        transpose_solve=transpose))
+        transpose_solve=transpose, symmetric=symmetric))
+
+
+def _first_order_only(values: tuple, where: str | None, laid_out: str) -> tuple:
+    """`values` as they are, but a derivative of them — the linear call's residuals
+    differentiated again, a second derivative from outside, which jax's linear call does not
+    take (it asserted deep in jax, when the outer transformation re-ran the staged program) —
+    is a TransformationError saying to take the derivatives inside."""
+    from jax.custom_derivatives import SymbolicZero
+
+    from ..errors import TransformationError
+
+    @jax.custom_jvp
+    def guard(*vs):
+        return vs
+
+    def guard_jvp(primals, tangents):
+        if any(not isinstance(t, SymbolicZero) for t in tangents):
+            raise TransformationError(
+                f"a second derivative taken from outside dist.jit through an iterative linear "
+                f"solve (jax.scipy.sparse.linalg's cg / gmres / bicgstab: a "
+                f"custom_linear_solve whose solve is a while loop) whose solution is laid out "
+                f"{laid_out} is not supported — its tangent is a "
+                f"linear call, differentiable once: take the derivatives inside, "
+                f"dist.jit(jax.grad(jax.grad(f))) or dist.jit(jax.hessian(f))",
+                where=where)
+        return primals, tangents
+
+    guard.defjvp(guard_jvp, symbolic_zeros=True)
+    return tuple(guard(*values))
 
 
 def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_layouts,
-                   diff_in, diff_out) -> list:
+                   diff_in, diff_out, where: str | None = None) -> list:
     """A linear solve (lax.custom_linear_solve: jax.scipy.sparse.linalg.cg, gmres, ...) whose
     derivative is its own: its tangent is another solve, an iterative one a while loop, which
     jax cannot transpose for a gradient taken outside. So the tangent is a `linear_call` of the
@@ -250,7 +312,9 @@ def _solve_wrapped(call, body, plan, registry, xs, ins, outs, in_layouts, out_la
         y = list(body(*primals))
         given = tuple(i for i in diff_in if not isinstance(tangents[i], SymbolicZero))
         if given:
-            found = linear_call(tangent_of(given), transpose_of(given), tuple(primals),
+            found = linear_call(tangent_of(given), transpose_of(given),
+                                _first_order_only(tuple(primals), where, ", ".join(
+                                    L.describe(plan.mesh) for L in out_layouts)),
                                 tuple(tangents[i] for i in given))
             ty_given = iter(_match(list(found), [y[j] for j in diff_out]))
         else:
