@@ -23,8 +23,8 @@ from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..placement import ReduceType, narrow_float
 from .steps import (AllGather, AllReduce, AllToAll, GatherUneven, LocalSlice, MakePartial,
-                    ReduceScatter, Retile, ShardToPartial, SplitUneven, Step, _group_size,
-                    remainder_sum, retiling, widened_mean)
+                    ReduceScatter, Retile, ShardToPartial, SplitUneven, Step, remainder_sum,
+                    retiling, widened_mean)
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-def _local_bytes(layout: Layout, shape, sizes, itemsize: int) -> int:
-    return math.prod(layout.local_shape(shape, sizes)) * itemsize
 
 
 @functools.lru_cache(maxsize=65536)
