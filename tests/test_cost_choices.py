@@ -462,13 +462,16 @@ def test_moe_gradient_remakes_dispatch_split_by_experts(mesh, split):
 @pytest.mark.parametrize("mesh,split", [(LINE, [S(0)]), (MESH, [S(0), S(0)]),
                                         (MESH, [R(), S(0)])],
                          ids=["8 devices", "2x4", "2x4 mp"])
-def test_a_split_vector_added_to_a_replicated_input_is_gathered_once(mesh, split):
+@pytest.mark.parametrize("rows", [256, 512, 1024])
+def test_a_split_vector_added_to_a_replicated_input_is_gathered_once(mesh, split, rows):
     # y = x + v, x replicated, v split: the add takes y split like v (slicing x is free,
     # gathering v costs a collective's latency), and each of the two matmuls reading y would
-    # contract its split dim and all-reduce its (1024, 32) result. Gathering v's 64 bytes once
-    # serves both (jax.jit's plan); with y made split by rows from x sliced, nothing else moves
+    # contract its split dim and all-reduce its (rows, 32) result. Gathering v's 64 bytes once
+    # serves both (jax.jit's plan); with y made split by rows from x sliced, nothing else moves.
+    # (Below 1024 rows no value is larger than a collective's latency is worth in bytes, yet
+    # the remake saves two whole collectives)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(1024, 16)).astype(np.float32)
+    x = rng.normal(size=(rows, 16)).astype(np.float32)
     v = rng.normal(size=(16,)).astype(np.float32)
     w1, w2 = (rng.normal(size=(16, 32)).astype(np.float32) for _ in range(2))
 

@@ -114,7 +114,7 @@ def forget_memos() -> None:
 
     strategy._MEMOS.clear()
     remake._ASKED.clear()
-    remake._SIZED.clear()
+    remake._NBYTES.clear()
     _registry().memo.clear()
     planner.plan_on_mesh.cache_clear()
     planner._moves.cache_clear()

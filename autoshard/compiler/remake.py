@@ -81,16 +81,80 @@ class _Remaker:
         self.cheap: dict = {}
         self.in_region = {k for r in self.program.regions for k in range(r.start, r.stop)}
         self.memo: dict = {}
+        self.locals: dict = {}
+        self.hopeful: dict = {}
+        self.kinds: dict = {}
 
     def local(self, v) -> bool:
         """`v` is made by a top-level step that runs in any layout without communicating."""
+        locals_ = self.locals
+        if v in locals_:
+            return locals_[v]
         p = v.producer
         if p < 0 or v.is_const or p in self.in_region:
-            return False
-        e, ep = self.program.eqns[p], self.plan.eqns[p]
-        sig = self.sigs[p] if p < len(self.sigs) else None
-        return not (sig is None or e.primitive is hint_p or ep.fallback or ep.sub_plans
-                    or ep.index != p or ep.sends or not _cheap(e, self.registry, self.cheap))
+            found = False
+        else:
+            e, ep = self.program.eqns[p], self.plan.eqns[p]
+            sig = self.sigs[p] if p < len(self.sigs) else None
+            found = not (sig is None or e.primitive is hint_p or ep.fallback or ep.sub_plans
+                         or ep.index != p or ep.sends
+                         or not _cheap(e, self.registry, self.cheap))
+        locals_[v] = found
+        return found
+
+    def promising(self, v) -> bool:
+        """Whether `v` is split, made by a local step, from values that may move for much less
+        than `v` (`GAIN`): what a remake needs, checked before one is priced. A value made
+        from a split value of its own size (an activation, its norm, a reshape of it) is not.
+        Each operand of a remade step is moved or remade in turn: a replicated value or a
+        constant is sliced into any layout, a small one moved (its bytes counted against
+        `v`'s), a large one remade if a local step made it (at most `MAX_STEPS` of them).
+        Layouts are not looked at (a split value is taken to move), and each step's
+        operands are looked at before any is remade, so that a remake that must move a
+        large value is found out at the first step that reads one."""
+        hopeful = self.hopeful
+        if v in hopeful:
+            return hopeful[v]
+        size, made = self.kinds[v] if v in self.kinds else self._kind(v)
+        found = hopeful[v] = bool(size and made) and self._from_small(v)
+        return found
+
+    def _from_small(self, v) -> bool:
+        eqns, kind, kinds = self.program.eqns, self._kind, self.kinds
+        most = GAIN * kinds[v][0]
+        seen = {v}
+        level = [v]
+        steps = MAX_STEPS
+        while level:
+            remade = []
+            for w in level:
+                for u in eqns[w.producer].inputs:
+                    size, made = kinds[u] if u in kinds else kind(u)
+                    if size == 0 or u in seen:
+                        continue  # sliced, or met before
+                    seen.add(u)
+                    if size <= most:
+                        most -= size  # moved
+                    elif made:
+                        remade.append(u)
+                        steps -= 1
+                    else:
+                        return False  # a large value moved
+            if steps < 0:
+                return False
+            level = remade
+        return True
+
+    def _kind(self, u) -> tuple[int, bool]:
+        """(bytes, whether a local step made it) of `u`, bytes 0 for a constant or a
+        replicated value (sliced into any layout); memoised."""
+        L = self.actual[u]
+        if u.is_const or not (L.partial or any(L.dims)):
+            found = (0, False)
+        else:
+            found = (_nbytes(u), self.local(u))
+        self.kinds[u] = found
+        return found
 
     def price(self, found: tuple[dict, dict]) -> float:
         """Seconds of a remake (`remake`'s answer): its moves, and the local work its steps
@@ -212,7 +276,7 @@ def _offer(e, sig, remaker: _Remaker, pick, bytes_only, floor: float,
     actual, pref, mesh = remaker.actual, remaker.plan.preferred, remaker.mesh
     operands = tuple(actual[v] for v in e.inputs)
     wanted = tuple(pref.get(v) for v in e.outputs)
-    single = tuple(uses[v] <= 1 for v in e.inputs)
+    single = tuple(uses(v) <= 1 for v in e.inputs)
     params = tuple(v.producer < 0 for v in e.inputs)
     none = (frozenset(),) * len(operands)
     base = None
@@ -222,8 +286,8 @@ def _offer(e, sig, remaker: _Remaker, pick, bytes_only, floor: float,
         for i, (v, R) in enumerate(zip(e.inputs, ins)):
             if (v, R) in tried or v in tried or R is operands[i] or R.partial or v.is_const:
                 continue
-            tried.add((v, R) if remaker.local(v) else v)
-            if not remaker.local(v):
+            tried.add((v, R) if remaker.promising(v) else v)
+            if not remaker.promising(v):
                 continue
             # (the chooser's answers are memoised, the remake is not: asked first)
             avail = tuple(frozenset({R}) if k == i else m for k, m in enumerate(none))
@@ -237,7 +301,7 @@ def _offer(e, sig, remaker: _Remaker, pick, bytes_only, floor: float,
             # all-reduces it where a reader wants it whole
             gain = (base.seconds + _pending(base, wanted, sig, mesh, bytes_only)
                     - other.seconds - _pending(other, wanted, sig, mesh, bytes_only))
-            if gain < floor:
+            if gain <= 0:
                 continue
             remade = remaker.remake(v, R, [MAX_STEPS])
             # a remake is one whose collectives move much less than the operand's own move
@@ -293,15 +357,57 @@ def _accepted(offers: list, remaker: _Remaker, floor: float) -> dict:
     return found
 
 
-_SIZED: dict = {}  # bytes -> {signature: whether it is `_large`} (signatures are interned)
+_NBYTES: dict = {}  # (shape, dtype) -> bytes
 
 
-def _large(sig, bound: float) -> bool:
-    """Whether an equation may pay for moving `bound` bytes or more: a move sends at most
-    twice one of its values (an all-reduce of an operand, or of a result's pending sum).
-    Below a collective's latency in bytes, what a remake could save is lost in it."""
-    for a in sig.in_avals + sig.out_avals:
-        if 2 * math.prod(a.shape) * itemsize(a.dtype) >= bound:
+def _nbytes(v) -> int:
+    a = v.aval
+    key = (a.shape, a.dtype)
+    found = _NBYTES.get(key)
+    if found is None:
+        if len(_NBYTES) >= _MAX_ASKED:
+            _NBYTES.clear()
+        found = _NBYTES[key] = math.prod(a.shape) * itemsize(a.dtype)
+    return found
+
+
+def _paying(plan) -> list:
+    """The top-level equations that pay for something, in order: each that runs a collective
+    to move an operand, the equation that made a value moved so (in a layout its readers do
+    not take), and the one that made a pending sum reduced so (followed back through the
+    equations it passed through as one: those owe it, as the reader reducing it does, whatever
+    layout their other operands come in). A slice moves nothing."""
+    eqns, actual, plans = plan.program.eqns, plan.layouts, plan.eqns
+    found: set = set()
+    todo: list = []
+    for k, ep in enumerate(plans):
+        if ep.reshards:
+            inputs = eqns[k].inputs
+            for i, rp in ep.reshards:
+                if _communicates(rp):
+                    todo.append(inputs[i])
+                    if not rp.src.partial:
+                        found.add(k)
+    outputs = plan.program.outputs
+    todo += [outputs[i] for i, rp in plan.output_reshards if _communicates(rp)]
+    n = len(plans)
+    while todo:
+        v = todo.pop()
+        p = v.producer
+        if p < 0 or p in found or p >= n:
+            continue
+        if actual[v].partial:
+            passed = [u for u in eqns[p].inputs if actual[u].partial]
+            if passed:
+                todo += passed
+                continue
+        found.add(p)
+    return sorted(found)
+
+
+def _communicates(rp) -> bool:
+    for s in rp.steps:
+        if s.step.hlo:
             return True
     return False
 
@@ -311,46 +417,36 @@ def pins(plan, registry, cost_model) -> dict:
     no equation of `plan` gains by an operand remade."""
     program: Program = plan.program
     remaker = _Remaker(plan, registry, cost_model)
-    pref = plan.preferred
     mesh = plan.mesh
     latency = min(cost_model.axis_latency(a) for a in mesh.dim_names) if mesh.dim_names else 0.0
-    # bytes: a collective that sends fewer is bound by its latency, not its bytes
-    bound = latency * min(cost_model.axis_bandwidth(a) for a in mesh.dim_names) \
-        if mesh.dim_names else 0.0
     floor = FLOOR * latency
     pick = bytes_only = None  # made at the first equation that may gain (below)
     offers: list = []
     eqns, signatures = program.eqns, plan.signatures
     n = len(signatures)
     uses = None
-    sized = _SIZED.setdefault(bound, {})
-    if len(sized) >= _MAX_ASKED:
-        sized.clear()
-    for k, ep in enumerate(plan.eqns):
-        # (tests in order of cost: this loop visits every equation of every program planned)
+    # only an equation that pays for something (a move of an operand, a pending sum, a result
+    # not laid out as its readers take it) may gain, and only by a split operand made by
+    # local steps from values that may move for much less (`_Remaker.promising`)
+    for k in _paying(plan):
+        ep = plan.eqns[k]
         if ep.fallback or ep.sub_plans:
             continue
         e = eqns[k]
         sig = signatures[e.index] if e.index < n else None
-        if sig is None:
+        if sig is None or e.primitive is hint_p or e.index in remaker.in_region:
             continue
-        large = sized.get(sig)
-        if large is None:
-            large = sized[sig] = _large(sig, bound)
-        if not large:
-            continue
-        # only an equation that pays for something (a move of an operand, a pending sum, a
-        # result not laid out as its readers prefer) may gain, and only by an operand made
-        # by a local step
-        if not (ep.reshards or any(L.partial or (P is not None and P is not L)
-                                   for L, P in zip(ep.results, map(pref.get, e.outputs)))):
-            continue
-        if e.primitive is hint_p or e.index in remaker.in_region:
-            continue
-        if not any(remaker.local(v) for v in e.inputs):
+        hopeful = remaker.hopeful
+        for v in e.inputs:
+            if hopeful[v] if v in hopeful else remaker.promising(v):
+                break
+        else:
             continue
         if uses is None:
-            uses = program.use_counts()
+            readers, outputs = program.readers(), set(program.outputs)
+
+            def uses(v) -> int:
+                return len(readers.get(v, ())) + (v in outputs)
             # what an equation saves is priced as its remake is, by bytes
             # (`_Remaker.move`): the plan made with values remade is kept only if it moves
             # fewer bytes (plan.py), and an equation whose gain is only a collective's
