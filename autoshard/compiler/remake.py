@@ -301,7 +301,9 @@ def _offer(e, sig, remaker: _Remaker, pick, bytes_only, floor: float,
             # all-reduces it where a reader wants it whole
             gain = (base.seconds + _pending(base, wanted, sig, mesh, bytes_only)
                     - other.seconds - _pending(other, wanted, sig, mesh, bytes_only))
-            if gain <= 0:
+            # (an offer saving less than an eighth of what a group must save is noise: a
+            # remake whose whole gain is a few hundred bytes is not worth looking for)
+            if gain < floor / 8:
                 continue
             remade = remaker.remake(v, R, [MAX_STEPS])
             # a remake is one whose collectives move much less than the operand's own move
