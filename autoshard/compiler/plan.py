@@ -28,6 +28,7 @@ from .factors import Serves
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
 from . import constraints, recompute
+from .peak import peak_bytes
 from .remake import pins as remake_pins
 from .repeats import Repeats, boundary
 from .split_reduce import split_output_reductions
@@ -222,8 +223,13 @@ def make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout | 
         # fewer bytes at a lower price is kept
         other = _make_plan(program, mesh, input_layouts, output_targets, registry, cost_model,
                            offered, pins=pinned)
+        # (and holds no more at its peak: a remade value may be held whole where it was
+        # split — the dispatch of a split vector into a replicated input costs nothing at
+        # the peak, a context-parallel sequence gathered to save a few small collectives
+        # would hold every activation grown from it whole)
         if (other.bytes_per_call() < plan.bytes_per_call()
-                and plan_seconds(other, cost_model) < plan_seconds(plan, cost_model)):
+                and plan_seconds(other, cost_model) < plan_seconds(plan, cost_model)
+                and peak_bytes(other) <= peak_bytes(plan)):
             plan = other
         else:
             pinned = None

@@ -11,10 +11,10 @@ an all-to-all of the largest array of the layer. Yet gathering the routing choic
 makes that very tensor split by experts with no more communication, and the einsum then runs on
 each device's experts — as XLA plans it.
 
-This pass looks back from each equation of a finished plan that pays for something (a move,
-a pending sum) where one of its values is large enough for its bytes, not a collective's
-latency, to dominate its move (twice its bytes: an all-reduce): for each layout one of its
-candidate strategies asks of an operand made by a local step, it prices making the operand
+This pass looks back from each equation of a finished plan that pays for something (a move
+that runs a collective, a pending sum reduced; `_paying`) and reads a split operand made by
+local steps from values that may move for much less (`_Remaker.promising`): for each layout
+one of its candidate strategies asks of such an operand, it prices making the operand
 there by the steps that made it — each a step whose rule does not communicate, run in the
 layout the rule implies from its result's (no contraction, no collective of its own) — down
 to values that are cheaper to move than to remake (`_Remaker.cheapest`), plus the local work
@@ -31,7 +31,10 @@ all-reduces. So the offers of all equations are joined where they share a collec
 `FLOOR`, has its remade values pinned in their layouts for propagation (`pins`). The program
 is then planned again (plan.py, `make_plan`): each step chooses by cost as usual, given those
 preferences, and the plan that moves fewer bytes at a lower price under the full cost model
-(latency included) is kept. Values are the plan's as ever: only preferences change.
+(latency included) is kept, if it holds no more at its peak (peak.py): a remade value may be
+held whole where it was split, and a context-parallel model's token ids gathered to save a
+few small collectives at a small size would hold every activation grown from them whole.
+Values are the plan's as ever: only preferences change.
 """
 from __future__ import annotations
 
