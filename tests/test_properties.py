@@ -182,6 +182,11 @@ def _program(ops):
 # (found by the explore profile)
 @example((MESHES[3], ("add", "concat_slice", "scatter_add", "remat"), ["R", "S(1)", "R"],
           ["R", "S(0)", "P(sum)"], 0))
+# two broadcasts of one index vector alike (build_program makes one per reader), gathered for
+# two readers: the plan lists one all-gather (XLA's CSE merges them), partition packed the two
+# side by side into one buffer XLA could not merge (HLO: 2 gathered, plan: 1; found by the
+# explore profile, stop 62)
+@example((MESHES[0], ("transpose", "unsort", "token_shift"), ["S(1)"], ["S(1)"], 0))
 def test_random_programs_values_and_gradients(case):
     _check_random_program(*case)
 

@@ -28,7 +28,7 @@ from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .gc_pause import gc_paused
 from . import combine, late_fill, outline
-from .plan import Plan
+from .plan import Plan, buffer_of
 from .replay import Replayer, literal
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
@@ -400,20 +400,38 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
 
     def pack_gathers(env: dict, moved: dict, k: int, stop: int, instances: dict,
                      replayer: Replayer) -> None:
-        """Equation k's pending gathers, run packed with those of the next equations."""
+        """Equation k's pending gathers, run packed with those of the next equations. Values
+        that are one buffer (`buffer_of`: broadcasts of one operand alike, which XLA's CSE
+        makes one) are gathered once, as the plan lists them: packed side by side, XLA could
+        not merge them."""
         first = next(pending_gathers(env, moved, k, stop, instances, first_only=True), None)
         if first is None:
             return
         key = combine.pack_key(first[2], first[3])
         if key is None:
             return
-        members = combine.pick_members(pending_gathers(env, moved, k, stop, instances), key,
-                                       sizes)
+        unique, alike = [], {}  # alike: buffer -> the gathers of values that are that buffer
+        for found in pending_gathers(env, moved, k, stop, instances):
+            buffer = gathered_buffer(found)
+            if buffer not in alike:
+                alike[buffer] = []
+                unique.append(found)
+            alike[buffer].append(found)
+        members = combine.pick_members(unique, key, sizes)
         if len(members) < 2:
             return
-        for (v, rp, _, step), x in zip(members, combine.run_packed(members, replayer.run)):
-            moved[(_STEPS, v, rp.src, step)] = x
-            moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
+        for member, x in zip(members, combine.run_packed(members, replayer.run)):
+            for v, rp, _, step in alike[gathered_buffer(member)]:
+                moved[(_STEPS, v, rp.src, step)] = x
+                moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
+
+    def gathered_buffer(pending: tuple) -> tuple:
+        """What a pending gather gathers, buffer for buffer, as the plan lists its collective
+        (plan.py `record`: a hint's result is its operand's copy)."""
+        v, rp, _, step = pending
+        if v.producer >= 0 and program.eqns[v.producer].primitive is hint_p:
+            v = program.eqns[v.producer].inputs[0]
+        return buffer_of(v, program, plan.layouts, plan.eqns), rp.src, step
 
     def call_block(env: dict, moved: dict, inst, calls: dict, replayer: Replayer) -> None:
         """One repeated block as a call of its jitted lowering (traced on its first call).

@@ -385,23 +385,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     region_of = {k: r.start for r in program.regions for k in range(r.start, r.stop)}
 
     def same_buffer(v: Value):
-        """What `v` is, buffer for buffer, for moves that XLA's CSE runs once: through
-        stop_gradient (lowered to nothing) while the layout stays (slogdet's rule reads a
-        stop_gradient'ed matrix its primal also moves); and a broadcast as its operand, params
-        and layouts (build_program makes a broadcast of a scalar or a constant once per reader:
-        copies laid out alike are one computation, and so are their moves)."""
-        while v.producer >= 0:
-            p = v.producer
-            e = program.eqns[p]
-            if e.primitive is lax.stop_gradient_p and actual.get(e.inputs[0]) is actual.get(v):
-                v = e.inputs[0]
-                continue
-            if (e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1
-                    and e.params_key is not None):
-                read = eqn_plans[p].required[0] if p < len(eqn_plans) else actual.get(e.inputs[0])
-                return ("broadcast", same_buffer(e.inputs[0]), e.params_key, read, actual.get(v))
-            break
-        return v
+        return buffer_of(v, program, actual, eqn_plans)
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
     made_at: dict = {}  # (value, layout) → the first equation a copy was made for
 
@@ -714,6 +698,28 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                 preferred=pref)
 
 
+def buffer_of(v: Value, program: Program, layouts: dict, eqn_plans: list):
+    """What `v` is, buffer for buffer, for moves that XLA's CSE runs once: through
+    stop_gradient (lowered to nothing) while the layout stays (slogdet's rule reads a
+    stop_gradient'ed matrix its primal also moves); and a broadcast as its operand, params and
+    layouts (build_program makes a broadcast of a scalar or a constant once per reader: copies
+    laid out alike are one computation, and so are their moves). `eqn_plans`: the equations
+    planned so far (a broadcast not yet planned reads its operand as it lies)."""
+    while v.producer >= 0:
+        p = v.producer
+        e = program.eqns[p]
+        if e.primitive is lax.stop_gradient_p and layouts.get(e.inputs[0]) is layouts.get(v):
+            v = e.inputs[0]
+            continue
+        if (e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1
+                and e.params_key is not None):
+            read = eqn_plans[p].required[0] if p < len(eqn_plans) else layouts.get(e.inputs[0])
+            return ("broadcast", buffer_of(e.inputs[0], program, layouts, eqn_plans),
+                    e.params_key, read, layouts.get(v))
+        break
+    return v
+
+
 def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:
     """Each collective once: two moves of a value that start alike (a gather on the way to an
     all-to-all, and the same gather for an output) run their common first steps on the same
@@ -731,4 +737,4 @@ def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:
 
 
 __all__ = ["Plan", "EqnPlan", "PlannedCollective", "FallbackWarning", "make_plan",
-           "plan_seconds"]
+           "plan_seconds", "buffer_of"]
