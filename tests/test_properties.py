@@ -42,7 +42,7 @@ OPS = {
     "cummax": lambda h, w: jax.lax.cummax(h, axis=0),
     "sort": lambda h, w: jnp.sort(h, axis=1) + w,
     "argmax_onehot": lambda h, w: h * jax.nn.one_hot(jnp.argmax(w, axis=1), 8),
-    "top_k": lambda h, w: h + jax.lax.top_k(w, 2)[0].sum(axis=1, keepdims=True),
+    "top_k_sum": lambda h, w: h + jax.lax.top_k(w, 2)[0].sum(axis=1, keepdims=True),
     "per_row_keys": lambda h, w: h * jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (8,)))(
         jax.random.split(jax.random.key(5), 8)),
     "dropout": lambda h, w: jnp.where(jax.random.bernoulli(jax.random.key(3), 0.75, h.shape), h, 0.0),
