@@ -201,23 +201,31 @@ def forward_cases(draw):
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forward_cases())
+@example((MESHES[0], ("while", "shifted_pairs", "remat"), ["R"], ["S(0)"], 0))
 def test_random_programs_with_while_loops_forward(case):
     mesh, ops, px, pw, seed = case
     rng = np.random.default_rng(seed)
     x, w = _data(rng), _data(rng)
 
-    def fn(x, w):
+    def fn(x, w, steps=None):
         h = x
         for name in ops:
             h = {**OPS, **FORWARD_ONLY}[name](h, w)
+            if steps is not None:
+                steps.append(float(np.abs(np.asarray(h)).max()))
         return h
 
     dx, dw = make_tensor(x, mesh, px, seed=seed), make_tensor(w, mesh, pw, seed=seed + 1)
     got = dist.jit(fn)(dx, dw)  # against the logical inputs: see _check_random_program
     want = np.asarray(jax.jit(fn)(dx.numpy(), dw.numpy()))
-    # a loop grows values to ~400, then `center` cancels them: rounding scales with the values
+    # rounding scales with the largest values the program passes through: a loop grows them
+    # to ~400, then `center` cancels them; or `shifted_pairs` exponentiates them to ~7e6 and
+    # `remat` takes their sine, whose float32 answers then differ by 0.1 from any other
+    # order of the same arithmetic (found: jax.jit's and ours equally 1.19 off float64's)
+    steps: list = []
+    fn(dx.numpy(), dw.numpy(), steps)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4,
-                               atol=1e-4 * max(1.0, float(np.abs(want).max())))
+                               atol=1e-4 * max(1.0, float(np.abs(want).max()), *steps))
 
 
 JAX_0_11 = jax.__version_info__[:2] == (0, 11)
