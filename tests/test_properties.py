@@ -106,6 +106,24 @@ OPS = {
     + jnp.sum(jnp.tanh(h[:, 1:]), axis=1, keepdims=True),
     "shifted_matmul": lambda h, w: jnp.pad(h[1:] @ w, ((1, 0), (0, 0))) + w * jnp.sum(
         h[1:] * w[:-1]),
+    # a model's everyday reductions and selections: softmax, a layer norm, a logsumexp over
+    # the other dim, norms, a variance, pooling rows, segment sums, a clip under a mask, a
+    # data-dependent column take, a reversed cumulative sum, a three-matrix einsum and a
+    # broadcast outer product summed
+    "softmax": lambda h, w: jax.nn.softmax(h, axis=1) * w,
+    "layernorm": lambda h, w: (h - h.mean(1, keepdims=True)) / jnp.sqrt(
+        h.var(1, keepdims=True) + 1e-5) * w,
+    "logsumexp0": lambda h, w: h - jax.nn.logsumexp(h, axis=0, keepdims=True),
+    "norm_rows": lambda h, w: h / (jnp.linalg.norm(h, axis=1, keepdims=True) + 1.0),
+    "var_cols": lambda h, w: h * jnp.var(w, axis=0),
+    "pool_rows": lambda h, w: h.reshape(4, 2, 8).mean(1).repeat(2, 0) * w,
+    "segment_sum": lambda h, w: jax.ops.segment_sum(
+        h * w, np.array([0, 0, 1, 3, 3, 3, 6, 7]), num_segments=8),
+    "clip_where": lambda h, w: jnp.where(h > w, jnp.clip(h, -0.5, 0.5), w * 0.5),
+    "take_cols": lambda h, w: jnp.take(w, jnp.argmin(h, axis=0), axis=1) + h,
+    "triu_rev_cumsum": lambda h, w: jnp.cumsum(jnp.triu(h), axis=0)[::-1] * 0.2,
+    "einsum3": lambda h, w: jnp.einsum("ij,jk,kl->il", h, w, h) * 0.05,
+    "expand_sum": lambda h, w: (h[:, :, None] * w[:, None, :]).sum(1) * 0.1,
 }
 
 
