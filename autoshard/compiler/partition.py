@@ -410,18 +410,21 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         key = combine.pack_key(first[2], first[3])
         if key is None:
             return
-        unique, alike = [], {}  # alike: buffer -> the gathers of values that are that buffer
+        # alike: (value, target) of each buffer's first gather -> the gathers of values that
+        # are that buffer
+        unique, alike, first_of = [], {}, {}
         for found in pending_gathers(env, moved, k, stop, instances):
             buffer = gathered_buffer(found)
-            if buffer not in alike:
-                alike[buffer] = []
+            if buffer not in first_of:
+                first_of[buffer] = (found[0], found[1].dst)
+                alike[first_of[buffer]] = []
                 unique.append(found)
-            alike[buffer].append(found)
+            alike[first_of[buffer]].append(found)
         members = combine.pick_members(unique, key, sizes)
         if len(members) < 2:
             return
-        for member, x in zip(members, combine.run_packed(members, replayer.run)):
-            for v, rp, _, step in alike[gathered_buffer(member)]:
+        for (v0, rp0, _, _), x in zip(members, combine.run_packed(members, replayer.run)):
+            for v, rp, _, step in alike[(v0, rp0.dst)]:
                 moved[(_STEPS, v, rp.src, step)] = x
                 moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
 

@@ -37,8 +37,9 @@ def peak_bytes(plan) -> int:
             held(v, k, last.get(v, k))
         for i, rp in ep.reshards:
             v = e.inputs[i]
-            change[k] += local_nbytes(v.shape, v.dtype, rp.dst, sizes)
-            change[k + 1] -= local_nbytes(v.shape, v.dtype, rp.dst, sizes)
+            b = local_nbytes(v.shape, v.dtype, rp.dst, sizes)
+            change[k] += b
+            change[k + 1] -= b
     for i, rp in plan.output_reshards:
         v = program.outputs[i]
         change[n] += local_nbytes(v.shape, v.dtype, rp.dst, sizes)
