@@ -118,6 +118,40 @@ def test_gradients_taken_outside_flow_through_packed_gathers(keys):
     assert (PACKED_SCOPE in hlo) == (keys == "float32")
 
 
+@pytest.mark.parametrize("stopped_first", [False, True], ids=["live-first", "stopped-first"])
+def test_a_stopped_copy_gathered_beside_its_operand_keeps_the_gradient_stopped(stopped_first,
+                                                                             monkeypatch):
+    # A sort along the split dim gathers what it sorts. `a` and stop_gradient(a) are one
+    # buffer, gathered once (the plan lists one gather; XLA's CSE would merge two); packed with
+    # the gather of `c`, the stopped value was handed the live value's packed copy, and
+    # jax.grad taken outside dist.jit flowed back through it into `w` (4.0 off).
+    w = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    ramp = np.arange(16, dtype=np.float32)[:, None]
+
+    def f(w):
+        a = jnp.sin(w) * 2.0
+        b = lax.stop_gradient(a)
+        c = jnp.cos(w)
+        terms = [jnp.sum(jnp.sort(a, axis=0) * ramp), jnp.sum(jnp.sort(b, axis=0) ** 2)]
+        if stopped_first:
+            terms.reverse()
+        return terms[0] + terms[1] + jnp.sum(jnp.sort(c, axis=0) ** 3)
+
+    packed = []
+    run_packed = combine.run_packed
+    monkeypatch.setattr(combine, "run_packed",
+                        lambda members, replay: packed.append(len(members))
+                        or run_packed(members, replay))
+    g = dist.jit(f)
+    dw = dist.shard_tensor(w, MESH8, [S(0)])
+    value, grad = jax.value_and_grad(g)(dw)
+    want_value, want_grad = jax.value_and_grad(f)(w)
+    np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
+    assert packed == [2]  # (the case: `a` or its stopped copy packed with `c`, once)
+    assert [c.kind for c in g.plan(dw).collectives] == ["all-gather"] * 2
+
+
 def _fsdp_mlp(layers: int, d: int, remat: bool = True):
     """A ZeRO-3 / FSDP step: every weight, bias and scale split over all devices, the batch
     too; each layer's parameters are gathered where they are used (checkpointed layers: again

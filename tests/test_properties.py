@@ -205,6 +205,10 @@ def _program(ops):
 # side by side into one buffer XLA could not merge (HLO: 2 gathered, plan: 1; found by the
 # explore profile, stop 62)
 @example((MESHES[0], ("transpose", "unsort", "token_shift"), ["S(1)"], ["S(1)"], 0))
+# a broadcast of an index vector gathered by itself, and later another broadcast of it alike
+# packed with a third gather: the packed one was gathered again (HLO: 5 gathered, plan: 4;
+# found by the explore profile, stop 63)
+@example((MESHES[0], ("unsort", "ragged_dot", "unsort"), ["R"], ["S(0)"], 0))
 def test_random_programs_values_and_gradients(case):
     _check_random_program(*case)
 

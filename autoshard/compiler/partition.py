@@ -28,7 +28,7 @@ from .dtypes import cost_dtype
 from .custom_rules import run_region
 from .gc_pause import gc_paused
 from . import combine, late_fill, outline
-from .plan import Plan, buffer_of
+from .plan import Plan, buffer_path
 from .replay import Replayer, literal
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
@@ -38,6 +38,7 @@ STRAIGHT = True  # off: every equation is replayed apart (the tests compare both
 # first item of the `moved` keys that hold a move's intermediate results (`run_steps`); the
 # other keys are (value, layout): the copies a block is handed and hands back
 _STEPS = object()
+_STOPPED = object()  # `copy_key`: a buffer reached through a stop_gradient (and a broadcast)
 
 
 @dataclass
@@ -236,6 +237,41 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             key = keys[k] = _replay_key(program.eqns[k], plan.eqns[k])
         return key
 
+    roots: dict = {}  # value -> `live_root`
+    copy_keys: dict = {}  # value -> `copy_key`
+
+    def live_root(v):
+        """The value `v` is a stop_gradient of, in its layout, through stop_gradients alone
+        (`v` itself if none): its moves are that value's moves, the gradient stopped after."""
+        found = roots.get(v)
+        if found is None:
+            found = v
+            while found.producer >= 0:
+                e = program.eqns[found.producer]
+                if (e.primitive is not lax.stop_gradient_p
+                        or plan.layouts.get(e.inputs[0]) is not plan.layouts.get(found)):
+                    break
+                found = e.inputs[0]
+            roots[v] = found
+        return found
+
+    def copy_key(v):
+        """What `v`'s moved copies are kept under: the buffer the plan lists its moves by
+        (`buffer_path`; a hint's result as its operand, as the plan's `record` does), so that
+        values that are one buffer share one copy, as XLA's CSE shares their collectives — and
+        the plan lists them once. A copy made through a stop_gradient has the derivative
+        stopped, so that buffer so reached is another key: an outer jax.grad must not flow back
+        through it into the live value (a stop_gradient directly above a value is moved as
+        that value, `get`)."""
+        found = copy_keys.get(v)
+        if found is None:
+            u = v
+            if u.producer >= 0 and program.eqns[u.producer].primitive is hint_p:
+                u = program.eqns[u.producer].inputs[0]
+            buffer, stopped = buffer_path(u, program, plan.layouts, plan.eqns)
+            found = copy_keys[v] = (_STOPPED, buffer) if stopped else buffer
+        return found
+
     def get(env: dict, moved: dict, v, rp):
         if rp is None:
             return env[v]
@@ -248,6 +284,11 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 moved[key] = jnp.zeros(rp.dst.local_shape(v.shape, sizes), v.dtype)
             return moved[key]
         own = plan.layouts[v]
+        root = live_root(v)
+        if root is not v and rp.src == own and key not in moved and (root in env or root.is_const):
+            # moved as the value it stops the gradient of (one collective, as planned), the
+            # gradient stopped on the copy
+            moved[key] = lax.stop_gradient(get(env, moved, root, rp))
         start = outline.reshard_start(v, rp, moved, own)
         if start == outline.HAVE_TARGET:
             return moved[key]
@@ -266,7 +307,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         """`steps` of a move of `v` from its copy `x` at layout `src`. Two moves from one copy
         that start with the same steps share them (the plan lists them once, plan._once): each
         step's result is kept in `moved` under the steps that led to it."""
-        prefix: tuple = (_STEPS, v, src)
+        prefix: tuple = (_STEPS, copy_key(v), src)
         for planned in steps:
             prefix += (planned.step,)
             y = moved.get(prefix)
@@ -392,7 +433,12 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 if (step is None or (v, rp.dst) in moved or v not in env or 0 in v.aval.shape
                         or used_until(v, rp.dst) >= end):
                     continue
-                first = (_STEPS, v, rp.src, step)
+                root = live_root(v)  # a stop_gradient'ed value is moved as its operand (`get`)
+                if root is not v:
+                    if (root, rp.dst) in moved or root not in env:
+                        continue
+                    v = root
+                first = (_STEPS, copy_key(v), rp.src, step)
                 if first in moved or first in seen:
                     continue  # gathered already, for a move that starts alike
                 seen.add(first)
@@ -425,16 +471,14 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
             return
         for (v0, rp0, _, _), x in zip(members, combine.run_packed(members, replayer.run)):
             for v, rp, _, step in alike[(v0, rp0.dst)]:
-                moved[(_STEPS, v, rp.src, step)] = x
+                moved[(_STEPS, copy_key(v), rp.src, step)] = x
                 moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
 
     def gathered_buffer(pending: tuple) -> tuple:
         """What a pending gather gathers, buffer for buffer, as the plan lists its collective
-        (plan.py `record`: a hint's result is its operand's copy)."""
+        (`copy_key`)."""
         v, rp, _, step = pending
-        if v.producer >= 0 and program.eqns[v.producer].primitive is hint_p:
-            v = program.eqns[v.producer].inputs[0]
-        return buffer_of(v, program, plan.layouts, plan.eqns), rp.src, step
+        return copy_key(v), rp.src, step
 
     def call_block(env: dict, moved: dict, inst, calls: dict, replayer: Replayer) -> None:
         """One repeated block as a call of its jitted lowering (traced on its first call).

@@ -705,19 +705,26 @@ def buffer_of(v: Value, program: Program, layouts: dict, eqn_plans: list):
     layouts (build_program makes a broadcast of a scalar or a constant once per reader: copies
     laid out alike are one computation, and so are their moves). `eqn_plans`: the equations
     planned so far (a broadcast not yet planned reads its operand as it lies)."""
+    return buffer_path(v, program, layouts, eqn_plans)[0]
+
+
+def buffer_path(v: Value, program: Program, layouts: dict, eqn_plans: list) -> tuple[Any, bool]:
+    """`buffer_of(v)`, and whether the way there passes a stop_gradient: the same bytes, but a
+    copy of that buffer serves `v` only with its derivative stopped (partition)."""
+    stopped = False
     while v.producer >= 0:
         p = v.producer
         e = program.eqns[p]
         if e.primitive is lax.stop_gradient_p and layouts.get(e.inputs[0]) is layouts.get(v):
-            v = e.inputs[0]
+            v, stopped = e.inputs[0], True
             continue
         if (e.primitive is lax.broadcast_in_dim_p and len(e.inputs) == 1
                 and e.params_key is not None):
             read = eqn_plans[p].required[0] if p < len(eqn_plans) else layouts.get(e.inputs[0])
-            return ("broadcast", buffer_of(e.inputs[0], program, layouts, eqn_plans),
-                    e.params_key, read, layouts.get(v))
+            inner, through = buffer_path(e.inputs[0], program, layouts, eqn_plans)
+            return ("broadcast", inner, e.params_key, read, layouts.get(v)), stopped or through
         break
-    return v
+    return v, stopped
 
 
 def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:
@@ -737,4 +744,4 @@ def _once(collectives: list[PlannedCollective]) -> list[PlannedCollective]:
 
 
 __all__ = ["Plan", "EqnPlan", "PlannedCollective", "FallbackWarning", "make_plan",
-           "plan_seconds", "buffer_of"]
+           "plan_seconds", "buffer_of", "buffer_path"]
