@@ -124,6 +124,11 @@ OPS = {
     "triu_rev_cumsum": lambda h, w: jnp.cumsum(jnp.triu(h), axis=0)[::-1] * 0.2,
     "einsum3": lambda h, w: jnp.einsum("ij,jk,kl->il", h, w, h) * 0.05,
     "expand_sum": lambda h, w: (h[:, :, None] * w[:, None, :]).sum(1) * 0.1,
+    # stopped gradients: a straight-through rounding, and a value sorted beside its stopped
+    # copy and another value (one buffer gathered once; packed on CPU)
+    "straight_through": lambda h, w: h + jax.lax.stop_gradient(jnp.round(h * 4) / 4 - h) * w,
+    "stopped_sorts": lambda h, w: (jnp.sort(h, axis=0) * 0.5 + jnp.sort(w, axis=0)
+                                   - jnp.sort(jax.lax.stop_gradient(h), axis=0) ** 2 * 0.1),
 }
 
 
