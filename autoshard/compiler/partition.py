@@ -38,7 +38,7 @@ STRAIGHT = True  # off: every equation is replayed apart (the tests compare both
 # first item of the `moved` keys that hold a move's intermediate results (`run_steps`); the
 # other keys are (value, layout): the copies a block is handed and hands back
 _STEPS = object()
-_STOPPED = object()  # `copy_key`: a buffer reached through a stop_gradient (and a broadcast)
+_STOPPED = object()  # `copy_key`: a buffer reached through a stop_gradient under a broadcast
 
 
 @dataclass
@@ -260,9 +260,9 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         (`buffer_path`; a hint's result as its operand, as the plan's `record` does), so that
         values that are one buffer share one copy, as XLA's CSE shares their collectives — and
         the plan lists them once. A copy made through a stop_gradient has the derivative
-        stopped, so that buffer so reached is another key: an outer jax.grad must not flow back
+        stopped, so a buffer reached so is another key: an outer jax.grad must not flow back
         through it into the live value (a stop_gradient directly above a value is moved as
-        that value, `get`)."""
+        that value instead, `get`)."""
         found = copy_keys.get(v)
         if found is None:
             u = v
