@@ -290,8 +290,13 @@ def test_random_programs_gradients_taken_outside(case):
     rng = np.random.default_rng(seed)
     dx = make_tensor(_data(rng), mesh, px, seed=seed)
     dw = make_tensor(_data(rng), mesh, pw, seed=seed + 1)
-    x, w = dx.numpy(), dw.numpy()
-    program = _program(ops)
+    _check_outside(_program(ops), dx, dw)
+
+
+def _check_outside(program, dx, dw):
+    """jax.grad taken outside `dist.jit(program)` (of x and of the weights `dw`, a DistTensor or
+    a list of them) equals jax.grad of `program` on one device."""
+    x, w = dx.numpy(), jax.tree.map(_value, dw, is_leaf=_is_dt)
     f = dist.jit(program)
 
     def outer(x, w):
@@ -302,16 +307,58 @@ def test_random_programs_gradients_taken_outside(case):
         loss, h = program(x, w)
         return loss + jnp.sum(jnp.sin(h))
 
-    want = jax.jit(jax.grad(ref, argnums=(0, 1)))(x, w)
+    want = jax.tree.leaves(jax.jit(jax.grad(ref, argnums=(0, 1)))(x, w))
     assume(all(np.all(np.isfinite(r)) for r in want))
-    got = jax.grad(outer, argnums=(0, 1))(dx, dw)
+    got = jax.tree.leaves(jax.grad(outer, argnums=(0, 1))(dx, dw), is_leaf=_is_dt)
+    assert len(got) == len(want)
     for g, r in zip(got, want):
         # float32 sums in another order: an entry summed from terms as large as the array's
         # largest is off by a few of their ulps, in jax.jit's answer too (found: shifted_pairs'
         # exp made gradients of 3e3; an entry of 2.16 was 1.1e-4 off the float64 answer in
         # jax.jit's, 2.7e-4 in ours, both arrays' largest error the same 0.057)
         scale = float(np.max(np.abs(r), initial=0.0))
-        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4 + 1e-6 * scale)
+        np.testing.assert_allclose(_value(g), r, rtol=1e-4, atol=1e-4 + 1e-6 * scale)
+
+
+# A random op sequence as a layer, 2-4 layers deep, each layer with a weight of its own placed
+# alike (one layer's may be placed otherwise): a deep model's paths — the repeated blocks
+# planned once and copied (repeats.py), emitted as calls of one traced function (outline.py),
+# replayed (replay.py), gathers packed across layers (combine.py).
+def _stack(ops):
+    def loss(x, ws):
+        h = x
+        for w in ws:
+            y = h
+            for name in ops:
+                y = OPS[name](y, w)
+            h = 0.5 * h + 0.5 * jnp.tanh(y)
+        return jnp.sum(h * h) * 0.01, h
+    return loss
+
+
+@st.composite
+def stack_cases(draw):
+    mesh = draw(st.sampled_from(MESHES))
+    ops = draw(st.lists(st.sampled_from(sorted(OPS)), min_size=2, max_size=4))
+    layers = draw(st.integers(2, 4))
+    outside = draw(st.booleans())  # the gradient taken outside dist.jit (no Partial inputs)
+    kinds = [p for p in PLACEMENTS if not (outside and p.startswith("P"))]
+    placements = st.lists(st.sampled_from(kinds), min_size=mesh.ndim, max_size=mesh.ndim)
+    px, pw, other = draw(placements), draw(placements), draw(placements)
+    odd = draw(st.integers(-1, layers - 1))  # the layer whose weight is placed `other`
+    return mesh, tuple(ops), layers, px, pw, other, odd, outside, draw(st.integers(0, 1000))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stack_cases())
+def test_random_layer_stacks(case):
+    mesh, ops, layers, px, pw, other, odd, outside, seed = case
+    assume(not (outside and JAX_0_11 and set(ops) & ZERO_SIZE_RESIDUALS))  # (see above)
+    rng = np.random.default_rng(seed)
+    dx = make_tensor(_data(rng), mesh, px, seed=seed)
+    dws = [make_tensor(_data(rng), mesh, other if i == odd else pw, seed=seed + 1 + i)
+           for i in range(layers)]
+    (_check_outside if outside else _check_program)(_stack(ops), dx, dws)
 
 
 # A random op sequence as the body of a higher-order primitive: carries, residuals and
@@ -392,28 +439,39 @@ def test_gradient_of_a_max_with_exact_ties_across_shards(mesh, px, axis):
 
 def _check_random_program(mesh, ops, px, pw, seed):
     rng = np.random.default_rng(seed)
-    x = _data(rng)
-    w = _data(rng)
-    dx = make_tensor(x, mesh, px, seed=seed)
-    dw = make_tensor(w, mesh, pw, seed=seed + 1)
+    dx = make_tensor(_data(rng), mesh, px, seed=seed)
+    dw = make_tensor(_data(rng), mesh, pw, seed=seed + 1)
+    _check_program(_program(ops), dx, dw)
+
+
+def _is_dt(x) -> bool:
+    return isinstance(x, dist.DistTensor)
+
+
+def _value(x) -> np.ndarray:
+    return x.numpy() if _is_dt(x) else np.asarray(x)
+
+
+def _check_program(program, dx, dw):
+    """`dist.jit` of `program`'s value and gradient (of x and of the weights `dw`, a
+    DistTensor or a list of them) equals jax.jit's on one device, and compiles no collective
+    it did not plan."""
     # The reference runs on the inputs' logical values: Partial parts drawn at random sum to
     # x only up to float32 rounding, and a sort of near-tied values may order them otherwise
     # (found: three sorts on a P(sum) w, 4.6e-7 apart, swapped two gradient entries).
-    x, w = dx.numpy(), dw.numpy()
-    fn = jax.value_and_grad(_program(ops), argnums=(0, 1), has_aux=True)
+    x, w = dx.numpy(), jax.tree.map(_value, dw, is_leaf=_is_dt)
+    fn = jax.value_and_grad(program, argnums=(0, 1), has_aux=True)
     f = dist.jit(fn)
-    (loss, h), (gx, gw) = f(dx, dw)
-    (ref_loss, ref_h), (ref_gx, ref_gw) = jax.jit(fn)(x, w)
+    got = jax.tree.leaves(f(dx, dw), is_leaf=_is_dt)
+    want = jax.tree.leaves(jax.jit(fn)(x, w))
     # jax.jit itself can be inconsistent: XLA may compute a row's max in one fusion and compare
     # against it in another with other rounding, so no element equals the max and the max's
     # gradient divides by a tie count of 0 (found: mul, center, rowmax). No single-device
     # answer to compare with then.
-    assume(all(np.all(np.isfinite(r)) for r in (ref_loss, ref_h, ref_gx, ref_gw)))
-    tol = dict(rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(loss.numpy(), ref_loss, **tol)
-    np.testing.assert_allclose(h.numpy(), ref_h, **tol)
-    np.testing.assert_allclose(gx.numpy(), ref_gx, **tol)
-    np.testing.assert_allclose(gw.numpy(), ref_gw, **tol)
+    assume(all(np.all(np.isfinite(r)) for r in want))
+    assert len(got) == len(want)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(_value(g), r, rtol=1e-4, atol=1e-4)
     # Nothing is compiled that was not planned. XLA may still merge two planned reductions of
     # views (reshape, broadcast) of one pending Partial, so per kind the HLO holds at most the
     # plan's count; the targeted DP / TP tests assert exact equality.
