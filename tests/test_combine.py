@@ -149,7 +149,10 @@ def test_a_stopped_copy_gathered_beside_its_operand_keeps_the_gradient_stopped(s
     np.testing.assert_allclose(np.asarray(value), want_value, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
     assert packed == [2]  # (the case: `a` or its stopped copy packed with `c`, once)
+    # the program as planned: one gather of `a` for both sorts, packed with `c`'s
     assert [c.kind for c in g.plan(dw).collectives] == ["all-gather"] * 2
+    hlo = g.lower(dw).compile().as_text()
+    assert PACKED_SCOPE in hlo and count_collectives(hlo) == {"all-gather": 2}
 
 
 def _fsdp_mlp(layers: int, d: int, remat: bool = True):
