@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, example, given, settings, strategies
 
 import autoshard as dist
 from autoshard.hlo import count_collectives
-from autoshard.testing import logical_value, make_tensor
+from autoshard.testing import logical_value, make_tensor as _make_tensor
 
 MESHES = [
     dist.ProcessMesh(list(range(8)), ["a"]),
@@ -23,6 +23,25 @@ MESHES = [
     dist.ProcessMesh([[7, 6], [5, 4], [3, 2], [1, 0]], ["a", "b"]),
     dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["a", "b", "c"]),
 ]
+
+_HINT_MESH: list = []  # the mesh of the inputs made last: the hint ops below place on it
+R_, S_ = dist.Replicate, dist.Shard
+
+
+def make_tensor(x, mesh, placements, **kw):
+    _HINT_MESH[:] = [mesh]
+    return _make_tensor(x, mesh, placements, **kw)
+
+
+def _hinted(h, placements, hard: bool):
+    """`h` placed on the program's mesh as a user places an intermediate: `dist.reshard`
+    (`hard`) or `dist.shard_tensor` of a traced value. Run eagerly (the forward-loop test
+    measures its sizes so), `h` itself."""
+    if not _HINT_MESH or not isinstance(h, jax.core.Tracer):
+        return h
+    mesh = _HINT_MESH[0]
+    return (dist.reshard if hard else dist.shard_tensor)(h, mesh, placements(mesh.ndim))
+
 
 OPS = {
     "tanh": lambda h, w: jnp.tanh(h),
@@ -129,6 +148,11 @@ OPS = {
     "straight_through": lambda h, w: h + jax.lax.stop_gradient(jnp.round(h * 4) / 4 - h) * w,
     "stopped_sorts": lambda h, w: (jnp.sort(h, axis=0) * 0.5 + jnp.sort(w, axis=0)
                                    - jnp.sort(jax.lax.stop_gradient(h), axis=0) ** 2 * 0.1),
+    # intermediates placed by the user: rows split over the first mesh dim, a value made
+    # whole, columns split over the last mesh dim as a hint (dist.shard_tensor of a tracer)
+    "reshard_rows": lambda h, w: _hinted(h, lambda n: [S_(0)] + [R_()] * (n - 1), True) * w,
+    "reshard_whole": lambda h, w: _hinted(h * w, lambda n: [R_()] * n, True) + h,
+    "hint_cols": lambda h, w: _hinted(h + w, lambda n: [R_()] * (n - 1) + [S_(1)], False),
 }
 
 
