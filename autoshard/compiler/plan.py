@@ -389,6 +389,12 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
     made_at: dict = {}  # (value, layout) → the first equation a copy was made for
 
+    def made_by(copy: tuple, at: int | None) -> bool:
+        """Copy (value, layout) is made by equation `at` (None: an output, after them all).
+        A late pass planning an earlier equation's move (early_moves.py) must not take a copy
+        a later equation made: at that point it does not exist yet."""
+        return at is None or made_at.get(copy, -1) <= at
+
     def scope_of(at: int | None) -> int:
         """The start of the region equation `at` runs in (-1: the top level, or an output)."""
         return region_of.get(at, -1) if at is not None else -1
@@ -427,8 +433,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         move that made it)."""
         scope = scope_of(at)
         key = (value, dst) if scope < 0 else (value, dst, scope)
-        if key in done and not from_own:  # a value resharded twice the same way (in one
-            return done[key]              # scope) is moved once
+        if key in done and not from_own and made_by((value, dst), at):
+            return done[key]  # a value resharded twice the same way (in one scope) is moved once
         rp = planned if planned is not None else cheapest(value, dst, at, from_own)[0]
         done[key] = rp
         when = len(program.eqns) if at is None else at
@@ -682,8 +688,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                                mesh.axis_sizes)
 
     def price(value: Value, dst: Layout, at: int) -> float:
-        """What moving `value` to `dst` for equation `at` would cost (0: already moved there)."""
-        if (value, dst) in done or dst in moves(value, at):
+        """What moving `value` to `dst` for equation `at` would cost (0: already moved there
+        by then)."""
+        if made_by((value, dst), at) and ((value, dst) in done or dst in moves(value, at)):
             return 0.0
         return cheapest(value, dst, at)[1]
 
