@@ -389,11 +389,13 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     moved_in: dict = {}  # (value, region start) → layouts moved to inside that region
     made_at: dict = {}  # (value, layout) → the first equation a copy was made for
 
-    def made_by(copy: tuple, at: int | None) -> bool:
-        """Copy (value, layout) is made by equation `at` (None: an output, after them all).
-        A late pass planning an earlier equation's move (early_moves.py) must not take a copy
-        a later equation made: at that point it does not exist yet."""
-        return at is None or made_at.get(copy, -1) <= at
+    def ready(value: Value, rp: ReshardPlan, at: int | None) -> bool:
+        """Move `rp` of `value` can run for equation `at` (None: an output, after them all):
+        it starts from the value itself or from a copy made by then. A late pass planning an
+        earlier equation's move (early_moves.py) takes a move a later equation planned only
+        so: one that starts from a copy made later is not there to run yet."""
+        return (at is None or rp.src is actual[value]
+                or made_at.get((value, rp.src), len(program.eqns)) <= at)
 
     def scope_of(at: int | None) -> int:
         """The start of the region equation `at` runs in (-1: the top level, or an output)."""
@@ -433,11 +435,13 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         move that made it)."""
         scope = scope_of(at)
         key = (value, dst) if scope < 0 else (value, dst, scope)
-        if key in done and not from_own and made_by((value, dst), at):
-            return done[key]  # a value resharded twice the same way (in one scope) is moved once
+        when = len(program.eqns) if at is None else at
+        if key in done and not from_own and ready(value, done[key], at):
+            # a value resharded twice the same way (in one scope) is moved once, where first
+            made_at[(value, dst)] = min(made_at.get((value, dst), when), when)
+            return done[key]
         rp = planned if planned is not None else cheapest(value, dst, at, from_own)[0]
         done[key] = rp
-        when = len(program.eqns) if at is None else at
         made_at[(value, dst)] = min(made_at.get((value, dst), when), when)
         if scope < 0:
             moved_to[value] = moved_to.get(value, frozenset()) | {dst}
@@ -690,7 +694,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
     def price(value: Value, dst: Layout, at: int) -> float:
         """What moving `value` to `dst` for equation `at` would cost (0: already moved there
         by then)."""
-        if made_by((value, dst), at) and ((value, dst) in done or dst in moves(value, at)):
+        planned = done.get((value, dst))
+        if planned is not None and ready(value, planned, at):
             return 0.0
         return cheapest(value, dst, at)[1]
 
