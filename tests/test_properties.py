@@ -482,7 +482,7 @@ def _value(x) -> np.ndarray:
     return x.numpy() if _is_dt(x) else np.asarray(x)
 
 
-def _check_program(program, dx, dw):
+def _check_program(program, dx, dw, cost_model=None):
     """`dist.jit` of `program`'s value and gradient (of x and of the weights `dw`, a
     DistTensor or a list of them) equals jax.jit's on one device, and compiles no collective
     it did not plan."""
@@ -491,7 +491,7 @@ def _check_program(program, dx, dw):
     # (found: three sorts on a P(sum) w, 4.6e-7 apart, swapped two gradient entries).
     x, w = dx.numpy(), jax.tree.map(_value, dw, is_leaf=_is_dt)
     fn = jax.value_and_grad(program, argnums=(0, 1), has_aux=True)
-    f = dist.jit(fn)
+    f = dist.jit(fn, cost_model=cost_model)
     got = jax.tree.leaves(f(dx, dw), is_leaf=_is_dt)
     want = jax.tree.leaves(jax.jit(fn)(x, w))
     # jax.jit itself can be inconsistent: XLA may compute a row's max in one fusion and compare
@@ -512,6 +512,28 @@ def _check_program(program, dx, dw):
     assert set(compiled) <= set(planned), (compiled, planned)
     assert all(compiled[k] <= planned[k] for k in compiled), (compiled, planned)
     assert bool(compiled) == bool(planned)
+
+
+# Other plans of the same programs: cost models that make other choices (bytes alone, latency
+# alone, one slow mesh axis, local work dear or free) — every plan must compute the same.
+COST_MODELS = [
+    dist.CostModel(default_latency=0.0),
+    dist.CostModel(default_latency=1e-3, default_bandwidth=1e15),
+    dist.CostModel(latency={"a": 1e-6}, bandwidth={"a": 1e7}),
+    dist.CostModel(latency={"b": 1e-6}, bandwidth={"b": 1e7}),
+    dist.CostModel(local_bandwidth=1e6),
+    dist.CostModel(default_latency=0.0, local_bandwidth=1e15),
+]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from(range(len(COST_MODELS))))
+def test_random_programs_under_other_cost_models(case, model):
+    mesh, ops, px, pw, seed = case
+    rng = np.random.default_rng(seed)
+    dx = make_tensor(_data(rng), mesh, px, seed=seed)
+    dw = make_tensor(_data(rng), mesh, pw, seed=seed + 1)
+    _check_program(_program(ops), dx, dw, COST_MODELS[model])
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")  # assume
