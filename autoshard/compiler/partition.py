@@ -447,38 +447,23 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
     def pack_gathers(env: dict, moved: dict, k: int, stop: int, instances: dict,
                      replayer: Replayer) -> None:
         """Equation k's pending gathers, run packed with those of the next equations. Values
-        that are one buffer (`buffer_of`: broadcasts of one operand alike, which XLA's CSE
-        makes one) are gathered once, as the plan lists them: packed side by side, XLA could
-        not merge them."""
+        that are one buffer (`copy_key`: broadcasts of one operand alike, which XLA's CSE
+        makes one) are gathered once, as the plan lists them — `pending_gathers` yields each
+        buffer once, and the others take its copy when they are moved (`run_steps`): packed
+        side by side, XLA could not merge them."""
         first = next(pending_gathers(env, moved, k, stop, instances, first_only=True), None)
         if first is None:
             return
         key = combine.pack_key(first[2], first[3])
         if key is None:
             return
-        # alike: (value, target) of each buffer's first gather -> the gathers of values that
-        # are that buffer
-        unique, alike, first_of = [], {}, {}
-        for found in pending_gathers(env, moved, k, stop, instances):
-            buffer = gathered_buffer(found)
-            if buffer not in first_of:
-                first_of[buffer] = (found[0], found[1].dst)
-                alike[first_of[buffer]] = []
-                unique.append(found)
-            alike[first_of[buffer]].append(found)
-        members = combine.pick_members(unique, key, sizes)
+        members = combine.pick_members(pending_gathers(env, moved, k, stop, instances), key,
+                                       sizes)
         if len(members) < 2:
             return
-        for (v0, rp0, _, _), x in zip(members, combine.run_packed(members, replayer.run)):
-            for v, rp, _, step in alike[(v0, rp0.dst)]:
-                moved[(_STEPS, copy_key(v), rp.src, step)] = x
-                moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
-
-    def gathered_buffer(pending: tuple) -> tuple:
-        """What a pending gather gathers, buffer for buffer, as the plan lists its collective
-        (`copy_key`)."""
-        v, rp, _, step = pending
-        return copy_key(v), rp.src, step
+        for (v, rp, _, step), x in zip(members, combine.run_packed(members, replayer.run)):
+            moved[(_STEPS, copy_key(v), rp.src, step)] = x
+            moved[(v, rp.dst)] = run_steps(moved, v, rp.src, rp.steps, x)
 
     def call_block(env: dict, moved: dict, inst, calls: dict, replayer: Replayer) -> None:
         """One repeated block as a call of its jitted lowering (traced on its first call).

@@ -435,14 +435,15 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         move that made it)."""
         scope = scope_of(at)
         key = (value, dst) if scope < 0 else (value, dst, scope)
+        # a value resharded twice the same way (in one scope) is moved once, where first
+        reused = key in done and not from_own and ready(value, done[key], at)
+        rp = (done[key] if reused else planned if planned is not None
+              else cheapest(value, dst, at, from_own)[0])
         when = len(program.eqns) if at is None else at
-        if key in done and not from_own and ready(value, done[key], at):
-            # a value resharded twice the same way (in one scope) is moved once, where first
-            made_at[(value, dst)] = min(made_at.get((value, dst), when), when)
-            return done[key]
-        rp = planned if planned is not None else cheapest(value, dst, at, from_own)[0]
-        done[key] = rp
         made_at[(value, dst)] = min(made_at.get((value, dst), when), when)
+        if reused:
+            return rp
+        done[key] = rp
         if scope < 0:
             moved_to[value] = moved_to.get(value, frozenset()) | {dst}
         else:
