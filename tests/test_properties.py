@@ -577,6 +577,85 @@ def test_random_programs_on_sizes_and_meshes_that_do_not_divide(case):
     (_check_outside if outside else _check_program)(_program(ops), dx, dw)
 
 
+# Integer programs, compared exactly: sums, maxima, sorts, bit operations and wrapping or
+# modular arithmetic on int8 / int16 / int32 values (a wrapped sum is the same in any order),
+# inputs placed with any partial kind (an integer mean's parts sum to a multiple of their count).
+INT_OPS = {
+    "add": lambda h, w: h + w,
+    "mul_mod": lambda h, w: (h * w) % 97,
+    "matmul_mod": lambda h, w: (h @ w) % 101,
+    "matmul_t_div": lambda h, w: (h @ w.T) // 3,
+    "transpose": lambda h, w: h.T,
+    "rowmax": lambda h, w: h - jnp.max(h, axis=1, keepdims=True),
+    "colmin": lambda h, w: h - jnp.min(h, axis=0, keepdims=True),
+    "sum_rows": lambda h, w: h + jnp.sum(w, axis=0) // 4,
+    "sum_cols": lambda h, w: h + jnp.sum(w, axis=1, keepdims=True) // 8,
+    "prod_cols": lambda h, w: h + jnp.prod(jnp.sign(w) + 2, axis=0) % 7,
+    "max_min_all": lambda h, w: h - jnp.max(w) + jnp.min(h),
+    "cumsum_mod": lambda h, w: jnp.cumsum(h, axis=1) % 50,
+    "cummax": lambda h, w: jax.lax.cummax(h, axis=0),
+    "sort": lambda h, w: jnp.sort(h, axis=1) + w,
+    "top_k": lambda h, w: jnp.concatenate([jax.lax.top_k(h, 3)[0], w[:, 3:]], axis=1),
+    "argmax": lambda h, w: h + jnp.argmax(w, axis=0).astype(h.dtype),
+    "argsort_take": lambda h, w: jnp.take_along_axis(w, jnp.argsort(h, axis=0, stable=True),
+                                                     axis=0),
+    "where": lambda h, w: jnp.where(h > w, h - w, w // 2),
+    "div_mod": lambda h, w: h // 3 - h % 5,
+    "bitwise": lambda h, w: (h & 7) ^ (w | 2),
+    "shifts": lambda h, w: (h << 1) >> 2,
+    "abs_sign": lambda h, w: jnp.abs(h) * jnp.sign(w),
+    "clip": lambda h, w: jnp.clip(h, -5, 5) + w,
+    "through_float": lambda h, w: (h.astype(jnp.float32) * 0.5).round().astype(h.dtype),
+    "iota": lambda h, w: h + jnp.arange(8, dtype=h.dtype)[None] * w,
+    "reshape": lambda h, w: (h.reshape(4, 16) * 2).reshape(8, 8),
+    "concat_slice": lambda h, w: jnp.concatenate([h[:, :4], w[:, 4:]], axis=1),
+    "roll_mod": lambda h, w: jnp.roll(h, (1, -3), axis=(0, 1)) * w % 13,
+    "flip": lambda h, w: jnp.flip(h, 0) - w,
+    "token_shift": lambda h, w: h + jnp.pad(h[:-1], ((1, 0), (0, 0))),
+    "gather_rows": lambda h, w: h[np.array([3, 1, 4, 1, 5, 7, 2, 6])],
+    "scatter_add": lambda h, w: h.at[np.array([0, 2, 2, 7])].add(w[:4]),
+    "segment_max": lambda h, w: jax.ops.segment_max(
+        h, np.array([0, 0, 1, 3, 3, 3, 6, 7]), num_segments=8).clip(-100, 100),
+    "reshard_rows": lambda h, w: _hinted(h, lambda n: [S_(0)] + [R_()] * (n - 1), True) + w,
+}
+
+
+@st.composite
+def integer_cases(draw):
+    mesh = draw(st.sampled_from(MESHES))
+
+    def placements():  # one partial kind per tensor: kinds other than sum and avg do not mix
+        kind = draw(st.sampled_from(["sum", "avg", "max", "min"]))
+        return [f"P({kind})" if p == "P" else p for p in draw(st.lists(
+            st.sampled_from(["R", "S(0)", "S(1)", "P"]), min_size=mesh.ndim, max_size=mesh.ndim))]
+    ops = draw(st.lists(st.sampled_from(sorted(INT_OPS)), min_size=1, max_size=5))
+    dtype = draw(st.sampled_from([np.int32, np.int16, np.int8]))
+    return mesh, tuple(ops), placements(), placements(), draw(st.integers(0, 1000)), dtype
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(integer_cases())
+def test_random_integer_programs_equal_one_device_exactly(case):
+    mesh, ops, px, pw, seed, dtype = case
+
+    def program(x, w):
+        h = x
+        for name in ops:
+            h = INT_OPS[name](h, w).astype(x.dtype)
+        return h, jnp.sum(h.astype(jnp.int32)), jnp.max(h)
+    rng = np.random.default_rng(seed)
+    x, w = (rng.integers(-6, 7, size=(8, 8)).astype(dtype) for _ in range(2))
+    dx = make_tensor(x, mesh, px, seed=seed)
+    dw = make_tensor(w, mesh, pw, seed=seed + 1)
+    f = dist.jit(program)
+    for g, r in zip(f(dx, dw), jax.jit(program)(x, w)):
+        np.testing.assert_array_equal(g.numpy(), np.asarray(r))
+    planned = Counter(c.kind for c in f.plan(dx, dw).collectives)
+    compiled = count_collectives(f.lower(dx, dw).compile().as_text())
+    assert all(compiled[k] <= planned[k] for k in compiled), (compiled, planned)
+    assert bool(compiled) == bool(planned)
+
+
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")  # assume
 @pytest.mark.parametrize("ops", [("dynamic_slice", "custom_jvp", "custom_jvp"),
                                  ("dynamic_slice", "custom_jvp", "custom_jvp", "dynamic_slice")])
