@@ -550,18 +550,21 @@ ODD_MESHES = [dist.ProcessMesh([[0, 1, 2], [3, 4, 5]], ["a", "b"]),
 SIZED_OPS = sorted(set(OPS) - {"dynamic_slice", "gather_rows", "segment_sum", "unsort"})
 
 
+def _any_partial_kind(draw, mesh) -> list[str]:
+    """A tensor's placements on `mesh`, partial of one kind if at all (kinds other than sum and
+    avg do not mix on one tensor)."""
+    kind = draw(st.sampled_from(["sum", "avg", "max", "min"]))
+    return [f"P({kind})" if p == "P" else p for p in draw(st.lists(
+        st.sampled_from(["R", "S(0)", "S(1)", "P"]), min_size=mesh.ndim, max_size=mesh.ndim))]
+
+
 @st.composite
 def sized_cases(draw):
     mesh = draw(st.sampled_from(MESHES + ODD_MESHES))
-
-    def placements():  # one partial kind per tensor: kinds other than sum and avg do not mix
-        kind = draw(st.sampled_from(["sum", "avg", "max", "min"]))
-        return [f"P({kind})" if p == "P" else p for p in draw(st.lists(
-            st.sampled_from(["R", "S(0)", "S(1)", "P"]), min_size=mesh.ndim, max_size=mesh.ndim))]
     n = draw(st.sampled_from([6, 12]))
     ops = draw(st.lists(st.sampled_from(SIZED_OPS), min_size=1, max_size=5))
-    return mesh, n, tuple(ops), placements(), placements(), draw(st.integers(0, 1000)), draw(
-        st.booleans())
+    return (mesh, n, tuple(ops), _any_partial_kind(draw, mesh), _any_partial_kind(draw, mesh),
+            draw(st.integers(0, 1000)), draw(st.booleans()))
 
 
 @pytest.mark.filterwarnings("ignore::autoshard.UnevenShardingWarning")
@@ -623,14 +626,10 @@ INT_OPS = {
 @st.composite
 def integer_cases(draw):
     mesh = draw(st.sampled_from(MESHES))
-
-    def placements():  # one partial kind per tensor: kinds other than sum and avg do not mix
-        kind = draw(st.sampled_from(["sum", "avg", "max", "min"]))
-        return [f"P({kind})" if p == "P" else p for p in draw(st.lists(
-            st.sampled_from(["R", "S(0)", "S(1)", "P"]), min_size=mesh.ndim, max_size=mesh.ndim))]
     ops = draw(st.lists(st.sampled_from(sorted(INT_OPS)), min_size=1, max_size=5))
     dtype = draw(st.sampled_from([np.int32, np.int16, np.int8]))
-    return mesh, tuple(ops), placements(), placements(), draw(st.integers(0, 1000)), dtype
+    return (mesh, tuple(ops), _any_partial_kind(draw, mesh), _any_partial_kind(draw, mesh),
+            draw(st.integers(0, 1000)), dtype)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
