@@ -582,7 +582,8 @@ def test_random_programs_on_sizes_and_meshes_that_do_not_divide(case):
 
 # Integer programs, compared exactly: sums, maxima, sorts, bit operations and wrapping or
 # modular arithmetic on int8 / int16 / int32 values (a wrapped sum is the same in any order),
-# inputs placed with any partial kind (an integer mean's parts sum to a multiple of their count).
+# inputs placed with any partial kind (an integer mean's parts sum to a multiple of their
+# count), on the meshes above and those with an axis of 3.
 INT_OPS = {
     "add": lambda h, w: h + w,
     "mul_mod": lambda h, w: (h * w) % 97,
@@ -623,24 +624,44 @@ INT_OPS = {
 }
 
 
+# the program as it is, or inside a loop (a trip count drawn from the data for `while`), a
+# branch, a vmap or a checkpoint
+INT_WRAPPERS = {
+    "none": lambda f, x, w: f(x, w),
+    "scan": lambda f, x, w: jax.lax.scan(lambda c, _: (f(c, w) // 2, None), x, None,
+                                         length=2)[0],
+    "fori": lambda f, x, w: jax.lax.fori_loop(0, 2, lambda i, c: f(c, w) // 2, x),
+    "while": lambda f, x, w: jax.lax.while_loop(
+        lambda c: c[1] < jnp.max(w) % 3 + 1, lambda c: (f(c[0], w) // 2, c[1] + 1), (x, 0))[0],
+    "cond": lambda f, x, w: jax.lax.cond(jnp.sum(w) > 0, lambda a: f(a, w),
+                                         lambda a: f(a // 2, w), x),
+    "vmap": lambda f, x, w: jax.vmap(lambda r: f(jnp.broadcast_to(r, (8, 8)), w)[0])(x),
+    "checkpoint": lambda f, x, w: jax.checkpoint(f)(x, w),
+}
+
+
 @st.composite
 def integer_cases(draw):
-    mesh = draw(st.sampled_from(MESHES))
+    mesh = draw(st.sampled_from(MESHES + ODD_MESHES))
     ops = draw(st.lists(st.sampled_from(sorted(INT_OPS)), min_size=1, max_size=5))
     dtype = draw(st.sampled_from([np.int32, np.int16, np.int8]))
     return (mesh, tuple(ops), _any_partial_kind(draw, mesh), _any_partial_kind(draw, mesh),
-            draw(st.integers(0, 1000)), dtype)
+            draw(st.integers(0, 1000)), dtype, draw(st.sampled_from(sorted(INT_WRAPPERS))))
 
 
+@pytest.mark.filterwarnings("ignore::autoshard.UnevenShardingWarning")
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(integer_cases())
 def test_random_integer_programs_equal_one_device_exactly(case):
-    mesh, ops, px, pw, seed, dtype = case
+    mesh, ops, px, pw, seed, dtype, wrap = case
+
+    def body(h, w):
+        for name in ops:
+            h = INT_OPS[name](h, w).astype(h.dtype)
+        return h
 
     def program(x, w):
-        h = x
-        for name in ops:
-            h = INT_OPS[name](h, w).astype(x.dtype)
+        h = INT_WRAPPERS[wrap](body, x, w).astype(x.dtype)
         return h, jnp.sum(h.astype(jnp.int32)), jnp.max(h)
     rng = np.random.default_rng(seed)
     x, w = (rng.integers(-6, 7, size=(8, 8)).astype(dtype) for _ in range(2))
