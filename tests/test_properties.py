@@ -397,13 +397,18 @@ def test_random_layer_stacks(case):
 
 # A random op sequence as the body of a higher-order primitive: carries, residuals and
 # branch results partitioned inside it.
+def _halve(h):
+    """Half of h in its own dtype (a loop's carry keeps its type)."""
+    return h // 2 if jnp.issubdtype(h.dtype, jnp.integer) else h * 0.5
+
+
 WRAPPERS = {
-    "scan": lambda f, x, w: jax.lax.scan(lambda c, _: (f(c, w) * 0.5, None), x, None,
+    "scan": lambda f, x, w: jax.lax.scan(lambda c, _: (_halve(f(c, w)), None), x, None,
                                          length=2)[0],
     "checkpoint": lambda f, x, w: jax.checkpoint(f)(x, w),
     "cond": lambda f, x, w: jax.lax.cond(jnp.sum(w) > 0, lambda a: f(a, w),
-                                         lambda a: f(a * 0.5, w), x),
-    "fori": lambda f, x, w: jax.lax.fori_loop(0, 2, lambda i, c: f(c, w) * 0.5, x),
+                                         lambda a: f(_halve(a), w), x),
+    "fori": lambda f, x, w: jax.lax.fori_loop(0, 2, lambda i, c: _halve(f(c, w)), x),
     "vmap": lambda f, x, w: jax.vmap(lambda r: f(jnp.broadcast_to(r, (8, 8)), w)[0])(x),
 }
 _BODY_OPS = sorted(k for k in OPS if k not in ("scan_rows", "per_row_keys"))
@@ -624,19 +629,13 @@ INT_OPS = {
 }
 
 
-# the program as it is, or inside a loop (a trip count drawn from the data for `while`), a
-# branch, a vmap or a checkpoint
+# the program as it is, or inside the wrappers above, or a loop with a trip count drawn from
+# the data (nothing is differentiated here)
 INT_WRAPPERS = {
     "none": lambda f, x, w: f(x, w),
-    "scan": lambda f, x, w: jax.lax.scan(lambda c, _: (f(c, w) // 2, None), x, None,
-                                         length=2)[0],
-    "fori": lambda f, x, w: jax.lax.fori_loop(0, 2, lambda i, c: f(c, w) // 2, x),
+    **WRAPPERS,
     "while": lambda f, x, w: jax.lax.while_loop(
         lambda c: c[1] < jnp.max(w) % 3 + 1, lambda c: (f(c[0], w) // 2, c[1] + 1), (x, 0))[0],
-    "cond": lambda f, x, w: jax.lax.cond(jnp.sum(w) > 0, lambda a: f(a, w),
-                                         lambda a: f(a // 2, w), x),
-    "vmap": lambda f, x, w: jax.vmap(lambda r: f(jnp.broadcast_to(r, (8, 8)), w)[0])(x),
-    "checkpoint": lambda f, x, w: jax.checkpoint(f)(x, w),
 }
 
 
