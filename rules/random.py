@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax._src.lax import lax as lax_internal
+from jax._src import random as _jax_random
 from jax._src.random import prng
 from jax._src.random import threefry2x32 as threefry
 
@@ -22,6 +23,9 @@ try:  # jax's own per-element sampler (private): without it, gamma draws run rep
     from jax._src.random.core import _gamma_one, random_gamma_p
 except ImportError:  # pragma: no cover
     _gamma_one = random_gamma_p = None
+# jax.random.clone (flax's lifted transforms clone a key before splitting it per layer): an
+# identity on keys
+random_clone_p = getattr(_jax_random, "random_clone_p", getattr(prng, "random_clone_p", None))
 
 from autoshard.compiler.factors import LETTERS, REPLICATE, Factor, OpSharding, einsum
 
@@ -187,6 +191,8 @@ TABLE = {
     # them from the (whole) key, as one device does, and its consumers take their blocks
     lax_internal.rng_bit_generator_p: Rule(replicated_sharding),
 }
+if random_clone_p is not None:
+    TABLE[random_clone_p] = Rule(keywise_sharding)
 if _gamma_one is not None:
     TABLE[random_gamma_p] = Rule(random_gamma_sharding, random_gamma_lower)
 
@@ -214,6 +220,8 @@ def validation_samples() -> list:
          lambda x: x + jax.random.uniform(jax.random.PRNGKey(11), x.shape), (f2,)),
         ("fold_in", "random_fold_in",
          lambda x: x + jax.random.uniform(jax.random.fold_in(jax.random.key(2), 9), x.shape), (f2,)),
+        ("clone", "random_clone",
+         lambda x: x * jax.random.normal(jax.random.clone(jax.random.key(9)), x.shape), (f2,)),
         ("seed", "random_seed", lambda x: x + jax.random.normal(jax.random.key(4), x.shape), (f2,)),
         ("per-row keys split and folded", "random_split",
          lambda x: x * jax.vmap(lambda k: jax.random.normal(k, x.shape[1:]))(

@@ -710,6 +710,52 @@ def test_linen_scanned_layers_are_split_on_their_feature_dims():
     assert set(collectives(f.lower(placed, xd, yd).compile().as_text())) == {"all-reduce"}
 
 
+class _LinenDropBlock(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):
+        h = linen.Dropout(0.25, deterministic=False)(jax.nn.relu(linen.Dense(32, name="up")(x)))
+        return x + linen.Dense(8, name="down")(h), None
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan of remat"])
+def test_linen_scanned_layers_with_dropout_draw_one_devices_masks(remat):
+    """linen's lifted scan clones the dropout key (`jax.random.clone`) before splitting it per
+    layer: a per-key identity, kept split as the keys are — no fallback warning; the masks,
+    the loss and the gradients equal one device's; the Megatron pair's two all-reduces per
+    layer (forward and backward) are the only collectives, the rng adds none."""
+    block = linen.remat(_LinenDropBlock) if remat else _LinenDropBlock
+
+    class Stack(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.scan(block, variable_axes={"params": 0}, length=3,
+                              split_rngs={"params": True, "dropout": True})(name="layers")(
+                                  x, None)[0]
+
+    model = Stack()
+    x, y = _data()
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    placed = parallelize(variables, mesh=MESH, config=_mp(
+        {"layers.up": ColWiseParallel(), "layers.down": RowWiseParallel()}))
+
+    def loss(v, x, y):
+        out = model.apply(v, x, rngs={"dropout": jax.random.key(2)})
+        return jnp.mean((out - y) ** 2)
+
+    step = jax.value_and_grad(loss)
+    f = dist.jit(step)
+    xd, yd = dist.shard_tensor(x, MESH, [S(0), R]), dist.shard_tensor(y, MESH, [S(0), R])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got_loss, got = f(placed, xd, yd)
+    ref_loss, want = jax.jit(step)(variables, x, y)
+    np.testing.assert_allclose(got_loss.numpy(), ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got, is_leaf=_is_dt), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-7)
+    assert all(c.kind == "all-reduce" for c in f.plan(placed, xd, yd).collectives)
+    assert set(collectives(f.lower(placed, xd, yd).compile().as_text())) == {"all-reduce"}
+
+
 # -- flax's own sharding annotations --------------------------------------------------------
 def _annotated_mlp(up_names, down_names):
     init = nnx.initializers.lecun_normal()

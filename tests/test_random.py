@@ -243,6 +243,7 @@ _KEY_OPS = {
     "split": lambda k: jax.vmap(jax.random.split)(k),
     "fold_in per key": lambda k: jax.vmap(jax.random.fold_in)(
         k, jnp.arange(k.shape[0], dtype=jnp.uint32)),
+    "clone": lambda k: jax.vmap(jax.random.clone)(k),
     "fold_in one message": lambda k: jax.vmap(lambda kk: jax.random.fold_in(kk, 7))(k),
     "per-key draws": lambda k: jax.vmap(lambda kk: jax.random.uniform(kk, (3,)))(
         jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 3)),
