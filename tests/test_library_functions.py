@@ -39,6 +39,19 @@ def _complex_extremes(z):
     return jnp.max(z, axis=(0, 1)) + jnp.min(z, axis=1).sum(0)
 
 
+@jax.custom_batching.custom_vmap
+def _doubled_sine(x):
+    return jnp.sin(x) * 2.0
+
+
+@_doubled_sine.def_vmap
+def _doubled_sine_vmap(axis_size, in_batched, x):
+    return jnp.sin(x) * 2.0, in_batched[0]
+
+
+_row_cumsum = jax.custom_batching.sequential_vmap(lambda r: jnp.cumsum(r, axis=-1))
+
+
 # name -> (function, its array arguments); the placements of each argument are per mesh below
 FUNCTIONS = {
     "segment_sum": (lambda x, i: jax.ops.segment_sum(x.reshape(128, 32), i.reshape(128),
@@ -78,6 +91,13 @@ FUNCTIONS = {
     # XLA has no cross-device max of complex numbers: reduced whole
     "complex max and min": (lambda x: _complex_extremes(jax.lax.complex(x[..., :16], x[..., 16:])),
                             (X,)),
+    # a custom_vmap function met unbatched, and one sequential_vmap runs in a loop per row:
+    # their plain bodies, partitioned by their equations' rules
+    "custom_vmap unbatched": (lambda x: _doubled_sine(x) @ jnp.ones((32, 4)), (X,)),
+    "sequential_vmap": (lambda x: jax.vmap(_row_cumsum)(x), (X,)),
+    # lax.composite: its decomposition
+    "composite": (lambda x: jax.lax.composite(lambda y: jnp.tanh(y).sum(-1), name="my.tsum")(x),
+                  (X,)),
 }
 
 # per mesh: placements for X-like (8, 16, 32), W (32, 64) and ids (8, 16) arguments

@@ -294,6 +294,12 @@ _INLINE_JAXPR_PARAM = {
     # custom_vjp(optimize_remat=True) differentiated: its forward (residuals and outputs) is
     # the closed `fwd_jaxpr` of all its operands, constants first (jax evaluates it so)
     "remat_opt": "fwd_jaxpr",
+    # a custom_vmap function (jax.custom_batching; sequential_vmap) met unbatched: its batching
+    # rule has already run wherever it was vmapped, so what is left is its plain body
+    "custom_vmap_call": "call",
+    # lax.composite: its decomposition is its meaning; partitioned by its equations' rules
+    # (the composite marker, which only a backend's pattern matching reads, is not kept)
+    "composite": "jaxpr",
 }  # checkpoint / remat are kept: their bodies are partitioned and re-wrapped (control_flow.py)
 
 _CUSTOM_RULES = {"custom_jvp_call", "custom_vjp_call"}
