@@ -637,6 +637,12 @@ def _round(self: DistTensor, ndigits: int | None = None) -> DistTensor:
     return run(("__round__", ndigits), lambda: lambda x: round(x, ndigits), self)
 
 
+def _contains(self: DistTensor, value: Any) -> bool:
+    """`v in x` as for a jax or numpy array: whether any element equals `v` (Python's default
+    compared `v` with each row, which is ambiguous past one dim)."""
+    return bool((self == value).any())
+
+
 def _setitem(self: DistTensor, index: Any, value: Any) -> None:
     """`x[idx] = v` in place, as numpy and Paddle tensors take it (flax writes a Variable
     holding a non-jax array this way: `metric.total[...] = 0`): the tensor now holds
@@ -684,7 +690,7 @@ def install(cls: type = DistTensor) -> None:
         nonzero=_nonzero,
         __round__=_round,
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
-        __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __bool__=_bool, __float__=_to_python(float),
+        __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __contains__=_contains, __bool__=_bool, __float__=_to_python(float),
         __int__=_to_python(int), __complex__=_to_python(complex),
         # a 0-d integer tensor is an index, as a jax array's is: range(round(x)), seq[x.argmax()]
         __index__=_to_python(operator.index),

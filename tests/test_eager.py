@@ -559,6 +559,8 @@ def test_python_conversions():
     with pytest.raises(TypeError, match="one-element"):
         f"{a:.2f}"
     check(round(a.mean(), 2), np.round(A.mean(), 2))
+    # `v in x`: any element equal, as for a jax or numpy array
+    assert (A[1, 2] in a, -1234.5 in a, A[3, 0] in a[2:]) == (True, False, A[3, 0] in A[2:])
 
 
 @pytest.mark.parametrize("placements", [[R()], [P()], ["P(max)"]], ids=["replicated", "pending sum",
