@@ -506,6 +506,45 @@ def test_partial_stays_pending_through_linear_ops_and_is_reduce_scattered_once()
     assert hlo_counts(f, a, b) == Counter({"reduce-scatter": 1})
 
 
+@pytest.mark.parametrize("mesh, placements", [(MESH4, [dist.Shard(0)]),
+                                                (MESH24, [dist.Replicate(), dist.Shard(0)]),
+                                                (MESH24, [dist.Shard(0), dist.Shard(0)])],
+                         ids=["4", "2x4 mp", "2x4 both"])
+def test_a_value_and_its_stop_gradient_read_alike_are_planned_once(mesh, placements):
+    # softmax / logsumexp write `x - stop_gradient(m)`; a program that also reads `m` itself
+    # alike computes the same bytes twice, which XLA merges: the plan moved both copies and
+    # listed collectives the compiled program does not run (3 gathers and 2 all-to-alls
+    # planned, 2 and 1 run). Called at the top level, the program drops its stop_gradients
+    # (its jax.grad ran inside) and plans what runs; differentiated from outside it keeps them.
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(2, 16)).astype(np.float32)
+    m = rng.normal(size=(16, 16)).astype(np.float32)
+    ramp = np.arange(256, dtype=np.float32)
+
+    def f(a, b, m):
+        y = jnp.broadcast_to(jax.lax.stop_gradient(a)[None, :], (16, 16))
+        z = jnp.broadcast_to(a[None, :], (16, 16))
+        w = jnp.broadcast_to(b[:, None], (16, 16))
+        return (jnp.sort((y * m).ravel()) + jnp.sort((z * m).ravel()) * ramp
+                + jnp.sort((w * m).ravel()) ** 2)
+
+    def unstopped(a, b, m):  # the same program with the stopped copy read as the value
+        z = jnp.broadcast_to(a[None, :], (16, 16))
+        w = jnp.broadcast_to(b[:, None], (16, 16))
+        return jnp.sort((z * m).ravel()) * (1.0 + ramp) + jnp.sort((w * m).ravel()) ** 2
+
+    g = dist.jit(f)
+    da, db = (dist.shard_tensor(v, mesh, placements) for v in (a, b))
+    dm = dist.shard_tensor(m, mesh, [dist.Replicate()] * mesh.ndim)
+    np.testing.assert_allclose(g(da, db, dm).numpy(), jax.jit(f)(a, b, m), rtol=1e-6)
+    assert hlo_counts(g, da, db, dm) == planned(g, da, db, dm)
+    assert planned(g, da, db, dm) == planned(dist.jit(unstopped), da, db, dm)
+    # differentiated from outside, the gradient stops where the user stopped it
+    got = jax.grad(lambda a: jnp.sum(g(a, db, dm)))(da)
+    want = jax.grad(lambda a: jnp.sum(f(a, b, m)))(a)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_layout_invariants():
     from autoshard.layout import Layout
     from autoshard.placement import ReduceType

@@ -169,7 +169,7 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, 
 
     @gc_paused  # as in dist.jit's _passes: one collection pause over both
     def passes():
-        program = build_program(closed)
+        program = build_program(closed, stop_gradients=False)  # as a top-level call builds it
         make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),
                   _registry(), f._cost_model or dist.default_cost_model())
         return program

@@ -538,7 +538,7 @@ class DistributedFunction:
             closed, {d.mesh for d in described if d.mesh is not None})
         described = tuple(described) + tuple(_describe_leaf(c, one_device=True)
                                               for c in hoisted)
-        program = build_program(closed, inline_solves=not reduced)
+        program = build_program(closed, inline_solves=not reduced, stop_gradients=reduced)
         mesh = self._mesh(program, described, closed)
         for d in described:
             if d.mesh is not None and d.mesh != mesh:

@@ -530,13 +530,20 @@ def _hints_in_place(jaxpr: Any) -> Any:
 
 
 @gc_paused
-def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
+def build_program(closed: Any, *, inline_solves: bool = True,
+                  stop_gradients: bool = True) -> Program:
     """Flatten a ClosedJaxpr into a Program, inlining body-wrapping calls.
 
     `inline_solves`: a custom_linear_solve becomes the equations of its solve, partitioned by
     their rules. Off when the program is itself differentiated from outside: the inlined
     solve runs on stop_gradient'ed factors, so the solve is then a region (custom_rules.py)
-    whose derivative is the primitive's own, planned and partitioned in turn."""
+    whose derivative is the primitive's own, planned and partitioned in turn.
+    `stop_gradients`: keep them. A program nothing differentiates from outside (a dist.jit
+    call at the top level: any jax.grad ran inside, when it was traced) computes nothing with
+    them — XLA drops them and merges what they made different (the softmax of a value and of
+    its stop_gradient, `x - sg(m)` beside `x - m`) — so they are dropped here, and equations
+    equal but for one are one equation, planned once: the plan lists the collectives the
+    compiled program runs, not one per copy XLA merged."""
     serials = itertools.count()
     eqns: list[Eqn] = []
     consts: list[Value] = []
@@ -740,6 +747,9 @@ def build_program(closed: Any, *, inline_solves: bool = True) -> Program:
                             continue
                         eqn = eqn.replace(params=params)
             else:
+                if prim is lax.stop_gradient_p and not stop_gradients:
+                    env[eqn.outvars[0]] = ins[0]
+                    continue
                 if kind is _SIMPLIFIABLE:
                     kept = (times_one(ins, eqn.outvars[0].aval, ones) if prim is lax.mul_p
                             else same_cases(ins, eqn.outvars[0].aval, fills)
