@@ -550,6 +550,33 @@ def test_unflattening_a_batch_smaller_than_the_axis_does_not_move_it_onto_the_fe
         Counter(c.kind for c in plan.collectives)
 
 
+def test_a_batched_count_into_a_large_fresh_table_keeps_the_batch_split():
+    # jax.vmap of a histogram: one table per example, each counting its example's samples,
+    # then read whole (a nonlinear step: no pending sum passes it). With the batch split over
+    # dp and the samples over mp, a 100k-bin table is cheaper counted from gathered indices
+    # than all-reduced; no strategy dropped just the summed split, so the indices were
+    # gathered over both axes and every device counted every example's table: the batch
+    # stays split and the indices are gathered over mp alone (half the bytes; a quarter of
+    # the tables per device).
+    bins = 100_000
+    ids = np.random.default_rng(0).integers(0, bins, size=(4, 64)).astype(np.int32)
+
+    def f(ids):
+        tables = jax.vmap(lambda i: jnp.zeros(bins).at[i].add(1.0))(ids)
+        return jnp.sqrt(tables * tables + 1.0)
+
+    g = dist.jit(f)
+    di = dist.shard_tensor(ids, MESH, [S(0), S(1)])
+    out = g(di)
+    np.testing.assert_allclose(out.numpy(), jax.jit(f)(ids), rtol=1e-6)
+    assert out.placements == [S(0), R()]
+    plan = g.plan(di)
+    (scatter,) = [e for e in plan.eqns if e.primitive == "scatter-add"]
+    assert scatter.results[0].placements(MESH) == [S(0), R()]
+    assert [(c.kind, c.axes) for c in plan.collectives] == [("all-gather", ("mp",))]
+    assert count_collectives(g.lower(di).compile().as_text()) == Counter({"all-gather": 1})
+
+
 @pytest.mark.parametrize("model", [
     dict(default_bandwidth=1e-300), dict(default_bandwidth=5e-324),
     dict(default_latency=1e308, default_bandwidth=1e-308)],

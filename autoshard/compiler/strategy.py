@@ -293,6 +293,13 @@ def candidates(opsh: OpSharding, actual: Sequence[Layout | None],
     # where the other seeds gather the weight too
     out += [_merge([e, seed]) for i, e in extra for j, seed in operand_seeds.items() if j != i]
     out += [_merge([m]) for m in moving]
+    # each operand's own splits less those the op sums over: the summed dims gathered instead
+    # of a pending result as large as the output (a scatter-add into a fresh table, batched
+    # by vmap: the batch stays split, each device counts its rows' whole table)
+    for seed_assign, _ in operand_seeds.values():
+        kept = [(a, f) for a, f in seed_assign if opsh.factors[f].kind != REDUCE]
+        if kept and len(kept) < len(seed_assign):
+            out.append(_merge([(kept, [])]))
     out.append(Strategy())
     unique: list[Strategy] = []
     for s in out:
