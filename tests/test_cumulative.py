@@ -104,6 +104,33 @@ def test_a_dim_needed_whole_hands_its_axis_to_another_dim(fn):
     assert sum(collective_bytes(hlo).values()) <= sum(collective_bytes(xla).values())
 
 
+@pytest.mark.parametrize("placements", [["S(0)", "S(1)"], ["R", "S(0)"]])
+@pytest.mark.parametrize("sort", [
+    lambda k, v: lax.sort_key_val(k, v, dimension=1),
+    lambda k, v: lax.sort((k, v, v * 2.0), dimension=1, num_keys=1)[::2],
+], ids=["sort_key_val", "three operands"])
+def test_sorted_values_nothing_reads_are_not_moved(sort, placements):
+    """A step that only differentiates a sort reads its permutation (jax's jvp adds an iota
+    operand), not the sorted values: XLA drops the unread operands, so the plan must not
+    move them either — it listed an all-to-all of `v` that never ran."""
+    k, v = X, np.cos(X)
+
+    def loss(k, v):
+        return sum(jnp.sum(o * jnp.arange(32.0)) for o in sort(k, v))
+
+    f = jax.grad(loss, argnums=(0, 1))
+    g = dist.jit(f)
+    dk, dv = (dist.shard_tensor(a, MESH, placements) for a in (k, v))
+    for got, want in zip(g(dk, dv), jax.jit(f)(k, v)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    plan = g.plan(dk, dv)
+    (e,) = [e for e in plan.program.eqns if e.name == "sort"]
+    # the keys and the iota jax's jvp sorts with them (the permutation), nothing else
+    assert [np.dtype(v.aval.dtype).kind for v in e.inputs] == ["f", "u"]
+    hlo = g.lower(dk, dv).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+
+
 @pytest.mark.parametrize("fn, itemsize", [
     (lambda x: jnp.sort(x, axis=1), 4),
     (lambda x: jnp.fft.fft(x.astype(jnp.complex64), axis=1), 8),

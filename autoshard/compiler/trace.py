@@ -529,6 +529,28 @@ def _hints_in_place(jaxpr: Any) -> Any:
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
+def _unread_sort_operands(eqns: list, outputs: list, regions: list) -> bool:
+    """Drop the operands of a sort that are not keys and whose sorted results nothing reads
+    (a grad-only step keeps sort_key_val's permutation, not the sorted values), as XLA's sort
+    simplifier does: else their moves are planned and listed, and XLA runs none of them.
+    Whether any was dropped (what only fed them is dead)."""
+    sorts = [e for e in eqns if e.primitive is lax.sort_p and len(e.outputs) > e.params["num_keys"]]
+    if not sorts:
+        return False
+    read = {v for e in eqns for v in e.inputs}
+    read.update(outputs)
+    read.update(v for r in regions for v in (*r.inputs, *r.outputs))
+    dropped = False
+    for e in sorts:
+        keys = e.params["num_keys"]
+        kept = [i for i, v in enumerate(e.outputs) if i < keys or v in read]
+        if len(kept) < len(e.outputs):
+            e.inputs = [e.inputs[i] for i in kept]
+            e.outputs = [e.outputs[i] for i in kept]
+            dropped = True
+    return dropped
+
+
 @gc_paused
 def build_program(closed: Any, *, inline_solves: bool = True,
                   stop_gradients: bool = True) -> Program:
@@ -807,6 +829,8 @@ def build_program(closed: Any, *, inline_solves: bool = True,
                     e.inputs = [zeros.get(v, v) for v in e.inputs]
             for r in regions:
                 r.inputs = [zeros.get(v, v) for v in r.inputs]
+    if _unread_sort_operands(eqns, outputs, regions):
+        pruned[0] = True
     if pruned[0]:  # what only fed the replaced equations: top-level, without effects
         inside = {id(e) for r in regions for e in eqns[r.start:r.stop]}
         eqns = drop_dead(eqns, outputs, regions,
