@@ -545,6 +545,28 @@ def test_a_value_and_its_stop_gradient_read_alike_are_planned_once(mesh, placeme
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mesh, placements", [(MESH4, [dist.Shard(0)]),
+                                                (MESH24, [dist.Shard(1), dist.Shard(0)])],
+                         ids=["4", "2x4"])
+def test_equal_steps_reading_a_scalar_fill_are_one_step(mesh, placements):
+    # `where(x > 0, x, 1.0)` written twice (jax.scipy.special.zeta does): each reads its own
+    # broadcast of 1.0, so they were two equations and the plan moved both results, where
+    # XLA's CSE runs one. A scalar's broadcast is compared by its value, as a literal is.
+    x = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)
+
+    def f(x):
+        a = jnp.log(jnp.where(x > 0, x, 1.0))
+        b = jnp.log(jnp.where(x > 0, x, 1.0))
+        return jnp.sort(a, axis=0) + jnp.sort(b, axis=0) * 2.0
+
+    g = dist.jit(f)
+    dx = dist.shard_tensor(x, mesh, placements)
+    np.testing.assert_allclose(g(dx).numpy(), jax.jit(f)(x), rtol=1e-6)
+    moved = planned(g, dx)
+    assert sum(moved.values()) == 1, moved  # one move of the sorted value, read twice
+    assert hlo_counts(g, dx) == moved
+
+
 def test_layout_invariants():
     from autoshard.layout import Layout
     from autoshard.placement import ReduceType

@@ -668,6 +668,11 @@ def build_program(closed: Any, *, inline_solves: bool = True,
             if (ins[0].is_const and not ins[0].aval.shape
                     and isinstance(ins[0].aval.dtype, np.dtype)):
                 fills[outs[0]] = scalar_key(ins[0])
+                # each reader has its own broadcast of a scalar (`cse_key`), but an equation
+                # reading one compares it by value, as a literal: two `where(c, x, 1.0)` are
+                # one equation, as XLA's CSE makes them (jax.scipy.special's zeta writes it
+                # twice), else the plan moves both copies
+                literal_keys[id(outs[0])] = ("fill", outs[0].aval, fills[outs[0]])
 
     def walk(jaxpr, const_vals, inputs: list[Value], outer: Where | None = None) -> list[Value]:
         env: dict[Any, Value] = {}
