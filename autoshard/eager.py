@@ -690,7 +690,8 @@ def install(cls: type = DistTensor) -> None:
         nonzero=_nonzero,
         __round__=_round,
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
-        __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __contains__=_contains, __bool__=_bool, __float__=_to_python(float),
+        __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __contains__=_contains,
+        __bool__=_bool, __float__=_to_python(float),
         __int__=_to_python(int), __complex__=_to_python(complex),
         # a 0-d integer tensor is an index, as a jax array's is: range(round(x)), seq[x.argmax()]
         __index__=_to_python(operator.index),
