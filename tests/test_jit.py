@@ -803,9 +803,12 @@ def test_closed_over_dtensors_enter_as_their_global_values():
     np.testing.assert_allclose(got.numpy(), x @ w + 2.0 * w.sum() + w.max(), rtol=1e-5, atol=1e-5)
 
 
-def test_higher_order_derivatives_through_a_max_over_a_split_dim():
+@pytest.mark.parametrize("order", ["run first", "differentiated first"])
+def test_higher_order_derivatives_through_a_max_over_a_split_dim(order):
     # a row max over the mp-split dim reduces a pending Partial(max) with pmax, which jax
-    # cannot differentiate: ours carries a derivative of every order
+    # cannot differentiate: ours carries a derivative of every order where the program may be
+    # differentiated (called under a jax transformation), and is plain equations where it is
+    # only run — each program's lowering kept apart from the other's, in either order
     x, w, dx, dw = _split_inputs()
 
     def fn(a, b):
@@ -818,8 +821,17 @@ def test_higher_order_derivatives_through_a_max_over_a_split_dim():
         return jax.jvp(jax.grad(lambda a, b: jnp.sum(fun(a, b) ** 2), argnums=(0, 1)),
                        (a, b), (a, b))[1]
 
+    def run():
+        np.testing.assert_allclose(f(dx, dw).numpy(), fn(x, w), rtol=1e-5, atol=1e-5)
+        entry, leaves = f._entry((dx, dw), {})
+        lowered = str(entry.fn.trace(*f._physical_inputs(entry, leaves)).jaxpr)
+        assert "pmax" in lowered and "custom_jvp_call" not in lowered
+
+    if order == "run first":
+        run()
     for got, want in zip(hvp(f, dx, dw), hvp(fn, x, w)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    run()
 
 
 @pytest.mark.filterwarnings("ignore:.*custom_linear_solve")  # runs whole there: see below

@@ -89,8 +89,10 @@ def test_a_second_program_replays_the_first_ones_lowerings():
     cold_bound = replay.STATS["bound"] - before
     before = replay.STATS["bound"]
     warm = _local_program(step, args)
-    # what is bound again: a pmax with a custom derivative, whose rule is a Python function
-    assert replay.STATS["bound"] - before <= 0.01 * cold_bound, (cold_bound, replay.STATS)
+    # nothing is bound again: the cross-entropy's max over the vocab shards is plain
+    # equations in a program called at the top level (steps.DIFFERENTIABLE)
+    assert replay.STATS["bound"] == before, (cold_bound, replay.STATS)
+    assert "custom_jvp_call" not in warm
     assert "name=block" in warm
     assert warm == cold
 

@@ -565,7 +565,8 @@ class DistributedFunction:
                 or any(self._out_kinds(len(program.outputs)))):
             # a reshape splitting a dim finer than its axis: planned on sub-axes (refine.py)
             plan = refined_plan(plan, program, targets, _registry(), cost_model)
-        local = local_function(plan, _registry())
+        # (reduced: called under an outer jax transformation, which may differentiate it)
+        local = local_function(plan, _registry(), differentiable=reduced)
         if any(stored_in) or any(stored_out):
             local = _with_uneven_boundaries(local, plan, described, stored_in, stored_out,
                                             self.__name__, self._leaf_names(tree, static),

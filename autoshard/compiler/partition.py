@@ -22,7 +22,7 @@ from ..errors import PlacementTypeError
 from ..hashing import Hashed
 from ..layout import Layout
 from ..reshard.api import plan_layouts
-from ..reshard.steps import varying_axes
+from ..reshard.steps import DIFFERENTIABLE, varying_axes
 from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
@@ -218,12 +218,15 @@ class _Scope(dict):
 
 
 def local_function(plan: Plan, registry, *, physical: bool = True,
-                   ambient: frozenset = frozenset(), pack: bool = True):
+                   ambient: frozenset = frozenset(), pack: bool = True,
+                   differentiable: bool | None = None):
     """A function of the local input blocks that computes the local output blocks.
 
     `physical`: inputs and outputs carry the leading slot axis of Partial values (the form
     shard_map hands over); sub-programs (loop bodies) take and give plain local blocks.
     `ambient`: see `_bind`. `pack`: gathers may share one buffer (combine.py).
+    `differentiable`: False for a program jax will only run, never differentiate (see
+    `steps.DIFFERENTIABLE`); None: as the program whose trace calls it (a sub-program).
     """
     program = plan.program
     sizes = plan.mesh.axis_sizes
@@ -579,9 +582,11 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         for v, L, x in zip(program.inputs, plan.inputs, local_inputs):
             env[v] = x[0] if (L.partial and physical) else x
         moved: dict = {}
+        flag = DIFFERENTIABLE.get() if differentiable is None else differentiable
+        token = DIFFERENTIABLE.set(flag)
         # what a lowering reads besides its equation's key and operands (`_bind`)
         replayers.append(Replayer((registry, registry.generation, tuple(sizes.items()),
-                                   ambient)))
+                                   ambient, flag)))
         try:
             run_eqns(env, moved, 0, len(program.eqns), calls={} if outline.ENABLED else None)
             reshards = dict(plan.output_reshards)
@@ -591,6 +596,7 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
                 results.append(x[None] if (L.partial and physical) else x)
         finally:
             replayers.pop()
+            DIFFERENTIABLE.reset(token)
         return results
 
     return run

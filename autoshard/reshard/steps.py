@@ -7,6 +7,7 @@ the executor only calls `run` in order.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
 import math
@@ -185,6 +186,15 @@ class SplitUneven(Step):
         return f"split({','.join(self.split)}) dim {self.dim} (uneven, {self.size})"
 
 
+# Whether the program being traced may be differentiated by jax afterwards (a dist.jit call
+# under jax.grad / vjp / an outer jit). A program called at the top level is only run: its max
+# and min all-reduces need no derivative, and without the custom_jvp (whose traced rule is a
+# Python callable, so that its lowering is traced afresh for every program) the lowering is
+# plain equations, shared between programs like every other step's (partition.py sets it).
+DIFFERENTIABLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autoshard_differentiable", default=True)
+
+
 def _differentiable_choice(choose, x, axes):
     """pmax / pmin of `x` over `axes`, with a derivative (jax defines none for them, and a
     partitioned program is differentiated when jax.grad is taken outside dist.jit): the tangent
@@ -193,6 +203,8 @@ def _differentiable_choice(choose, x, axes):
     reduction, so exact ties held unevenly across devices are weighted per device.)"""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return choose(x, axes)
+    if not DIFFERENTIABLE.get():
+        return _ordered_choice(choose, x, axes)
     return _chooser(choose, axes)(x)
 
 
