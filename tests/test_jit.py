@@ -567,6 +567,44 @@ def test_equal_steps_reading_a_scalar_fill_are_one_step(mesh, placements):
     assert hlo_counts(g, dx) == moved
 
 
+def _linspace_one_view(a, b):
+    # jnp.linspace(a, b) for one example, its stop's two views written as one
+    t = (jnp.arange(49, dtype=jnp.float32) / 49.0).reshape(49, 1, 1)
+    stop = b.reshape(1, 8, 16)
+    return jnp.concatenate([a.reshape(1, 8, 16) * (1.0 - t) + stop * t, stop], axis=0)
+
+
+@pytest.mark.parametrize("form", ["vmap of linspace", "reshape beside expand_dims",
+                                  "squeeze of expand_dims"])
+def test_a_reshape_and_a_unit_dim_broadcast_of_one_value_are_one_value(form):
+    # jnp.linspace(start, stop) reshapes stop for one term and broadcasts it to the same shape
+    # (a unit dim inserted) for another: the same elements in the same order, one buffer to
+    # XLA, whose CSE merges the two moves; the plan moved each (2 all-to-alls, 1 compiled). It
+    # now plans what the program written with one view plans, and what XLA runs
+    rng = np.random.default_rng(0)
+    a, b = (rng.uniform(0.1, 0.9, size=(4, 8, 16)).astype(np.float32) for _ in range(2))
+    fns = {  # (the form, the same written with one view)
+        "vmap of linspace": (jax.vmap(lambda a, b: jnp.linspace(a, b)),
+                             jax.vmap(_linspace_one_view)),
+        "reshape beside expand_dims": (
+            lambda a, b: jnp.concatenate(
+                [a.reshape(4, 1, 8, 16) * b.reshape(4, 1, 8, 16), jnp.expand_dims(b, 1)], 1),
+            lambda a, b: jnp.concatenate(
+                [a.reshape(4, 1, 8, 16) * b.reshape(4, 1, 8, 16), b.reshape(4, 1, 8, 16)], 1)),
+        "squeeze of expand_dims": (
+            lambda a, b: jnp.sort(jnp.squeeze((a + b)[:, None], 1), 0) * jnp.sort(a + b, 0),
+            lambda a, b: jnp.sort(a + b, 0) ** 2),
+    }
+    da = dist.shard_tensor(a, MESH24, [dist.Shard(0), dist.Shard(2)])
+    db = dist.shard_tensor(b, MESH24, [dist.Shard(1), dist.Shard(2)])
+    f, one_view = (dist.jit(g) for g in fns[form])
+    np.testing.assert_allclose(f(da, db).numpy(), jax.jit(fns[form][0])(a, b), rtol=1e-6,
+                               atol=1e-6)
+    moved = planned(f, da, db)
+    assert hlo_counts(f, da, db) == moved
+    assert moved == planned(one_view, da, db) and sum(moved.values()), moved
+
+
 def test_layout_invariants():
     from autoshard.layout import Layout
     from autoshard.placement import ReduceType

@@ -492,6 +492,27 @@ _SPECIAL_NAMES = frozenset({*_INLINE_JAXPR_PARAM, "custom_linear_solve", "call_h
                             "device_put"})
 
 
+_VIEWS = (lax.reshape_p, lax.squeeze_p, lax.broadcast_in_dim_p)
+
+
+def _is_view(eqn) -> bool:
+    """`eqn` (one of `_VIEWS`) keeps its operand's elements in their order, laid out as jax
+    pleases (no sharding of its own): a reshape, a squeeze, or a broadcast that only inserts
+    dims of size 1."""
+    params = eqn.params
+    if params.get("sharding") is not None:
+        return False
+    if eqn.primitive is lax.reshape_p:
+        return params.get("dimensions") is None
+    if eqn.primitive is lax.squeeze_p:
+        return True
+    kept = tuple(params["broadcast_dimensions"])
+    shape, operand = params["shape"], eqn.invars[0].aval.shape
+    return (list(kept) == sorted(set(kept))
+            and all(shape[d] == n for d, n in zip(kept, operand))
+            and all(n == 1 for d, n in enumerate(shape) if d not in kept))
+
+
 def _kind(p) -> str:
     if p is hint_back_p or p is lax.cond_p or p is lax.while_p or p is lax.slice_p \
             or p.name in _SPECIAL_NAMES:
@@ -622,15 +643,27 @@ def build_program(closed: Any, *, inline_solves: bool = True,
     depth = [0]  # custom-rule nesting: only outermost bodies become regions
 
     is_literal = literal_keys.__contains__
+    view_roots: dict = {}  # a view's id -> the value its chain of views starts from (`cse_key`)
 
     def cse_key(eqn, ins, params):
         if eqn.effects or params is None:  # params holding arrays: not worth comparing
             return None
-        if eqn.primitive is lax.broadcast_in_dim_p and not ins[0].aval.shape:
+        prim = eqn.primitive
+        if prim is lax.broadcast_in_dim_p and not ins[0].aval.shape:
             # a scalar's broadcast is made in any layout for free: one per reader, so that
             # readers wanting it laid out differently (a cond branch's placeholder results,
             # two of them one value once merged) do not move it
             return None
+        if prim in _VIEWS and _is_view(eqn):
+            # a reshape and a broadcast adding unit dims (jnp.linspace writes both of its stop)
+            # are the same elements in the same order: one value, as XLA's CSE of the two
+            # bitcasts makes them, or the plan moves both. Keyed by the value a chain of views
+            # starts from, which a view back to its shape is (`x[:, None]` squeezed). (Not in a
+            # region: its body reads only its inputs.)
+            root = ins[0] if depth[0] else view_roots.get(id(ins[0]), ins[0])
+            if not depth[0]:
+                seen.setdefault((_VIEWS, id(root), root.aval.shape), [root])
+            return (_VIEWS, id(root), eqn.outvars[0].aval.shape)
         # (values live while building: ids are unique). Literals by value only beside a
         # computed operand: a step of literals alone (a cast of a constant) stays one per
         # layer, or equal layers would read one layer's result and stop being equal blocks
@@ -800,6 +833,8 @@ def build_program(closed: Any, *, inline_solves: bool = True,
             outs = [Value(v.aval, next(serials)) for v in eqn.outvars]
             if key is not None:
                 seen[key] = outs
+                if key[0] is _VIEWS and not depth[0]:
+                    view_roots[id(outs[0])] = view_roots.get(id(ins[0]), ins[0])
                 if outs and 0 in outs[0].aval.shape and not depth[0] and all_empty(outs):
                     empty_at.append(len(eqns))  # (made constants below)
             elif eqn.effects:
