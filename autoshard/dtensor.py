@@ -5,6 +5,7 @@ array; the mesh, layout and global shape travel as static metadata.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -23,7 +24,7 @@ from .errors import (DeviceNotFoundError, MeshMismatchError, OperandTypeError,
 from .layout import Layout, block_bounds, partial_axes_in_mesh_order
 from .mesh import ProcessMesh, as_process_mesh
 from .physical import layout_of_spec, physical_shape, physical_sharding, physical_spec
-from .uneven import padded_shape
+from .uneven import is_uneven, padded_shape
 from .placement import Placement, mean_of_parts
 
 
@@ -253,6 +254,17 @@ def _not_storage(value: Any, aux: tuple, stored: tuple[int, ...]) -> Any:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class UnevenShard:
+    """One device's block of a DistTensor split unevenly, with jax.Shard's fields (a jax.Array
+    is split into equal blocks only, so jax has no Shard for it)."""
+
+    device: Any
+    index: tuple[slice, ...]
+    replica_id: int
+    data: Any  # None: the block of another process's device
+
+
 @jax.tree_util.register_pytree_node_class
 class DistTensor:
     """A tensor of global `shape` laid out on `mesh` with `placements`."""
@@ -401,6 +413,37 @@ class DistTensor:
     def is_fully_addressable(self) -> bool:
         """Whether this process holds every block (multi-process code asks before numpy())."""
         return self._value.is_fully_addressable
+
+    @property
+    def addressable_shards(self) -> list:
+        """This process's blocks of the logical value, as jax.Array's (each with its device,
+        its index into the global shape, its replica_id and its data). A Partial value's are
+        the blocks of its sum (its pending parts are `local(device_id)`); an uneven dim's are
+        the rows each device owns, the last blocks shorter (jax's own arrays split evenly
+        only)."""
+        return [s for s in self.global_shards if s.data is not None]
+
+    @property
+    def global_shards(self) -> list:
+        """Every device's block of the logical value (as jax.Array.global_shards: the data of
+        another process's block is None)."""
+        if self._layout.partial or not is_uneven(self._layout, self._mesh, self._shape):
+            return self.__jax_array__().global_shards
+        mine = {d.id for d in jax.local_devices()}
+        seen: dict = {}
+        blocks = []
+        for device_id in self._mesh.process_ids:
+            device = self._mesh.device_for(device_id)
+            bounds = self.block_bounds(device_id)
+            replica = seen[bounds] = seen.get(bounds, -1) + 1
+            blocks.append(UnevenShard(device, tuple(slice(lo, hi) for lo, hi in bounds),
+                                      replica,
+                                      self.local(device_id) if device.id in mine else None))
+        return sorted(blocks, key=lambda b: b.device.id)
+
+    def addressable_data(self, index: int) -> jax.Array:
+        """The data of `addressable_shards[index]` (as jax.Array.addressable_data)."""
+        return self.addressable_shards[index].data
 
     @property
     def weak_type(self) -> bool:

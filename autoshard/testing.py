@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 
 from . import creation as _creation
@@ -20,13 +21,16 @@ from .uneven import even_part
 
 
 def logical_value(x: DistTensor) -> np.ndarray:
-    """The logical value of `x`, reduced on the host from every device's shard.
+    """The logical value of `x`, reduced on the host from every device's shard. Typed PRNG
+    keys (which have no numpy form) give their key data: one more dim, of uint32 words.
 
     Also checks honesty: the physical block shapes, and that replicas agree.
     """
     mesh, layout = x.mesh, x.layout
     partial = layout.partial_map
-    shards = {s.device.id: np.asarray(s.data) for s in x.physical.addressable_shards}
+    keys = jax.dtypes.issubdtype(x.physical.dtype, jax.dtypes.prng_key)
+    shards = {s.device.id: np.asarray(jax.random.key_data(s.data) if keys else s.data)
+              for s in x.physical.addressable_shards}
     groups: dict[tuple, list[np.ndarray]] = {}
     where: dict[tuple, tuple] = {}
     for coords in itertools.product(*(range(s) for s in mesh.shape)):
@@ -34,11 +38,13 @@ def logical_value(x: DistTensor) -> np.ndarray:
         if partial:
             assert data.shape[0] == 1, "a partial tensor keeps one slot per device"
             data = data[0]
-        assert data.shape == x.local_shape
+        assert data.shape[:x.ndim] == x.local_shape
         key = tuple(c for c, n in zip(coords, mesh.dim_names) if n not in partial)
         groups.setdefault(key, []).append(data)
         where[key] = block_bounds(layout, mesh, x.shape, coords)
-    out = np.empty(x.shape, dtype=np.asarray(next(iter(shards.values()))).dtype)
+    first = next(iter(shards.values()))
+    # (a key's words: the dims key_data adds after the stored array's own)
+    out = np.empty(tuple(x.shape) + first.shape[x.physical.ndim:], dtype=first.dtype)
     kinds = set(partial.values())
     avg_div = int(np.prod([mesh.get_dim_size(a) for a, t in partial.items() if t.value == "avg"]))
     for key, datas in groups.items():

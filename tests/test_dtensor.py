@@ -44,6 +44,37 @@ def test_shard_tensor_sources(data, expected):
     np.testing.assert_array_equal(logical_value(t2), np.asarray(expected, np.float32))
 
 
+@pytest.mark.parametrize("shape, placements", [
+    ((8, 12), [dist.Shard(0), dist.Shard(1)]),
+    ((8, 12), [dist.Replicate(), dist.Shard(0)]),
+    ((8, 12), [dist.Shard(1), dist.Replicate()]),
+    ((8, 12), [dist.Partial(), dist.Shard(1)]),
+    ((8, 12), [dist.Partial("max"), dist.Replicate()]),
+    ((7, 10), [dist.Shard(0), dist.Shard(1)]),
+    ((7, 10), [dist.Replicate(), dist.Shard(1)]),
+], ids=["S0 S1", "R S0", "S1 R", "P S1", "Pmax R", "uneven S0 S1", "uneven R S1"])
+def test_addressable_shards_are_the_blocks_of_the_logical_value(shape, placements):
+    # what code written for jax.Array reads (checkpointers, per-device loops): each shard's
+    # data is the global value at its index, every element is covered, and equal blocks are
+    # numbered as replicas. A Partial tensor's blocks are those of its sum; an uneven dim's are
+    # the rows each device owns
+    value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    t = dist.shard_tensor(value, MESH, placements)
+    shards = t.addressable_shards
+    assert sorted(s.device.id for s in shards) == list(range(8))
+    covered = np.zeros(shape, int)
+    for s in shards:
+        np.testing.assert_array_equal(np.asarray(s.data), value[s.index])
+        covered[s.index] += s.replica_id == 0
+    np.testing.assert_array_equal(covered, 1)
+    want_block = t.local_shape if not t.layout.partial and shape == (8, 12) else None
+    if want_block is not None:
+        assert all(s.data.shape == want_block for s in shards)
+    assert len(t.global_shards) == 8
+    np.testing.assert_array_equal(np.asarray(t.addressable_data(3)),
+                                  value[shards[3].index])
+
+
 def test_partial_is_stored_as_varying_data_not_fake_replicas():
     t = dist.shard_tensor(np.ones((4, 8), np.float32), MESH, [dist.Partial(), dist.Shard(1)])
     phys = t.physical

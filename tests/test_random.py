@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import autoshard as dist
+from autoshard.testing import logical_value
 
 MESHES = {
     "8": dist.ProcessMesh(list(range(8)), ["a"]),
@@ -222,6 +223,7 @@ def test_jax_random_of_a_key_dtensor_names_what_to_write_and_that_matches_one_de
         jax.random.key_data(x)
     assert isinstance(info.value, TypeError)  # what jax raised, for code catching that
     np.testing.assert_array_equal(dist.jit(jax.random.key_data)(x).numpy(), want)
+    np.testing.assert_array_equal(logical_value(x), want)  # the testing helper reads the words
     data = jax.random.key_data(jnp.asarray(x))  # split as x is, the key words whole
     np.testing.assert_array_equal(np.asarray(data), want)
     spec = jax.sharding.PartitionSpec(*x.sharding.spec, None)
