@@ -449,6 +449,28 @@ class DistTensor:
     def weak_type(self) -> bool:
         return bool(getattr(self._value, "weak_type", False))
 
+    def is_ready(self) -> bool:
+        """Whether the stored array is computed (as jax.Array.is_ready)."""
+        return self._value.is_ready()
+
+    def copy_to_host_async(self) -> None:
+        """Start copying the stored blocks to the host (as jax.Array's), for a later numpy()."""
+        self._value.copy_to_host_async()
+
+    @property
+    def committed(self) -> bool:
+        """Always: a DistTensor's blocks are placed on its mesh's devices (jax.Array's flag)."""
+        return True
+
+    def on_device_size_in_bytes(self) -> int:
+        """Bytes the stored blocks take on all devices together (as jax.Array's: replicas
+        counted each, a Partial tensor's pending parts and an uneven dim's padding included)."""
+        return self._value.on_device_size_in_bytes()
+
+    def tobytes(self, order: str = "C") -> bytes:
+        """The logical value's bytes (as numpy's and jax.Array's tobytes)."""
+        return self.numpy().tobytes(order)
+
     def delete(self) -> None:
         """Free the stored array now (as jax.Array.delete); the tensor is unusable after."""
         self._value.delete()

@@ -535,7 +535,7 @@ def _bool(self: DistTensor) -> bool:
 # arguments); array arguments (DistTensors included) are operands.
 _METHODS = ("flatten", "ravel", "squeeze", "swapaxes", "clip", "round", "cumsum", "cumprod",
             "var", "std", "dot", "conj", "sort", "argsort", "repeat", "take", "diagonal",
-            "trace", "copy", "conjugate", "ptp", "searchsorted", "argpartition")
+            "trace", "copy", "conjugate", "ptp", "searchsorted", "argpartition", "view")
 _OPERAND_TYPES = (DistTensor, jax.Array, np.ndarray)
 
 

@@ -612,6 +612,18 @@ def test_numpy_functions_and_jax_array_properties():
     check(a.ptp(axis=1), np.ptp(A, axis=1))
     check(a.conjugate(), A)
     assert a.is_fully_addressable and not a.weak_type
+    assert a.committed and a.block_until_ready().is_ready()
+    a.copy_to_host_async()
+    assert a.tobytes() == A.tobytes()
+    # every device's block counted, as jax counts a sharded array's
+    assert a.on_device_size_in_bytes() == A.nbytes
+    assert dist.shard_tensor(A, MESH24, [R(), R()]).on_device_size_in_bytes() == 8 * A.nbytes
+    bits = a.view(np.uint32)  # a bitcast, per block: placements kept, nothing moved
+    assert bits.placements == a.placements
+    np.testing.assert_array_equal(bits.numpy(), A.view(np.uint32))
+    halves = a.view(np.uint16)  # the last dim twice as long, still split
+    assert halves.shape == (A.shape[0], 2 * A.shape[1]) and halves.placements == a.placements
+    np.testing.assert_array_equal(halves.numpy(), A.view(np.uint16))
     scratch = a.copy()
     assert not scratch.is_deleted()
     scratch.delete()
