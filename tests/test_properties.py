@@ -242,6 +242,11 @@ def _program(ops):
 # packed with a third gather: the packed one was gathered again (HLO: 5 gathered, plan: 4;
 # found by the explore profile, stop 63)
 @example((MESHES[0], ("unsort", "ragged_dot", "unsort"), ["R"], ["S(0)"], 0))
+# jnp.repeat's new dim of copies split over a sub-axis the operand was whole on: each device's
+# copy typed as invariant there, and jax refused the loss's psum over it (found by the
+# explore profile, stop 66)
+@example((MESHES[1], ("reshape", "argmax_onehot", "maxpool_strided"), ["R", "R"],
+          ["S(0)", "S(0)"], 0))
 def test_random_programs_values_and_gradients(case):
     _check_random_program(*case)
 

@@ -22,7 +22,7 @@ from ..errors import PlacementTypeError
 from ..hashing import Hashed
 from ..layout import Layout
 from ..reshard.api import plan_layouts
-from ..reshard.steps import DIFFERENTIABLE, varying_axes
+from ..reshard.steps import DIFFERENTIABLE, ensure_varying, varying_axes
 from .control_flow import lower_higher_order
 from .dtypes import cost_dtype
 from .custom_rules import run_region
@@ -122,9 +122,16 @@ def _bind(e, ep, ins: list, registry, sizes, ambient: frozenset = frozenset()) -
         ins = match_vma(ins)
     if rule is not None and rule.lower is not None:
         ctx = LowerContext(sizes, ep.required, ep.results, local_shapes)
-        return _lowered(e, rule.lower(ctx, *ins, **e.params), local_shapes)
-    outs = e.primitive.bind(*ins, **_localize(e.params, local_shapes))
-    return outs if e.primitive.multiple_results else [outs]
+        outs = _lowered(e, rule.lower(ctx, *ins, **e.params), local_shapes)
+    else:
+        outs = e.primitive.bind(*ins, **_localize(e.params, local_shapes))
+        outs = outs if e.primitive.multiple_results else [outs]
+    # A result laid out over a mesh axis varies over it, though its blocks may be equal: a
+    # broadcast's new dim split over an axis the operand is whole on (jnp.repeat's copies) is
+    # one copy per device, the same values. Typed invariant, jax refuses the psum that later
+    # sums it over that axis, and would transpose the broadcast without summing its copies'
+    # cotangents across the devices (the cast's transpose is that sum).
+    return [ensure_varying(x, L.used_axes) for x, L in zip(outs, ep.results)]
 
 
 def _lowered(e, outs, local_shapes: list) -> list:
