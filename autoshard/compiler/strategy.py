@@ -534,11 +534,20 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
     for s, implied in _with_repairs(cands, opsh, in_shapes, out_shapes, sizes):
         ins, outs = implied
         cost = 0.0
+        # Every term below is a price (≥ 0), so a candidate already dearer than the best is
+        # dropped before its remaining moves are searched for (the same one wins: one that
+        # costs more wins neither outright nor on the tie rule). A first compile searches
+        # most of the moves it prices only here.
+        bound = math.inf if best is None else best.seconds + 1e-15
         for L, R, aval, moved, param in zip(actual, ins, in_avals, available, parameters):
             if L is not None and R not in moved:
                 cost += reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
                 if not param:
                     cost += made_partial_seconds(mesh, L, R, aval, cost_model)
+                if cost > bound:
+                    break
+        if cost > bound:
+            continue
         for R, P, aval in zip(outs, preferred, out_avals):
             if P is UNREAD:  # returned reduced, as it lies: its whole reduction, if any
                 if R.partial:
@@ -550,6 +559,10 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
                 cost += deferred_reduction_seconds(mesh, R, P, aval, cost_model)
             local = math.prod(R.local_shape(aval.shape, sizes)) * itemsize(aval.dtype)
             cost += cost_model.local(local)
+            if cost > bound:
+                break
+        if cost > bound:
+            continue
         # on a tie, the results with fewer dims split over several axes: the batch axis of a
         # weight gradient on a dim of its own, as ZeRO shards a tensor-parallel weight's
         # optimizer state, not nested under the tensor-parallel axis
