@@ -78,18 +78,20 @@ def test_a_reversed_split_dim_stays_split(mesh, placements, flip):
         collective_bytes(xla.lower(x).compile().as_text()).values())
 
 
-@pytest.mark.parametrize("form", ["repeat", "broadcast_to", "tile"])
+@pytest.mark.parametrize("form", ["repeat", "broadcast_to", "tile", "a row broadcast"])
 @pytest.mark.parametrize("where", ["value", "grad inside", "grad outside"])
 def test_copies_split_over_an_axis_the_operand_is_whole_on_are_summed_across_it(form, where):
     # jnp.repeat(x, 4, axis=0) with the rows asked for over (dp, mp), x's rows over dp: the
     # broadcast's new dim of 4 copies is split over mp, one copy per device, the same values
     # on the mp devices. They are still four blocks of the result: the sum over its rows adds
     # every device's (a psum over mp that jax refused for a value typed alike on mp — a crash
-    # inside jax), and the gradient of x sums the four copies' cotangents across mp
+    # inside jax), and the gradient of x sums the four copies' cotangents across mp. Likewise
+    # a reduced row broadcast to rows split over both axes (x.max(0) to every row)
     x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
     copies = {"repeat": lambda a: jnp.repeat(a, 4, axis=0),
               "broadcast_to": lambda a: jnp.broadcast_to(a[:, None], (2, 4, 8)).reshape(8, 8),
-              "tile": lambda a: jnp.tile(a[:, None], (1, 4, 1)).reshape(8, 8)}[form]
+              "tile": lambda a: jnp.tile(a[:, None], (1, 4, 1)).reshape(8, 8),
+              "a row broadcast": lambda a: jnp.broadcast_to(a.max(0), (8, 8))}[form]
 
     def f(a):
         y = dist.shard_tensor(copies(a), MESH24, [S(0), S(0)])
@@ -104,7 +106,9 @@ def test_copies_split_over_an_axis_the_operand_is_whole_on_are_summed_across_it(
     if where == "value":
         g = dist.jit(f)
         planned = Counter(c.kind for c in g.plan(dx).collectives)
-        assert planned == count_collectives(g.lower(dx).compile().as_text()) == {"all-reduce": 1}
+        assert planned == count_collectives(g.lower(dx).compile().as_text())
+        # the sum's; the row broadcast's max over x's split rows is one more
+        assert planned == {"all-reduce": 2 if form == "a row broadcast" else 1}
 
 
 def test_empty_arrays_reshape_without_falling_back():
