@@ -429,16 +429,17 @@ class DistTensor:
         another process's block is None)."""
         if self._layout.partial or not is_uneven(self._layout, self._mesh, self._shape):
             return self.__jax_array__().global_shards
-        mine = {d.id for d in jax.local_devices()}
+        held = {s.device: s.data for s in self._value.addressable_shards}
         seen: dict = {}
         blocks = []
         for device_id in self._mesh.process_ids:
             device = self._mesh.device_for(device_id)
             bounds = self.block_bounds(device_id)
             replica = seen[bounds] = seen.get(bounds, -1) + 1
+            stored = held.get(device)
             blocks.append(UnevenShard(device, tuple(slice(lo, hi) for lo, hi in bounds),
                                       replica,
-                                      self.local(device_id) if device.id in mine else None))
+                                      None if stored is None else self._owned(stored, bounds)))
         return sorted(blocks, key=lambda b: b.device.id)
 
     def addressable_data(self, index: int) -> jax.Array:
@@ -541,14 +542,17 @@ class DistTensor:
         device = self._mesh.device_for(device_id)
         for shard in self._value.addressable_shards:
             if shard.device == device:
-                data = shard.data[0] if self._layout.partial else shard.data
-                # an uneven dim's last blocks end in padding: only the rows the device owns
-                bounds = self.block_bounds(device_id)
-                if any(hi - lo != n for (lo, hi), n in zip(bounds, data.shape)):
-                    data = data[tuple(slice(0, hi - lo) for lo, hi in bounds)]
-                return data
+                return self._owned(shard.data, self.block_bounds(device_id))
         raise DeviceNotFoundError(f"device {device_id} belongs to another process; read its "
                                   f"block there")
+
+    def _owned(self, stored: jax.Array, bounds: tuple[tuple[int, int], ...]) -> jax.Array:
+        """A device's stored block as the rows it owns (its partial value, for a Partial)."""
+        data = stored[0] if self._layout.partial else stored
+        # an uneven dim's last blocks end in padding: only the rows the device owns
+        if any(hi - lo != n for (lo, hi), n in zip(bounds, data.shape)):
+            data = data[tuple(slice(0, hi - lo) for lo, hi in bounds)]
+        return data
 
     def block_bounds(self, device_id: int) -> tuple[tuple[int, int], ...]:
         """[start, stop) per dim of the global region that device `device_id` holds."""

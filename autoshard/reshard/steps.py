@@ -64,7 +64,10 @@ def _can_add_partial(layout: Layout, reduce_type: ReduceType) -> bool:
 def ensure_varying(x, axes) -> object:
     """`x` cast to vary over at least `axes` (the type check_vma expects for a value split or
     partial over them)."""
-    missing = tuple(sorted(a for a in axes if a not in varying_axes(x)))
+    if not axes:  # (most results of a partitioned program's bound equations)
+        return x
+    varying = varying_axes(x)
+    missing = tuple(sorted(a for a in axes if a not in varying))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
