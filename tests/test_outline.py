@@ -131,3 +131,32 @@ def test_blocks_planned_alike_are_outlined_only_where_their_equations_are_equal(
     got = jax.tree.leaves(dist.jit(fn)(*args), is_leaf=lambda t: isinstance(t, dist.DistTensor))
     for g, want in zip(got, jax.tree.leaves(jax.jit(fn)(x, w))):
         np.testing.assert_allclose(g.numpy(), np.asarray(want), rtol=1e-3, atol=1e-4)
+
+
+def test_a_two_layer_models_layers_are_outlined_though_not_back_to_back(monkeypatch):
+    """The first layer also computes what both read (the causal mask: jax's CSE makes it once),
+    so the second layer's forward is no back-to-back repeat of the first; its stretches equal
+    to the first's (attention, MLP) are still called, not emitted again — the same program."""
+    step, single, args = gpt.workload(MESH, 2, "unrolled", optax.sgd(0.1))
+    found = []
+
+    def spy(*a, **k):
+        found.append(_find_instances(*a, **k))
+        return found[-1]
+
+    monkeypatch.setattr(outline, "find_instances", spy)
+    calls, eqns, eqns0 = _assert_same_program(step, args, monkeypatch)
+    blocks = found[0]
+    apart = [(a.start, b.start) for a in blocks.values() for b in blocks.values()
+             if a.signature == b.signature and a.stop < b.start
+             and not any(c.signature == a.signature and a.stop <= c.start < b.start
+                         for c in blocks.values())]
+    assert apart, "no equal blocks with other equations between were outlined"
+    assert calls == len(blocks) and eqns < eqns0
+    got = jax.tree.leaves(dist.jit(step)(*args), is_leaf=lambda x: isinstance(x, dist.DistTensor))
+    for g, w in zip(got, jax.tree.leaves(jax.jit(step)(*single))):
+        np.testing.assert_allclose(np.asarray(g.numpy() if hasattr(g, "numpy") else g),
+                                   np.asarray(w), rtol=2e-5, atol=2e-6)
+
+
+_find_instances = outline.find_instances

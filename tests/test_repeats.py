@@ -136,3 +136,37 @@ def test_found_runs_repeat(block, count, before, after):
 
 def test_negative_entries_never_repeat():
     assert repeats.find_runs([-1, -2, -3, -4] * 3, min_len=2) == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=10), st.lists(st.integers(4, 9), max_size=5),
+       st.lists(st.integers(0, 9), max_size=8), st.integers(1, 3))
+def test_found_blocks_are_equal_and_disjoint(block, gap, noise, copies):
+    # a block repeated with other equations between (a 2-layer model's layers: the first also
+    # computes what both read) is found as well as back-to-back runs; every group's blocks equal
+    h = noise + (block + gap) * copies + block + noise[::-1]
+    groups = repeats.find_blocks(h, min_len=2)
+    covered = set()
+    for period, starts in groups:
+        assert period >= 2 and len(starts) >= 2 and starts == sorted(starts)
+        for s in starts:
+            assert h[s:s + period] == h[starts[0]:starts[0] + period]
+            span = range(s, s + period)
+            assert covered.isdisjoint(span)
+            covered.update(span)
+    if not noise and len(set(block)) == len(block):
+        # the block's first copy starts a group (perhaps merged with its gap, when that repeats)
+        assert any(0 in starts for _, starts in groups)
+
+
+def test_blocks_apart_are_found_only_when_asked():
+    a, x, y = [1, 2, 3, 4], [7, 8], [9]
+    h = a + x + a + y
+    assert repeats.find_runs(h, min_len=4) == []
+    assert repeats.find_blocks(h, min_len=4, apart=False) == []
+    assert repeats.find_blocks(h, min_len=4) == [(4, [0, 6])]
+    # the longest repeat wins over a shorter one met first (a layer's whole forward over its
+    # attention alone)
+    b = [5, 6, 7, 8]
+    h = b + a + [0] + a + [9] + b + a
+    assert repeats.find_blocks(h, min_len=2) == [(8, [0, 14])]

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from ..hashing import Hashed
-from .repeats import find_runs
+from .repeats import find_blocks
 
 ENABLED = True    # off: every equation is emitted inline (the tests compare both programs)
 
@@ -76,9 +76,10 @@ class _ConstKeys(dict):
         return key
 
 
-def find_instances(program, plan, key_of) -> dict[int, Instance]:
+def find_instances(program, plan, key_of, apart: bool = True) -> dict[int, Instance]:
     """The blocks worth outlining, by start index: those whose signature occurs twice or more.
-    `key_of(k)`: equation k's replay key."""
+    `key_of(k)`: equation k's replay key; `apart`: also blocks that repeat with other
+    equations between (`find_blocks`)."""
     eqns, layouts = program.eqns, plan.layouts
     n = len(eqns)
     excluded = [False] * n
@@ -106,7 +107,7 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
         else:
             key_id = key_ids.setdefault(key, len(key_ids))
             h.append(ids.setdefault((key_id, tuple(map(layouts.get, e.inputs))), len(ids)))
-    runs = find_runs(h)
+    runs = find_blocks(h, apart=apart)
     if not runs:
         return {}
     by_id = [None] * len(ids)  # each equation number's value: (replay key, operand layouts)
@@ -122,9 +123,8 @@ def find_instances(program, plan, key_of) -> dict[int, Instance]:
     const_keys = _ConstKeys()
     signatures: dict = {}
     found = []
-    for start, period, count in runs:
-        for i in range(count):
-            s = start + i * period
+    for period, starts in runs:
+        for s in starts:
             found.append(_instance(program, plan, h, s, s + period, last_use, const_keys,
                                    signatures, by_id))
     counts: dict = {}

@@ -29,6 +29,7 @@ from .custom_rules import run_region
 from .gc_pause import gc_paused
 from . import combine, late_fill, outline
 from .plan import Plan, buffer_path
+from .propagate import type_key
 from .replay import Replayer, literal
 from .trace import hint_p
 from .user_collectives import SHARD_MAP, lower_shard_map
@@ -182,9 +183,7 @@ def _replay_key(e, ep) -> tuple | None:
     """What `_bind` depends on besides its operands' types (None: always bind afresh)."""
     if e.params_key is None or ep.sub_plans or e.primitive is hint_p or e.name == SHARD_MAP:
         return None
-    return Hashed((e.primitive, e.params_key, tuple(v.aval for v in e.inputs),
-                   tuple(v.aval for v in e.outputs), tuple(ep.required), tuple(ep.results),
-                   ep.fallback))
+    return Hashed((type_key(e), tuple(ep.required), tuple(ep.results), ep.fallback))
 
 
 def _device_const(c, scalars: dict):
@@ -341,7 +340,10 @@ def local_function(plan: Plan, registry, *, physical: bool = True,
         instances = {}
         if calls is not None:  # the top level of a trace: repeated blocks become calls
             if not blocks:
-                blocks.append(outline.find_instances(program, plan, key_of))
+                # a sub-program's (a loop body's, a checkpoint's) only as whole runs: its
+                # other repeats are a layer's short stretches (its two layernorms), whose
+                # calls cost about what they save in a body traced once
+                blocks.append(outline.find_instances(program, plan, key_of, apart=physical))
             instances = blocks[0]
         k = start
         while k < stop:

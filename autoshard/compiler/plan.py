@@ -616,7 +616,7 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         collective (recompute.py); its replicated layout is offered to the chooser as free."""
         cones = {}
         for i, (v, L) in enumerate(zip(e.inputs, operands)):
-            if L.is_replicated or v.is_const or v.producer < floor[0]:
+            if L.is_replicated or v.is_const or v.producer < floor[0] or v in failed:
                 continue
             found = recompute.cone(v, e.index, floor[0], program, actual, eqn_plans, registry,
                                    failed, cheap)

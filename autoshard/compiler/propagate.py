@@ -21,6 +21,7 @@ import jax
 
 from ..cost_model import CostModel
 from ..errors import PlacementError, PlacementTypeError
+from ..hashing import Hashed
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from .factors import OpSharding
@@ -38,6 +39,23 @@ except ImportError:  # another jax: the one setting a rule reads (rules/random.p
         return jax.config.jax_threefry_partitionable
 
 
+_TYPE = "type"  # sharding_cache's entry for `type_key` (the others are keyed by registry id)
+
+
+def type_key(eqn: Eqn) -> Hashed | None:
+    """The equation by value — primitive, operand and result types, params — hashed once
+    (None: params that cannot be compared). Kept in the equation's `sharding_cache`, which
+    the passes that rewrite an equation empty: the rule's memo keys on it, and partition's
+    replay key reads it again instead of hashing every type a second time."""
+    cache = eqn.sharding_cache
+    key = cache.get(_TYPE, _UNSET)
+    if key is _UNSET:
+        key = cache[_TYPE] = None if eqn.params_key is None else Hashed(
+            (eqn.primitive, tuple([v.aval for v in eqn.inputs]),
+             tuple([v.aval for v in eqn.outputs]), eqn.params_key))
+    return key
+
+
 def rule_signature(eqn: Eqn, registry, config: object = _UNSET) -> Signature | None:
     """The rule's description of `eqn` with its avals (None: no rule, it runs replicated).
 
@@ -53,10 +71,9 @@ def rule_signature(eqn: Eqn, registry, config: object = _UNSET) -> Signature | N
         return cached
     in_avals = [v.aval for v in eqn.inputs]
     out_avals = [v.aval for v in eqn.outputs]
-    key = None
-    if eqn.params_key is not None:
-        key = (eqn.primitive, tuple(in_avals), tuple(out_avals), eqn.params_key,
-               jax_config_key() if config is _UNSET else config)
+    key = type_key(eqn)
+    if key is not None:
+        key = (key, jax_config_key() if config is _UNSET else config)
     result = registry.memo.get(key, _UNSET) if key is not None else _UNSET
     if result is _UNSET:
         result = None
@@ -370,4 +387,5 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
     return pref
 
 
-__all__ = ["propagate", "eqn_facts", "EqnFacts", "rule_sharding", "rule_signature", "jax_config_key"]
+__all__ = ["propagate", "eqn_facts", "EqnFacts", "rule_sharding", "rule_signature", "jax_config_key",
+           "type_key"]

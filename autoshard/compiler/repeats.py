@@ -1,18 +1,20 @@
 """Repeats: the blocks of equations a program repeats back to back, and when a later block may
 take the plan of the first.
 
-An unrolled model repeats itself: every layer's forward, every layer's backward, the optimizer's
-update of each like-shaped leaf. `find_runs` finds such stretches in a list of equation numbers
-(equal numbers: equal equations). The plan (plan.py) numbers equations by their rule signature
-(primitive, params and types: one object per distinct equation), decides the first block of a
-run as usual, and for every later block checks that everything its decisions read is the same
-as it was for the first block — the operand layouts from outside the block and the copies made
-of them so far, which outside values are one value, the wiring inside the block, the
-propagated preferences of its results, which values have one reader, which are parameters. If
-so the later block's decisions are the first block's, and are copied rather than made again;
-if not, it is planned equation by equation. Copying never decides anything: a block either
-takes exactly the decisions it would have made, or is planned as usual. Propagation's first
-sweep copies the proposals of a block the same way (propagate.py, `first_sweep`).
+An unrolled model repeats itself: every layer's forward, every layer's backward, the
+optimizer's update of each like-shaped leaf. `find_runs` finds such stretches in a list of
+equation numbers (equal numbers: equal equations), and `find_blocks` also stretches repeated
+with other equations between (partition outlines those too, outline.py). The plan (plan.py)
+numbers equations by their rule signature (primitive, params and types: one object per distinct
+equation), decides the first block of a run as usual, and for every later block checks that
+everything its decisions read is the same as it was for the first block — the operand layouts
+from outside the block and the copies made of them so far, which outside values are one value,
+the wiring inside the block, the propagated preferences of its results, which values have one
+reader, which are parameters. If so the later block's decisions are the first block's, and are
+copied rather than made again; if not, it is planned equation by equation. Copying never
+decides anything: a block either takes exactly the decisions it would have made, or is planned
+as usual. Propagation's first sweep copies the proposals of a block the same way (propagate.py,
+`first_sweep`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,64 @@ def find_runs(h: list[int], min_len: int = MIN_LEN, max_len: int = MAX_LEN,
     return runs
 
 
+def find_blocks(h: list[int], min_len: int = MIN_LEN, tries: int = TRIES, apart: bool = True
+                ) -> list[tuple[int, list[int]]]:
+    """(period, starts) of each group of equal blocks `h[s:s + period]`, s in starts: the
+    back-to-back runs of `find_runs`, then (`apart`) stretches that occur again further on with
+    other equations between — longest first, so that a layer's long stretch is not cut up by a
+    short one that happens to come first. (A model's first layer also computes what every
+    layer reads alike — the attention mask, made once by jax's CSE — so its second layer is no
+    back-to-back repeat of it: a 2-layer model has no run at all in its forward.)"""
+    groups = [(period, [start + i * period for i in range(count)])
+              for start, period, count in find_runs(h, min_len, tries=tries)]
+    if not apart:
+        return groups
+    n = len(h)
+    covered = bytearray(n)
+    for period, starts in groups:
+        for s in starts:
+            covered[s:s + period] = b"\x01" * period
+    prev: dict = {}  # number -> the uncovered positions holding it so far (latest last)
+    pairs = []  # (-length, s, j): h[s:s + length] == h[j:j + length], j + length <= s
+    matched: set = set()  # (s, j) pairs inside a longer pair found already
+    for s in range(n):
+        x = h[s]
+        if covered[s] or x < 0:
+            continue
+        earlier = prev.setdefault(x, [])
+        for j in earlier[-tries:]:
+            if (s, j) in matched:
+                continue
+            m = 1
+            while (s + m < n and j + m < s and h[j + m] == h[s + m] and not covered[s + m]
+                   and not covered[j + m]):
+                m += 1
+            if m >= min_len:
+                pairs.append((-m, s, j))
+            # (its tails are no longer: not extended again)
+            matched.update([(s + i, j + i) for i in range(1, m)])
+        earlier.append(s)
+    pairs.sort()
+    first_of: dict = {}  # start of an accepted block -> (period, its group's starts)
+    for neg, s, j in pairs:
+        m = -neg
+        if any(covered[s:s + m]):
+            continue
+        group = first_of.get(j)
+        if group is None or group[0] != m:
+            if any(covered[j:j + m]):
+                continue
+            group = first_of[j] = (m, [j])
+            groups.append(group)
+            covered[j:j + m] = b"\x01" * m
+        group[1].append(s)
+        first_of[s] = group
+        covered[s:s + m] = b"\x01" * m
+    for _, starts in groups:
+        starts.sort()
+    return groups
+
+
 class Boundary(NamedTuple):
     """What the plan of block eqns[start:stop] reads besides the facts of its own equations:
     its wiring, the layouts of the values it reads from outside and the copies already made of
@@ -91,10 +151,15 @@ class Repeats:
         self.planned: dict[int, dict] = {}  # run start -> {boundary: start of a planned block}
         if not ENABLED:
             return
-        for start, period, count in find_runs(ids):
-            self.planned[start] = {}
-            for i in range(count):
-                self.run_of[start + i * period] = (start, period)
+        # back-to-back runs only: a block apart from its equal is most often the first layer
+        # of a model (its stretches equal to the second's, past the attention mask), whose
+        # operands come in other layouts (the embedding's Partial output) — its boundary never
+        # matches, and checking cost the 2-layer GPT step 0.4 ms for nothing copied
+        for period, starts in find_blocks(ids, apart=False):
+            self.planned[starts[0]] = {}
+            for s in starts:
+                self.run_of[s] = (starts[0], period)
 
 
-__all__ = ["find_runs", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN", "MAX_LEN"]
+__all__ = ["find_runs", "find_blocks", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN",
+           "MAX_LEN"]
