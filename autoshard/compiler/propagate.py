@@ -66,11 +66,10 @@ def rule_signature(eqn: Eqn, registry, config: object = _UNSET) -> Signature | N
     registering a rule clears). `config`: `jax_config_key()`, when the caller has it already
     (one read per program, not per equation).
     """
-    cached = eqn.sharding_cache.get(id(registry), _UNSET)
+    cache = eqn.sharding_cache
+    cached = cache.get(id(registry), _UNSET)
     if cached is not _UNSET:
         return cached
-    in_avals = [v.aval for v in eqn.inputs]
-    out_avals = [v.aval for v in eqn.outputs]
     key = type_key(eqn)
     if key is not None:
         key = (key, jax_config_key() if config is _UNSET else config)
@@ -79,13 +78,15 @@ def rule_signature(eqn: Eqn, registry, config: object = _UNSET) -> Signature | N
         result = None
         rule = registry.lookup(eqn.primitive)
         if rule is not None:
+            in_avals = [v.aval for v in eqn.inputs]
+            out_avals = [v.aval for v in eqn.outputs]
             opsh = _call_rule(rule, eqn, in_avals, out_avals, registry)
             result = None if opsh is None else signature(opsh, in_avals, out_avals)
         if key is not None:
             if len(registry.memo) >= _MAX_MEMO:
                 registry.memo.clear()
             registry.memo[key] = result
-    eqn.sharding_cache[id(registry)] = result
+    cache[id(registry)] = result
     return result
 
 
