@@ -450,6 +450,29 @@ class DistTensor:
     def weak_type(self) -> bool:
         return bool(getattr(self._value, "weak_type", False))
 
+    @property
+    def aval(self) -> jax.core.ShapedArray:
+        """The logical value's abstract type (global shape, dtype, weak type), as a traced
+        value's aval — what code written for jax arrays reads to allocate alike."""
+        return jax.core.ShapedArray(self.shape, self.dtype, weak_type=self.weak_type)
+
+    @property
+    def device(self):
+        """As jax.Array.device of an array on several devices: its sharding."""
+        return self.sharding
+
+    def to_device(self, device, *, stream: Any = None) -> jax.Array:
+        """The logical value as a plain jax.Array on `device` (a jax Device or Sharding), as
+        the array API's to_device: it leaves the mesh (to keep it a DistTensor, reshard)."""
+        if stream is not None:
+            raise OperandTypeError("DistTensor.to_device: `stream` is not supported (as jax)")
+        return jax.device_put(self.__jax_array__(), device)
+
+    @property
+    def flat(self):
+        raise NotImplementedError("DistTensors, as jax arrays, do not implement .flat: iterate "
+                                  "over x.flatten() (or x.ravel()) instead")
+
     def is_ready(self) -> bool:
         """Whether the stored array is computed (as jax.Array.is_ready)."""
         return self._value.is_ready()

@@ -535,7 +535,8 @@ def _bool(self: DistTensor) -> bool:
 # arguments); array arguments (DistTensors included) are operands.
 _METHODS = ("flatten", "ravel", "squeeze", "swapaxes", "clip", "round", "cumsum", "cumprod",
             "var", "std", "dot", "conj", "sort", "argsort", "repeat", "take", "diagonal",
-            "trace", "copy", "conjugate", "ptp", "searchsorted", "argpartition", "view")
+            "trace", "copy", "conjugate", "ptp", "searchsorted", "argpartition", "view",
+            "byteswap")
 _OPERAND_TYPES = (DistTensor, jax.Array, np.ndarray)
 
 
@@ -601,6 +602,49 @@ def _array_method(name: str) -> Callable:
 
 
 _NONZERO = _array_method("nonzero")
+
+
+def _choose(self: DistTensor, choices: Any, out: None = None, mode: str = "raise") -> DistTensor:
+    """As jax.Array.choose: `self` picks, element by element, from the arrays `choices` (a
+    sequence; each an operand of the program, DistTensors included)."""
+    if out is not None:
+        raise OperandTypeError("DistTensor.choose: `out` is not supported (jax arrays are "
+                               "immutable: use the returned tensor)")
+    choices = list(choices)
+    mode = _static(mode, "choose")
+    if mode == "raise":
+        # checked on the host, as jax checks it outside a jit (a traced check cannot raise);
+        # for indices in range, "clip" picks alike
+        picks = self.numpy()
+        if picks.size and (picks.min() < 0 or picks.max() >= len(choices)):
+            raise ValueError("invalid entry in choice array")
+        mode = "clip"
+    return run(("choose", len(choices), mode),
+               lambda: lambda x, *cs: x.choose(list(cs), mode=mode), self, *choices)
+
+
+_COMPRESS = _array_method("compress")
+
+
+def _compress(self: DistTensor, condition: Any, axis: int | None = None, *,
+              size: int | None = None, fill_value: Any = 0, out: None = None) -> DistTensor:
+    """As jax.Array.compress. With `size`, one program (the condition an operand); without,
+    the condition sets the result's shape: it is read on the host, as jax reads it outside a
+    jit, and the kept rows are taken on the devices."""
+    if out is not None:
+        raise OperandTypeError("DistTensor.compress: `out` is not supported (jax arrays are "
+                               "immutable: use the returned tensor)")
+    if size is not None:
+        return _COMPRESS(self, condition, axis=axis, size=size, fill_value=fill_value)
+    cond = np.asarray(condition.numpy() if isinstance(condition, DistTensor)
+                      else condition).astype(bool)
+    if cond.ndim != 1:
+        raise ValueError("condition must be a 1D array")
+    n = self.size if axis is None else self.shape[axis]
+    if cond[n:].any():
+        raise ValueError("condition contains entries that are out of bounds")
+    kept = np.flatnonzero(cond[:n]).astype(np.int32)
+    return (self.ravel() if axis is None else self).take(kept, axis=0 if axis is None else axis)
 
 
 def _item(self: DistTensor) -> Any:
@@ -687,7 +731,8 @@ def install(cls: type = DistTensor) -> None:
         astype=astype, reshape=reshape, transpose=transpose,
         at=property(_AtIndexer, doc="`x.at[idx].set(v)` / `.add(v)` / ... / `.get()`, as jax."),
         item=_item, tolist=lambda self: self.numpy().tolist(), __format__=_format,
-        nonzero=_nonzero,
+        nonzero=_nonzero, choose=_choose, compress=_compress,
+        clone=_array_method("copy"),  # (jax.Array.clone: a copy; traced values have only copy)
         __round__=_round,
         T=property(lambda self: self.transpose(), doc="All dims reversed."),
         __getitem__=_getitem, __setitem__=_setitem, __iter__=_iter, __contains__=_contains,

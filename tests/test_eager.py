@@ -630,6 +630,43 @@ def test_numpy_functions_and_jax_array_properties():
     assert scratch.is_deleted() and not a.is_deleted()
 
 
+def test_more_jax_array_members():
+    """clone / byteswap / compress / choose run through the engine; aval, device, to_device and
+    flat answer as a sharded jax.Array's."""
+    a = dist.shard_tensor(A, MESH24, [S(0), S(1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        cloned = a.clone()
+        check(cloned, A)
+        assert cloned is not a and cloned.placements == a.placements
+        check(a.byteswap(), A.byteswap())
+        # the condition sets the shape: read on the host (as jax outside a jit), data moved
+        # on the devices
+        keep = (np.arange(A.shape[0]) % 3) != 1
+        check(a.compress(keep, axis=0), np.compress(keep, A, axis=0))
+        check(a.compress(jnp.asarray(A[0] > 0), axis=1), np.compress(A[0] > 0, A, axis=1))
+        check(a.compress(A.ravel() > 2), np.compress(A.ravel() > 2, A))
+        check(a.compress(keep, axis=0, size=4, fill_value=-9),
+              jnp.compress(keep, jnp.asarray(A), axis=0, size=4, fill_value=-9))
+        picks = dist.shard_tensor((np.arange(A.size).reshape(A.shape) % 3).astype(np.int32),
+                                  MESH24, [S(0), R()])
+        b = dist.shard_tensor(B, MESH24, [R(), S(1)])
+        check(picks.choose([a, b, A * 2]), np.choose(picks.numpy(), [A, B, A * 2]))
+        check((picks + 2).choose([a, b], mode="wrap"),
+              np.choose(picks.numpy() + 2, [A, B], mode="wrap"))
+    with pytest.raises(ValueError, match="invalid entry"):
+        (picks + 1).choose([a, b, A])
+    assert a.aval == jax.core.ShapedArray(A.shape, A.dtype)
+    assert a.device == a.sharding
+    one = a.to_device(jax.devices()[3])
+    assert isinstance(one, jax.Array) and one.devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(np.asarray(one), A)
+    with pytest.raises(NotImplementedError, match="flatten"):
+        a.flat
+    with pytest.raises(dist.AutoshardError, match="`out`"):
+        picks.choose([a, b], out=a)
+
+
 # -- caching, meshes, pytrees -------------------------------------------------------------------
 
 def test_second_call_with_same_layouts_does_not_retrace():
