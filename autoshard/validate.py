@@ -69,6 +69,8 @@ def samples() -> list[Sample]:
     for n in ["igamma", "igammac", "igamma_grad_a"]:
         add(n, n, lambda a, x, n=n: getattr(lax, n)(pos(a), pos(x)), f2, f2)
     add("polygamma", "polygamma", lambda x: lax.polygamma(jnp.ones_like(x), pos(x)), f2)
+    add("betainc", "regularized_incomplete_beta",
+        lambda a, b, x: lax.betainc(pos(a), pos(b), jax.nn.sigmoid(x)), f2, f2, f2)
     add("zeta", "zeta", lambda x, q: lax.zeta(pos(x) + 1.0, pos(q)), f2, f2)
     add("stop_gradient", "stop_gradient", lambda x: lax.stop_gradient(x) * 2.0, f2)
     add("optimization_barrier", "optimization_barrier",

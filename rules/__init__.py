@@ -4,12 +4,13 @@ Installed as `autoshard.rules`. Registration is explicit: each family module hol
 `install_builtin_rules` puts them in; importing a module registers nothing.
 """
 from . import (callbacks, conv, cumulative, dot, elementwise, indexing, linalg, random, reduction, shape,
-               shift, window)
+               shift, special, window)
 from .registry import REGISTRY, Rule, RuleRegistry, lookup_rule, register_rule, registered_primitives
 
 FAMILIES = {"elementwise": elementwise, "dot": dot, "conv": conv, "reduction": reduction, "shape": shape,
             "indexing": indexing, "random": random, "cumulative": cumulative,
-            "shift": shift, "window": window, "linalg": linalg, "callbacks": callbacks}
+            "shift": shift, "window": window, "linalg": linalg, "callbacks": callbacks,
+            "special": special}
 
 
 def install_builtin_rules(registry: RuleRegistry = REGISTRY) -> RuleRegistry:

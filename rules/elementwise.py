@@ -56,8 +56,8 @@ PLAIN = [
     lax.shift_right_arithmetic_p, lax.shift_right_logical_p, lax.population_count_p,
     lax.clz_p, lax.select_n_p, lax.clamp_p, lax.real_p, lax.imag_p, lax.conj_p, lax.complex_p,
     lax.reduce_precision_p,
-    # special functions (jax.scipy.special's gammainc, i0e, polygamma, zeta; not betainc, whose
-    # lowering is a while loop that jax cannot trace on mixed varying / invariant operands)
+    # special functions (jax.scipy.special's gammainc, i0e, polygamma, zeta; betainc, whose
+    # lowering loops over the whole array, has a lowering of its own: special.py)
     lax.bessel_i0e_p, lax.bessel_i1e_p, lax.igamma_p, lax.igammac_p, lax.igamma_grad_a_p,
     lax.polygamma_p, lax.zeta_p,
     # total-order comparisons (searchsorted's): -0.0 < 0.0 and NaNs ordered

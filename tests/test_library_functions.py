@@ -98,6 +98,9 @@ FUNCTIONS = {
     # lax.composite: its decomposition
     "composite": (lambda x: jax.lax.composite(lambda y: jnp.tanh(y).sum(-1), name="my.tsum")(x),
                   (X,)),
+    # a continued fraction looping until the whole array converged (rules/special.py)
+    "betainc": (lambda x: jax.scipy.special.betainc(jnp.abs(x) + 0.5, 2.0 + x ** 2,
+                                                    jax.nn.sigmoid(x)), (X,)),
 }
 
 # per mesh: placements for X-like (8, 16, 32), W (32, 64) and ids (8, 16) arguments
@@ -123,3 +126,57 @@ def test_library_function_on_sharded_inputs_equals_one_device(name, mesh_name):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     hlo = f.lower(*placed).compile().as_text()
     assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives), plan.collectives
+
+
+def _betainc_data(n: int = 64):
+    """a, b, x whose first rows converge at once (x tiny) and last rows slowest (x just below
+    the switch to the symmetric form, (a + 1) / (a + b + 2)): blocks computed alone stop after
+    different numbers of iterations."""
+    rng = np.random.default_rng(1)
+    a = rng.uniform(0.5, 20, n).astype(np.float32)
+    b = rng.uniform(0.5, 20, n).astype(np.float32)
+    x = np.concatenate([np.full(n // 8, 1e-4), rng.uniform(0, 1, n - n // 4),
+                        ((a + 1) / (a + b + 2))[n - n // 8:] * 0.999]).astype(np.float32)
+    x[n // 8:n // 8 + 4] = [0.0, 1.0, 0.5, np.nan]  # its special cases
+    return a, b, x
+
+
+@pytest.mark.parametrize("mesh,placements", [
+    (dist.ProcessMesh(list(range(8)), ["x"]), [S(0)]),
+    (MESH2, [S(0), R()]),
+    (MESH2, [S(0), S(0)]),
+    (MESH3, [S(0), R(), S(0)]),
+], ids=["1-d", "2x4 rows over dp", "2x4 rows over both", "2x2x2"])
+def test_betainc_runs_sharded_as_many_iterations_as_one_device(mesh, placements):
+    """Each device iterates until every element of the whole array has converged, as one device
+    does: equal to the bit (blocks computed alone are not), with jax's derivative by x."""
+    a, b, x = _betainc_data()
+    fn = jax.scipy.special.betainc
+    want = np.asarray(jax.jit(fn)(a, b, x))
+    alone = np.asarray(jax.jit(fn)(a[:8], b[:8], x[:8]))
+    assert not np.array_equal(alone, want[:8])  # the data needs the whole array's count
+    placed = [dist.shard_tensor(v, mesh, placements) for v in (a, b, x)]
+    f = dist.jit(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)  # no longer replicated
+        got = f(*placed)
+        plan = f.plan(*placed)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert got.placements == placements
+    [flag] = plan.collectives  # the stopping flag's or, once per iteration
+    assert flag.kind == "all-reduce" and flag.runs is None and flag.bytes_per_device == 4
+    hlo = f.lower(*placed).compile().as_text()
+    assert count_collectives(hlo) == Counter({"all-reduce": 1})
+
+    def loss(a, b, x):
+        return jnp.sum(jnp.where(jnp.isnan(x), 0.0, fn(a, b, x)) ** 2)
+
+    clean = np.nan_to_num(x, nan=0.5)
+    placed[2] = dist.shard_tensor(clean, mesh, placements)
+    grad_want = np.asarray(jax.jit(jax.grad(loss, 2))(a, b, clean))
+    inside = dist.jit(jax.grad(loss, 2))(*placed)
+    np.testing.assert_allclose(inside.numpy(), grad_want, rtol=1e-6, atol=1e-7)
+    outside = jax.grad(lambda x: dist.jit(loss)(placed[0], placed[1], x))(placed[2])
+    np.testing.assert_allclose(outside.numpy(), grad_want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="with respect to a and b"):
+        jax.grad(lambda a: dist.jit(loss)(a, placed[1], placed[2]))(placed[0])

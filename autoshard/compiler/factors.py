@@ -90,6 +90,12 @@ class OpSharding:
         return out
 
 
+class InLoop:
+    """The last item of a rule's `comm` entry that its lowering runs once per iteration of a
+    loop of its own, whose count is known only when it runs (listed once, runs unknown: as a
+    while loop's collectives)."""
+
+
 class Serves(NamedTuple):
     """The last item of a rule's `comm` entry (rules/registry.py) that only result `output`
     of the equation needs."""

@@ -24,7 +24,7 @@ from .early_moves import move_before_widening
 from .control_flow import (HIGHER_ORDER, copy_runs, last_copy_straight, plan_higher_order,
                            platform_branch, scan_counts, shared_operands)
 from .dtypes import cost_dtype
-from .factors import Serves
+from .factors import InLoop, Serves
 from .gc_pause import gc_paused
 from .propagate import eqn_facts, propagate
 from . import constraints, recompute
@@ -496,6 +496,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         sent: set = set()
         for kind, step, axes, nbytes, *sends in comm(required, results, in_avals, out_avals,
                                                      mesh.axis_sizes, **e.params):
+            looped = bool(sends) and isinstance(sends[-1], InLoop)
+            if looped:
+                sends = sends[:-1]
             if sends and isinstance(sends[-1], Serves):
                 if e.outputs[sends[-1].output] not in read_values():
                     continue  # it makes a result nothing reads: XLA drops it
@@ -511,7 +514,8 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                       f"{e.name} combines its shards across {', '.join(axes)}")
             collectives.append(PlannedCollective(
                 kind, step, tuple(axes), int(nbytes), repr(e.outputs[0]),
-                f"{e.name} (eqn {e.index})", e.where, reason, by_rule=True))
+                f"{e.name} (eqn {e.index})", e.where, reason, by_rule=True,
+                runs=None if looped else 1))
         return tuple(sorted(sent))
 
     def plan_eqn(e) -> EqnPlan:
