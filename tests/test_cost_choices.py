@@ -282,6 +282,30 @@ def test_a_value_made_from_nothing_is_computed_whole_for_a_reader_that_needs_it_
         assert len(plan.collectives) == 1
 
 
+def test_a_constant_read_less_split_than_it_was_made_is_sliced_from_a_whole_copy():
+    # jax.vmap widens the gamma derivative's constants (a scalar's broadcast broadcast again
+    # to the batched shape); propagation lays them out split over both axes, and their one
+    # reader wants them split over dp only: made whole where they are made (any device can),
+    # then sliced, rather than gathered over mp — XLA folds such gathers of constants, so the
+    # plan listed three all-gathers the compiled program did not run
+    from autoshard.testing import logical_value, make_tensor
+
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.1, 0.9, size=(4, 8, 16)).astype(np.float32)
+    x = rng.uniform(0.1, 0.9, size=(4, 8, 16)).astype(np.float32)
+    fn = jax.vmap(jax.lax.random_gamma_grad)
+    args = [make_tensor(a, MESH, [S(0), S(2)], seed=3),
+            make_tensor(x, MESH, [S(1), dist.Partial()], seed=3)]
+    f = dist.jit(fn)
+    plan = f.plan(*args)
+    hlo = f.lower(*args).compile().as_text()
+    assert count_collectives(hlo) == Counter(c.kind for c in plan.collectives)
+    gathers = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert len(gathers) == 1 and gathers[0].runs is None  # the loop's own
+    want = jax.jit(fn)(*[logical_value(t) for t in args])
+    np.testing.assert_allclose(f(*args).numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_embedding_gradient_of_sequence_shards_moves_the_cotangent_not_the_table():
     # A hidden-split table (Paddle's ColWiseParallel embedding) read by a sequence-split step:
     # the gradient is a scatter-add of the sequence-split cotangent into the whole table.

@@ -594,7 +594,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     facts.is_parameter[e.index])
                 required, results = choice.operands, choice.results
                 for i, found in cones.items():
-                    if required[i].is_replicated and actual[e.inputs[i]] is not required[i]:
+                    # made whole where it is made, then sliced as the reader wants it (priced
+                    # so by the chooser: the whole copy was offered)
+                    if not required[i].partial and actual[e.inputs[i]] is not required[i]:
                         recompute.replan(found, f"{e.name} (eqn {e.index})", program, actual,
                                          eqn_plans)
                         operands[i] = actual[e.inputs[i]]

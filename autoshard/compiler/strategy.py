@@ -541,7 +541,16 @@ def _choose(sig: Signature, mesh: ProcessMesh, actual, preferred, cost_model: Co
         bound = math.inf if best is None else best.seconds + 1e-15
         for L, R, aval, moved, param in zip(actual, ins, in_avals, available, parameters):
             if L is not None and R not in moved:
-                cost += reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
+                # from its cheapest copy, as the plan moves it (plan.cheapest): a copy made
+                # whole for an earlier reader (or a value any device can make whole,
+                # recompute.py) is sliced for free
+                move = reshard_seconds(mesh, L, R, aval.shape, aval.dtype, cost_model)
+                for M in moved:
+                    if move <= 0.0:
+                        break
+                    move = min(move, reshard_seconds(mesh, M, R, aval.shape, aval.dtype,
+                                                     cost_model))
+                cost += move
                 if not param:
                     cost += made_partial_seconds(mesh, L, R, aval, cost_model)
                 if cost > bound:
