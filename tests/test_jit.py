@@ -567,6 +567,33 @@ def test_equal_steps_reading_a_scalar_fill_are_one_step(mesh, placements):
     assert hlo_counts(g, dx) == moved
 
 
+def test_a_select_between_one_value_and_itself_is_that_value():
+    # jax.vmap of `where(c, v, v)`-like branches (jax.scipy.special.expn selects an unbatched
+    # value against itself under vmap): whichever case is picked the result is the value, as
+    # XLA simplifies it; planned as a select, the plan moved the value and the predicate
+    # (2 × 4: 33 all-to-alls planned for expn's 28 compiled)
+    rng = np.random.default_rng(0)
+    a, b = (rng.uniform(0.1, 0.9, size=(4, 8, 16)).astype(np.float32) for _ in range(2))
+
+    def f(a, b):
+        return jax.lax.select_n(a > b, b, b) * jnp.sort(a, 0)
+
+    da = dist.shard_tensor(a, MESH24, [dist.Shard(0), dist.Shard(2)])
+    db = dist.shard_tensor(b, MESH24, [dist.Shard(1), dist.Shard(2)])
+    g = dist.jit(f)
+    np.testing.assert_array_equal(g(da, db).numpy(), jax.jit(f)(a, b))
+    assert planned(g, da, db) == planned(dist.jit(lambda a, b: b * jnp.sort(a, 0)), da, db)
+    assert hlo_counts(g, da, db) == planned(g, da, db)
+    x = rng.uniform(0.1, 0.9, size=(4, 8, 16)).astype(np.float32)
+    n = (rng.integers(0, 4, size=(4, 8, 16))).astype(np.int32)
+    h = dist.jit(jax.vmap(jax.scipy.special.expn))
+    dn = dist.shard_tensor(n, MESH24, [dist.Shard(0), dist.Shard(2)])
+    dx = dist.shard_tensor(x, MESH24, [dist.Shard(1), dist.Shard(2)])
+    np.testing.assert_allclose(h(dn, dx).numpy(), jax.jit(jax.vmap(jax.scipy.special.expn))(n, x),
+                               rtol=1e-5, atol=1e-6)
+    assert hlo_counts(h, dn, dx) == planned(h, dn, dx)
+
+
 def _linspace_one_view(a, b):
     # jnp.linspace(a, b) for one example, its stop's two views written as one
     t = (jnp.arange(49, dtype=jnp.float32) / 49.0).reshape(49, 1, 1)

@@ -93,15 +93,19 @@ def scalar_key(v: Value) -> tuple:
 
 
 def same_cases(ins: list, out_aval, fills: dict) -> Value | None:
-    """The first case of a `select_n(which, *cases)` whose cases are all the same constant
-    filled in (a broadcast scalar; jax's gradient of `x.at[i].set(0.0)` selects between two
-    zeros), else None: whichever is picked, the result is that value — and what computes the
+    """The first case of a `select_n(which, *cases)` whose cases are all one value (jax.vmap
+    of a `where` between an unbatched value and itself: jax.scipy.special.expn's branches) or
+    the same constant filled in (a broadcast scalar; jax's gradient of `x.at[i].set(0.0)`
+    selects between two zeros), else None: whichever is picked, the result is that value — and what computes the
     predicate is dead, as XLA finds."""
     cases = ins[1:]
-    first = fills.get(cases[0]) if cases else None
-    if first is None or any(fills.get(c) != first for c in cases[1:]):
+    if not cases:
         return None
     x = cases[0]
+    if any(c is not x for c in cases[1:]):  # (one value in every case: that value)
+        first = fills.get(x)
+        if first is None or any(fills.get(c) != first for c in cases[1:]):
+            return None
     return x if x.aval.shape == out_aval.shape and x.aval.dtype == out_aval.dtype else None
 
 
