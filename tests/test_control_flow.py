@@ -759,3 +759,35 @@ def test_a_checkpoints_partial_operand_is_reduced_once_with_the_forward():
     want = jax.jit(fn)(x)
     np.testing.assert_allclose(value.numpy(), want[0], rtol=1e-5)
     np.testing.assert_allclose(grad.numpy(), want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_loop_body_is_built_once_however_often_its_fixpoint_plans_it(monkeypatch):
+    # the body is planned once per carry layout until the carries settle (and again for its
+    # accumulators, its outputs): the same program each time, built from the body's jaxpr once
+    from autoshard.compiler import control_flow, plan as plan_module
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(4, 4)).astype(np.float32)
+    xs = rng.normal(size=(3, 8, 4)).astype(np.float32)
+    dw, dxs = dist.shard_tensor(w, MESH, ["R", "S(1)"]), dist.shard_tensor(xs, MESH, ["R", "R"])
+    bodies, planned = [], Counter()
+    build, make = control_flow.build_program, plan_module.make_plan
+
+    def counting_build(closed, *a, **k):
+        bodies.append(build(closed, *a, **k))
+        return bodies[-1]
+
+    def counting_make(program, *a, **k):
+        planned[id(program)] += 1
+        return make(program, *a, **k)
+
+    monkeypatch.setattr(control_flow, "build_program", counting_build)
+    monkeypatch.setattr(plan_module, "make_plan", counting_make)
+    f, (loss, grad) = run_checked(jax.value_and_grad(_scan_loss), dw, dxs)
+    body_plans = sum(planned[id(b)] for b in bodies)
+    # the forward and backward bodies, each planned several times, each built once per plan
+    # of the step (its fixpoint's plans read one program)
+    assert bodies and body_plans >= 2 * len(bodies), (body_plans, len(bodies))
+    ref_loss, ref_grad = jax.value_and_grad(_scan_loss)(w, xs)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-4, atol=1e-5)

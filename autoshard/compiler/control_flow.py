@@ -27,6 +27,7 @@ count; their reason says which loop they belong to.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 
 import jax
@@ -73,11 +74,26 @@ def _stacked(L: Layout) -> Layout:
     return Layout(((),) + L.dims, L.partial)
 
 
+# The bodies built while one higher-order equation is planned, by (jaxpr, mesh): a loop's
+# body is planned again for each carry layout of its fixpoint, a cond's branches again when
+# joined, and building the body's program each time was a third of a scanned GPT step's plan.
+# (By mesh too: a body's sharding constraints become hints on the mesh it is planned on.)
+_BUILT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("autoshard_built_bodies",
+                                                                     default=None)
+
+
 def _sub_plan(jaxpr, mesh, inputs, targets, registry, cost_model):
     from .plan import make_plan
 
-    return make_plan(build_program(_closed(jaxpr)), mesh, list(inputs), list(targets), registry,
-                     cost_model, top_level=False)
+    built = _BUILT.get()
+    key = (id(jaxpr), mesh)  # (the equation being planned holds the jaxpr: its id is its own)
+    program = None if built is None else built.get(key)
+    if program is None:
+        program = build_program(_closed(jaxpr))
+        if built is not None:
+            built[key] = program
+    return make_plan(program, mesh, list(inputs), list(targets), registry, cost_model,
+                     top_level=False)
 
 
 def _loop_carries(make, carries: list[Layout], n_outputs_after: int, first: int):
@@ -502,6 +518,15 @@ def plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
 
     `available`: per operand, the layouts the program already moved it to before `e` (copies
     it can take for free)."""
+    token = _BUILT.set({})
+    try:
+        return _plan_higher_order(e, operands, mesh, registry, cost_model, available)
+    finally:
+        _BUILT.reset(token)
+
+
+def _plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
+                       available: list | None):
     from .plan import KEEP
 
     p = e.params
