@@ -20,9 +20,9 @@ import jax
 import numpy as np
 from jax import lax
 
-from .elementwise import _PLAIN, elementwise_sharding
 from autoshard.compiler.factors import InLoop
 
+from .elementwise import _PLAIN, elementwise_sharding
 from .registry import Rule
 
 
