@@ -56,9 +56,15 @@ def test_quick_suite_writes_tables_json_and_plot(tmp_path, capsys):
 
 def test_compiler_suite(tmp_path):
     out = tmp_path / "compiler.json"
-    rows = compiler.run(layers=[2, 1], scan=[], json_path=str(out))
+    rows = compiler.run(layers=[2, 1], scan=[2], json_path=str(out))
     assert json.loads(out.read_text()) == rows
-    one, two = rows
+    one, two, scanned = rows
+    # an unrolled step has no bodies; a scanned one counts its layer's forward and backward
+    assert one["equations_with_bodies"] == one["equations"]
+    assert scanned["workload"] == "gpt scan 2L"
+    assert scanned["equations_with_bodies"] > scanned["equations"] + 100
+    assert scanned["s_per_10k_eqns_with_bodies"] < scanned["s_per_10k_eqns"]
+    rows = [one, two]
     assert one["workload"] == "gpt unrolled 1L" and two["workload"] == "gpt unrolled 2L"
     for row in rows:
         assert row["equations"] > 100 and row["pass_s"] > 0 and row["xla_compile_s"] > 0

@@ -16,7 +16,9 @@ else before (`measure.warm_process`: what any first jax program pays is not ours
 `s_per_10k_eqns_first` their seconds per 10k equations. `equations` counts the program
 the passes plan (duplicates merged, steps XLA's simplifier removes removed: ~10% fewer on the
 GPT step), `traced_equations` the traced step they start from (calls inlined), each with its
-seconds per 10k.
+seconds per 10k; `equations_with_bodies` adds each loop / cond / checkpoint body's equations
+once (`measure.planned_equations`), which the passes plan and partition too: a scanned model's
+top level is a hundred equations around its layer's body.
 
     python -m autoshard.bench compiler [--layers 2 12 48] [--scan 12] [--json FILE]
 
@@ -54,8 +56,9 @@ def run(layers=(2, 12, 48), scan=(12,), json_path: str | None = None) -> list[di
         b["marginal_s_per_10k_eqns"] = round((b["pass_s"] - a["pass_s"]) * 1e4 / added, 3) \
             if added > 0 else None
     rows += [measure(n, "scan") for n in scan]
-    cols = ["workload", "equations", "traced_equations", "plan_s", "partition_s", "trace_s",
-            "pass_per_trace", "lower_s", "s_per_10k_eqns", "s_per_10k_traced_eqns",
+    cols = ["workload", "equations", "traced_equations", "equations_with_bodies", "plan_s",
+            "partition_s", "trace_s", "pass_per_trace", "lower_s", "s_per_10k_eqns",
+            "s_per_10k_traced_eqns", "s_per_10k_eqns_with_bodies",
             "marginal_s_per_10k_eqns", "plan_first_s", "partition_first_s", "s_per_10k_eqns_first",
             "s_per_10k_eqns_with_lower", "xla_compile_s", "bytes",
             "xla_bytes", "bytes_ratio", "collectives", "xla_collectives", "collective_ops",

@@ -76,6 +76,8 @@ class Built:
     base_compile_s: float
     call: Callable[[], Any]    # dist.jit's own __call__ (DistTensors in and out)
     traced_equations: int = 0  # the user's traced step, calls inlined (`jaxpr_equations`)
+    # the program's equations and its loop / cond / checkpoint bodies' (`planned_equations`)
+    equations_with_bodies: int = 0
     # the first compile of the model in the process: planning with every process-wide memo
     # of the passes forgotten first (`forget_memos`) and partition with no lowering kept from
     # another program
@@ -101,6 +103,15 @@ def jaxpr_equations(closed: Any) -> int:
         inner = e.params.get(key) if key else None
         n += 1 if inner is None else jaxpr_equations(getattr(inner, "jaxpr", inner))
     return n
+
+
+def planned_equations(plan: Any) -> int:
+    """The equations the passes plan and partition: the program's, and each loop / cond /
+    checkpoint body's once (planned again for a loop's fixpoint, and unrolled copies made of
+    it, it is one body). `equations` counts only the top level, where a scanned model is a
+    hundred equations around its layer's body."""
+    return len(plan.program.eqns) + sum(planned_equations(sub) for ep in plan.eqns
+                                        for sub in ep.sub_plans)
 
 
 def forget_memos() -> None:
@@ -151,10 +162,11 @@ def warm_process() -> None:
     forget_memos()
 
 
-def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, float, int]:
+def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh
+              ) -> tuple[float, int, float, int, int]:
     """Time propagation + planning by themselves, on an already traced program; and jax's
     tracing of the user's function that precedes them (seconds, equations, trace seconds,
-    the traced step's equations).
+    the traced step's equations, the equations with the bodies' `planned_equations`).
 
     Uses the DistributedFunction's internals (as the compiler benchmark always has): there is
     no public hook between make_jaxpr and the plan.
@@ -170,12 +182,13 @@ def time_plan(f: Any, args: tuple, mesh: dist.ProcessMesh) -> tuple[float, int, 
     @gc_paused  # as in dist.jit's _passes: one collection pause over both
     def passes():
         program = build_program(closed, stop_gradients=False)  # as a top-level call builds it
-        make_plan(program, mesh, [d.layout for d in described], f._out_targets(program, mesh),
-                  _registry(), f._cost_model or dist.default_cost_model())
-        return program
+        return make_plan(program, mesh, [d.layout for d in described],
+                         f._out_targets(program, mesh), _registry(),
+                         f._cost_model or dist.default_cost_model())
 
-    program, seconds = _timed(passes)
-    return seconds, len(program.eqns), trace_s, jaxpr_equations(closed.jaxpr)
+    plan, seconds = _timed(passes)
+    return (seconds, len(plan.program.eqns), trace_s, jaxpr_equations(closed.jaxpr),
+            planned_equations(plan))
 
 
 def build(w: Workload, repeats: int = 3) -> Built:
@@ -206,7 +219,7 @@ def build(w: Workload, repeats: int = 3) -> Built:
     base, base_compile_s = _timed(lambda: jax.jit(w.baseline_step or w.step).lower(*base_inputs).compile())
     return Built(ours, base, ours_inputs, base_inputs, equations, len(entry.plan.collectives),
                  plan_s, partition_s, trace_s, lower_s, xla_compile_s, base_compile_s,
-                 lambda: f(*w.args), traced_equations, plans[0][0], first_s)
+                 lambda: f(*w.args), traced_equations, plans[0][4], plans[0][0], first_s)
 
 
 def pass_times(b: Built) -> dict:
@@ -222,6 +235,9 @@ def pass_times(b: Built) -> dict:
             "partition_first_s": round(b.partition_first_s, 3),
             "s_per_10k_eqns_first": round((b.plan_first_s + b.partition_first_s) * per_10k, 3),
             "s_per_10k_traced_eqns": round(pass_s * 1e4 / max(b.traced_equations, 1), 3),
+            "equations_with_bodies": b.equations_with_bodies,
+            "s_per_10k_eqns_with_bodies": round(
+                pass_s * 1e4 / max(b.equations_with_bodies, b.equations, 1), 3),
             "trace_s": round(b.trace_s, 3), "pass_per_trace": round(pass_s / b.trace_s, 3),
             "s_per_10k_eqns_with_lower": round(with_lower * per_10k, 3)}
 
@@ -393,4 +409,4 @@ def measure(w: Workload, pairs: int = 20, warmup: int = 2, hlo_dir: str | None =
     return row
 
 
-__all__ = ["measure", "build", "pass_times", "time_plan", "communication", "memory", "work", "step_times", "baseline_inputs"]
+__all__ = ["measure", "build", "pass_times", "time_plan", "planned_equations", "communication", "memory", "work", "step_times", "baseline_inputs"]
