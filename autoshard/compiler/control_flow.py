@@ -76,7 +76,8 @@ def _stacked(L: Layout) -> Layout:
 
 # The bodies built while one higher-order equation is planned, by (jaxpr, mesh): a loop's
 # body is planned again for each carry layout of its fixpoint, a cond's branches again when
-# joined, and building the body's program each time was a third of a scanned GPT step's plan.
+# joined, and building the body's program each time was near a quarter of a scanned GPT
+# step's plan.
 # (By mesh too: a body's sharding constraints become hints on the mesh it is planned on.)
 _BUILT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("autoshard_built_bodies",
                                                                      default=None)

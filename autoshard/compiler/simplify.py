@@ -96,8 +96,8 @@ def same_cases(ins: list, out_aval, fills: dict) -> Value | None:
     """The first case of a `select_n(which, *cases)` whose cases are all one value (jax.vmap
     of a `where` between an unbatched value and itself: jax.scipy.special.expn's branches) or
     the same constant filled in (a broadcast scalar; jax's gradient of `x.at[i].set(0.0)`
-    selects between two zeros), else None: whichever is picked, the result is that value — and what computes the
-    predicate is dead, as XLA finds."""
+    selects between two zeros), else None: whichever is picked, the result is that value —
+    and what computes the predicate is dead, as XLA finds."""
     cases = ins[1:]
     if not cases:
         return None
