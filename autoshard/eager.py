@@ -607,9 +607,7 @@ _NONZERO = _array_method("nonzero")
 def _choose(self: DistTensor, choices: Any, out: None = None, mode: str = "raise") -> DistTensor:
     """As jax.Array.choose: `self` picks, element by element, from the arrays `choices` (a
     sequence; each an operand of the program, DistTensors included)."""
-    if out is not None:
-        raise OperandTypeError("DistTensor.choose: `out` is not supported (jax arrays are "
-                               "immutable: use the returned tensor)")
+    _no_out(out, "choose")
     choices = list(choices)
     mode = _static(mode, "choose")
     if mode == "raise":
@@ -631,9 +629,7 @@ def _compress(self: DistTensor, condition: Any, axis: int | None = None, *,
     """As jax.Array.compress. With `size`, one program (the condition an operand); without,
     the condition sets the result's shape: it is read on the host, as jax reads it outside a
     jit, and the kept rows are taken on the devices."""
-    if out is not None:
-        raise OperandTypeError("DistTensor.compress: `out` is not supported (jax arrays are "
-                               "immutable: use the returned tensor)")
+    _no_out(out, "compress")
     if size is not None:
         return _COMPRESS(self, condition, axis=axis, size=size, fill_value=fill_value)
     cond = np.asarray(condition.numpy() if isinstance(condition, DistTensor)

@@ -75,9 +75,13 @@ def find_blocks(h: list[int], min_len: int = MIN_LEN, tries: int = TRIES, apart:
         return groups
     n = len(h)
     covered = bytearray(n)
+
+    def cover(start: int, length: int) -> None:
+        covered[start:start + length] = b"\x01" * length
+
     for period, starts in groups:
         for s in starts:
-            covered[s:s + period] = b"\x01" * period
+            cover(s, period)
     prev: dict = {}  # number -> the uncovered positions holding it so far (latest last)
     pairs = []  # (-length, s, j): h[s:s + length] == h[j:j + length], j + length <= s
     matched: set = set()  # (s, j) pairs inside a longer pair found already
@@ -110,10 +114,10 @@ def find_blocks(h: list[int], min_len: int = MIN_LEN, tries: int = TRIES, apart:
                 continue
             group = first_of[j] = (m, [j])
             groups.append(group)
-            covered[j:j + m] = b"\x01" * m
+            cover(j, m)
         group[1].append(s)
         first_of[s] = group
-        covered[s:s + m] = b"\x01" * m
+        cover(s, m)
     for _, starts in groups:
         starts.sort()
     return groups
