@@ -16,6 +16,7 @@ from jax._src import core as jcore
 from jax._src.interpreters import ad
 
 from ..cost_model import CostModel, check_cost_model, default_cost_model
+from .. import in_flight
 from ..hashing import hash_once
 from ..dtensor import DistTensor, partial_gradient_error, with_own_buffers
 from ..errors import (MeshMismatchError, OperandTypeError, PlacementTypeError,
@@ -146,11 +147,15 @@ class _Compiled:
 
     def call(self, *physical):
         if self.traced:
-            return self.fn(*physical)
-        self.traced = True
-        # the first call builds the local program (one jax trace of every equation): a pass
-        # like planning, run with cyclic collection paused for the same reason (gc_pause.py)
-        return gc_paused(self.fn)(*physical)
+            outs = self.fn(*physical)
+        else:
+            self.traced = True
+            # the first call builds the local program (one jax trace of every equation): a
+            # pass like planning, run with cyclic collection paused for the same reason
+            # (gc_pause.py)
+            outs = gc_paused(self.fn)(*physical)
+        in_flight.ran(outs)  # (XLA's CPU backend deadlocks on too many left running)
+        return outs
 
 
 def _jax_arguments(method):

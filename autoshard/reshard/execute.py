@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import in_flight
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from ..physical import host_memory, physical_sharding, physical_spec
@@ -139,6 +140,7 @@ def execute(plan: ReshardPlan, value: jax.Array) -> jax.Array:
         else:
             host = _host_memory_of(value)
             value = program(mesh, src, dst, steps, host)(value)
+            in_flight.ran(value)  # (XLA's CPU backend deadlocks on too many left running)
             if not value.size and not isinstance(value, jax.core.Tracer):
                 # XLA reports an empty result replicated: store it as planned
                 value = jax.device_put(value, physical_sharding(dst, mesh).with_memory_kind(

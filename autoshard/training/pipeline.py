@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import in_flight
 from ..compiler.jit import jit
 from ..dtensor import DistTensor, make_dtensor
 from ..placement import Replicate
@@ -177,7 +178,9 @@ class _Pullback:
             def half(leaves, ct, _treedef=treedef):
                 return jax.tree_util.tree_unflatten(_treedef, leaves)(ct)[index]
             fn = self.owner._halves[key] = jax.jit(half)
-        return _placed(fn(leaves, ct))
+        out = fn(leaves, ct)
+        in_flight.ran(out)  # (XLA's CPU backend deadlocks on too many left running)
+        return _placed(out)
 
 
 class _Recomputed:
@@ -212,7 +215,9 @@ class _Recomputed:
                 return grads if index is None else grads[index]
 
             fn = self.owner._halves[key] = jax.jit(backward)
-        return _placed(fn(params, x, extra, _physical(ct)))
+        out = fn(params, x, extra, _physical(ct))
+        in_flight.ran(out)
+        return _placed(out)
 
     def both(self, ct: Any) -> tuple[Params, Any]:
         return self._run(ct, None)
