@@ -55,18 +55,22 @@ def ran(outputs: Any) -> None:
     with _lock:
         _pending.append(handle)
         due = [_pending.popleft() for _ in range(len(_pending) - WINDOW)]
-    for h in due:
-        _wait(h)
+    if not all([_wait(h) for h in due]):
+        # a result dropped or donated since (a chain of large temporaries, `t = t.reshape()`
+        # in a loop): wait for this execution instead, which read it or was dispatched after
+        _wait(handle)
 
 
-def _wait(handle) -> None:
+def _wait(handle) -> bool:
+    """Wait for the execution of `handle`'s result; False where that result is gone."""
     x = handle()
     if x is None or x.is_deleted():
-        return  # dropped or donated: a later execution that read it waits for it
+        return False
     try:
         x.block_until_ready()
     except RuntimeError:  # deleted meanwhile (donated by another thread's call)
-        pass
+        return False
+    return True
 
 
 def pending() -> int:

@@ -24,7 +24,7 @@ def waits(monkeypatch):
 
     def wait(handle):
         seen.append(handle())
-        real(handle)
+        return real(handle)
 
     monkeypatch.setattr(in_flight, "_wait", wait)
     in_flight._pending.clear()
@@ -92,13 +92,24 @@ def test_a_large_result_is_held_weakly_a_small_one_until_waited_for():
     assert weak() is big
     del big
     assert weak() is None
-    in_flight._wait(weak)  # a dropped result: nothing to wait for, no error
+    assert in_flight._wait(weak) is False  # a dropped result: nothing to wait for, no error
+
+
+def test_a_chain_of_large_dropped_temporaries_waits_for_the_newest(waits):
+    # each result is larger than what is held until waited for, and dropped by the next
+    # step: when it leaves the window, the call waits for its own execution instead
+    t = dist.shard_tensor(np.ones((256, 128), np.float32), MESH, [dist.Shard(0), dist.Shard(1)])
+    for i in range(in_flight.WINDOW + 2):
+        t = t.reshape(128, 256) if i % 2 == 0 else t.reshape(256, 128)
+    assert len(waits) == 4 and waits[0] is None and waits[2] is None
+    assert waits[1] is not None and waits[3] is t.physical
 
 
 def test_a_thousand_unread_steps_run_where_xla_alone_deadlocks():
     """The failure itself, in a process of its own (XLA aborts the process on it): 1000 steps
-    of a dist.jit train step and 300 eager reshapes, none read until the end. Without the
-    window, jaxlib 0.10.2's CPU backend aborted this after 40 s on a 2-core machine."""
+    of a dist.jit train step, 300 eager reshapes of one tensor and a chain of 500 calls each
+    dropping the last one's large result, none read until the end. Without the window, jaxlib 0.10.2's CPU backend aborted
+    this after 40 s on a 2-core machine."""
     script = textwrap.dedent("""
         import numpy as np, jax, jax.numpy as jnp
         import autoshard as dist
@@ -116,10 +127,16 @@ def test_a_thousand_unread_steps_run_where_xla_alone_deadlocks():
         t = dist.shard_tensor(np.ones((64, 32), np.float32), mesh, ["S(0)", "S(1)"])
         for _ in range(300):
             y = t.reshape(32, 64)
-        print("done", float(loss.numpy()), float(y.numpy().sum()))
+        # large results (held weakly), each dropped by the next call
+        b = dist.shard_tensor(np.ones((512, 256), np.float32), mesh, ["S(0)", "S(1)"])
+        e = dist.shard_tensor(np.eye(256, dtype=np.float32), mesh, ["R", "S(0)"])
+        f = dist.jit(lambda b, e: b @ e, out_placements=[["S(0)", "S(1)"]])
+        for _ in range(500):
+            b = f(b, e)
+        print("done", float(loss.numpy()), float(y.numpy().sum()), float(b.numpy().sum()))
     """)
     env = dict(os.environ)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("done") and out.stdout.split()[2] == "2048.0"
+    assert out.stdout.split()[0] == "done" and out.stdout.split()[2:] == ["2048.0", "131072.0"]
