@@ -28,7 +28,7 @@ WINDOW = 8  # executions left unfinished; half of the most seen to run safely
 _KEEP_BYTES = 1 << 16  # a result this small is held until waited for: the loss of a step
 # (larger ones by weak reference, so that a dropped temporary is not kept alive for it)
 
-_pending: deque = deque()  # per execution: a callable giving one of its results, or None
+_pending: deque = deque()  # per execution: a callable giving the result to wait on (None: gone)
 _lock = threading.Lock()
 
 
