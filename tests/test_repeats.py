@@ -115,6 +115,45 @@ def test_a_block_reading_other_layouts_is_planned_by_itself(monkeypatch):
                                np.asarray(jax.jit(f)(x, *ws)), rtol=1e-5)
 
 
+def test_a_block_whose_readers_differ_only_where_no_partial_is_read_takes_the_plan(monkeypatch):
+    # a 2-layer step's two backward blocks differ in one fact: an add of the first (the last
+    # layer's) reads a cotangent the head's gradient reads too; no Partial is read there, so
+    # the choice is the same and the second block takes the first's plan
+    step, args, out_placements = _workload(gpt_dp_tp(2))
+    plan = _assert_same_plan(step, args, monkeypatch, out_placements)
+    assert len(plan.same_as) >= 100
+
+
+def test_a_block_whose_partial_operand_has_another_reader_is_planned_by_itself(monkeypatch):
+    mesh = dist.ProcessMesh(list(range(8)), ["x"])
+
+    def f(x, *ws):
+        kept = []
+        for k, w in enumerate(ws):
+            h = x @ w  # pending its sum over x: a row sum of it is reduced smaller (one reader)
+            if k == 2:
+                kept.append(h)  # read again after the stack: reduced once, whole
+            x = jnp.tanh(x * jax.nn.sigmoid(h.sum(-1, keepdims=True)))
+            x = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5)
+        return x.sum() + sum(jnp.sum(h ** 2) for h in kept)
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    ws = [(rng.normal(size=(32, 32)) * 0.1).astype(np.float32) for _ in range(5)]
+    args = (dist.shard_tensor(x, mesh, [S(1)]),
+            *(dist.shard_tensor(w, mesh, [S(0)]) for w in ws))
+    plan = _assert_same_plan(f, args, monkeypatch)
+    third = [k for k, e in enumerate(plan.program.eqns) if plan.program.inputs[3] in e.inputs]
+    assert third and all(k not in plan.same_as for k in third)
+    assert len(plan.same_as) > 0  # the other layers were copied
+    # the third layer's h reduced whole, every other layer's row sum reduced instead
+    whole = [c for c in plan.collectives if c.bytes_per_device > 1000]
+    assert len(whole) == 1 and whole[0].consumer.startswith("reduce_sum")
+    got = dist.jit(f)(*args)
+    np.testing.assert_allclose(np.asarray(got.numpy() if hasattr(got, "numpy") else got),
+                               np.asarray(jax.jit(f)(x, *ws)), rtol=1e-5)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=0, max_size=12), st.integers(1, 5),
        st.lists(st.integers(0, 3), max_size=6), st.lists(st.integers(0, 3), max_size=6))

@@ -585,6 +585,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                     available = [a | anticipated.get((v, e.index), _NOT_MOVED)
                                  for a, v in zip(available, e.inputs)]
                 cones = whole_for_free(e, operands, available)
+                if any([L.partial for L in operands]) or any(
+                        [L.partial for a in available for L in a]):
+                    consulted.add(e.index)  # (see below)
                 wanted = overrides.get(e.index)
                 if wanted is None:
                     wanted = (tuple([UNREAD if v in unread else pref.get(v) for v in e.outputs])
@@ -614,6 +617,12 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         return ep
 
     failed: set = set()  # values no cone can make whole (recompute.cone)
+    # equations whose choice read which operands have other readers (`facts.single_use`):
+    # only a Partial operand — as it lies or as a copy already made — may flow through an
+    # equation when it has no other reader (strategy.candidates); elsewhere a later block
+    # whose readers differ decides the same (the first backward block of a model reads the
+    # cotangent the head's gradient also reads)
+    consulted: set = set()
     cheap: dict = {}  # primitive -> whether a cone may compute it again
     floor = [0]  # plans below this index are final: a copied block's, or one copies read
 
@@ -652,18 +661,22 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
         eqns[start:start + period]'s would (None: plan it; it becomes one such block)."""
         stop = start + period
         key = (boundary(program, start, stop, actual, moved_to, pref),
-               tuple(facts.single_use[start:stop]), tuple(facts.is_parameter[start:stop]),
+               tuple(facts.is_parameter[start:stop]),
                # which equations choose with other preferences (summed_up.py), by position
                tuple([(k - start, overrides[k], k in scatter_at) for k in range(start, stop)
                       if k in overrides]) if overrides else (),
                # which results are chosen as UNREAD, by position
                tuple([(k - start, j) for k in range(start, stop)
                       for j, v in enumerate(eqns[k].outputs) if v in unread]) if unread else ())
-        planned = repeats.planned[run]
-        first = planned.get(key)
-        if first is None:
-            planned[key] = start
-        return first
+        found = repeats.planned[run].setdefault(key, [])
+        single_use = facts.single_use
+        for first in found:
+            # which operands have other readers, where the first block's choices read it
+            if all(single_use[first + j] == single_use[start + j]
+                   for j in range(period) if first + j in consulted):
+                return first
+        found.append(start)
+        return None
 
     eqns = program.eqns
     copies: list = []  # (first, start, period) of each block planned as a copy

@@ -152,7 +152,7 @@ class Repeats:
 
     def __init__(self, ids: list[int]):
         self.run_of: dict[int, tuple[int, int]] = {}  # block start -> (run start, period)
-        self.planned: dict[int, dict] = {}  # run start -> {boundary: start of a planned block}
+        self.planned: dict[int, dict] = {}  # run start -> {boundary: starts of planned blocks}
         if not ENABLED:
             return
         # back-to-back runs only: a block apart from its equal is most often the first layer
