@@ -245,6 +245,8 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         nothing_moved = none_moved.get(n)
         if nothing_moved is None:
             nothing_moved = none_moved[n] = (frozenset(),) * n
+        if tracking[0] is not None and any([L is not None and L.partial for L in known_in]):
+            tracking[0].add(e.index)  # its choice reads which operands have other readers
         choice = pick(sig, known_in, known_out, single_use[e.index], nothing_moved,
                       is_parameter[e.index])
         if not allow_trivial and not (choice.strategy.assign or choice.strategy.partial):
@@ -264,6 +266,8 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
         return changed
 
     none_moved: dict = {}  # operand count -> "no operand was moved yet" (propagation moves none)
+    tracking: list = [None]  # while first_sweep visits a block: the equations that read
+    # `single_use` (only where a Partial is read, as the plan's `consulted`)
     neighbours: dict = {}
     for e in program.eqns:
         for v in e.inputs:
@@ -333,7 +337,9 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                 queued.add(j)
                 tail.append(nb)
 
-        seen: dict = {}  # run start -> {starting state: [(offset, [(slot, layout)])]}
+        # run start -> {starting state: [(block start, offsets whose visits read single_use,
+        # [(offset, [(slot, layout)])])]}
+        seen: dict = {}
         k, n = 0, len(eqns)
         while k < n:
             block = runs.get(k) if runs else None
@@ -347,10 +353,12 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
             stop = k + period
             wiring, values = program.block_values(k, stop)
             state = (wiring, tuple(map(pref.get, values)),
-                     tuple([v in pinned for v in values]),
-                     tuple(single_use[k:stop]), tuple(is_parameter[k:stop]))
-            known = seen.setdefault(run, {})
-            events = known.get(state)
+                     tuple([v in pinned for v in values]), tuple(is_parameter[k:stop]))
+            # an earlier block from this state whose visits read `single_use` where this
+            # block's is the same (a visit reads it only for a Partial operand)
+            events = next((ev for first, read, ev in seen.setdefault(run, {}).get(state, ())
+                           if all(single_use[first + j] == single_use[k + j] for j in read)),
+                          None)
             if events is not None:
                 for offset, changes in events:
                     e = eqns[k + offset]
@@ -359,8 +367,9 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                         pref[v] = L
                         spread(v, e, k + offset)
             else:
-                events = known[state] = []
+                events = []
                 slot = {v: i for i, v in enumerate(values)}
+                tracking[0] = read = set()
                 for offset in range(period):
                     e = eqns[k + offset]
                     changed = visit(e, False)
@@ -368,6 +377,9 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
                         events.append((offset, [(slot[v], pref[v]) for v in changed]))
                         for v in changed:
                             spread(v, e, k + offset)
+                tracking[0] = None
+                seen[run].setdefault(state, []).append(
+                    (k, sorted(j - k for j in read), events))
             k = stop
         settle(False, tail)  # the rest of the first sweep: what it queued behind the pass
 
