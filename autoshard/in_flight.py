@@ -25,8 +25,9 @@ from typing import Any
 import jax
 
 WINDOW = 8  # executions left unfinished; half of the most seen to run safely
-_KEEP_BYTES = 1 << 16  # a result this small is held until waited for: the loss of a step
-# (larger ones by weak reference, so that a dropped temporary is not kept alive for it)
+_KEEP_BYTES = 1 << 12  # a result this small is held until waited for: the loss of a step
+# (larger ones by weak reference, so that a dropped temporary is not kept alive for it, nor
+# counted among a step's live arrays — the pipeline bench reads those for its peak)
 
 _pending: deque = deque()  # per execution: a callable giving the result to wait on (None: gone)
 _lock = threading.Lock()
