@@ -30,7 +30,7 @@ from .propagate import eqn_facts, propagate
 from . import constraints, recompute
 from .peak import peak_bytes
 from .remake import pins as remake_pins
-from .repeats import Repeats, boundary
+from .repeats import Repeats, boundary, same_readers
 from .split_reduce import split_output_reductions
 from .strategy import UNREAD, chooser
 from .summed_up import scatter_candidates, small_tail
@@ -669,11 +669,9 @@ def _make_plan(program: Program, mesh: ProcessMesh, input_layouts: list[Layout |
                tuple([(k - start, j) for k in range(start, stop)
                       for j, v in enumerate(eqns[k].outputs) if v in unread]) if unread else ())
         found = repeats.planned[run].setdefault(key, [])
-        single_use = facts.single_use
         for first in found:
-            # which operands have other readers, where the first block's choices read it
-            if all(single_use[first + j] == single_use[start + j]
-                   for j in range(period) if first + j in consulted):
+            if same_readers(facts.single_use, first, start,
+                            [j for j in range(period) if first + j in consulted]):
                 return first
         found.append(start)
         return None

@@ -25,6 +25,7 @@ from ..hashing import Hashed
 from ..layout import Layout
 from ..mesh import ProcessMesh
 from .factors import OpSharding
+from .repeats import same_readers
 from .strategy import Signature, chooser, signature
 from .trace import Eqn, Program, hint_p
 
@@ -357,8 +358,7 @@ def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
             # an earlier block from this state whose visits read `single_use` where this
             # block's is the same (a visit reads it only for a Partial operand)
             events = next((ev for first, read, ev in seen.setdefault(run, {}).get(state, ())
-                           if all(single_use[first + j] == single_use[k + j] for j in read)),
-                          None)
+                           if same_readers(single_use, first, k, read)), None)
             if events is not None:
                 for offset, changes in events:
                     e = eqns[k + offset]

@@ -143,6 +143,13 @@ def boundary(program, start: int, stop: int, actual: dict, moved_to: dict,
                     tuple([pref.get(v) for v in values if v.producer >= start]))
 
 
+def same_readers(single_use: list, first: int, start: int, read) -> bool:
+    """Whether blocks at `first` and `start` agree on which operands have other readers at
+    the offsets `read` — where the first block's choices read a Partial, the only place the
+    chooser asks (a Partial flows through a single reader, strategy.candidates)."""
+    return all(single_use[first + j] == single_use[start + j] for j in read)
+
+
 class Repeats:
     """The repeated blocks of one program, numbered by `ids` (one number per distinct equation,
     negative: never repeats), and the blocks planned so far of each run by their boundary: a
@@ -165,5 +172,6 @@ class Repeats:
                 self.run_of[s] = (starts[0], period)
 
 
-__all__ = ["find_runs", "find_blocks", "Boundary", "boundary", "Repeats", "ENABLED", "MIN_LEN",
+__all__ = ["find_runs", "find_blocks", "Boundary", "boundary", "Repeats", "same_readers",
+           "ENABLED", "MIN_LEN",
            "MAX_LEN"]
