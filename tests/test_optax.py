@@ -88,6 +88,42 @@ def test_per_example_clipping_unzips_through_distensor_nodes():
         assert not isinstance(norms[k], dist.DistTensor) and norms[k].shape == ()
 
 
+@pytest.mark.parametrize("init", ["dist.jit", "shard_optimizer"])
+def test_galore_initialised_in_a_program_trains_like_one_device(init):
+    """GaLore's init pairs the params with a tree made from them (`jax.tree.map(f, params,
+    dim_nums)`), which a DistTensor, a pytree node, cannot pass outside a program (the README
+    says so): initialised by dist.jit or shard_optimizer it trains like one device, through the
+    projector's refresh (an SVD of the gradient every `update_proj_gap` steps, under a cond),
+    with the collectives the plan lists."""
+    tx = optax.contrib.galore(1e-2, rank=4, update_proj_gap=2)
+    w = _weights()
+    params = {k: dist.shard_tensor(v, MESH, MEGATRON[k]) for k, v in w.items()}
+    state = (dist.jit(tx.init) if init == "dist.jit" else dist.shard_optimizer(tx).init)(params)
+    ref_state = tx.init(w)
+    is_dt = lambda t: isinstance(t, dist.DistTensor)  # noqa: E731
+    assert (jax.tree.map(lambda t: tuple(t.shape), state, is_leaf=is_dt)
+            == jax.tree.map(lambda t: tuple(t.shape), ref_state))
+    rng = np.random.default_rng(1)
+    x, y = (rng.normal(size=(8, 16)).astype(np.float32) for _ in range(2))
+    dx = dist.shard_tensor(x, MESH, [S(0), R()])
+    step = mse_step(apply, tx)
+    f, ref = dist.jit(step), jax.jit(step)
+    dp, ds, p, s = params, state, w, ref_state
+    for _ in range(4):  # the projector is refreshed at steps 0 and 2
+        dp, ds, loss = f(dp, ds, dx, y)
+        p, s, ref_loss = ref(p, s, x, y)
+        np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for k in w:
+        np.testing.assert_allclose(dp[k].numpy(), p[k], rtol=1e-4, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(ds[0].projector, is_leaf=is_dt),
+                         jax.tree.leaves(s[0].projector)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    args = (params, state, dx, y)
+    planned = Counter(c.kind for c in f.plan(*args).collectives)
+    assert planned["all-reduce"] >= 1
+    assert count_collectives(f.lower(*args).compile().as_text()) == planned
+
+
 def test_uneven_storage_seen_by_a_tree_map_is_named():
     """A param split unevenly is stored padded; a tree.map that makes something of another
     shape from the storage is told so (and pointed at dist.jit / shard_optimizer), and the
