@@ -107,11 +107,23 @@ def test_gradients_accumulated_over_micro_batches_are_reduced_once_after_the_loo
 
 
 @pytest.mark.parametrize("bound", ["static", "traced"])
-def test_a_loop_constant_moved_alike_at_every_read_is_moved_once_before_the_loop(bound):
+def test_a_loop_constant_moved_alike_at_every_read_is_moved_once_before_the_loop(bound,
+                                                                               monkeypatch):
     # micro-batches sliced along the dim the batch is split on: each is held by some devices
     # only, so the batch is re-split (an all-to-all) — once, before the loop, not per micro-batch
     # (no larger per device). A weight the body gathers is still gathered inside: hoisted, the
     # gathered copy would be held for the whole loop (ZeRO-3's params across micro-batches).
+    # With the batch moved, the body's fixpoint goes on from the carries it had found (the
+    # accumulators, Partial over dp): planned once more, not again from the initial carries.
+    from autoshard.compiler import control_flow
+
+    plans, sub_plan = [], control_flow._sub_plan
+
+    def counting(jaxpr, mesh, inputs, *a):
+        plans.append(list(inputs))
+        return sub_plan(jaxpr, mesh, inputs, *a)
+
+    monkeypatch.setattr(control_flow, "_sub_plan", counting)
     rng = np.random.default_rng(1)
     w = (rng.normal(size=(8, 8)) * 0.3).astype(np.float32)
     x = rng.normal(size=(16, 4, 8)).astype(np.float32)
@@ -134,6 +146,9 @@ def test_a_loop_constant_moved_alike_at_every_read_is_moved_once_before_the_loop
     moves = {(c.kind, "inside" in c.reason) for c in f.plan(dw, dx, n).collectives}
     assert ("all-to-all", False) in moves and ("all-to-all", True) not in moves
     assert ("all-gather", True) in moves and ("all-gather", False) not in moves
+    split = dist.Layout(((), ("dp",), ()))  # the micro-batches' batch dim over dp, moved
+    after_move = [p for p in plans if split in p]
+    assert len(after_move) == 1 and all(L.partial for L in after_move[0][-2:]), after_move
 
 
 def test_cond_and_while():

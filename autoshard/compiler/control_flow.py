@@ -417,7 +417,7 @@ def _split_scan(e, operands, mesh, registry, cost_model):
     moved = _invariant_moves(body, consts, 0, local_mesh)
     if moved != consts:  # (a pending sum of a weight the map reads: reduced once, before it)
         consts = moved  # (read by `make`)
-        carries, body = _loop_carries(make, list(init), len(e.outputs) - nk, nc)
+        carries, body = _loop_carries(make, carries, len(e.outputs) - nk, nc)
     if _plan_uses(body, axes):
         return None  # the body asked for the split axes itself (a reshard naming them)
     if any(k == "sum" and {t for _, t in L.partial} - _LINEAR for L, k in zip(carries, kinds)):
@@ -547,8 +547,8 @@ def _plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
         carries, body = _loop_carries(make, list(init), n_ys, nc)
         moved = _invariant_moves(body, consts, 0, mesh)
         if moved != consts:
-            consts = moved  # (read by `make`)
-            carries, body = _loop_carries(make, list(init), n_ys, nc)
+            consts = moved  # (read by `make`; the fixpoint goes on from the carries found)
+            carries, body = _loop_carries(make, carries, n_ys, nc)
         body = _ys_as_reduced(make, carries, body, nk)
         body = _ys_reduced_inside(make, carries, body, nk, mesh, cost_model)
         ys = [_stacked(L) for L in body.outputs[nk:]]
@@ -564,7 +564,7 @@ def _plan_higher_order(e, operands: list[Layout], mesh, registry, cost_model,
         moved = _invariant_moves(body, bconsts, 0, mesh)
         if moved != bconsts:
             bconsts = moved  # (read by `make`)
-            carries, body = _loop_carries(make, list(init), 0, bn)
+            carries, body = _loop_carries(make, carries, 0, bn)
         cond = _sub_plan(p["cond_jaxpr"], mesh, cconsts + carries, [Layout.replicated(0)],
                          registry, cost_model)
         return cconsts + bconsts + carries, carries, [cond, body], "while loop"
