@@ -1,5 +1,6 @@
 """scan, while, cond and checkpoint are partitioned inside, equal to one device, with the plan's
 collectives — and a gradient accumulated across a scan is reduced once, after the loop."""
+import sys
 import warnings
 from collections import Counter
 
@@ -778,8 +779,9 @@ def test_a_checkpoints_partial_operand_is_reduced_once_with_the_forward():
 
 def test_a_loop_body_is_built_once_however_often_its_fixpoint_plans_it(monkeypatch):
     # the body is planned once per carry layout until the carries settle (and again for its
-    # accumulators, its outputs): the same program each time, built from the body's jaxpr once
-    from autoshard.compiler import control_flow, plan as plan_module
+    # accumulators, its outputs): the same program each time, built from the body's jaxpr once,
+    # its equations' rule facts made once
+    from autoshard.compiler import control_flow, plan as plan_module, propagate
 
     rng = np.random.default_rng(0)
     w = rng.normal(size=(4, 4)).astype(np.float32)
@@ -796,13 +798,22 @@ def test_a_loop_body_is_built_once_however_often_its_fixpoint_plans_it(monkeypat
         planned[id(program)] += 1
         return make(program, *a, **k)
 
+    facts_made, facts = [], propagate.EqnFacts
+
+    def counting_facts(*lists):
+        facts_made.append(id(sys._getframe(1).f_locals["program"]))  # eqn_facts's program
+        return facts(*lists)
+
     monkeypatch.setattr(control_flow, "build_program", counting_build)
     monkeypatch.setattr(plan_module, "make_plan", counting_make)
+    monkeypatch.setattr(propagate, "EqnFacts", counting_facts)
     f, (loss, grad) = run_checked(jax.value_and_grad(_scan_loss), dw, dxs)
     body_plans = sum(planned[id(b)] for b in bodies)
     # the forward and backward bodies, each planned several times, each built once per plan
     # of the step (its fixpoint's plans read one program)
     assert bodies and body_plans >= 2 * len(bodies), (body_plans, len(bodies))
+    made = Counter(facts_made)
+    assert [made[id(b)] for b in bodies] == [1] * len(bodies), (made, planned)
     ref_loss, ref_grad = jax.value_and_grad(_scan_loss)(w, xs)
     np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
     np.testing.assert_allclose(grad.numpy(), ref_grad, rtol=1e-4, atol=1e-5)

@@ -113,6 +113,7 @@ def as_hints(program: Program, mesh: ProcessMesh) -> None:
         e.params = {"mesh": mesh, "layout": layout, "force": False}
         e.params_key = params_key(e.params)
         e.sharding_cache.clear()
+        program.__dict__.pop("_facts", None)  # (propagate.eqn_facts: its signature is a hint's)
 
 
 __all__ = ["IgnoredConstraintWarning", "as_hints", "meshes"]

@@ -191,14 +191,22 @@ class EqnFacts(NamedTuple):
 
 
 def eqn_facts(program: Program, registry) -> EqnFacts:
+    """Made once per program: a loop body's fixpoint plans one program again and again
+    (control_flow._sub_plan). `constraints.as_hints`, the only pass that rewrites equations
+    after the build, forgets them when it does."""
+    config = jax_config_key()
+    made = program.__dict__.get("_facts")
+    if made is not None and made[0] is registry and made[1] == config:
+        return made[2]
     uses = program.use_counts()
     eqns = program.eqns
-    config = jax_config_key()
     # list comprehensions inside tuple(): a generator per equation costs twice as much here
-    return EqnFacts(
+    facts = EqnFacts(
         [None if e.primitive is hint_p else rule_signature(e, registry, config) for e in eqns],
         [tuple([uses[v] <= 1 for v in e.inputs]) for e in eqns],
         [tuple([v.producer < 0 for v in e.inputs]) for e in eqns])  # an input or a constant
+    program.__dict__["_facts"] = (registry, config, facts)
+    return facts
 
 
 def propagate(program: Program, mesh: ProcessMesh, fixed: dict, registry,
