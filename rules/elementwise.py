@@ -81,10 +81,11 @@ def _mulhi_lower(ctx, x, y):
     # XLA's multiply-high does not lower inside shard_map (jax 0.10: "Unable to convert MHLO
     # to StableHLO", plain jax.shard_map too): computed from half-width products instead
     # the primitive takes size-1 dims against full ones (what jax.vmap emits with one operand
-    # unbatched); the half-width steps below want one shape
-    shape = tuple(np.broadcast_shapes(x.shape, y.shape))
-    x, y = (v if v.shape == shape else lax.broadcast_in_dim(v, shape, tuple(range(len(shape))))
-            for v in (x, y))
+    # unbatched) and scalars against arrays (Philox's constant multipliers); the half-width
+    # steps below want one shape
+    shape = tuple(np.broadcast_shapes(np.shape(x), np.shape(y)))
+    x, y = (v if np.shape(v) == shape else lax.broadcast_in_dim(
+        v, shape, tuple(range(len(shape) - np.ndim(v), len(shape)))) for v in (x, y))
     dtype = np.dtype(x.dtype)
     bits = dtype.itemsize * 8
     signed = np.issubdtype(dtype, np.signedinteger)

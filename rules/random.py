@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.extend.core as jex_core
 import numpy as np
 from jax import lax
 from jax._src.lax import lax as lax_internal
@@ -20,15 +21,20 @@ from jax._src.random import prng
 from jax._src.random import threefry2x32 as threefry
 
 try:  # jax's own per-element sampler (private): without it, gamma draws run replicated
-    from jax._src.random.core import _gamma_one, random_gamma_p
+    from jax._src.random.core import _gamma_impl, _gamma_one, random_gamma_p
 except ImportError:  # pragma: no cover
-    _gamma_one = random_gamma_p = None
+    _gamma_impl = _gamma_one = random_gamma_p = None
+try:  # jax 0.10's counter-based Philox generators (jax.random.key(0, impl="philox4x32"))
+    from jax._src.random import philox2x32 as _philox2x32, philox4x32 as _philox4x32
+except ImportError:  # pragma: no cover
+    _philox2x32 = _philox4x32 = None
 # jax.random.clone (flax's lifted transforms clone a key before splitting it per layer): an
 # identity on keys
 random_clone_p = getattr(_jax_random, "random_clone_p", getattr(prng, "random_clone_p", None))
 
 from autoshard.compiler.factors import LETTERS, REPLICATE, Factor, OpSharding, einsum
 
+from .elementwise import _mulhi_lower
 from .registry import Rule
 
 
@@ -37,10 +43,123 @@ def _is_threefry(aval) -> bool:
     return impl is not None and str(getattr(impl, "name", "")) == "threefry2x32"
 
 
+# Philox: each round's multiply-high is XLA's, which does not lower inside shard_map (jax
+# 0.10, plain jax.shard_map too: "Unable to convert MHLO to StableHLO"). jax lowers every
+# Philox key operation through its hash primitive, so a program holding such keys is run
+# here through the generator's own functions with the multiply-high computed from
+# half-width products (elementwise.py) — the same bits. The hash's round function is jax's
+# (named per primitive below); where a jax version lacks it, keys are bound as jax binds them.
+_PHILOX_ROUNDS = {getattr(m, f"{n}_p"): getattr(m, f"_{n}_lowering")
+                  for m, n in ((_philox2x32, "philox2x32"), (_philox4x32, "philox4x32"))
+                  if m is not None and hasattr(m, f"{n}_p") and hasattr(m, f"_{n}_lowering")}
+_PHILOX_NAMES = frozenset(p.name for p in _PHILOX_ROUNDS)  # (the generators' names too)
+_CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _is_philox_impl(impl) -> bool:
+    return str(getattr(impl, "name", "")) in _PHILOX_NAMES
+
+
+def _is_philox(aval) -> bool:
+    return _is_philox_impl(getattr(aval.dtype, "_impl", None))
+
+
+def _without_mulhi(fn, *args) -> list:
+    """`fn(*args)` bound here, its multiply-highs (and those of the Philox hashes it binds)
+    computed from half-width products."""
+    from autoshard.compiler.partition import match_vma
+
+    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args])
+    return _eval_without_mulhi(closed.jaxpr, closed.consts, match_vma(list(args)))
+
+
+def _eval_without_mulhi(jaxpr, consts: list, args: list) -> list:
+    from autoshard.compiler.partition import match_vma
+
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        if e.primitive is getattr(lax, "mulhi_p", None):
+            outs = _mulhi_lower(None, *match_vma(ins))
+        elif e.primitive in _PHILOX_ROUNDS:
+            outs = _without_mulhi(_PHILOX_ROUNDS[e.primitive], *ins)
+        elif e.primitive.name in _CALLS and "jaxpr" in e.params:
+            inner = e.params["jaxpr"]
+            outs = _eval_without_mulhi(inner.jaxpr, inner.consts, ins)
+        elif e.primitive in _PHILOX_KEY_OPS and _is_philox_impl(
+                e.params.get("impl", getattr(ins[0].dtype, "_impl", None))):
+            outs = [_PHILOX_KEY_OPS[e.primitive](*ins, **e.params)]
+        else:  # (a loop's or branch's bodies rewritten alike: a sampler's rejection loop)
+            params = {k: _rewritten(v) for k, v in e.params.items()}
+            outs = e.primitive.bind(*match_vma(ins), **params)
+            outs = outs if e.primitive.multiple_results else [outs]
+        env.update(zip(e.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _rewritten(param):
+    """A parameter with its jaxprs (a loop's body, a cond's branches) computing multiply-highs
+    from half-width products; anything else as it is."""
+    if isinstance(param, jex_core.ClosedJaxpr):
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in param.jaxpr.invars]
+        return jax.make_jaxpr(lambda *a: _eval_without_mulhi(param.jaxpr, param.consts,
+                                                             list(a)))(*avals)
+    if isinstance(param, tuple) and param and all(
+            isinstance(p, jex_core.ClosedJaxpr) for p in param):
+        return tuple(_rewritten(p) for p in param)
+    return param
+
+
+def _philox_key_op(name: str, lower):
+    """A key operation's lowering: as jax binds it, or for Philox keys `lower`'s."""
+    primitive = getattr(prng, f"{name}_p")
+
+    def lowering(ctx, *args, **params):
+        # (a seed's generator is its parameter; other operations read it from their keys)
+        if not _is_philox_impl(params.get("impl", getattr(args[0].dtype, "_impl", None))):
+            return [primitive.bind(*args, **params)]
+        return [lower(*args, **params)]
+    return lowering
+
+
+def _philox_seed(seeds, *, impl):
+    made, = _without_mulhi(prng.iterated_vmap_unary(np.ndim(seeds), impl.seed), seeds)
+    return prng.random_wrap(made, impl=impl)
+
+
+def _philox_split(keys, *, shape):
+    impl = keys.dtype._impl
+    made, = _without_mulhi(prng.iterated_vmap_unary(keys.ndim, lambda k: impl.split(k, shape)),
+                           prng.random_unwrap(keys))
+    return prng.random_wrap(made, impl=impl)
+
+
+def _philox_fold_in(keys, msgs):
+    impl = keys.dtype._impl
+    made, = _without_mulhi(prng.iterated_vmap_binary_bcast(keys.shape, np.shape(msgs),
+                                                           impl.fold_in),
+                           prng.random_unwrap(keys), msgs)
+    return prng.random_wrap(made, impl=impl)
+
+
+def _philox_bits(keys, *, bit_width, shape):
+    """Whole draws from every key, as jax draws them."""
+    impl = keys.dtype._impl
+    bits = prng.iterated_vmap_unary(keys.ndim, lambda k: impl.random_bits(k, bit_width, shape))
+    return _without_mulhi(bits, prng.random_unwrap(keys))[0]
+
+
+_PHILOX_KEY_OPS = {prng.random_seed_p: _philox_seed, prng.random_split_p: _philox_split,
+                   prng.random_fold_in_p: _philox_fold_in, prng.random_bits_p: _philox_bits}
+
+
 def _by_index(key, bit_width, shape) -> bool:
-    """Can each device draw its own block of `random_bits` (threefry over global indices)?"""
-    return (_is_threefry(key) and bit_width in (8, 16, 32)
-            and jax.config.jax_threefry_partitionable and math.prod(shape) < 2 ** 32)
+    """Can each device draw its own block of `random_bits` (the generator's hash over the
+    global indices: threefry made partitionable, and Philox, whose counter is the index)?"""
+    return ((_is_threefry(key) and jax.config.jax_threefry_partitionable or _is_philox(key))
+            and bit_width in (8, 16, 32) and math.prod(shape) < 2 ** 32)
 
 
 def random_bits_sharding(in_avals, out_avals, *, bit_width, shape):
@@ -69,9 +188,26 @@ def _threefry_at(key, index):
     return threefry.threefry2x32_p.bind(k1, k2, hi, lo)
 
 
+def _philox_at(key, index) -> list:
+    """The words of the Philox hash of one key at counters (0, i) — random_bits' counter for
+    global element index i (its high word 0: fewer than 2**32 elements) — in jax's order of
+    the hash's operands: the key words, then the counter's high and low words (and two zero
+    words for the 4-word counter)."""
+    data = prng.random_unwrap(key)
+    words = [lax.index_in_dim(data, i, axis=-1, keepdims=False) for i in range(data.shape[-1])]
+    zero = lax.full(index.shape, 0, np.uint32)
+    counter = [zero, index] + ([zero, zero] if len(words) == 2 else [])
+    hashed = next(p for p in _PHILOX_ROUNDS if p.name == str(key.dtype._impl.name))
+    return _without_mulhi(lambda *w: hashed.bind(*w), *words, *counter)
+
+
 def _bits_for_one_key(key, index, bit_width):
-    """threefry(key, i) at the global element indices `index` (one scalar key)."""
-    bits = lax.bitwise_xor(*_threefry_at(key, index))
+    """The generator's hash of one key at the global element indices `index`, its words
+    xored (random_bits of threefry and of Philox alike)."""
+    words = _philox_at(key, index) if _is_philox(key) else _threefry_at(key, index)
+    bits = words[0]
+    for w in words[1:]:
+        bits = lax.bitwise_xor(bits, w)
     if bit_width != 32:
         bits = lax.convert_element_type(bits, prng.UINT_DTYPES[bit_width])
     return bits
@@ -92,6 +228,8 @@ def _global_index(ctx, local, dims, shape):
 
 def random_bits_lower(ctx, key, *, bit_width, shape):
     if not _by_index(key, bit_width, shape):  # whole draws, from every key
+        if _is_philox(key):
+            return [_philox_bits(key, bit_width=bit_width, shape=shape)]
         return [prng.random_bits_p.bind(key, bit_width=bit_width, shape=shape)]
     nb = key.ndim
     local = ctx.local_out_shapes[0][nb:]  # this device's block of one key's draw
@@ -107,6 +245,9 @@ def random_gamma_sharding(in_avals, out_avals, *, log_space):
     """jax.random.gamma (and beta, dirichlet): element i of `a` draws with key i of
     split(key, a.size); elementwise over `a`, the key whole."""
     key, a = in_avals
+    if _is_philox(key) and _gamma_impl is not None:
+        # drawn whole on every device from the whole key and alphas (as rbg keys draw)
+        return replicated_sharding(in_avals, out_avals)
     if (key.ndim or not _is_threefry(key) or _gamma_one is None
             or not jax.config.jax_threefry_partitionable or math.prod(a.shape) >= 2 ** 32):
         return None
@@ -119,6 +260,9 @@ def random_gamma_lower(ctx, key, a, *, log_space):
     threefry(key, (0, i)) with partitionable threefry) and samples them as jax does."""
     from autoshard.compiler.partition import match_vma
 
+    if _is_philox(key):  # jax's sampler, its keys' hashes without XLA's multiply-high
+        return _without_mulhi(
+            lambda k, x: _gamma_impl(k, x, log_space=log_space, use_vmap=True), key, a)
     local, dims = ctx.local_out_shapes[0], ctx.out_layouts[0].dims
     shape = tuple(n * math.prod(ctx.sizes[ax] for ax in axes) for n, axes in zip(local, dims))
     bits1, bits2 = _threefry_at(key, _global_index(ctx, local, dims, shape))
@@ -182,11 +326,12 @@ def keywise_sharding(in_avals, out_avals, **params):
 TABLE = {
     threefry.threefry2x32_p: Rule(threefry_sharding),
     prng.random_bits_p: Rule(random_bits_sharding, random_bits_lower),
-    prng.random_seed_p: Rule(replicated_sharding),
+    prng.random_seed_p: Rule(replicated_sharding, _philox_key_op("random_seed", _philox_seed)),
     prng.random_wrap_p: Rule(keywise_sharding),
     prng.random_unwrap_p: Rule(keywise_sharding),
-    prng.random_split_p: Rule(keywise_sharding),
-    prng.random_fold_in_p: Rule(keywise_sharding),
+    prng.random_split_p: Rule(keywise_sharding, _philox_key_op("random_split", _philox_split)),
+    prng.random_fold_in_p: Rule(keywise_sharding,
+                                _philox_key_op("random_fold_in", _philox_fold_in)),
     # lax.rng_bit_generator's bits depend on the whole shape drawn: every device draws all of
     # them from the (whole) key, as one device does, and its consumers take their blocks
     lax_internal.rng_bit_generator_p: Rule(replicated_sharding),
@@ -235,6 +380,12 @@ def validation_samples() -> list:
          lambda x: x + jax.random.key_data(jax.random.key(6))[1].astype(np.float32), (f2,)),
         ("rbg draw", "random_bits",
          lambda x: x * jax.random.normal(jax.random.key(3, impl="rbg"), x.shape), (f2,)),
+    ] + [
+        (f"{impl} draw", "random_bits",
+         lambda x, impl=impl: x * jax.random.normal(
+             jax.random.fold_in(jax.random.key(3, impl=impl), 1), x.shape), (f2,))
+        for impl in sorted(_PHILOX_NAMES)
+    ] + [
         ("raw threefry2x32", "threefry2x32",
          lambda x, y: x + threefry.threefry2x32_p.bind(
              np.uint32(7), np.uint32(9), lax.bitcast_convert_type(x, np.uint32),

@@ -239,9 +239,59 @@ def test_jax_random_of_a_key_dtensor_names_what_to_write_and_that_matches_one_de
 
 
 
+def _has_generator(impl: str) -> bool:
+    try:
+        jax.random.key(0, impl=impl)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+PHILOX = [g for g in ("philox2x32", "philox4x32") if _has_generator(g)]  # (from jax 0.10)
+
+
+def _philox_program(x, key):
+    """Draws of every kind from a Philox key: a mask, normals of a folded key, 8-bit bits, and
+    a key seeded inside the program."""
+    inner = jax.random.key(5, impl=jax.random.key_impl(key))
+    bits = jax.random.bits(jax.random.split(key)[1], x.shape, dtype=jnp.uint8)
+    return (dropout(x, key) + bits.astype(jnp.float32)
+            + jax.random.uniform(inner, x.shape))
+
+
+@pytest.mark.parametrize("impl", PHILOX)
+@pytest.mark.parametrize("fn", [_philox_program, per_row_noise], ids=["draws", "per-row keys"])
+@pytest.mark.parametrize("mesh_name, placements", [("2x4", ("S(0)", "S(1)")),
+                                                   ("2x2x2", ("S(1)", "S(0)"))])
+def test_philox_keys_draw_on_their_own_shard(impl, fn, mesh_name, placements):
+    # jax 0.10's counter-based generators: XLA's multiply-high of their hash does not lower
+    # inside shard_map ("Unable to convert MHLO to StableHLO", plain jax.shard_map too); the
+    # hash runs on half-width products instead, and as Philox's counter is the element's
+    # index, each device draws its own block (with threefry's: no communication)
+    x = np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16)
+    assert_draws_on_own_shard(fn, x, mesh_name, placements, jax.random.key(1234, impl=impl))
+
+
+@pytest.mark.parametrize("impl", PHILOX)
+def test_philox_gamma_draws_whole_and_equal_one_device(impl):
+    # jax's rejection sampler splits keys inside its loop: drawn whole on every device, the
+    # hashes inside the loop on half-width products
+    mesh = MESHES["2x4"]
+    a = np.linspace(0.3, 4.0, 64, dtype=np.float32).reshape(8, 8)
+    xs = dist.shard_tensor(a, mesh, ["S(0)", "S(1)"])
+    key = jax.random.key(11, impl=impl)
+    f = dist.jit(_gamma_family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dist.FallbackWarning)
+        out = f(xs, key)
+    np.testing.assert_allclose(out.numpy(), np.asarray(jax.jit(_gamma_family)(a, key)),
+                               rtol=1e-6)
+
+
 _KEY_OPS = {
     "key_data": jax.random.key_data,
-    "wrap(key_data)": lambda k: jax.random.wrap_key_data(jax.random.key_data(k)),
+    "wrap(key_data)": lambda k: jax.random.wrap_key_data(jax.random.key_data(k),
+                                                         impl=jax.random.key_impl(k)),
     "split": lambda k: jax.vmap(jax.random.split)(k),
     "fold_in per key": lambda k: jax.vmap(jax.random.fold_in)(
         k, jnp.arange(k.shape[0], dtype=jnp.uint32)),
@@ -267,10 +317,20 @@ def test_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, mesh
     """Per-sample keys split over a mesh dim stay split through key_data / wrap / split /
     fold_in (each works per key): no collective, and one device's values (they were gathered,
     every device manipulating every key)."""
+    _check_key_op(_KEY_OPS[op], MESHES[mesh_name], placements,
+                  jax.random.split(jax.random.key(0), 8))
+
+
+@pytest.mark.parametrize("op", list(_KEY_OPS))
+@pytest.mark.parametrize("impl", PHILOX)
+def test_philox_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, impl):
+    _check_key_op(_KEY_OPS[op], MESHES["2x4"], ["R", "S(0)"],
+                  jax.random.split(jax.random.key(0, impl=impl), 8))
+
+
+def _check_key_op(fn, mesh, placements, keys):
     from autoshard.hlo import count_collectives
 
-    fn, mesh = _KEY_OPS[op], MESHES[mesh_name]
-    keys = jax.random.split(jax.random.key(0), 8)
     x = dist.shard_tensor(keys, mesh, placements)
     g = dist.jit(fn)
     out = g(x)
