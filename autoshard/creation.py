@@ -149,9 +149,36 @@ def dtensor_from_fn(fn: Callable[..., Any], mesh: ProcessMesh,
                                  f"{type(aval).__name__}, not one array")
     shape = tuple(aval.shape)
     layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, aval.dtype))
+    if _draws_philox(jax.make_jaxpr(thunk)().jaxpr):
+        # XLA cannot compile a Philox key's hash in a partitioned program (its multiply-high:
+        # "Unable to convert MHLO to StableHLO", plain jax.jit with shardings too): planned
+        # as a dist.jit program, each device draws its own block (rules/random.py)
+        from .compiler.jit import jit
+        from .reshard.api import reshard
+
+        placed = jit(lambda: shard_tensor(thunk(), mesh, layout.without_partial().placements(
+            mesh)))()
+        return reshard(placed, mesh, layout.placements(mesh))
     value = jax.jit(lambda: pad_global(thunk(), layout, mesh, shape, jnp),
                     out_shardings=physical_sharding(layout.without_partial(), mesh))()
     return _add_partial(value, mesh, layout, shape)
+
+
+def _draws_philox(jaxpr) -> bool:
+    """Whether `jaxpr` (or a body in it) holds a key of a Philox generator."""
+    from .rules.random import is_philox_impl
+
+    for e in jaxpr.eqns:
+        if is_philox_impl(e.params.get("impl")) or any(
+                is_philox_impl(getattr(getattr(v.aval, "dtype", None), "_impl", None))
+                for v in (*e.invars, *e.outvars)):
+            return True
+        for p in e.params.values():
+            for sub in (p if isinstance(p, tuple) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns") and _draws_philox(inner):
+                    return True
+    return False
 
 
 def dtensor_from_local(local_tensor: Any, mesh: ProcessMesh,

@@ -56,12 +56,12 @@ _PHILOX_NAMES = frozenset(p.name for p in _PHILOX_ROUNDS)  # (the generators' na
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
-def _is_philox_impl(impl) -> bool:
+def is_philox_impl(impl) -> bool:
     return str(getattr(impl, "name", "")) in _PHILOX_NAMES
 
 
 def _is_philox(aval) -> bool:
-    return _is_philox_impl(getattr(aval.dtype, "_impl", None))
+    return is_philox_impl(getattr(aval.dtype, "_impl", None))
 
 
 def _without_mulhi(fn, *args) -> list:
@@ -88,7 +88,7 @@ def _eval_without_mulhi(jaxpr, consts: list, args: list) -> list:
         elif e.primitive.name in _CALLS and "jaxpr" in e.params:
             inner = e.params["jaxpr"]
             outs = _eval_without_mulhi(inner.jaxpr, inner.consts, ins)
-        elif e.primitive in _PHILOX_KEY_OPS and _is_philox_impl(
+        elif e.primitive in _PHILOX_KEY_OPS and is_philox_impl(
                 e.params.get("impl", getattr(ins[0].dtype, "_impl", None))):
             outs = [_PHILOX_KEY_OPS[e.primitive](*ins, **e.params)]
         else:  # (a loop's or branch's bodies rewritten alike: a sampler's rejection loop)
@@ -118,7 +118,7 @@ def _philox_key_op(name: str, lower):
 
     def lowering(ctx, *args, **params):
         # (a seed's generator is its parameter; other operations read it from their keys)
-        if not _is_philox_impl(params.get("impl", getattr(args[0].dtype, "_impl", None))):
+        if not is_philox_impl(params.get("impl", getattr(args[0].dtype, "_impl", None))):
             return [primitive.bind(*args, **params)]
         return [lower(*args, **params)]
     return lowering

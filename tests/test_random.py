@@ -18,6 +18,17 @@ MESHES = {
 }
 
 
+def _has_generator(impl: str) -> bool:
+    try:
+        jax.random.key(0, impl=impl)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+PHILOX = [g for g in ("philox2x32", "philox4x32") if _has_generator(g)]  # (from jax 0.10)
+
+
 def dropout(x, key):
     keep = jax.random.bernoulli(key, 0.7, x.shape)
     noise = jax.random.normal(jax.random.fold_in(key, 1), x.shape)
@@ -128,11 +139,17 @@ def test_raw_key_data_and_legacy_keys_match_one_device():
     assert not dist.jit(f).plan(xs, raw).collectives
 
 
-def test_random_init_with_dtensor_from_fn_matches_one_device():
+@pytest.mark.parametrize("impl", ["threefry2x32"] + PHILOX)
+def test_random_init_with_dtensor_from_fn_matches_one_device(impl):
+    # (a Philox draw is planned by dist.jit: jax.jit with out_shardings fails in XLA on it)
     mesh = MESHES["2x4"]
-    key = jax.random.key(0)
-    w = dist.dtensor_from_fn(jax.random.normal, mesh, ["S(0)", "S(1)"], key, (8, 16))
-    np.testing.assert_array_equal(w.numpy(), np.asarray(jax.random.normal(key, (8, 16))))
+    key = jax.random.key(0, impl=impl)
+    for shape in [(8, 16), (7, 10)]:  # (uneven: stored padded)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dist.UnevenShardingWarning)
+            w = dist.dtensor_from_fn(jax.random.normal, mesh, ["S(0)", "S(1)"], key, shape)
+        np.testing.assert_array_equal(w.numpy(), np.asarray(jax.random.normal(key, shape)))
+        assert w.placements == [dist.Shard(0), dist.Shard(1)]
 
 
 # ------------------------------------------------------------------ masks in the compiled HLO
@@ -239,15 +256,6 @@ def test_jax_random_of_a_key_dtensor_names_what_to_write_and_that_matches_one_de
 
 
 
-def _has_generator(impl: str) -> bool:
-    try:
-        jax.random.key(0, impl=impl)
-    except (ValueError, TypeError, KeyError):
-        return False
-    return True
-
-
-PHILOX = [g for g in ("philox2x32", "philox4x32") if _has_generator(g)]  # (from jax 0.10)
 
 
 def _philox_program(x, key):
