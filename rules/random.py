@@ -28,6 +28,10 @@ try:  # jax 0.10's counter-based Philox generators (jax.random.key(0, impl="phil
     from jax._src.random import philox2x32 as _philox2x32, philox4x32 as _philox4x32
 except ImportError:  # pragma: no cover
     _philox2x32 = _philox4x32 = None
+try:  # and the 4-word threefry
+    from jax._src.random import threefry4x32 as _threefry4x32
+except ImportError:  # pragma: no cover
+    _threefry4x32 = None
 # jax.random.clone (flax's lifted transforms clone a key before splitting it per layer): an
 # identity on keys
 random_clone_p = getattr(_jax_random, "random_clone_p", getattr(prng, "random_clone_p", None))
@@ -155,10 +159,28 @@ _PHILOX_KEY_OPS = {prng.random_seed_p: _philox_seed, prng.random_split_p: _philo
                    prng.random_fold_in_p: _philox_fold_in, prng.random_bits_p: _philox_bits}
 
 
+# Generators whose random_bits hash (the key's words, then a counter: the element's global
+# index as its high and low words, zero words after) and xor the hash's words; by the name
+# shared by a generator and its hash primitive: the counter's length (the hash's outputs)
+_COUNTER_HASHES = {name: (getattr(m, f"{name}_p"), words) for m, name, words in (
+    (_philox2x32, "philox2x32", 2), (_philox4x32, "philox4x32", 4),
+    (_threefry4x32, "threefry4x32", 4)) if m is not None and hasattr(m, f"{name}_p")}
+
+
+def _counter_hash(key):
+    """(hash primitive, counter words) of a key drawing by index (threefry2x32 aside)."""
+    found = _COUNTER_HASHES.get(str(getattr(getattr(key.dtype, "_impl", None), "name", "")))
+    if found is not None and found[0].name.startswith("philox") and not _is_philox(key):
+        return None  # (a Philox hash this module cannot run without XLA's multiply-high)
+    return found
+
+
 def _by_index(key, bit_width, shape) -> bool:
     """Can each device draw its own block of `random_bits` (the generator's hash over the
-    global indices: threefry made partitionable, and Philox, whose counter is the index)?"""
-    return ((_is_threefry(key) and jax.config.jax_threefry_partitionable or _is_philox(key))
+    global indices: threefry made partitionable, and the counter-based generators, whose
+    counter is the index)?"""
+    return ((_is_threefry(key) and jax.config.jax_threefry_partitionable
+             or _counter_hash(key) is not None)
             and bit_width in (8, 16, 32) and math.prod(shape) < 2 ** 32)
 
 
@@ -188,23 +210,23 @@ def _threefry_at(key, index):
     return threefry.threefry2x32_p.bind(k1, k2, hi, lo)
 
 
-def _philox_at(key, index) -> list:
-    """The words of the Philox hash of one key at counters (0, i) — random_bits' counter for
-    global element index i (its high word 0: fewer than 2**32 elements) — in jax's order of
-    the hash's operands: the key words, then the counter's high and low words (and two zero
-    words for the 4-word counter)."""
+def _counter_hash_at(key, index) -> list:
+    """The words of a counter-based generator's hash of one key at the global element
+    indices `index` — the counter (0, i, 0, ...): its high word 0, fewer than 2**32 elements —
+    the key's words first, as jax's random_bits binds the hash."""
+    hashed, words = _counter_hash(key)
     data = prng.random_unwrap(key)
-    words = [lax.index_in_dim(data, i, axis=-1, keepdims=False) for i in range(data.shape[-1])]
+    key_words = [lax.index_in_dim(data, i, axis=-1, keepdims=False)
+                 for i in range(data.shape[-1])]
     zero = lax.full(index.shape, 0, np.uint32)
-    counter = [zero, index] + ([zero, zero] if len(words) == 2 else [])
-    hashed = next(p for p in _PHILOX_ROUNDS if p.name == str(key.dtype._impl.name))
-    return _without_mulhi(lambda *w: hashed.bind(*w), *words, *counter)
+    counter = [zero, index] + [zero] * (words - 2)
+    return _without_mulhi(lambda *w: hashed.bind(*w), *key_words, *counter)
 
 
 def _bits_for_one_key(key, index, bit_width):
     """The generator's hash of one key at the global element indices `index`, its words
-    xored (random_bits of threefry and of Philox alike)."""
-    words = _philox_at(key, index) if _is_philox(key) else _threefry_at(key, index)
+    xored (random_bits of every generator drawing by index)."""
+    words = _threefry_at(key, index) if _is_threefry(key) else _counter_hash_at(key, index)
     bits = words[0]
     for w in words[1:]:
         bits = lax.bitwise_xor(bits, w)
@@ -245,14 +267,18 @@ def random_gamma_sharding(in_avals, out_avals, *, log_space):
     """jax.random.gamma (and beta, dirichlet): element i of `a` draws with key i of
     split(key, a.size); elementwise over `a`, the key whole."""
     key, a = in_avals
-    if _is_philox(key) and _gamma_impl is not None:
-        # drawn whole on every device from the whole key and alphas (as rbg keys draw)
+    if not _gamma_by_element(key, a):
+        # other generators' keys, a batch of keys: drawn whole on every device from the
+        # whole keys and alphas, as one device draws them (as rbg keys draw bits)
         return replicated_sharding(in_avals, out_avals)
-    if (key.ndim or not _is_threefry(key) or _gamma_one is None
-            or not jax.config.jax_threefry_partitionable or math.prod(a.shape) >= 2 ** 32):
-        return None
     term = LETTERS[:len(a.shape)]
     return einsum(f",{term}->{term}", [key.shape, a.shape], [out_avals[0].shape])
+
+
+def _gamma_by_element(key, a) -> bool:
+    """Can each device draw its own elements' gamma samples (their split keys made there)?"""
+    return (not key.ndim and _is_threefry(key) and _gamma_one is not None
+            and jax.config.jax_threefry_partitionable and math.prod(a.shape) < 2 ** 32)
 
 
 def random_gamma_lower(ctx, key, a, *, log_space):
@@ -260,9 +286,12 @@ def random_gamma_lower(ctx, key, a, *, log_space):
     threefry(key, (0, i)) with partitionable threefry) and samples them as jax does."""
     from autoshard.compiler.partition import match_vma
 
-    if _is_philox(key):  # jax's sampler, its keys' hashes without XLA's multiply-high
-        return _without_mulhi(
-            lambda k, x: _gamma_impl(k, x, log_space=log_space, use_vmap=True), key, a)
+    if not _gamma_by_element(key, a):
+        if _is_philox(key) and _gamma_impl is not None:
+            # jax's sampler, its keys' hashes without XLA's multiply-high
+            return _without_mulhi(
+                lambda k, x: _gamma_impl(k, x, log_space=log_space, use_vmap=True), key, a)
+        return [random_gamma_p.bind(key, a, log_space=log_space)]
     local, dims = ctx.local_out_shapes[0], ctx.out_layouts[0].dims
     shape = tuple(n * math.prod(ctx.sizes[ax] for ax in axes) for n, axes in zip(local, dims))
     bits1, bits2 = _threefry_at(key, _global_index(ctx, local, dims, shape))

@@ -27,6 +27,7 @@ def _has_generator(impl: str) -> bool:
 
 
 PHILOX = [g for g in ("philox2x32", "philox4x32") if _has_generator(g)]  # (from jax 0.10)
+COUNTER_BASED = [g for g in ("threefry4x32",) if _has_generator(g)] + PHILOX
 
 
 def dropout(x, key):
@@ -95,12 +96,13 @@ def _gamma_family(a, key):
 @pytest.mark.parametrize("mesh_name,placements,impl", [
     ("8", ("S(1)",), "threefry2x32"), ("2x4", ("S(0)", "S(1)"), "threefry2x32"),
     ("4x2", ("S(1)", "S(0)"), "threefry2x32"), ("2x2x2", ("S(0)", "S(1)"), "threefry2x32")]
-    + [("2x4", ("S(0)", "S(1)"), g) for g in PHILOX])  # (a sampler compiles in ~2 s)
+    + [("2x4", ("S(0)", "S(1)"), g) for g in COUNTER_BASED + ["rbg"]])  # (compiles ~2 s)
 def test_gamma_and_beta_draws_equal_one_device_on_every_shard(mesh_name, placements, impl):
     # element i draws with key i of split(key, a.size): each device makes its own elements'
     # keys and runs jax's sampler on them (ran replicated: the alphas gathered, a warning).
-    # Philox keys draw whole on every device (the sampler's loop splits keys: their hashes
-    # computed on half-width products there too)
+    # Other generators' keys draw whole on every device, as one device does, with no
+    # warning (Philox's: the sampler's loop splits keys, their hashes computed on half-width
+    # products there too)
     mesh = MESHES[mesh_name]
     placements = list(placements)[:mesh.ndim] + ["R"] * (mesh.ndim - len(placements))
     a = np.linspace(0.3, 4.0, 64, dtype=np.float32).reshape(8, 8)
@@ -263,24 +265,25 @@ def test_jax_random_of_a_key_dtensor_names_what_to_write_and_that_matches_one_de
 
 
 
-def _philox_program(x, key):
-    """Draws of every kind from a Philox key: a mask, normals of a folded key, 8-bit bits, and
-    a key seeded inside the program."""
+def _counter_based_program(x, key):
+    """Draws of every kind from a counter-based generator's key: a mask, normals of a folded
+    key, 8-bit bits, and a key seeded inside the program."""
     inner = jax.random.key(5, impl=jax.random.key_impl(key))
     bits = jax.random.bits(jax.random.split(key)[1], x.shape, dtype=jnp.uint8)
     return (dropout(x, key) + bits.astype(jnp.float32)
             + jax.random.uniform(inner, x.shape))
 
 
-@pytest.mark.parametrize("impl", PHILOX)
-@pytest.mark.parametrize("fn", [_philox_program, per_row_noise], ids=["draws", "per-row keys"])
+@pytest.mark.parametrize("impl", COUNTER_BASED)
+@pytest.mark.parametrize("fn", [_counter_based_program, per_row_noise],
+                         ids=["draws", "per-row keys"])
 @pytest.mark.parametrize("mesh_name, placements", [("2x4", ("S(0)", "S(1)")),
                                                    ("2x2x2", ("S(1)", "S(0)"))])
-def test_philox_keys_draw_on_their_own_shard(impl, fn, mesh_name, placements):
-    # jax 0.10's counter-based generators: XLA's multiply-high of their hash does not lower
-    # inside shard_map ("Unable to convert MHLO to StableHLO", plain jax.shard_map too); the
-    # hash runs on half-width products instead, and as Philox's counter is the element's
-    # index, each device draws its own block (with threefry's: no communication)
+def test_counter_based_keys_draw_on_their_own_shard(impl, fn, mesh_name, placements):
+    # jax 0.10's counter-based generators hash the element's index: each device draws its
+    # own block (as with threefry2x32: no communication). XLA's multiply-high of Philox's
+    # hash does not lower inside shard_map ("Unable to convert MHLO to StableHLO", plain
+    # jax.shard_map too): it runs on half-width products instead
     x = np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16)
     assert_draws_on_own_shard(fn, x, mesh_name, placements, jax.random.key(1234, impl=impl))
 
@@ -319,8 +322,8 @@ def test_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, mesh
 
 
 @pytest.mark.parametrize("op", list(_KEY_OPS))
-@pytest.mark.parametrize("impl", PHILOX)
-def test_philox_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, impl):
+@pytest.mark.parametrize("impl", COUNTER_BASED)
+def test_counter_based_key_manipulation_keeps_split_keys_split_and_matches_one_device(op, impl):
     _check_key_op(_KEY_OPS[op], MESHES["2x4"], ["R", "S(0)"],
                   jax.random.split(jax.random.key(0, impl=impl), 8))
 
