@@ -143,13 +143,13 @@ def dtensor_from_fn(fn: Callable[..., Any], mesh: ProcessMesh,
                                  f"dist.dtensor_from_fn(jnp.ones, mesh, placements, shape)")
     mesh = as_process_mesh(mesh)
     thunk = lambda: fn(*args, **kwargs)  # noqa: E731
-    aval = jax.eval_shape(thunk)
+    traced, aval = jax.make_jaxpr(thunk, return_shape=True)()
     if not hasattr(aval, "shape"):
         raise PlacementTypeError(f"dtensor_from_fn: {getattr(fn, '__name__', fn)} returned "
                                  f"{type(aval).__name__}, not one array")
     shape = tuple(aval.shape)
     layout = layout_from_placements(placements, mesh, shape, what=_describe(shape, aval.dtype))
-    if _draws_philox(jax.make_jaxpr(thunk)().jaxpr):
+    if _draws_philox(traced.jaxpr):
         # XLA cannot compile a Philox key's hash in a partitioned program (its multiply-high:
         # "Unable to convert MHLO to StableHLO", plain jax.jit with shardings too): planned
         # as a dist.jit program, each device draws its own block (rules/random.py)
