@@ -196,8 +196,10 @@ def eqn_facts(program: Program, registry) -> EqnFacts:
     after the build, forgets them when it does."""
     config = jax_config_key()
     made = program.__dict__.get("_facts")
-    if made is not None and made[0] is registry and made[1] == config:
-        return made[2]
+    # (a rule registered since: the registry's generation moved)
+    key = (registry, getattr(registry, "generation", None), config)
+    if made is not None and made[0][0] is registry and made[0][1:] == key[1:]:
+        return made[1]
     uses = program.use_counts()
     eqns = program.eqns
     # list comprehensions inside tuple(): a generator per equation costs twice as much here
@@ -205,7 +207,7 @@ def eqn_facts(program: Program, registry) -> EqnFacts:
         [None if e.primitive is hint_p else rule_signature(e, registry, config) for e in eqns],
         [tuple([uses[v] <= 1 for v in e.inputs]) for e in eqns],
         [tuple([v.producer < 0 for v in e.inputs]) for e in eqns])  # an input or a constant
-    program.__dict__["_facts"] = (registry, config, facts)
+    program.__dict__["_facts"] = (key, facts)
     return facts
 
 
