@@ -92,8 +92,7 @@ def _eval_without_mulhi(jaxpr, consts: list, args: list) -> list:
         elif e.primitive.name in _CALLS and "jaxpr" in e.params:
             inner = e.params["jaxpr"]
             outs = _eval_without_mulhi(inner.jaxpr, inner.consts, ins)
-        elif e.primitive in _PHILOX_KEY_OPS and is_philox_impl(
-                e.params.get("impl", getattr(ins[0].dtype, "_impl", None))):
+        elif e.primitive in _PHILOX_KEY_OPS and _holds_philox(ins, e.params):
             outs = [_PHILOX_KEY_OPS[e.primitive](*ins, **e.params)]
         else:  # (a loop's or branch's bodies rewritten alike: a sampler's rejection loop)
             params = {k: _rewritten(v) for k, v in e.params.items()}
@@ -116,15 +115,18 @@ def _rewritten(param):
     return param
 
 
-def _philox_key_op(name: str, lower):
-    """A key operation's lowering: as jax binds it, or for Philox keys `lower`'s."""
-    primitive = getattr(prng, f"{name}_p")
+def _holds_philox(args, params) -> bool:
+    """Whether a key operation works on Philox keys (a seed's generator is its parameter;
+    other operations read it from their keys)."""
+    return is_philox_impl(params.get("impl", getattr(args[0].dtype, "_impl", None)))
 
+
+def _key_op_lowering(primitive):
+    """A key operation's lowering: as jax binds it, or for Philox keys `_PHILOX_KEY_OPS`'."""
     def lowering(ctx, *args, **params):
-        # (a seed's generator is its parameter; other operations read it from their keys)
-        if not is_philox_impl(params.get("impl", getattr(args[0].dtype, "_impl", None))):
+        if not _holds_philox(args, params):
             return [primitive.bind(*args, **params)]
-        return [lower(*args, **params)]
+        return [_PHILOX_KEY_OPS[primitive](*args, **params)]
     return lowering
 
 
@@ -355,12 +357,11 @@ def keywise_sharding(in_avals, out_avals, **params):
 TABLE = {
     threefry.threefry2x32_p: Rule(threefry_sharding),
     prng.random_bits_p: Rule(random_bits_sharding, random_bits_lower),
-    prng.random_seed_p: Rule(replicated_sharding, _philox_key_op("random_seed", _philox_seed)),
+    prng.random_seed_p: Rule(replicated_sharding, _key_op_lowering(prng.random_seed_p)),
     prng.random_wrap_p: Rule(keywise_sharding),
     prng.random_unwrap_p: Rule(keywise_sharding),
-    prng.random_split_p: Rule(keywise_sharding, _philox_key_op("random_split", _philox_split)),
-    prng.random_fold_in_p: Rule(keywise_sharding,
-                                _philox_key_op("random_fold_in", _philox_fold_in)),
+    prng.random_split_p: Rule(keywise_sharding, _key_op_lowering(prng.random_split_p)),
+    prng.random_fold_in_p: Rule(keywise_sharding, _key_op_lowering(prng.random_fold_in_p)),
     # lax.rng_bit_generator's bits depend on the whole shape drawn: every device draws all of
     # them from the (whole) key, as one device does, and its consumers take their blocks
     lax_internal.rng_bit_generator_p: Rule(replicated_sharding),
